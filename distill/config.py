@@ -1,0 +1,275 @@
+"""One typed config tree: YAML file + `--set key.path=value` overrides, validated at the door.
+
+Every section forbids unknown keys. The key paths (``run.output_dir``, ``mesh.teacher.tp``,
+``teacher.model.d_model``, ...) are the public contract used by docs, scripts and ``--set``.
+The student's model is the teacher's schema with overrides (``student.model.*``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from distill.errors import DistillError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("distill", description="Run name, shown in logs and the dashboard.")
+    output_dir: str = Field("runs/distill", description="Where every output of the run lives.")
+    seed: int = Field(0, description="Seed for parameter init and data shuffling.")
+
+
+class MeshRole(_Section):
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (teacher only).")
+    dp: int = Field(1, ge=1, description="Data-parallel degree (student only).")
+    devices: list[int] | None = Field(
+        None, description="Explicit device ids for this role; default: the next free ones."
+    )
+
+
+class MeshConfig(_Section):
+    teacher: MeshRole = Field(default_factory=lambda: MeshRole(tp=1))
+    student: MeshRole = Field(default_factory=lambda: MeshRole(dp=1))
+    platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
+        "auto", description="Device platform. auto: accelerators if present, else simulated CPU."
+    )
+
+    @model_validator(mode="after")
+    def _roles(self) -> MeshConfig:
+        if self.teacher.dp != 1:
+            raise ValueError("mesh.teacher.dp: the teacher mesh is tensor-parallel only; use tp")
+        if self.student.tp != 1:
+            raise ValueError("mesh.student.tp: the student mesh is data-parallel only; use dp")
+        return self
+
+
+class ModelConfig(_Section):
+    """A Llama-style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm."""
+
+    vocab_size: int = Field(512, ge=2, description="Vocabulary size (>= tokenizer's).")
+    d_model: int = Field(256, ge=1, description="Residual width.")
+    n_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
+    n_heads: int = Field(8, ge=1, description="Query heads.")
+    n_kv_heads: int = Field(4, ge=1, description="Key/value heads (GQA); divides n_heads.")
+    head_dim: int | None = Field(None, description="Per-head width; default d_model/n_heads.")
+    d_ff: int = Field(704, ge=1, description="SwiGLU hidden width.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(False, description="Share the embedding and LM head.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelConfig:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads: {self.n_kv_heads} does not divide n_heads {self.n_heads}"
+            )
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"n_heads: {self.n_heads} does not divide d_model {self.d_model}")
+        return self
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+class TeacherConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    checkpoint: str | None = Field(
+        None, description="Teacher weights (an Orbax checkpoint dir written by distill)."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+    top_k: int | None = Field(
+        None, ge=1, description="Send only the top-k log-probs per token; None: dense."
+    )
+    pretrain_steps: int = Field(
+        0, ge=0, description="If the checkpoint is missing, train the teacher this long first."
+    )
+    pretrain_lr: float = Field(3e-3, gt=0, description="Peak learning rate for the bootstrap.")
+
+
+class StudentModelOverrides(_Section):
+    """Any `teacher.model` key; unset keys inherit the teacher's value."""
+
+    vocab_size: int | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+
+
+class StudentConfig(_Section):
+    model: StudentModelOverrides = Field(default_factory=StudentModelOverrides)
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        ...,
+        description="A file, a directory, or a glob. '{stdlib}' expands to the Python "
+        "standard library directory of the running interpreter.",
+    )
+    include: list[str] = Field(
+        default_factory=lambda: ["**/*"], description="Glob patterns within a directory."
+    )
+    exclude: list[str] = Field(default_factory=list, description="Glob patterns to skip.")
+    format: Literal["auto", "text", "jsonl"] = Field(
+        "auto", description="auto: .jsonl/.json lines files are JSONL, the rest plain text."
+    )
+    text_field: str = Field("text", description="The text field of JSONL records.")
+    tokenizer: Literal["bytes"] = Field("bytes", description="Built-in byte-level tokenizer.")
+    max_bytes: int | None = Field(
+        None, ge=1, description="Stop reading the corpus after this many bytes."
+    )
+    eval_fraction: float = Field(
+        0.02, gt=0, lt=1, description="Fraction of documents held out for evaluation."
+    )
+    eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
+
+
+class DistillLossConfig(_Section):
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "forward_kl", description="Divergence between teacher and student."
+    )
+    temperature: float = Field(2.0, gt=0, description="Softmax temperature T (KD scaled by T^2).")
+    alpha: float = Field(
+        0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE."
+    )
+    beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor / peak.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not on norms).")
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    clip_norm: float | None = Field(1.0, gt=0, description="Global-norm gradient clipping.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1, description="Student training steps.")
+    batch_size: int = Field(16, ge=1, description="Global batch size (sequences).")
+    seq_len: int = Field(128, ge=2, description="Tokens per packed row.")
+    log_every: int = Field(10, ge=1, description="Steps between metric records.")
+    eval_every: int = Field(100, ge=1, description="Steps between evaluations.")
+    checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep.")
+    metrics_lag: int = Field(2, ge=1, description="Read step n-lag's metrics at step n.")
+
+
+class PipelineConfig(_Section):
+    mode: Literal["local"] = Field("local", description="local: one process, two meshes.")
+    prefetch: int = Field(2, ge=1, description="Teacher outputs in flight at most.")
+
+
+class ServerConfig(_Section):
+    enabled: bool = Field(True, description="Serve the status API and dashboard.")
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8080, ge=0, le=65535, description="Port; 0 picks a free one.")
+    token: str | None = Field(
+        None, description="Bearer token enabling POST control endpoints (or DISTILL_SERVER_TOKEN)."
+    )
+    stall_timeout_s: float = Field(
+        300.0, gt=0, description="/healthz turns 503 when no step finished for this long."
+    )
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    student: StudentConfig = Field(default_factory=StudentConfig)
+    data: DataConfig
+    distill: DistillLossConfig = Field(default_factory=DistillLossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    def student_model(self) -> ModelConfig:
+        """The teacher's model schema with the student's overrides applied."""
+        overrides = self.student.model.model_dump(exclude_none=True)
+        merged = {**self.teacher.model.model_dump(), **overrides}
+        try:
+            return ModelConfig(**merged)
+        except ValidationError as e:
+            raise DistillError(_one_line(e, prefix="student.model")) from None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _one_line(err: ValidationError, prefix: str = "") -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+    path = ".".join(p for p in (prefix, loc) if p)
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "missing":
+        msg = "required field is missing"
+    return f"config: {path}: {msg}" if path else f"config: {msg}"
+
+
+def _parse_value(text: str) -> Any:
+    """`--set` values are YAML scalars: 3, 1e-3, true, null, [1, 2], 'text'."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(tree: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise DistillError(f"--set {assignment!r}: expected key.path=value")
+    path, value = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise DistillError(f"--set {path}: {k} is not a section")
+        node = nxt
+    node[keys[-1]] = _parse_value(value)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML, apply `--set` overrides, validate. Raises DistillError with one line."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise DistillError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise DistillError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise DistillError(f"{p}: the top level must be a mapping of sections")
+    for o in overrides:
+        apply_override(tree, o)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict) -> Config:
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        raise DistillError(_one_line(e)) from None
+    cfg.student_model()  # validates the merged student shape
+    return cfg
