@@ -1,0 +1,86 @@
+"""`distill run|validate|plan|eval|dashboard`: parse, load the config, call one function.
+
+The config is read before JAX is imported, so that on a host without accelerators the
+right number of simulated CPU devices can be requested first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from distill.config import Config, load_config
+from distill.errors import DistillError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distill", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    helps = {
+        "run": "run a distillation pipeline",
+        "validate": "check the config, data and device fit without computing anything",
+        "plan": "print the device split, sizes and FLOPs",
+        "eval": "evaluate teacher and latest student checkpoint; prints one JSON object",
+    }
+    for name, text in helps.items():
+        c = sub.add_parser(name, help=text, description=text)
+        c.add_argument("config", help="pipeline YAML file")
+        c.add_argument(
+            "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+            help="override a config field (repeatable), e.g. --set train.steps=50",
+        )
+    d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
+    d.add_argument("output_dir")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8080)
+    return p
+
+
+def _prepare_devices(cfg: Config) -> None:
+    from distill.mesh import devices_needed, simulate_cpu_devices
+
+    simulate_cpu_devices(devices_needed(cfg))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "dashboard":
+        from distill.server.runner import serve_dashboard
+
+        serve_dashboard(args.output_dir, host=args.host, port=args.port)
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    _prepare_devices(cfg)
+    from pipelines import run as runner
+
+    if args.command == "validate":
+        meshes, corpus = runner.validate(cfg)
+        print(f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
+              f"rows; teacher tp={cfg.mesh.teacher.tp}, student dp={cfg.mesh.student.dp}, "
+              f"{meshes.platform})")
+    elif args.command == "plan":
+        print(runner.plan_json(cfg))
+    elif args.command == "eval":
+        print(json.dumps(runner.evaluate(cfg)))
+    elif args.command == "run":
+        summary = runner.run(cfg)
+        print(json.dumps({"summary": f"{cfg.run.output_dir}/summary.json",
+                          "final_eval": summary.get("final_eval")}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("absl", "jax", "orbax", "etils", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except DistillError as e:
+        print(f"distill: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

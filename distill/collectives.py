@@ -1,0 +1,78 @@
+"""Every cross-device collective of the tensor-parallel forward, in one place.
+
+Each function takes the mesh axis name, or None for the unsharded (single-device) path, in
+which case it reduces to the plain computation. They are meant to run inside
+`jax.shard_map` over the inference mesh, where a vocabulary-sized array holds only this
+shard's `V / tp` columns (rows of the embedding), shard i owning ids [i*V/tp, (i+1)*V/tp).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def psum(x: jax.Array, axis: str | None) -> jax.Array:
+    """Sum partial results of a row-parallel matmul over the tensor-parallel axis."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def _vocab_offset(local_vocab: int, axis: str | None) -> jax.Array | int:
+    return 0 if axis is None else jax.lax.axis_index(axis) * local_vocab
+
+
+def embed_lookup(embed_vd: jax.Array, tokens_bs: jax.Array, axis: str | None) -> jax.Array:
+    """Vocab-parallel embedding: each shard looks up the ids it owns, zeros elsewhere, psum."""
+    if axis is None:
+        return embed_vd[tokens_bs]
+    local_v = embed_vd.shape[0]
+    local_ids = tokens_bs - _vocab_offset(local_v, axis)
+    owned = (local_ids >= 0) & (local_ids < local_v)
+    x = embed_vd[jnp.clip(local_ids, 0, local_v - 1)]
+    return jax.lax.psum(jnp.where(owned[..., None], x, 0).astype(embed_vd.dtype), axis)
+
+
+def log_softmax(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
+    """log softmax over a vocabulary sharded on `axis` (global max and sum via collectives)."""
+    z = logits_bsv.astype(jnp.float32)
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    if axis is not None:
+        m = jax.lax.pmax(m, axis)
+    s = jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True)
+    if axis is not None:
+        s = jax.lax.psum(s, axis)
+    return z - m - jnp.log(s)
+
+
+def top_k(logprobs_bsv: jax.Array, k: int, axis: str | None) -> tuple[jax.Array, jax.Array]:
+    """Vocab-parallel top-k: a local top-k per shard, then an all-gather of k candidates per
+    shard and a merge. Only `tp * k` values per token move, never the vocabulary.
+
+    Returns (values [B,S,k] float32, global ids [B,S,k] int32), values descending.
+    """
+    local_v = logprobs_bsv.shape[-1]
+    vals, idx = jax.lax.top_k(logprobs_bsv, min(k, local_v))
+    idx = idx.astype(jnp.int32) + _vocab_offset(local_v, axis)
+    if axis is None:
+        return vals, idx
+    vals, idx = gather_replicated(vals, axis), gather_replicated(idx, axis)  # [B, S, tp*k]
+    vals, pos = jax.lax.top_k(vals, k)
+    return vals, jnp.take_along_axis(idx, pos, axis=-1)
+
+
+def gather_replicated(x: jax.Array, axis: str) -> jax.Array:
+    """Concatenate every shard's last axis, as a value known to be equal on all shards.
+
+    Written as a psum of one-hot slots rather than `all_gather`, because psum's result is
+    typed replicated (so `shard_map` can return it with out_specs P()); it moves tp times
+    the data of an all-gather, which is nothing for the k candidates per token it serves.
+    """
+    n = jax.lax.axis_size(axis)
+    mine = jnp.arange(n) == jax.lax.axis_index(axis)  # [tp]
+    slots = jnp.where(mine[:, None], x[..., None, :], jnp.zeros((), x.dtype))  # [..., tp, k]
+    return jax.lax.psum(slots, axis).reshape(*x.shape[:-1], n * x.shape[-1])
+
+
+def all_gather_vocab(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
+    """Full-vocabulary array from vocab shards (used for dense outputs and tests)."""
+    return logits_bsv if axis is None else jax.lax.all_gather(logits_bsv, axis, axis=-1, tiled=True)

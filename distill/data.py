@@ -1,0 +1,343 @@
+"""Grain input pipeline: read documents, tokenize, pack into rows, serve shuffled batches.
+
+Everything is in memory and deterministic: the same config and seed give the same batches
+on every host, and the train iterator's state is a small JSON dict (checkpointed with the
+student) from which it resumes at exactly the next batch.
+
+Packing is concat-then-split: every document becomes ``[BOS] + tokens + [EOS]``, all of them
+are concatenated into one stream, and row ``i`` is ``stream[i*S : i*S + S + 1]`` (rows
+overlap by one token so every input token has a target). Per row we derive ``segment_ids``
+(1, 2, ... per document in the row), ``positions`` (restarting at 0 at each document start,
+and also at 0 for the row's first, possibly continuing, document: attention never crosses
+rows, so positions only need to be consistent within a row) and ``mask`` (0 where the target
+starts another document, so nothing is predicted across a document boundary).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from distill.config import DataConfig
+from distill.errors import DistillError
+from distill.types import Batch
+
+_GLOB_CHARS = "*?["
+_JSONL_SUFFIXES = (".jsonl", ".json")
+# The corpus is already in memory; a couple of threads and a short buffer keep a few
+# batches ready without holding hundreds of them.
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: PAD=0, BOS=1, EOS=2, byte b -> b + 3. Needs no vocabulary file."""
+
+    pad_id = 0
+    bos_id = 1
+    eos_id = 2
+    vocab_size = 259
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids [n] int32 of ``text``'s UTF-8 bytes, without BOS/EOS."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + 3
+
+    def decode(self, ids) -> str:
+        """Text of ``ids``; special ids are skipped, invalid UTF-8 becomes U+FFFD."""
+        ids = np.asarray(ids).reshape(-1)
+        ids = ids[(ids >= 3) & (ids < self.vocab_size)]
+        return (ids - 3).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+_TOKENIZERS = {"bytes": ByteTokenizer}
+
+
+def build_tokenizer(cfg: DataConfig) -> ByteTokenizer:
+    """The tokenizer named by ``data.tokenizer``."""
+    return _TOKENIZERS[cfg.tokenizer]()
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """Compile a path glob: ``*`` and ``?`` stay within one directory, ``**`` spans any."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("/**", i) and i + 3 == len(pattern):
+            out.append("(?:/.*)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2 :]:
+            j = pattern.index("]", i + 2)
+            body = pattern[i + 1 : j]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = j + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _walk(root: Path, cfg: DataConfig) -> list[Path]:
+    """Files under ``root`` whose relative path matches an include and no exclude glob.
+
+    An exclude that matches a directory (``site-packages/**``, ``**/tests``) prunes it.
+    """
+    include = [_glob_regex(p) for p in cfg.include]
+    exclude = [_glob_regex(p) for p in cfg.exclude]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        dirnames[:] = [d for d in dirnames if not any(r.match(prefix + d) for r in exclude)]
+        for name in filenames:
+            rel = prefix + name
+            if any(r.match(rel) for r in include) and not any(r.match(rel) for r in exclude):
+                found.append(root / rel)
+    return sorted(found, key=lambda p: p.as_posix())
+
+
+def resolve_paths(cfg: DataConfig) -> list[Path]:
+    """The files of ``data.source`` (file, directory or glob), in sorted, stable order."""
+    source = os.path.expanduser(cfg.source.replace("{stdlib}", sysconfig.get_paths()["stdlib"]))
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = _walk(path, cfg)
+        if not files:
+            raise DistillError(
+                f"data.source: no files in '{path}' match data.include {cfg.include}"
+                f" and data.exclude {cfg.exclude}"
+            )
+        return files
+    if any(c in source for c in _GLOB_CHARS):
+        files = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+        if not files:
+            raise DistillError(f"data.source: no files match '{source}'")
+        return files
+    raise DistillError(f"data.source: no such file or directory: '{source}'")
+
+
+def _file_texts(path: Path, cfg: DataConfig):
+    """Yield the texts of one file: the whole file, or one per JSON line."""
+    data = path.read_bytes()
+    if b"\x00" in data:  # binary (images, archives, bytecode): not text, skip it
+        return
+    as_jsonl = cfg.format == "jsonl" or (
+        cfg.format == "auto" and path.suffix.lower() in _JSONL_SUFFIXES
+    )
+    if not as_jsonl:
+        yield data.decode("utf-8", errors="replace")
+        return
+    for lineno, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise DistillError(f"data.source: {path} line {lineno}: not valid JSON") from None
+        text = record.get(cfg.text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DistillError(
+                f"data.source: {path} line {lineno}: no string field"
+                f" '{cfg.text_field}' (data.text_field)"
+            )
+        yield text
+
+
+def load_documents(cfg: DataConfig) -> list[str]:
+    """Non-empty texts of ``data.source`` in sorted path order, at most ``data.max_bytes``.
+
+    The last document is cut to fit ``max_bytes`` (counted in UTF-8 bytes) and reading stops.
+    """
+    paths = resolve_paths(cfg)
+    docs: list[str] = []
+    budget = cfg.max_bytes
+    for path in paths:
+        for text in _file_texts(path, cfg):
+            if not text:
+                continue
+            if budget is not None:
+                raw = text.encode("utf-8")
+                if len(raw) >= budget:
+                    docs.append(raw[:budget].decode("utf-8", errors="ignore"))
+                    return [d for d in docs if d]
+                budget -= len(raw)
+            docs.append(text)
+    if not docs:
+        raise DistillError(
+            f"data.source: the {len(paths)} file(s) of '{cfg.source}' hold no text"
+            " (all empty or binary)"
+        )
+    return docs
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+class PackedRows:
+    """Random-access packed rows over one token stream; row i is Batch of [S] arrays.
+
+    Holds only the stream [T] int32 and a parallel doc-start flag [T] bool (True at each
+    document's first token, i.e. its BOS); per-row fields are derived on access, vectorised
+    over a batch of row indices, so memory stays ~5 bytes per token.
+    """
+
+    def __init__(self, docs: list[np.ndarray], seq_len: int, bos_id: int, eos_id: int):
+        lens = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs)) + 2
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        total = int(lens.sum())
+        self.stream = np.empty(total, dtype=np.int32)
+        is_body = np.ones(total, dtype=bool)
+        is_body[starts] = False
+        is_body[starts + lens - 1] = False
+        self.stream[starts] = bos_id
+        self.stream[starts + lens - 1] = eos_id
+        if docs:
+            self.stream[is_body] = np.concatenate(docs)
+        self.doc_start = np.zeros(total, dtype=bool)
+        self.doc_start[starts] = True
+        self.seq_len = seq_len
+        self.num_tokens = total
+        self.num_documents = len(docs)
+
+    def __len__(self) -> int:
+        return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def __getitem__(self, index: int) -> Batch:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range [0, {len(self)})")
+        return Batch(*(x[0] for x in self.gather(np.array([index]))))
+
+    def gather(self, rows: np.ndarray) -> Batch:
+        """The Batch of rows ``rows`` [B]: every field [B, S]."""
+        s = self.seq_len
+        window = np.asarray(rows, dtype=np.int64)[:, None] * s + np.arange(s + 1)
+        ids, starts = self.stream[window], self.doc_start[window]
+        new_doc = starts[:, :-1].copy()
+        new_doc[:, 0] = True  # the row's first token opens segment 1, position 0
+        ar = np.arange(s, dtype=np.int32)
+        seg_start = np.maximum.accumulate(np.where(new_doc, ar, 0), axis=1)
+        return Batch(
+            tokens=ids[:, :-1],
+            targets=ids[:, 1:],
+            segment_ids=np.cumsum(new_doc, axis=1, dtype=np.int32),
+            positions=(ar - seg_start).astype(np.int32),
+            mask=(~starts[:, 1:]).astype(np.float32),  # target opens a new doc: no loss
+        )
+
+
+def split_documents(
+    docs: list[np.ndarray], eval_fraction: float, min_eval_tokens: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Hold out whole documents for eval: (train, eval), each in corpus order.
+
+    Documents are ranked by a CRC32 of their tokens, so a document's side does not depend
+    on its neighbours; the lowest ``eval_fraction`` go to eval, extended until eval holds
+    ``min_eval_tokens`` (one row) when the corpus allows, always leaving one for train.
+    A single document is split instead: its tail is the eval text.
+    """
+    if len(docs) == 1:
+        (doc,) = docs
+        k = max(int(np.ceil(eval_fraction * len(doc))), min_eval_tokens - 2)
+        k = min(max(k, 1), max(len(doc) - 1, 0))
+        return [doc[: len(doc) - k]], [doc[len(doc) - k :]]
+    n = len(docs)
+    keys = np.array([zlib.crc32(d.tobytes()) for d in docs], dtype=np.int64)
+    order = np.lexsort((np.arange(n), keys))
+    cum = np.cumsum(np.array([len(docs[i]) + 2 for i in order]))
+    n_eval = max(1, round(eval_fraction * n), int(np.searchsorted(cum, min_eval_tokens)) + 1)
+    is_eval = np.zeros(n, dtype=bool)
+    is_eval[order[: min(n_eval, n - 1)]] = True
+    return [docs[i] for i in np.flatnonzero(~is_eval)], [docs[i] for i in np.flatnonzero(is_eval)]
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def _shuffle_seed(seed: int) -> int:
+    """Grain wants a seed in [0, 2**32); mix the run seed so nearby seeds look unrelated."""
+    return int(np.random.SeedSequence(seed % 2**64).generate_state(1)[0])
+
+
+@dataclass
+class Corpus:
+    """Packed train and eval rows of one corpus, and the tokenizer that made them."""
+
+    tokenizer: ByteTokenizer
+    train: PackedRows
+    eval: PackedRows
+
+    @property
+    def train_rows(self) -> int:
+        return len(self.train)
+
+    @property
+    def eval_rows(self) -> int:
+        return len(self.eval)
+
+    def train_dataset(self, batch_size: int, seed: int) -> grain.MapDataset:
+        """Infinite MapDataset of Batch [batch_size, S]: row order shuffled by ``seed``,
+        reshuffled every epoch (grain folds the epoch into the shuffle seed); the batch
+        index is the whole state, so any batch is addressable directly."""
+        return (
+            grain.MapDataset.range(self.train_rows)
+            .shuffle(seed=_shuffle_seed(seed))
+            .repeat(None)
+            .batch(batch_size, drop_remainder=True)
+            .map(self.train.gather)
+        )
+
+    def train_iterator(self, batch_size: int, seed: int) -> grain.DatasetIterator:
+        """Iterator over ``train_dataset``. ``get_state()`` is ``{"next_index": n}`` (JSON);
+        ``set_state`` on a fresh iterator with the same arguments resumes at batch n."""
+        ds = self.train_dataset(batch_size, seed).to_iter_dataset(_READ_OPTIONS)
+        return iter(ds)
+
+    def eval_batches(self, batch_size: int, n_batches: int) -> list[Batch]:
+        """The first ``n_batches * batch_size`` eval rows in order (cycling), as batches."""
+        rows = np.arange(n_batches * batch_size).reshape(n_batches, batch_size)
+        return [self.eval.gather(r % self.eval_rows) for r in rows]
+
+
+def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
+    """Read, tokenize, split and pack ``cfg``'s corpus into rows of ``seq_len`` tokens."""
+    tokenizer = build_tokenizer(cfg)
+    docs = [tokenizer.encode(t) for t in load_documents(cfg)]
+    need = seq_len + 1
+    train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, need)
+    packed = {}
+    for split, part in (("train", train_docs), ("eval", eval_docs)):
+        rows = PackedRows(part, seq_len, tokenizer.bos_id, tokenizer.eos_id)
+        if len(rows) < 1:
+            raise DistillError(
+                f"data.source: '{cfg.source}' gives {rows.num_tokens} {split} tokens"
+                f" ({len(part)} documents of {len(docs)}), need at least {need} for one"
+                f" {split} row of train.seq_len={seq_len}; add data or lower train.seq_len"
+            )
+        packed[split] = rows
+    return Corpus(tokenizer=tokenizer, train=packed["train"], eval=packed["eval"])

@@ -1,0 +1,532 @@
+"""The run's metrics store: what the training loop reports, kept as plain Python data.
+
+One writer (the training loop thread) and many readers (HTTP handlers, Prometheus scrapes).
+Everything is converted to plain JSON-safe Python values on the way in, so readers never
+touch device arrays and never wait on the accelerator; one lock guards all state and is
+held only for dictionary work.
+
+The store also appends every record to ``{output_dir}/metrics.jsonl`` (one JSON object per
+line, flushed per line, append mode so a resumed run continues the file). Three kinds of
+line share the file:
+
+- training records: ``{"step", "loss", "kd_loss", "ce_loss", "lr", ..., "phase", "time"}``
+  where ``phase`` is ``"bootstrap"`` (teacher pretraining) or ``"distill"``;
+- eval records: ``{"step", "teacher_loss", "student_loss", "kl", "top1_agreement",
+  "eval": true, "time"}``;
+- events: ``{"event": "start" | "phase" | "mesh" | "checkpoint" | "failed" | "done",
+  "step", "time", ...}``, so that ``distill dashboard`` can rebuild the phase, mesh layout
+  and last checkpoint of a run from the file alone. Readers of training records skip lines
+  with an ``"event"`` or ``"eval"`` key.
+
+History is kept per series (bootstrap, distill, eval), each strictly increasing in step: a
+record whose step is not past the series' last step (a run resumed from an earlier
+checkpoint) replaces the records from that step on, so a resumed run's history stays
+continuous. Stored records carry a ``seq`` number in arrival order; a poller asks for
+records after the last ``seq`` it saw (steps alone cannot be a cursor: bootstrap and
+distill both count from 1, and metrics lag lets an eval record overtake training records).
+``epoch`` counts rewinds, which remove records, so a poller knows to start over.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distill.errors import DistillError
+
+PHASES = ("starting", "bootstrap", "distill", "eval", "checkpoint", "done", "failed")
+SERIES = ("bootstrap", "distill", "eval")
+_SECRET_WORDS = ("token", "secret", "password", "key")
+_REDACTED = "***"
+_ETA_WINDOW = 20  # records used for the steps-per-second estimate
+
+
+def redact(tree: Any) -> Any:
+    """A deep copy of a config tree with string values of secret-looking keys replaced."""
+    if isinstance(tree, Mapping):
+        out = {}
+        for k, v in tree.items():
+            secret = any(w in str(k).lower() for w in _SECRET_WORDS)
+            out[str(k)] = _REDACTED if secret and isinstance(v, str) else redact(v)
+        return out
+    if isinstance(tree, list | tuple):
+        return [redact(v) for v in tree]
+    return copy.deepcopy(tree)
+
+
+def to_plain(value: Any, *, finite: bool = True) -> Any:
+    """JSON-safe plain Python: numpy/JAX scalars become int/float; with ``finite``,
+    NaN and infinities become None (strict JSON, and what a browser's JSON.parse accepts)."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if (not finite or math.isfinite(value)) else None
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v, finite=finite) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_plain(v, finite=finite) for v in value]
+    if hasattr(value, "tolist"):  # numpy / JAX scalars and arrays
+        return to_plain(value.tolist(), finite=finite)
+    return str(value)
+
+
+class MetricsStore:
+    """Thread-safe state of one run; see the module docstring for the file format."""
+
+    def __init__(
+        self,
+        run_name: str,
+        total_steps: int,
+        config: dict,
+        output_dir: str | None = None,
+        stall_timeout_s: float = 300.0,
+    ) -> None:
+        self._lock = threading.RLock()
+        self.run_name = str(run_name)
+        self.stall_timeout_s = float(stall_timeout_s)
+        self._config = redact(to_plain(config or {}))
+        self._run_total = int(total_steps)  # distill steps
+        self._bootstrap_total = 0
+        self._total = self._run_total  # of the current phase's counter
+        self._phase = "starting"
+        self._step = 0
+        self._latest: dict[str, Any] = {}  # the latest training record
+        self._gauges: dict[str, Any] = {}  # live values from update(), newer than _latest
+        self._series: dict[str, list[dict]] = {s: [] for s in SERIES}
+        self._steps: dict[str, list[int]] = {s: [] for s in SERIES}
+        self._log: list[dict] = []  # every stored record in arrival order
+        self._seqs: list[int] = []
+        self._next_seq = 0
+        self._epoch = 0
+        self._mesh: dict | None = None
+        self._checkpoint: dict | None = None
+        self._eval: dict | None = None
+        self._summary: dict | None = None
+        self._failure: str | None = None
+        self._started_at = time.time()
+        self._progress_at = time.monotonic()
+        self._checkpoint_requested = False
+        self._stop_requested = False
+        self._file = None
+        self._follow: _Follower | None = None
+        if output_dir is not None:
+            path = Path(output_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (lives with the store)
+            self._write({"event": "start", "run_name": self.run_name, "total_steps": self._total})
+
+    # -- the loop's side ------------------------------------------------------------------
+
+    def set_phase(self, phase: str, total_steps: int | None = None) -> None:
+        """Enter ``phase``. ``bootstrap`` and ``distill`` count steps separately; ``total_steps``
+        sets the total of the counter in use (the teacher pretrain steps for bootstrap)."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        with self._lock:
+            self._apply_phase(phase, total_steps)
+            self._progress_at = time.monotonic()
+            self._write({"event": "phase", "phase": phase, "total_steps": self._total})
+
+    def set_mesh(self, layout: dict) -> None:
+        with self._lock:
+            self._mesh = to_plain(layout)
+            self._write({"event": "mesh", "layout": self._mesh})
+
+    def log(self, record: dict) -> None:
+        """One training record (``step``, ``loss``, ``kd_loss``, ... see module docstring)."""
+        rec = dict(record)
+        rec.setdefault("time", time.time())
+        with self._lock:
+            rec.setdefault("step", self._step)
+            rec.setdefault("phase", self._family())
+            self._write(rec)
+            self._apply_record(to_plain(rec))
+            self._progress_at = time.monotonic()
+
+    def log_eval(self, record: dict) -> None:
+        """``{"step", "teacher_loss", "student_loss", "kl", "top1_agreement"}``."""
+        rec = {**record, "eval": True}
+        rec.setdefault("time", time.time())
+        with self._lock:
+            rec.setdefault("step", self._step)
+            self._write(rec)
+            self._apply_eval(to_plain(rec))
+            self._progress_at = time.monotonic()
+
+    def set_checkpoint(self, step: int, time: float) -> None:  # noqa: A002 (the contract's name)
+        with self._lock:
+            self._checkpoint = {"step": int(step), "time": float(time)}
+            self._write({"event": "checkpoint", **self._checkpoint})
+
+    def update(self, **gauges: Any) -> None:
+        """Live gauges (``in_flight``, ``bytes_per_token``, ``teacher_busy``, ``step``,
+        ``actors``, ``restarts``, ...); also a heartbeat. Not written to metrics.jsonl."""
+        plain = to_plain(gauges)
+        with self._lock:
+            step = plain.pop("step", None)
+            if step is not None:
+                self._step = int(step)
+            self._gauges.update(plain)
+            self._progress_at = time.monotonic()
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            self._progress_at = time.monotonic()
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            self._phase, self._failure = "failed", str(reason)
+            self._write({"event": "failed", "reason": self._failure})
+
+    def finish(self, summary: dict) -> None:
+        with self._lock:
+            self._phase = "done"
+            self._summary = redact(to_plain(summary or {}))
+            self._write({"event": "done", "summary": self._summary})
+
+    def close(self) -> None:
+        """Close metrics.jsonl (the store stays readable)."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    # -- control: set by HTTP handlers, polled by the loop -----------------------------------
+
+    def request_checkpoint(self) -> None:
+        with self._lock:
+            self._checkpoint_requested = True
+
+    def request_stop(self) -> None:
+        with self._lock:
+            self._stop_requested = True
+
+    def take_checkpoint_request(self) -> bool:
+        """True once per request (the caller then saves), False until the next one."""
+        with self._lock:
+            requested, self._checkpoint_requested = self._checkpoint_requested, False
+            return requested
+
+    def stop_requested(self) -> bool:
+        with self._lock:
+            return self._stop_requested
+
+    # -- the readers' side ----------------------------------------------------------------
+
+    @property
+    def config(self) -> dict:
+        """The resolved config, secrets redacted."""
+        self._refresh()
+        with self._lock:
+            return copy.deepcopy(self._config)
+
+    def status(self) -> dict:
+        self._refresh()
+        with self._lock:
+            ok, reason = self._health()
+            latest = {**self._latest, **self._gauges}
+            step, total = self._step, self._total
+            return {
+                "run_name": self.run_name,
+                "phase": self._phase,
+                "step": step,
+                "total_steps": total,
+                "progress": min(1.0, step / total) if total > 0 else None,
+                "eta_s": self._eta(),
+                "elapsed_s": time.time() - self._started_at,
+                **{k: latest.get(k) for k in _STATUS_FIGURES},
+                "mesh": copy.deepcopy(self._mesh),
+                "last_checkpoint": copy.deepcopy(self._checkpoint),
+                "latest_eval": copy.deepcopy(self._eval),
+                "actors": copy.deepcopy(self._gauges.get("actors")),
+                "restarts": self._gauges.get("restarts"),
+                "summary": copy.deepcopy(self._summary),
+                "failure": self._failure,
+                "healthy": ok,
+                "health_reason": reason,
+                "epoch": self._epoch,
+                "time": time.time(),
+            }
+
+    def history(self, since: int = -1) -> list[dict]:
+        """Training and eval records with ``step > since``, in arrival order."""
+        return self.history_page(since=since)["records"]
+
+    def history_page(self, since: int = -1, after: int = -1) -> dict:
+        """``{"epoch", "next", "records"}``: records with ``step > since`` and ``seq > after``;
+        poll again with ``after=next``, and from scratch when ``epoch`` changed. The record
+        dicts are never mutated once stored; callers must not mutate them either."""
+        self._refresh()
+        with self._lock:
+            i = bisect.bisect_right(self._seqs, after)
+            records = [r for r in self._log[i:] if r["step"] > since]
+            return {"epoch": self._epoch, "next": self._next_seq - 1, "records": records}
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, reason): not ok once failed, or when nothing progressed for the stall
+        timeout while the run is not done."""
+        self._refresh()
+        with self._lock:
+            return self._health()
+
+    # -- rebuilding from a run directory ---------------------------------------------------
+
+    @classmethod
+    def from_run_dir(cls, output_dir: str) -> MetricsStore:
+        """A read-only store rebuilt from ``metrics.jsonl`` (+ ``summary.json``,
+        ``config.yaml``) that re-reads the file whenever it changes, so it also follows a
+        run going on in another process. Raises DistillError if the directory is missing."""
+        root = Path(output_dir)
+        if not root.is_dir():
+            raise DistillError(f"run directory not found: {root}")
+        config: dict = {}
+        try:
+            loaded = yaml.safe_load((root / "config.yaml").read_text(encoding="utf-8"))
+            config = loaded if isinstance(loaded, dict) else {}
+        except (OSError, yaml.YAMLError):
+            pass
+
+        def section(name: str) -> dict:
+            value = config.get(name)
+            return value if isinstance(value, dict) else {}
+
+        store = cls(
+            run_name=section("run").get("name") or root.resolve().name,
+            total_steps=int(section("train").get("steps") or 0),
+            config=config,
+            stall_timeout_s=float(section("server").get("stall_timeout_s") or 300.0),
+        )
+        store._follow = _Follower(root)
+        store._refresh()
+        return store
+
+    def _refresh(self) -> None:
+        if self._follow is not None:
+            self._follow.sync(self)
+
+    # -- internals (called with the lock held) ---------------------------------------------
+
+    def _write(self, line: dict) -> None:
+        if self._file is None:
+            return
+        line.setdefault("step", self._step)
+        line.setdefault("time", time.time())
+        self._file.write(json.dumps(to_plain(line, finite=False)) + "\n")
+        self._file.flush()
+
+    def _family(self) -> str:
+        """Which step counter is in use: the teacher bootstrap's or the distillation's."""
+        return "bootstrap" if self._phase == "bootstrap" else "distill"
+
+    def _apply_phase(self, phase: str, total_steps: int | None) -> None:
+        family = phase if phase in ("bootstrap", "distill") else self._family()
+        if family != self._family():
+            steps = self._steps[family]
+            self._step = steps[-1] if steps else 0
+        if total_steps is not None:
+            if family == "bootstrap":
+                self._bootstrap_total = int(total_steps)
+            else:
+                self._run_total = int(total_steps)
+        self._total = self._bootstrap_total if family == "bootstrap" else self._run_total
+        self._phase = phase
+
+    def _apply_record(self, rec: dict) -> None:
+        series = "bootstrap" if rec.get("phase") == "bootstrap" else "distill"
+        rec["phase"] = series
+        self._insert(series, rec)
+        if series == self._family():
+            self._step = rec["step"]
+        self._latest = rec
+        for k in rec:
+            self._gauges.pop(k, None)  # a fresher record supersedes an older gauge
+
+    def _apply_eval(self, rec: dict) -> None:
+        self._insert("eval", rec)
+        self._eval = rec
+
+    def _insert(self, series: str, rec: dict) -> None:
+        rec["step"] = int(rec.get("step") or 0)
+        steps, recs = self._steps[series], self._series[series]
+        if steps and rec["step"] <= steps[-1]:  # a resumed run repeats steps: rewind
+            i = bisect.bisect_left(steps, rec["step"])
+            gone = {id(r) for r in recs[i:]}
+            del steps[i:], recs[i:]
+            self._log = [r for r in self._log if id(r) not in gone]
+            self._seqs = [r["seq"] for r in self._log]
+            self._epoch += 1
+        rec["seq"] = self._next_seq
+        self._next_seq += 1
+        steps.append(rec["step"])
+        recs.append(rec)
+        self._log.append(rec)
+        self._seqs.append(rec["seq"])
+
+    def _health(self) -> tuple[bool, str]:
+        if self._phase == "failed":
+            return False, f"run failed: {self._failure}"
+        if self._phase == "done":
+            return True, "done"
+        idle = time.monotonic() - self._progress_at
+        if idle > self.stall_timeout_s:
+            return False, (
+                f"stalled: no progress for {idle:.0f}s in phase {self._phase} "
+                f"(stall timeout {self.stall_timeout_s:g}s)"
+            )
+        return True, "ok"
+
+    def _eta(self) -> float | None:
+        if self._phase == "done":
+            return 0.0
+        recs = self._series[self._family()][-_ETA_WINDOW:]
+        if len(recs) < 2 or self._total <= 0:
+            return None
+        dt = (recs[-1].get("time") or 0) - (recs[0].get("time") or 0)
+        ds = recs[-1]["step"] - recs[0]["step"]
+        if dt <= 0 or ds <= 0:
+            return None
+        return max(0.0, (self._total - self._step) * dt / ds)
+
+
+_STATUS_FIGURES = (
+    "loss",
+    "kd_loss",
+    "ce_loss",
+    "lr",
+    "tokens_per_s",
+    "teacher_ms",
+    "student_ms",
+    "teacher_busy",
+    "student_busy",
+    "in_flight",
+    "bytes_per_token",
+)
+
+
+class _Follower:
+    """Reads a run directory's ``metrics.jsonl`` into a store incrementally: the new complete
+    lines on each sync, everything again if the file was replaced or truncated."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.path = root / "metrics.jsonl"
+        self._lock = threading.Lock()
+        self._offset = 0
+        self._ino: int | None = None
+        self._starts = 0
+        self._phase_events = False
+        self._summary_mtime: float | None = None
+
+    def sync(self, store: MetricsStore) -> None:
+        with self._lock:
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                st = None
+            if st is not None:
+                if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
+                    self._reset(store)
+                self._ino = st.st_ino
+                if st.st_size > self._offset:
+                    self._read_new(store)
+                with store._lock:  # progress as seen from here: the file's last change
+                    store._progress_at = time.monotonic() - max(0.0, time.time() - st.st_mtime)
+            self._sync_summary(store, st)
+
+    def _reset(self, store: MetricsStore) -> None:
+        self._offset = self._starts = 0
+        self._phase_events = False
+        self._summary_mtime = None
+        with store._lock:
+            for s in SERIES:
+                store._series[s].clear()
+                store._steps[s].clear()
+            store._log, store._seqs = [], []
+            store._epoch += 1
+            store._phase, store._step, store._latest, store._gauges = "starting", 0, {}, {}
+            store._mesh = store._checkpoint = store._eval = store._failure = None
+
+    def _read_new(self, store: MetricsStore) -> None:
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # the writer may be mid-line: leave the tail for later
+        self._offset += end
+        with store._lock:
+            for raw in data[:end].splitlines():
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(line, dict) and isinstance(line.get("step", 0), int):
+                    self._apply(store, to_plain(line))
+
+    def _apply(self, store: MetricsStore, line: dict) -> None:
+        event = line.get("event")
+        if event is None:
+            if "step" not in line:
+                pass
+            elif line.get("eval"):
+                store._apply_eval(line)
+            else:
+                if not self._phase_events:  # a file without phase events: follow the records
+                    store._phase = "bootstrap" if line.get("phase") == "bootstrap" else "distill"
+                store._apply_record(line)
+        elif event == "start":
+            self._starts += 1
+            if self._starts == 1 and isinstance(line.get("time"), float | int):
+                store._started_at = float(line["time"])
+            else:
+                store._gauges["restarts"] = self._starts - 1
+            store.run_name = str(line.get("run_name") or store.run_name)
+            if line.get("total_steps"):
+                store._run_total = int(line["total_steps"])
+            store._failure = None
+            store._phase = "starting"
+            store._apply_phase("starting", None)  # the distill counter and total again
+        elif event == "phase" and line.get("phase") in PHASES:
+            self._phase_events = True
+            store._apply_phase(line["phase"], line.get("total_steps"))
+        elif event == "mesh" and isinstance(line.get("layout"), dict):
+            store._mesh = line["layout"]
+        elif event == "checkpoint":
+            store._checkpoint = {"step": int(line.get("step") or 0), "time": line.get("time")}
+        elif event == "failed":
+            self._phase_events = True
+            store._phase, store._failure = "failed", str(line.get("reason"))
+        elif event == "done":
+            self._phase_events = True
+            store._phase = "done"
+            if isinstance(line.get("summary"), dict):
+                store._summary = redact(line["summary"])
+
+    def _sync_summary(self, store: MetricsStore, jsonl: os.stat_result | None) -> None:
+        """summary.json marks a finished run, unless metrics.jsonl grew well after it (the
+        run was resumed)."""
+        path = self.root / "summary.json"
+        try:
+            mtime = path.stat().st_mtime
+            if mtime != self._summary_mtime:
+                summary = json.loads(path.read_text(encoding="utf-8"))
+                self._summary_mtime = mtime
+                if isinstance(summary, dict):
+                    with store._lock:
+                        store._summary = redact(to_plain(summary))
+        except (OSError, ValueError):
+            return
+        resumed = jsonl is not None and jsonl.st_mtime > mtime + 1.0
+        with store._lock:
+            if store._summary is not None and store._phase != "failed" and not resumed:
+                store._phase = "done"

@@ -1,0 +1,1 @@
+"""Orchestration of the two meshes, and the shipped YAML pipelines."""

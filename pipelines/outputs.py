@@ -1,0 +1,26 @@
+"""The layout of `run.output_dir`: config.yaml, metrics.jsonl, checkpoints/, summary.json."""
+
+from __future__ import annotations
+
+import json
+
+from etils import epath
+
+from distill.config import Config
+
+
+def out_dir(cfg: Config) -> epath.Path:
+    return epath.Path(cfg.run.output_dir)
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    return str(out_dir(cfg) / "checkpoints")
+
+
+def write_config(cfg: Config) -> None:
+    out_dir(cfg).mkdir(parents=True, exist_ok=True)
+    (out_dir(cfg) / "config.yaml").write_text(cfg.to_yaml())
+
+
+def write_summary(cfg: Config, summary: dict) -> None:
+    (out_dir(cfg) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,69 @@
+"""Everything a user can get wrong, checked before any device work or any write.
+
+`preflight` is what `distill validate` runs, and what `distill run` runs first: the config
+against the devices, the model shapes against the meshes, the data source, the teacher
+checkpoint. Each failure is one DistillError naming the field or file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distill.checkpoint import params_exist
+from distill.config import Config
+from distill.data import Corpus, load_corpus
+from distill.errors import DistillError
+from distill.mesh import available_devices, check_fit
+from teacher.sharding import check_divisible
+
+
+def check_shapes(cfg: Config) -> None:
+    t, s = cfg.teacher.model, cfg.student_model()
+    tp, dp = cfg.mesh.teacher.tp, cfg.mesh.student.dp
+    check_divisible(t, tp)
+    if s.vocab_size != t.vocab_size:
+        raise DistillError(
+            f"student.model.vocab_size: {s.vocab_size} differs from teacher.model.vocab_size "
+            f"{t.vocab_size}; teacher and student must share one vocabulary"
+        )
+    if cfg.train.batch_size % dp:
+        raise DistillError(
+            f"train.batch_size: {cfg.train.batch_size} is not divisible by mesh.student.dp={dp}"
+        )
+    if cfg.teacher.top_k is not None and cfg.teacher.top_k > t.vocab_size:
+        raise DistillError(
+            f"teacher.top_k: {cfg.teacher.top_k} exceeds teacher.model.vocab_size {t.vocab_size}"
+        )
+
+
+def check_teacher_source(cfg: Config) -> None:
+    if params_exist(cfg.teacher.checkpoint) or cfg.teacher.pretrain_steps > 0:
+        return
+    where = cfg.teacher.checkpoint or "(not set)"
+    raise DistillError(
+        f"teacher.checkpoint: {where} has no weights and teacher.pretrain_steps is 0; "
+        "point it at a teacher checkpoint or set teacher.pretrain_steps > 0 to train one"
+    )
+
+
+def check_output_dir(cfg: Config) -> None:
+    out = cfg.run.output_dir
+    if "://" not in out and Path(out).exists() and not Path(out).is_dir():
+        raise DistillError(f"run.output_dir: {out} exists and is not a directory")
+
+
+def preflight(cfg: Config) -> Corpus:
+    """Validate config, devices, shapes, teacher source and data. Returns the loaded corpus."""
+    devices = available_devices(cfg.mesh.platform)
+    check_fit(cfg, len(devices), devices[0].platform)
+    check_shapes(cfg)
+    check_teacher_source(cfg)
+    check_output_dir(cfg)
+    corpus = load_corpus(cfg.data, cfg.train.seq_len)
+    if corpus.tokenizer.vocab_size > cfg.teacher.model.vocab_size:
+        raise DistillError(
+            f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "
+            f"tokenizer's vocabulary ({corpus.tokenizer.vocab_size}, data.tokenizer="
+            f"{cfg.data.tokenizer})"
+        )
+    return corpus

@@ -1,0 +1,42 @@
+"""What the user sees: a progress bar on a terminal, plain log lines otherwise."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tqdm import tqdm
+
+log = logging.getLogger("distill")
+
+
+class Progress:
+    def __init__(self, total: int, start: int, name: str):
+        self._bar = None
+        if sys.stderr.isatty():
+            self._bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True)
+        self._last = start
+
+    def update(self, step: int, record: dict) -> None:
+        if self._bar is not None:
+            self._bar.update(step - self._last)
+            self._bar.set_postfix(
+                loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False
+            )
+        else:
+            log.info(
+                "step %d loss %.4f kd %.4f ce %.4f lr %.2e %.0f tok/s teacher %.0fms student %.0fms",
+                step, record["loss"], record["kd_loss"], record["ce_loss"], record["lr"],
+                record["tokens_per_s"], record["teacher_ms"], record["student_ms"],
+            )
+        self._last = step
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            log.info("%s", text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

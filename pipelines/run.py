@@ -1,0 +1,102 @@
+"""The entry points behind the CLI: run, validate, plan, eval."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+from distill.config import Config
+from distill.errors import DistillError
+from distill.mesh import Meshes, build_meshes
+from distill.metrics import MetricsStore
+from pipelines import outputs
+from pipelines.plan import format_plan, plan
+from pipelines.preflight import preflight
+from pipelines.teacher_setup import ensure_teacher
+
+log = logging.getLogger("distill")
+
+
+def validate(cfg: Config) -> tuple[Meshes, object]:
+    """All checks a run makes before touching devices; returns (meshes, corpus)."""
+    corpus = preflight(cfg)
+    return build_meshes(cfg), corpus
+
+
+def _start_server(cfg: Config, store: MetricsStore):
+    if not cfg.server.enabled:
+        return None
+    from distill.server.runner import start_server
+
+    try:
+        handle = start_server(store, cfg.server)
+    except OSError as e:
+        raise DistillError(f"server.port: cannot listen on {cfg.server.host}:{cfg.server.port}: "
+                           f"{e.strerror or e}") from None
+    log.info("dashboard: %s", handle.url)
+    return handle
+
+
+def run(cfg: Config) -> dict:
+    """`distill run`: preflight, server, teacher (load or bootstrap), distil, summary."""
+    meshes, corpus = validate(cfg)
+    p = plan(cfg, meshes)
+    log.info("plan:\n%s", format_plan(p))
+    outputs.write_config(cfg)
+    store = MetricsStore(
+        cfg.run.name, cfg.train.steps, cfg.model_dump(mode="json"),
+        output_dir=str(outputs.out_dir(cfg)), stall_timeout_s=cfg.server.stall_timeout_s,
+    )
+    store.set_mesh(p["layout"])
+    server = _start_server(cfg, store)
+    try:
+        ensure_teacher(cfg, corpus, store)
+        if cfg.pipeline.mode != "local":
+            raise DistillError(f"pipeline.mode: {cfg.pipeline.mode} is not supported")
+        from pipelines.local import distill_local
+
+        summary = distill_local(cfg, corpus, meshes, store)
+        summary = {"run": cfg.run.name, "plan": {k: v for k, v in p.items() if k != "layout"},
+                   **summary}
+        outputs.write_summary(cfg, summary)
+        store.finish(summary)
+        return summary
+    except BaseException as e:
+        store.fail(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if server is not None:
+            if os.environ.get("DISTILL_HOLD_SERVER_S"):  # keep the dashboard up for a look
+                time.sleep(float(os.environ["DISTILL_HOLD_SERVER_S"]))
+            server.stop()
+
+
+def evaluate(cfg: Config) -> dict:
+    """`distill eval`: the teacher and the latest student checkpoint on the held-out split."""
+    import jax
+
+    from distill.checkpoint import Checkpointer
+    from pipelines.local import Evaluator
+    from pipelines.teacher_setup import load_teacher
+    from student import optim, train
+
+    meshes, corpus = validate(cfg)
+    ckpt = Checkpointer(outputs.checkpoint_dir(cfg))
+    if ckpt.latest_step() is None:
+        raise DistillError(f"run.output_dir: no student checkpoint in {outputs.checkpoint_dir(cfg)}")
+    scfg = cfg.student_model()
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    state, _, step = ckpt.restore(train.abstract_state(scfg, tx, meshes.student))
+    ckpt.close()
+    result = Evaluator(cfg, meshes, load_teacher(cfg, meshes.teacher), corpus)(state.params)
+    del jax
+    return {"step": step, **{k: result[k] for k in
+                             ("teacher_loss", "student_loss", "kl", "top1_agreement")}}
+
+
+def plan_json(cfg: Config) -> str:
+    meshes, _ = validate(cfg)
+    p = plan(cfg, meshes)
+    return format_plan(p) + "\n" + json.dumps(p)

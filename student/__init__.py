@@ -1,0 +1,1 @@
+"""The training mesh: train state, optimizer, data-parallel train and eval steps."""

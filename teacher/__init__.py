@@ -1,0 +1,1 @@
+"""The inference mesh: tensor-parallel teacher forward, top-k outputs, weight loading."""

@@ -1,0 +1,87 @@
+"""Megatron-style tensor-parallel layout of the teacher: one PartitionSpec per weight.
+
+Column-parallel in (QKV, gate, up: output features split over `tp`), row-parallel out
+(attention output and down projections: input features split, summed by `psum`),
+vocab-parallel embedding and LM head. Layer weights carry a leading stacked-layer axis.
+When there are fewer KV heads than `tp`, each KV head is repeated so that every shard holds
+the one KV head its query heads use (`expand_kv_heads`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distill.config import ModelConfig
+from distill.errors import DistillError
+from distill.mesh import TP
+
+LAYER_SPECS = {
+    "attn_norm": P(None, None),
+    "mlp_norm": P(None, None),
+    "wq": P(None, None, TP),  # [L, D, H*hd] column-parallel
+    "wk": P(None, None, TP),  # [L, D, KV*hd]
+    "wv": P(None, None, TP),
+    "wo": P(None, TP, None),  # [L, H*hd, D] row-parallel
+    "w_gate": P(None, None, TP),  # [L, D, F]
+    "w_up": P(None, None, TP),
+    "w_down": P(None, TP, None),  # [L, F, D]
+}
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    specs = {
+        "embed": P(TP, None),  # [V, D] vocab-parallel
+        "final_norm": P(None),
+        "layers": dict(LAYER_SPECS),
+    }
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = P(None, TP)  # [D, V] vocab-parallel
+    return specs
+
+
+def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model") -> None:
+    """Raise DistillError naming the field that `tp` does not divide."""
+    for field in ("n_heads", "d_ff", "vocab_size"):
+        value = getattr(cfg, field)
+        if value % tp:
+            raise DistillError(f"{where}.{field}: {value} is not divisible by mesh.teacher.tp={tp}")
+    kv = cfg.n_kv_heads
+    if kv % tp and tp % kv:
+        raise DistillError(
+            f"{where}.n_kv_heads: {kv} must divide or be a multiple of mesh.teacher.tp={tp}"
+        )
+
+
+def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
+    """Repeat KV heads up to `tp` when n_kv_heads < tp, so each shard owns one KV head.
+
+    Query head h uses KV head h // (H / KV); with H/tp query heads per shard, shard i uses
+    KV head i * KV // tp, which is what `repeat` by tp // KV puts at position i.
+    """
+    if cfg.n_kv_heads >= tp:
+        return params
+    reps, hd = tp // cfg.n_kv_heads, cfg.hd
+
+    def rep(w):  # [L, D, KV*hd] -> [L, D, tp*hd]
+        lead = w.shape[:-1]
+        return jnp.repeat(w.reshape(*lead, cfg.n_kv_heads, hd), reps, axis=-2).reshape(*lead, -1)
+
+    layers = dict(params["layers"], wk=rep(params["layers"]["wk"]), wv=rep(params["layers"]["wv"]))
+    return dict(params, layers=layers)
+
+
+def shardings(cfg: ModelConfig, mesh) -> dict:
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        param_specs(cfg),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh) -> dict:
+    """Place full teacher weights on the inference mesh in the TP layout."""
+    params = expand_kv_heads(params, cfg, mesh.shape[TP])
+    return jax.device_put(params, shardings(cfg, mesh))
