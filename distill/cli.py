@@ -28,7 +28,11 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text, description=text)
         c.add_argument("config", help="pipeline YAML file")
         c.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY.PATH=VALUE",
             help="override a config field (repeatable), e.g. --set train.steps=50",
         )
     d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
@@ -56,17 +60,25 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     if args.command == "validate":
         meshes, corpus = runner.validate(cfg)
-        print(f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
-              f"rows; teacher tp={cfg.mesh.teacher.tp}, student dp={cfg.mesh.student.dp}, "
-              f"{meshes.platform})")
+        print(
+            f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
+            f"rows; teacher tp={cfg.mesh.teacher.tp}, student dp={cfg.mesh.student.dp}, "
+            f"{meshes.platform})"
+        )
     elif args.command == "plan":
         print(runner.plan_json(cfg))
     elif args.command == "eval":
         print(json.dumps(runner.evaluate(cfg)))
     elif args.command == "run":
         summary = runner.run(cfg)
-        print(json.dumps({"summary": f"{cfg.run.output_dir}/summary.json",
-                          "final_eval": summary.get("final_eval")}))
+        print(
+            json.dumps(
+                {
+                    "summary": f"{cfg.run.output_dir}/summary.json",
+                    "final_eval": summary.get("final_eval"),
+                }
+            )
+        )
     return 0
 
 

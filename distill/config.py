@@ -143,9 +143,7 @@ class DistillLossConfig(_Section):
         "forward_kl", description="Divergence between teacher and student."
     )
     temperature: float = Field(2.0, gt=0, description="Softmax temperature T (KD scaled by T^2).")
-    alpha: float = Field(
-        0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE."
-    )
+    alpha: float = Field(0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE.")
     beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
 
 

@@ -73,7 +73,8 @@ def _topk_buckets(
     lq_tail = jax.nn.logsumexp(jnp.where(in_topk, -jnp.inf, zt_bsv), axis=-1) - lse_bs
     p_tail = -jnp.expm1(jax.nn.logsumexp(lp_bsk, axis=-1))
     lp_tail = jnp.log(jnp.maximum(p_tail, TAIL_FLOOR))
-    lp, lq = lp_bsk, lq_bsk
+    lp = jnp.concatenate([lp_bsk, lp_tail[..., None]], axis=-1)
+    lq = jnp.concatenate([lq_bsk, lq_tail[..., None]], axis=-1)
     return lp, lq
 
 

@@ -77,6 +77,8 @@ def to_plain(value: Any, *, finite: bool = True) -> Any:
         return {str(k): to_plain(v, finite=finite) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [to_plain(v, finite=finite) for v in value]
+    if hasattr(value, "model_dump"):  # a pydantic config section
+        return to_plain(value.model_dump(mode="json"), finite=finite)
     if hasattr(value, "tolist"):  # numpy / JAX scalars and arrays
         return to_plain(value.tolist(), finite=finite)
     return str(value)
@@ -123,6 +125,8 @@ class MetricsStore:
         self._follow: _Follower | None = None
         if output_dir is not None:
             path = Path(output_dir) / "metrics.jsonl"
+            if path.is_file():
+                self._load_previous(Path(output_dir))
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (lives with the store)
             self._write({"event": "start", "run_name": self.run_name, "total_steps": self._total})
@@ -312,6 +316,20 @@ class MetricsStore:
         store._refresh()
         return store
 
+    def _load_previous(self, root: Path) -> None:
+        """A resumed run: start from the history already in metrics.jsonl, so the live
+        dashboard shows one continuous run (the records it repeats will replace these)."""
+        name, total = self.run_name, self._run_total
+        follower = _Follower(root)
+        follower.sync(self)
+        with self._lock:
+            self.run_name, self._run_total = name, total
+            self._phase, self._failure, self._summary = "starting", None, None
+            self._apply_phase("starting", None)
+            self._progress_at = time.monotonic()
+            if follower.starts:
+                self._gauges["restarts"] = follower.starts
+
     def _refresh(self) -> None:
         if self._follow is not None:
             self._follow.sync(self)
@@ -388,8 +406,8 @@ class MetricsStore:
         return True, "ok"
 
     def _eta(self) -> float | None:
-        if self._phase == "done":
-            return 0.0
+        if self._phase in ("done", "failed"):
+            return 0.0 if self._phase == "done" else None
         recs = self._series[self._family()][-_ETA_WINDOW:]
         if len(recs) < 2 or self._total <= 0:
             return None
@@ -425,7 +443,7 @@ class _Follower:
         self._lock = threading.Lock()
         self._offset = 0
         self._ino: int | None = None
-        self._starts = 0
+        self.starts = 0
         self._phase_events = False
         self._summary_mtime: float | None = None
 
@@ -446,7 +464,7 @@ class _Follower:
             self._sync_summary(store, st)
 
     def _reset(self, store: MetricsStore) -> None:
-        self._offset = self._starts = 0
+        self._offset = self.starts = 0
         self._phase_events = False
         self._summary_mtime = None
         with store._lock:
@@ -485,11 +503,11 @@ class _Follower:
                     store._phase = "bootstrap" if line.get("phase") == "bootstrap" else "distill"
                 store._apply_record(line)
         elif event == "start":
-            self._starts += 1
-            if self._starts == 1 and isinstance(line.get("time"), float | int):
+            self.starts += 1
+            if self.starts == 1 and isinstance(line.get("time"), float | int):
                 store._started_at = float(line["time"])
             else:
-                store._gauges["restarts"] = self._starts - 1
+                store._gauges["restarts"] = self.starts - 1
             store.run_name = str(line.get("run_name") or store.run_name)
             if line.get("total_steps"):
                 store._run_total = int(line["total_steps"])

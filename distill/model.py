@@ -137,7 +137,13 @@ def abstract_params(cfg: ModelConfig) -> Params:
 
 
 def apply(
-    cfg: ModelConfig, params: Params, tokens, segment_ids, positions, *, tp_axis=None,
+    cfg: ModelConfig,
+    params: Params,
+    tokens,
+    segment_ids,
+    positions,
+    *,
+    tp_axis=None,
     dtype="float32",
 ) -> jax.Array:
     """Run the model on a parameter dict (full weights, or this shard's slices under tp)."""

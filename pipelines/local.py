@@ -64,8 +64,9 @@ class Evaluator:
     def __call__(self, student_params) -> dict:
         if self._teacher_logits is None:
             self._teacher_logits = [
-                jax.device_put(self._teacher(self._params, jax.device_put(b, self._tput)),
-                               self._split)
+                jax.device_put(
+                    self._teacher(self._params, jax.device_put(b, self._tput)), self._split
+                )
                 for b in self._batches
             ]
         totals: dict[str, float] = {}
@@ -94,13 +95,21 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     teacher_params = load_teacher(cfg, meshes.teacher)
     mode = "topk" if cfg.teacher.top_k else "dense"
     teacher_fwd = make_forward(
-        tcfg, meshes.teacher, mode=mode, temperature=cfg.distill.temperature,
-        top_k=cfg.teacher.top_k, dtype=cfg.teacher.dtype,
+        tcfg,
+        meshes.teacher,
+        mode=mode,
+        temperature=cfg.distill.temperature,
+        top_k=cfg.teacher.top_k,
+        dtype=cfg.teacher.dtype,
     )
     tx = optim.make_optimizer(cfg.optim, steps)
     step_fn = train.make_train_step(
-        scfg, tx, meshes.student, loss_cfg=cfg.distill,
-        lr_schedule=optim.schedule(cfg.optim, steps), dtype=cfg.student.dtype,
+        scfg,
+        tx,
+        meshes.student,
+        loss_cfg=cfg.distill,
+        lr_schedule=optim.schedule(cfg.optim, steps),
+        dtype=cfg.student.dtype,
     )
     evaluate = Evaluator(cfg, meshes, teacher_params, corpus)
     ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
@@ -156,13 +165,20 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
             rate = (step - last_log_step) * tokens_per_step / max(now - last_log_t, 1e-9)
             n = max(step - last_log_step, 1)
             record = {
-                "step": step, "phase": "distill", "loss": m["loss"], "kd_loss": m["kd_loss"],
-                "ce_loss": m["ce_loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                "tokens_per_s": rate, "teacher_ms": t_watch.recent_ms(n),
+                "step": step,
+                "phase": "distill",
+                "loss": m["loss"],
+                "kd_loss": m["kd_loss"],
+                "ce_loss": m["ce_loss"],
+                "lr": m["lr"],
+                "grad_norm": m["grad_norm"],
+                "tokens_per_s": rate,
+                "teacher_ms": t_watch.recent_ms(n),
                 "student_ms": s_watch.recent_ms(n),
                 "teacher_busy": t_watch.busy_fraction(last_log_t),
                 "student_busy": s_watch.busy_fraction(last_log_t),
-                "in_flight": len(in_flight), "bytes_per_token": bytes_per_token,
+                "in_flight": len(in_flight),
+                "bytes_per_token": bytes_per_token,
                 "time": time.time(),
             }
             store.log(record)
@@ -185,10 +201,10 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     for _ in range(cfg.pipeline.prefetch):
         submit_teacher()
     stopped_early = False
-    step = start
+    step, next_out = start, None
     for step in range(start + 1, steps + 1):
         item = in_flight.popleft()
-        t_out = jax.device_put(item.teacher_out, s_put) if step == start + 1 else next_out
+        t_out = jax.device_put(item.teacher_out, s_put) if next_out is None else next_out
         state, metrics = step_fn(state, jax.device_put(item.batch, s_put), t_out)  # (1)
         s_watch.watch(metrics)
         pending_metrics.append((step, metrics))

@@ -46,16 +46,19 @@ def format_plan(p: dict) -> str:
     lay, t, s = p["layout"], p["teacher"], p["student"]
     ids = lambda role: ",".join(str(d["id"]) for d in lay[role]["devices"])  # noqa: E731
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-    return "\n".join([
-        f"devices ({lay['platform']}): teacher tp={len(lay['teacher']['devices'])} on "
-        f"[{ids('teacher')}]  |  student dp={len(lay['student']['devices'])} on "
-        f"[{ids('student')}]",
-        f"teacher: {t['params'] / 1e6:.2f}M params, {mb(t['weight_bytes_per_device'])} "
-        f"weights/device, {t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward",
-        f"student: {s['params'] / 1e6:.2f}M params, {mb(s['weight_bytes_per_device'])} weights + "
-        f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "
-        f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step",
-        f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device; "
-        f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token "
-        "between meshes",
-    ])
+    return "\n".join(
+        [
+            f"devices ({lay['platform']}): teacher tp={len(lay['teacher']['devices'])} on "
+            f"[{ids('teacher')}]  |  student dp={len(lay['student']['devices'])} on "
+            f"[{ids('student')}]",
+            f"teacher: {t['params'] / 1e6:.2f}M params, {mb(t['weight_bytes_per_device'])} "
+            f"weights/device, {t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward",
+            f"student: {s['params'] / 1e6:.2f}M params, "
+            f"{mb(s['weight_bytes_per_device'])} weights + "
+            f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "
+            f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step",
+            f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device; "
+            f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token "
+            "between meshes",
+        ]
+    )

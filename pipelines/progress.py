@@ -25,9 +25,16 @@ class Progress:
             )
         else:
             log.info(
-                "step %d loss %.4f kd %.4f ce %.4f lr %.2e %.0f tok/s teacher %.0fms student %.0fms",
-                step, record["loss"], record["kd_loss"], record["ce_loss"], record["lr"],
-                record["tokens_per_s"], record["teacher_ms"], record["student_ms"],
+                "step %d loss %.4f kd %.4f ce %.4f lr %.2e %.0f tok/s "
+                "teacher %.0fms student %.0fms",
+                step,
+                record["loss"],
+                record["kd_loss"],
+                record["ce_loss"],
+                record["lr"],
+                record["tokens_per_s"],
+                record["teacher_ms"],
+                record["student_ms"],
             )
         self._last = step
 

@@ -33,8 +33,9 @@ def _start_server(cfg: Config, store: MetricsStore):
     try:
         handle = start_server(store, cfg.server)
     except OSError as e:
-        raise DistillError(f"server.port: cannot listen on {cfg.server.host}:{cfg.server.port}: "
-                           f"{e.strerror or e}") from None
+        raise DistillError(
+            f"server.port: cannot listen on {cfg.server.host}:{cfg.server.port}: {e.strerror or e}"
+        ) from None
     log.info("dashboard: %s", handle.url)
     return handle
 
@@ -46,8 +47,11 @@ def run(cfg: Config) -> dict:
     log.info("plan:\n%s", format_plan(p))
     outputs.write_config(cfg)
     store = MetricsStore(
-        cfg.run.name, cfg.train.steps, cfg.model_dump(mode="json"),
-        output_dir=str(outputs.out_dir(cfg)), stall_timeout_s=cfg.server.stall_timeout_s,
+        cfg.run.name,
+        cfg.train.steps,
+        cfg.model_dump(mode="json"),
+        output_dir=str(outputs.out_dir(cfg)),
+        stall_timeout_s=cfg.server.stall_timeout_s,
     )
     store.set_mesh(p["layout"])
     server = _start_server(cfg, store)
@@ -58,8 +62,11 @@ def run(cfg: Config) -> dict:
         from pipelines.local import distill_local
 
         summary = distill_local(cfg, corpus, meshes, store)
-        summary = {"run": cfg.run.name, "plan": {k: v for k, v in p.items() if k != "layout"},
-                   **summary}
+        summary = {
+            "run": cfg.run.name,
+            "plan": {k: v for k, v in p.items() if k != "layout"},
+            **summary,
+        }
         outputs.write_summary(cfg, summary)
         store.finish(summary)
         return summary
@@ -85,15 +92,18 @@ def evaluate(cfg: Config) -> dict:
     meshes, corpus = validate(cfg)
     ckpt = Checkpointer(outputs.checkpoint_dir(cfg))
     if ckpt.latest_step() is None:
-        raise DistillError(f"run.output_dir: no student checkpoint in {outputs.checkpoint_dir(cfg)}")
+        where = outputs.checkpoint_dir(cfg)
+        raise DistillError(f"run.output_dir: no student checkpoint in {where}")
     scfg = cfg.student_model()
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     state, _, step = ckpt.restore(train.abstract_state(scfg, tx, meshes.student))
     ckpt.close()
     result = Evaluator(cfg, meshes, load_teacher(cfg, meshes.teacher), corpus)(state.params)
     del jax
-    return {"step": step, **{k: result[k] for k in
-                             ("teacher_loss", "student_loss", "kl", "top1_agreement")}}
+    return {
+        "step": step,
+        **{k: result[k] for k in ("teacher_loss", "student_loss", "kl", "top1_agreement")},
+    }
 
 
 def plan_json(cfg: Config) -> str:

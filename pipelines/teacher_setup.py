@@ -57,8 +57,13 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, stop=lambda: Fals
     tx = optim.make_optimizer(ocfg, steps)
     state = train.init_state(mcfg, tx, cfg.run.seed + 1, mesh)
     step_fn = train.make_train_step(
-        mcfg, tx, mesh, loss_cfg=None, lr_schedule=optim.schedule(ocfg, steps),
-        dtype=cfg.teacher.dtype, with_teacher=False,
+        mcfg,
+        tx,
+        mesh,
+        loss_cfg=None,
+        lr_schedule=optim.schedule(ocfg, steps),
+        dtype=cfg.teacher.dtype,
+        with_teacher=False,
     )
     it = corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed + 1)
     split = train.batch_sharding(mesh)
@@ -70,22 +75,29 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, stop=lambda: Fals
     for step in range(1, steps + 1):
         state, metrics = step_fn(state, jax.device_put(next(it), split))
         pending.append((step, metrics))
-        if len(pending) > cfg.train.metrics_lag:
+        while len(pending) > (0 if step == steps or stop() else cfg.train.metrics_lag):
             s, m = pending.pop(0)
-            if s % cfg.train.log_every == 0:
+            if s % cfg.train.log_every == 0 or s == steps:
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 now = time.perf_counter()
                 rate = cfg.train.log_every * tokens_per_step / max(now - t_window, 1e-9)
                 t_window = now
                 log.info("bootstrap step %d/%d loss %.4f", s, steps, m["loss"])
                 if store is not None:
-                    store.log({"step": s, "phase": "bootstrap", "loss": m["loss"],
-                               "ce_loss": m["ce_loss"], "lr": m["lr"], "tokens_per_s": rate})
+                    store.log(
+                        {
+                            "step": s,
+                            "phase": "bootstrap",
+                            "loss": m["loss"],
+                            "ce_loss": m["ce_loss"],
+                            "lr": m["lr"],
+                            "tokens_per_s": rate,
+                        }
+                    )
         if stop():
             break
     save_params(teacher_path(cfg), jax.device_get(state.params))
-    log.info("bootstrap: teacher saved to %s (%.1fs)", teacher_path(cfg),
-             time.perf_counter() - t0)
+    log.info("bootstrap: teacher saved to %s (%.1fs)", teacher_path(cfg), time.perf_counter() - t0)
 
 
 def ensure_teacher(cfg: Config, corpus: Corpus, store=None) -> None:

@@ -89,7 +89,7 @@ def make_train_step(
         (_, metrics), grads = grad_fn(state.params, batch, teacher_out)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, lr=lr_schedule(state.step), grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, lr=lr_schedule(state.step), grad_norm=optax.tree.norm(grads))
         return TrainState(state.step + 1, params, opt_state), metrics
 
     if with_teacher:

@@ -6,3 +6,61 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+WORDS = (
+    "the teacher holds a large model and serves its logits while the student learns to match "
+    "them on another mesh of devices with data parallel steps and a small vocabulary of bytes"
+).split()
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory):
+    """A small deterministic text corpus: 24 files of pseudo-sentences."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    for i in range(24):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 14))) for _ in range(30)]
+        (root / f"doc{i:02d}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def tiny_config(corpus: str, out: str, **sections) -> dict:
+    """A config tree small enough for a CLI run in seconds on CPU."""
+    cfg = {
+        "run": {"name": "tiny", "output_dir": out, "seed": 0},
+        "mesh": {"teacher": {"tp": 2}, "student": {"dp": 2}},
+        "teacher": {
+            "model": {
+                "vocab_size": 260,
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 4,
+                "n_kv_heads": 2,
+                "d_ff": 64,
+            },
+            "checkpoint": f"{out}/teacher",
+            "pretrain_steps": 6,
+            "top_k": 8,
+        },
+        "student": {
+            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 32}
+        },
+        "data": {"source": corpus, "include": ["*.txt"], "eval_batches": 1},
+        "train": {
+            "steps": 6,
+            "batch_size": 4,
+            "seq_len": 32,
+            "log_every": 2,
+            "eval_every": 3,
+            "checkpoint_every": 3,
+        },
+        "optim": {"warmup_steps": 2},
+        "server": {"enabled": False},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg

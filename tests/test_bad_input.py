@@ -1,0 +1,90 @@
+"""Every user mistake: one line naming the field or file, exit status 2, nothing lost."""
+
+import glob
+
+import pytest
+import yaml
+
+from distill.cli import main
+from distill.config import load_config
+from tests.conftest import tiny_config
+
+CASES = [  # (--set overrides, text the one-line message must contain)
+    (["train.stepz=3"], "train.stepz: unknown key"),
+    (["train.steps=abc"], "train.steps"),
+    (["mesh.teacher.tp=8", "mesh.student.dp=4"], "needs 12 devices"),
+    (
+        ["teacher.model.n_heads=6", "teacher.model.head_dim=8", "mesh.teacher.tp=4"],
+        "teacher.model.n_heads: 6 is not divisible by mesh.teacher.tp=4",
+    ),
+    (["teacher.model.d_ff=66", "mesh.teacher.tp=4"], "teacher.model.d_ff"),
+    (["teacher.model.vocab_size=261"], "teacher.model.vocab_size: 261"),
+    (
+        [
+            "teacher.model.n_kv_heads=4",
+            "teacher.model.n_heads=12",
+            "teacher.model.head_dim=8",
+            "teacher.model.d_ff=66",
+            "teacher.model.vocab_size=261",
+            "mesh.teacher.tp=3",
+        ],
+        "teacher.model.n_kv_heads: 4 must divide or be a multiple of mesh.teacher.tp=3",
+    ),
+    (["train.batch_size=5"], "train.batch_size: 5 is not divisible by mesh.student.dp=2"),
+    (["student.model.vocab_size=300"], "student.model.vocab_size"),
+    (["teacher.model.vocab_size=128"], "tokenizer"),
+    (["data.source=/nonexistent/corpus"], "/nonexistent/corpus"),
+    (["teacher.pretrain_steps=0", "teacher.checkpoint=/nonexistent/teacher"], "teacher.checkpoint"),
+    (["mesh.student.devices=[1]"], "mesh.student.devices"),
+    (["distill.alpha=2"], "distill.alpha"),
+    (["pipeline.mode=bogus"], "pipeline.mode"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", CASES)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, corpus_dir, capsys, overrides, expected):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(str(corpus_dir), str(out))))
+    args = [a for o in overrides for a in ("--set", o)]
+    for command in ("validate", "run"):
+        assert main([command, str(cfg), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert expected in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_empty_data_and_missing_config(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(str(empty), str(tmp_path / "out"))))
+    assert main(["validate", str(cfg)]) == 2
+    assert "data.source" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("run: [unclosed")
+    assert main(["validate", str(tmp_path / "bad.yaml")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("pipelines/*.yaml")))
+def test_every_shipped_pipeline_validates(path):
+    cfg = load_config(path)
+    assert main(["validate", path]) == 0
+    assert cfg.pipeline.mode == "local"
+
+
+def test_set_overrides_are_typed():
+    cfg = load_config(
+        "pipelines/quickstart.yaml",
+        ["train.steps=7", "optim.lr=1e-4", "teacher.top_k=null", "run.name=x y"],
+    )
+    assert cfg.train.steps == 7 and cfg.optim.lr == 1e-4 and cfg.teacher.top_k is None
+    assert cfg.run.name == "x y"
+    assert cfg.student_model().d_model == 128 and cfg.student_model().vocab_size == 384

@@ -1,0 +1,104 @@
+"""The CLI end to end on a tiny config: run, outputs, eval, plan, exact resume, bad input."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from distill.cli import main
+from tests.conftest import tiny_config
+
+
+def _write(tmp_path, cfg: dict, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(out):
+    return [r for r in _records(out) if r.get("phase") == "distill" and "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus_dir):
+    tmp = tmp_path_factory.mktemp("run")
+    out = tmp / "out"
+    cfg_path = _write(tmp, tiny_config(str(corpus_dir), str(out)))
+    assert main(["run", cfg_path]) == 0
+    return tmp, out, cfg_path
+
+
+def test_run_writes_every_output(finished_run):
+    _, out, _ = finished_run
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["steps"] == 6
+    records = _records(out)
+    train = _train(out)
+    evals = [r for r in records if r.get("eval")]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    for key in (
+        "step",
+        "loss",
+        "kd_loss",
+        "ce_loss",
+        "lr",
+        "tokens_per_s",
+        "teacher_ms",
+        "student_ms",
+    ):
+        assert all(isinstance(r[key], (int, float)) for r in train), key
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert evals[-1]["student_loss"] < evals[0]["student_loss"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["completed"]
+    assert summary["tokens"] == 6 * 4 * 32
+    assert set(summary["final_eval"]) >= {"teacher_loss", "student_loss", "kl", "top1_agreement"}
+    assert (out / "teacher").is_dir()  # the bootstrapped teacher, reused by later runs
+
+
+def test_eval_prints_one_json_object(finished_run, capsys):
+    _, _, cfg_path = finished_run
+    capsys.readouterr()
+    assert main(["eval", cfg_path]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"step", "teacher_loss", "student_loss", "kl", "top1_agreement"}
+    assert result["step"] == 6 and 0 <= result["top1_agreement"] <= 1
+
+
+def test_plan_and_validate(finished_run, capsys):
+    _, _, cfg_path = finished_run
+    capsys.readouterr()
+    assert main(["plan", cfg_path]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out.strip().splitlines()[-1])
+    assert [d["id"] for d in plan["layout"]["teacher"]["devices"]] == [0, 1]
+    assert [d["id"] for d in plan["layout"]["student"]["devices"]] == [2, 3]
+    assert plan["teacher"]["params"] > plan["student"]["params"] > 0
+    assert "teacher tp=2" in out
+    assert main(["validate", cfg_path]) == 0
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_resume_continues_on_the_next_batch(finished_run, tmp_path, dp):
+    """Drop the last checkpoint and rerun: steps 4-6 repeat exactly, on the same or another dp."""
+    _, out, _ = finished_run
+    resumed = tmp_path / "out"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    (resumed / "summary.json").unlink()
+    cfg = tiny_config(str(out.parent.parent), str(resumed))  # corpus path replaced below
+    cfg["data"] = yaml.safe_load((out / "config.yaml").read_text())["data"]
+    cfg["mesh"]["student"]["dp"] = dp
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    before = {r["step"]: r for r in _train(out)}
+    after = _train(resumed)[len(before) :]
+    assert [r["step"] for r in after] == [4, 6]
+    for r in after:
+        for key in ("loss", "kd_loss", "ce_loss", "lr"):
+            assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-4), key
+    assert json.loads((resumed / "summary.json").read_text())["steps"] == 6
