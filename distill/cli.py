@@ -23,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
         "validate": "check the config, data and device fit without computing anything",
         "plan": "print the device split, sizes and FLOPs",
         "eval": "evaluate teacher and latest student checkpoint; prints one JSON object",
+        "bench": "time each phase and the pipelined step; prints one JSON object last",
     }
     for name, text in helps.items():
         c = sub.add_parser(name, help=text, description=text)
@@ -35,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY.PATH=VALUE",
             help="override a config field (repeatable), e.g. --set train.steps=50",
         )
+    sub.choices["bench"].add_argument(
+        "--repeats", type=int, default=10, help="timed repeats per measurement (median)"
+    )
     d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
     d.add_argument("output_dir")
     d.add_argument("--host", default="127.0.0.1")
@@ -50,7 +54,7 @@ def _prepare_devices(cfg: Config) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "dashboard":
-        from distill.server.runner import serve_dashboard
+        from distill.server import serve_dashboard
 
         serve_dashboard(args.output_dir, host=args.host, port=args.port)
         return 0
@@ -69,6 +73,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(runner.plan_json(cfg))
     elif args.command == "eval":
         print(json.dumps(runner.evaluate(cfg)))
+    elif args.command == "bench":
+        from pipelines.bench import bench, format_bench
+
+        meshes, corpus = runner.validate(cfg)
+        result = bench(cfg, corpus, meshes, repeats=args.repeats)
+        print(format_bench(result))
+        print(json.dumps(result))
     elif args.command == "run":
         summary = runner.run(cfg)
         print(

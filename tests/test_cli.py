@@ -102,3 +102,38 @@ def test_resume_continues_on_the_next_batch(finished_run, tmp_path, dp):
         for key in ("loss", "kd_loss", "ce_loss", "lr"):
             assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-4), key
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 6
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    cfg = tiny_config(
+        str(corpus_dir),
+        str(out),
+        train={"steps": 100000, "log_every": 1, "checkpoint_every": 100000},
+    )
+    path = _write(tmp_path, cfg)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distill.cli", "run", path],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and _train(out):
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    saved = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and saved[0] >= _train(out)[-1]["step"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["completed"] and summary["steps"] == saved[0]

@@ -1,0 +1,180 @@
+"""`distill bench`: each phase alone, then the real pipelined loop, in one process.
+
+Every figure is a median over repeats after a warm-up (compilation excluded). The
+pipelined step is measured on the real local-mode loop (`pipelines.local.distill_local`)
+from its per-step record times, so it includes Grain, transfers, metrics and logging.
+MFU follows PaLM appendix B: 3 x forward FLOPs per token (2 x matmul params + attention)
+times tokens/s, over the matmul throughput measured on the same devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distill import model
+from distill.checkpoint import params_exist, save_params
+from distill.config import Config
+from distill.data import Corpus
+from distill.mesh import DP, Meshes
+from distill.metrics import MetricsStore
+from distill.types import TeacherOutput
+from pipelines.local import distill_local
+from pipelines.teacher_setup import load_teacher, teacher_path
+from student import optim, train
+from teacher.forward import make_forward
+
+log = logging.getLogger("distill")
+
+
+def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def matmul_flops_per_s(mesh, n: int = 1024, repeats: int = 5) -> float:
+    """Throughput of an [dp*n, n] x [n, n] float32 matmul, rows split over the mesh."""
+    dp = mesh.shape[DP]
+    a = jax.device_put(jnp.ones((dp * n, n), jnp.float32), NamedSharding(mesh, P(DP)))
+    b = jax.device_put(jnp.ones((n, n), jnp.float32), NamedSharding(mesh, P()))
+    mm = jax.jit(lambda a, b: a @ b)
+    ms = _median_ms(lambda: mm(a, b), repeats)
+    return 2.0 * dp * n * n * n / (ms / 1e3)
+
+
+def _teacher_params(cfg: Config, meshes: Meshes, tmp: str):
+    """The configured teacher, or a random one of the same shape (speed does not care)."""
+    if not params_exist(teacher_path(cfg)):
+        path = f"{tmp}/teacher"
+        save_params(path, model.init_params(cfg.teacher.model, cfg.run.seed))
+        cfg.teacher.checkpoint = path
+    return load_teacher(cfg, meshes.teacher)
+
+
+def bench(cfg: Config, corpus: Corpus, meshes: Meshes, repeats: int = 10) -> dict:
+    tmp = tempfile.mkdtemp(prefix="distill-bench-")
+    cfg = cfg.model_copy(deep=True)
+    tcfg, scfg = cfg.teacher.model, cfg.student_model()
+    bsz, seq = cfg.train.batch_size, cfg.train.seq_len
+    tokens = bsz * seq
+    t_params = _teacher_params(cfg, meshes, tmp)
+    it = corpus.train_iterator(bsz, seed=cfg.run.seed)
+    host_batch = next(it)
+    t_batch = jax.device_put(host_batch, NamedSharding(meshes.teacher, P()))
+    s_put = train.batch_sharding(meshes.student)
+    s_batch = jax.device_put(host_batch, s_put)
+    k = cfg.teacher.top_k or 32
+    fwd = {
+        m: make_forward(
+            tcfg,
+            meshes.teacher,
+            mode=m,
+            temperature=cfg.distill.temperature,
+            top_k=k if m == "topk" else None,
+            dtype=cfg.teacher.dtype,
+        )
+        for m in ("logits", "dense", "topk")
+    }
+    res: dict[str, float] = {}
+    res["teacher_plain_ms"] = _median_ms(lambda: fwd["logits"](t_params, t_batch), repeats)
+    res["teacher_dense_ms"] = _median_ms(lambda: fwd["dense"](t_params, t_batch), repeats)
+    res["teacher_topk_ms"] = _median_ms(lambda: fwd["topk"](t_params, t_batch), repeats)
+    outs = {m: jax.device_put(fwd[m](t_params, t_batch), s_put) for m in ("dense", "topk")}
+
+    tx = optim.make_optimizer(cfg.optim, 10**6)
+    sched = optim.schedule(cfg.optim, 10**6)
+
+    def student_ms(teacher_out: TeacherOutput | None) -> float:
+        step = train.make_train_step(
+            scfg,
+            tx,
+            meshes.student,
+            loss_cfg=cfg.distill,
+            lr_schedule=sched,
+            dtype=cfg.student.dtype,
+            with_teacher=teacher_out is not None,
+        )
+        box = [train.init_state(scfg, tx, 0, meshes.student)]
+        extra = () if teacher_out is None else (teacher_out,)
+
+        def one():
+            box[0], metrics = step(box[0], s_batch, *extra)
+            return metrics
+
+        return _median_ms(one, repeats)
+
+    res["student_ce_ms"] = student_ms(None)
+    res["student_kd_dense_ms"] = student_ms(outs["dense"])
+    res["student_kd_topk_ms"] = student_ms(outs["topk"])
+
+    data_times = []
+    for _ in range(repeats * 5):
+        t = time.perf_counter()
+        next(it)
+        data_times.append(time.perf_counter() - t)
+    res["data_ms"] = 1e3 * statistics.median(data_times)
+
+    # The real loop: warm-up, then three windows of steps; median window step time.
+    warm, window = 3, max(repeats, 4)
+    steps = warm + 3 * window
+    cfg.run.output_dir = f"{tmp}/run"
+    cfg.train.steps, cfg.train.log_every, cfg.train.metrics_lag = steps, 1, 2
+    cfg.train.eval_every = cfg.train.checkpoint_every = steps + 1
+    cfg.optim.warmup_steps = 1
+    cfg.data.eval_batches = 1
+    store = MetricsStore(cfg.run.name, steps, {}, output_dir=None)
+    distill_local(cfg, corpus, meshes, store)
+    t = {r["step"]: r["time"] for r in store.history() if "loss" in r and not r.get("eval")}
+    windows = [(t[warm + (i + 1) * window] - t[warm + i * window]) / window for i in range(3)]
+    res["pipeline_ms"] = 1e3 * statistics.median(windows)
+
+    student_ms_ = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
+    teacher_ms_ = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
+    flops = matmul_flops_per_s(meshes.student)
+    train_flops_per_token = 3 * model.flops_per_token(scfg, seq)
+    res.update(
+        teacher_ms=teacher_ms_,
+        student_ms=student_ms_,
+        tokens_per_s=tokens / (res["pipeline_ms"] / 1e3),
+        student_tokens_per_s=tokens / (student_ms_ / 1e3),
+        matmul_flops_per_s=flops,
+        mfu=train_flops_per_token * tokens / (student_ms_ / 1e3) / flops,
+        pipeline_over_sum=res["pipeline_ms"] / (teacher_ms_ + student_ms_),
+        pipeline_over_max=res["pipeline_ms"] / max(teacher_ms_, student_ms_),
+        kd_over_ce_dense=res["student_kd_dense_ms"] / res["student_ce_ms"],
+        kd_over_ce_topk=res["student_kd_topk_ms"] / res["student_ce_ms"],
+        topk_over_plain_teacher=res["teacher_topk_ms"] / res["teacher_plain_ms"],
+        platform=meshes.platform,
+        tokens_per_step=tokens,
+    )
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
+
+
+def format_bench(r: dict) -> str:
+    return "\n".join(
+        [
+            f"teacher forward: plain {r['teacher_plain_ms']:.1f} ms, dense log-probs "
+            f"{r['teacher_dense_ms']:.1f} ms, top-k {r['teacher_topk_ms']:.1f} ms "
+            f"({r['topk_over_plain_teacher']:.2f}x plain)",
+            f"student step: CE {r['student_ce_ms']:.1f} ms, KD dense {r['student_kd_dense_ms']:.1f} ms "
+            f"({r['kd_over_ce_dense']:.2f}x), KD top-k {r['student_kd_topk_ms']:.1f} ms "
+            f"({r['kd_over_ce_topk']:.2f}x)",
+            f"pipelined step: {r['pipeline_ms']:.1f} ms = {r['pipeline_over_sum']:.2f}x "
+            f"(teacher + student), {r['pipeline_over_max']:.2f}x max; {r['tokens_per_s']:.0f} tok/s",
+            f"data: {r['data_ms']:.2f} ms/batch; matmul {r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
+            f"student MFU {100 * r['mfu']:.1f}%",
+        ]
+    )
