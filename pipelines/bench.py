@@ -169,12 +169,15 @@ def format_bench(r: dict) -> str:
             f"teacher forward: plain {r['teacher_plain_ms']:.1f} ms, dense log-probs "
             f"{r['teacher_dense_ms']:.1f} ms, top-k {r['teacher_topk_ms']:.1f} ms "
             f"({r['topk_over_plain_teacher']:.2f}x plain)",
-            f"student step: CE {r['student_ce_ms']:.1f} ms, KD dense {r['student_kd_dense_ms']:.1f} ms "
+            f"student step: CE {r['student_ce_ms']:.1f} ms, "
+            f"KD dense {r['student_kd_dense_ms']:.1f} ms "
             f"({r['kd_over_ce_dense']:.2f}x), KD top-k {r['student_kd_topk_ms']:.1f} ms "
             f"({r['kd_over_ce_topk']:.2f}x)",
             f"pipelined step: {r['pipeline_ms']:.1f} ms = {r['pipeline_over_sum']:.2f}x "
-            f"(teacher + student), {r['pipeline_over_max']:.2f}x max; {r['tokens_per_s']:.0f} tok/s",
-            f"data: {r['data_ms']:.2f} ms/batch; matmul {r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
+            f"(teacher + student), {r['pipeline_over_max']:.2f}x max; "
+            f"{r['tokens_per_s']:.0f} tok/s",
+            f"data: {r['data_ms']:.2f} ms/batch; "
+            f"matmul {r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
             f"student MFU {100 * r['mfu']:.1f}%",
         ]
     )

@@ -46,6 +46,9 @@ class InFlight(NamedTuple):
     teacher_out: TeacherOutput  # on the inference mesh (dispatched, maybe not ready)
 
 
+_EVAL_CACHE_BYTES = 256 * 2**20  # cache the frozen teacher's eval logits below this size
+
+
 class Evaluator:
     """Held-out metrics of teacher vs student: dense teacher logits, exact full-vocab KL."""
 
@@ -59,23 +62,33 @@ class Evaluator:
         self._tput = NamedSharding(meshes.teacher, P())
         self._batches = corpus.eval_batches(cfg.train.batch_size, cfg.data.eval_batches)
         self._metrics = jax.jit(losses.eval_metrics)
-        self._teacher_logits = None  # the teacher is frozen: compute its logits once
+        self._teacher_logits = None  # the teacher is frozen: keep its logits if they are small
+        self._vocab = cfg.teacher.model.vocab_size
+
+    def _cache_bytes(self) -> int:
+        return sum(b.tokens.size for b in self._batches) * self._vocab * 4
+
+    def _teacher_logits_for(self, i: int, batch: Batch):
+        if self._teacher_logits is not None:
+            return self._teacher_logits[i]
+        logits = self._teacher(self._params, jax.device_put(batch, self._tput))
+        return jax.device_put(logits, self._split)
 
     def __call__(self, student_params) -> dict:
-        if self._teacher_logits is None:
+        if self._teacher_logits is None and self._cache_bytes() <= _EVAL_CACHE_BYTES:
             self._teacher_logits = [
-                jax.device_put(
-                    self._teacher(self._params, jax.device_put(b, self._tput)), self._split
-                )
-                for b in self._batches
+                self._teacher_logits_for(i, b) for i, b in enumerate(self._batches)
             ]
-        totals: dict[str, float] = {}
-        for b, t_logits in zip(self._batches, self._teacher_logits, strict=True):
+        sums: dict[str, float] = {}
+        for i, b in enumerate(self._batches):
+            t_logits = self._teacher_logits_for(i, b)
             sb = jax.device_put(b, self._split)
             m = self._metrics(self._student(student_params, sb), t_logits, sb.targets, sb.mask)
-            for k, v in jax.device_get(m).items():
-                totals[k] = totals.get(k, 0.0) + float(v) / len(self._batches)
-        return totals
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            for k, v in m.items():  # token-weighted means over batches
+                sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * m["tokens"])
+        tokens = max(sums.pop("tokens"), 1.0)
+        return {k: v / tokens for k, v in sums.items()}
 
 
 def _sigterm_flag() -> threading.Event:
