@@ -137,3 +137,18 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
     assert len(saved) == 1 and saved[0] >= _train(out)[-1]["step"]
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["completed"] and summary["steps"] == saved[0]
+
+
+def test_dense_teacher_outputs_and_jsd(tmp_path, corpus_dir, finished_run):
+    """Dense log-probs (sharded over the vocabulary on the inference mesh) cross to the
+    training mesh; the bootstrapped teacher of another run is reused, not retrained."""
+    _, first_out, _ = finished_run
+    out = tmp_path / "out"
+    cfg = tiny_config(str(corpus_dir), str(out), train={"steps": 4, "checkpoint_every": 4})
+    cfg["teacher"].update(top_k=None, checkpoint=str(first_out / "teacher"), pretrain_steps=0)
+    cfg["distill"] = {"loss": "jsd", "beta": 0.3, "temperature": 2.0}
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    records = _train(out)
+    assert records[-1]["bytes_per_token"] == 260 * 4  # the whole vocabulary, float32
+    assert all(r["kd_loss"] > 0 for r in records)
+    assert not (out / "teacher").exists()
