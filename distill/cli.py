@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["bench"].add_argument(
         "--repeats", type=int, default=10, help="timed repeats per measurement (median)"
     )
+    e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
+    e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
+    e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
+    e.add_argument("--out", default=None, help="destination (default: OUTPUT_DIR/hf)")
     d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
     d.add_argument("output_dir")
     d.add_argument("--host", default="127.0.0.1")
@@ -57,6 +61,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from distill.server import serve_dashboard
 
         serve_dashboard(args.output_dir, host=args.host, port=args.port)
+        return 0
+    if args.command == "export":
+        from student.export import export_hf
+
+        cfg = load_config(f"{args.output_dir}/config.yaml")
+        cfg.run.output_dir = args.output_dir  # the run may have moved since
+        print(json.dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
         return 0
     cfg = load_config(args.config, args.overrides)
     _prepare_devices(cfg)

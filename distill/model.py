@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distill import collectives as cc
-from distill.config import ModelConfig
+from distill.config import ModelConfig, RopeScaling
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
@@ -38,10 +38,32 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_bshd: jax.Array, positions_bs: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(hd: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Inverse frequencies [hd/2], with Hugging Face's `linear` or `llama3` scaling."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: short wavelengths kept, long ones divided by factor, a smooth blend in between
+    old_len = scaling.original_max_position_embeddings
+    lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > old_len / lo, inv_freq / scaling.factor, blended)
+    return jnp.where(wavelen < old_len / hi, inv_freq, scaled)
+
+
+def rope(
+    x_bshd: jax.Array,
+    positions_bs: jax.Array,
+    theta: float,
+    scaling: RopeScaling | None = None,
+) -> jax.Array:
     """Rotary embedding, rotate-half convention (as Hugging Face Llama)."""
     hd = x_bshd.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    inv_freq = rope_frequencies(hd, theta, scaling)
     angles = positions_bs[..., None].astype(jnp.float32) * inv_freq  # [B, S, hd/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -73,6 +95,7 @@ class Block(nnx.Module):
         self.w_up = _normal(rngs, (d, f), std)
         self.w_down = _normal(rngs, (f, d), out_std)
         self.hd, self.eps, self.theta = hd, cfg.norm_eps, cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
 
     def __call__(self, x_bsd, mask, positions_bs, tp_axis: str | None):
         dt = x_bsd.dtype
@@ -81,7 +104,8 @@ class Block(nnx.Module):
         q = (h @ self.wq[...].astype(dt)).reshape(b, s, -1, self.hd)  # local heads
         k = (h @ self.wk[...].astype(dt)).reshape(b, s, -1, self.hd)
         v = (h @ self.wv[...].astype(dt)).reshape(b, s, -1, self.hd)
-        q, k = rope(q, positions_bs, self.theta), rope(k, positions_bs, self.theta)
+        q = rope(q, positions_bs, self.theta, self.rope_scaling)
+        k = rope(k, positions_bs, self.theta, self.rope_scaling)
         n_kv = k.shape[2]
         q = q.reshape(b, s, n_kv, q.shape[2] // n_kv, self.hd)  # [B, S, KV, G, hd]
         scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distill import hf
 from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data import Corpus, load_corpus
@@ -20,6 +21,8 @@ from teacher.sharding import check_divisible
 def check_shapes(cfg: Config) -> None:
     t, s = cfg.teacher.model, cfg.student_model()
     tp, dp = cfg.mesh.teacher.tp, cfg.mesh.student.dp
+    if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
+        hf.check_checkpoint(cfg.teacher.checkpoint, t, tp)
     check_divisible(t, tp)
     if s.vocab_size != t.vocab_size:
         raise DistillError(

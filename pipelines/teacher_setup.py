@@ -33,8 +33,12 @@ def teacher_path(cfg: Config) -> str:
 
 def load_teacher(cfg: Config, mesh) -> dict:
     """Read the teacher checkpoint straight into the TP layout of the inference mesh: each
-    device reads only its own slices."""
+    device reads only its own slices. A Hugging Face directory is read by `teacher.hf`."""
     mcfg = cfg.teacher.model
+    if cfg.teacher.is_hf():
+        from teacher.hf import load_hf_teacher
+
+        return load_hf_teacher(cfg.teacher.checkpoint, mcfg, mesh)
     target = sharding.shardings(mcfg, mesh)
     expand = mcfg.n_kv_heads < mesh.shape[TP]
     if expand:  # stored with n_kv_heads KV heads: read those replicated, then repeat per shard

@@ -1,0 +1,271 @@
+"""The Hugging Face Llama format on disk: config.json <-> ModelConfig, weight names, shards.
+
+Only the format lives here, without JAX, because the config loader reads config.json before
+JAX starts. `teacher.hf` loads a checkpoint into the tensor-parallel layout and
+`student.export` writes one.
+
+Weights: Hugging Face stores `nn.Linear` weights as [out, in] per layer
+(`model.layers.{i}.self_attn.q_proj.weight`, ...); distill stores `x @ W` weights as
+[in, out] with the layers stacked on a leading [L] axis. Embeddings are [V, D] in both; the
+untied `lm_head.weight` [V, D] is distill's `lm_head` [D, V].
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from distill.config import ModelConfig, RopeScaling
+from distill.errors import DistillError
+
+CONFIG = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Same decoder under other names. Mistral is accepted without sliding-window attention.
+MODEL_TYPES = ("llama", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# distill layer weight -> (name after `model.layers.{i}.`, stored transposed as [out, in])
+LAYER_WEIGHTS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+# distill top-level weight -> (name, stored transposed)
+TOP_WEIGHTS = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+
+
+def config_file(path: str | Path) -> Path:
+    return Path(path) / CONFIG
+
+
+def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
+    """Every Hugging Face tensor the model needs -> (distill key, layer or None, transposed)."""
+    names = {}
+    for key, (name, transposed) in TOP_WEIGHTS.items():
+        if key != "lm_head" or not cfg.tie_embeddings:
+            names[name] = (key, None, transposed)
+    for i in range(cfg.n_layers):
+        for key, (name, transposed) in LAYER_WEIGHTS.items():
+            names[f"model.layers.{i}.{name}"] = (key, i, transposed)
+    return names
+
+
+def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
+    """The Hugging Face shape of one layer's (or a top-level) weight."""
+    d, v, f = cfg.d_model, cfg.vocab_size, cfg.d_ff
+    q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
+    return {
+        "embed": (v, d),
+        "final_norm": (d,),
+        "lm_head": (v, d),
+        "attn_norm": (d,),
+        "mlp_norm": (d,),
+        "wq": (q, d),
+        "wk": (kv, d),
+        "wv": (kv, d),
+        "wo": (d, q),
+        "w_gate": (f, d),
+        "w_up": (f, d),
+        "w_down": (d, f),
+    }[key]
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from either layout: transformers 5 `rope_parameters`, or the older
+    top-level `rope_theta` with an optional `rope_scaling`."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = {"rope_theta": raw.get("rope_theta", 10000.0), **(raw.get("rope_scaling") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise DistillError(
+            f"{where}: RoPE type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise DistillError(f"{where}: partial_rotary_factor != 1 is not supported")
+    theta = float(params.get("rope_theta", 10000.0))
+    if kind == "default":
+        return theta, None
+    scaling = {"type": kind, "factor": params.get("factor")}
+    if kind == "llama3":
+        scaling.update(
+            low_freq_factor=params.get("low_freq_factor"),
+            high_freq_factor=params.get("high_freq_factor"),
+            original_max_position_embeddings=params.get(
+                "original_max_position_embeddings", raw.get("max_position_embeddings")
+            ),
+        )
+    try:
+        return theta, RopeScaling(**scaling)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise DistillError(f"{where}: rope scaling {err['loc'][0]}: {err['msg']}") from None
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Llama-family directory; DistillError naming the file
+    for anything this decoder cannot run exactly."""
+    where = config_file(path)
+    if not where.is_file():
+        raise DistillError(f"teacher.checkpoint: {where} not found (teacher.format is hf)")
+    try:
+        raw = json.loads(where.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DistillError(f"{where}: not readable JSON: {e}") from None
+    kind = raw.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise DistillError(
+            f"{where}: model_type {kind!r} ({', '.join(raw.get('architectures') or [])}) is not "
+            f"a supported Llama-family decoder ({', '.join(MODEL_TYPES)})"
+        )
+    unsupported = {
+        "hidden_act": raw.get("hidden_act", "silu") != "silu",
+        "attention_bias": bool(raw.get("attention_bias")),
+        "mlp_bias": bool(raw.get("mlp_bias")),
+        "sliding_window": raw.get("sliding_window") is not None,
+    }
+    for key, bad in unsupported.items():
+        if bad:
+            raise DistillError(f"{where}: {key}={raw[key]!r} is not supported by this decoder")
+    theta, scaling = _rope(raw, where)
+    try:
+        heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim")
+        return ModelConfig(
+            vocab_size=raw["vocab_size"],
+            d_model=raw["hidden_size"],
+            n_layers=raw["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=None if head_dim in (None, raw["hidden_size"] // heads) else head_dim,
+            d_ff=raw["intermediate_size"],
+            rope_theta=theta,
+            rope_scaling=scaling,
+            norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_embeddings=raw.get("tie_word_embeddings", False),
+        )
+    except KeyError as e:
+        raise DistillError(f"{where}: required key {e.args[0]!r} is missing") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise DistillError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def to_hf_config(
+    cfg: ModelConfig,
+    *,
+    max_position_embeddings: int,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    dtype: str = "float32",
+) -> dict:
+    """A LlamaForCausalLM config.json for `cfg` (the older rope_theta/rope_scaling layout,
+    which transformers 4 reads and transformers 5 converts)."""
+    scaling = None
+    if cfg.rope_scaling is not None:
+        scaling = cfg.rope_scaling.model_dump()
+        scaling["rope_type"] = scaling.pop("type")
+        if scaling["rope_type"] == "linear":
+            scaling = {"rope_type": "linear", "factor": scaling["factor"]}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.hd,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": dtype,
+    }
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def weight_files(path: str | Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name, from the shard index or the single file."""
+    root = Path(path)
+    if (root / INDEX_FILE).is_file():
+        try:
+            return dict(json.loads((root / INDEX_FILE).read_text())["weight_map"])
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise DistillError(f"{root / INDEX_FILE}: not a safetensors index: {e}") from None
+    if (root / SINGLE_FILE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(root / SINGLE_FILE, framework="numpy") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    raise DistillError(
+        f"teacher.checkpoint: {root} has neither {SINGLE_FILE} nor {INDEX_FILE} (only "
+        "safetensors weights are read; save with safe_serialization=True)"
+    )
+
+
+def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
+    """Everything a load needs, from headers only: the shape divides over `tp`, and every
+    tensor is present with its expected shape. DistillError names the file at fault."""
+    from safetensors import safe_open
+
+    where = config_file(path)
+    sizes = {
+        "vocab_size": cfg.vocab_size,
+        "num_attention_heads": cfg.n_heads,
+        "intermediate_size": cfg.d_ff,
+    }
+    for key, value in sizes.items():
+        if value % tp:
+            raise DistillError(f"{where}: {key}={value} is not divisible by mesh.teacher.tp={tp}")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        raise DistillError(
+            f"{where}: num_key_value_heads={cfg.n_kv_heads} must divide or be a multiple of "
+            f"mesh.teacher.tp={tp}"
+        )
+    files, needed = weight_files(path), weight_names(cfg)
+    by_file: dict[str, list[str]] = {}
+    for name in needed:
+        if name not in files:
+            raise DistillError(f"{Path(path)}: tensor {name} is missing from the checkpoint")
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in sorted(by_file.items()):
+        full = Path(path) / file
+        if not full.is_file():
+            raise DistillError(f"{full}: listed in {INDEX_FILE} but missing")
+        with safe_open(full, framework="numpy") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise DistillError(f"{full}: tensor {name} is missing")
+                want = hf_shape(cfg, needed[name][0])
+                got = tuple(f.get_slice(name).get_shape())
+                if got != want:
+                    raise DistillError(f"{full}: {name} has shape {got}, config.json says {want}")

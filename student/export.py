@@ -1,0 +1,169 @@
+"""`distill export --format hf`: the student as a Hugging Face Llama directory.
+
+The directory holds what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer` load:
+config.json, generation_config.json, model.safetensors (float32, one file: students are
+small, and the whole student passes through host memory once), and the tokenizer.
+
+The built-in byte tokenizer (PAD=0, BOS=1, EOS=2, byte b -> b + 3) is written as a
+`tokenizers` BPE model with no merges over a byte-level alphabet, so the Hugging Face
+tokenizer gives exactly distill's ids: one token per UTF-8 byte, BOS prepended as in
+training (training also appends EOS after each document; generation stops there).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from distill import hf
+from distill.config import Config, ModelConfig
+from distill.data import ByteTokenizer
+from distill.errors import DistillError
+
+
+def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """distill parameters (host or device) -> Hugging Face tensor name -> [out, in] array."""
+    out = {}
+    for name, (key, layer, transposed) in hf.weight_names(cfg).items():
+        w = np.asarray(params[key] if layer is None else params["layers"][key][layer])
+        out[name] = np.ascontiguousarray(w.T if transposed else w)
+    return out
+
+
+def write_hf(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    params: dict,
+    *,
+    max_position_embeddings: int,
+    tokenizer: str = "bytes",
+) -> Path:
+    """Write `params` as a Hugging Face Llama directory; returns its path."""
+    from safetensors.numpy import save_file
+
+    if tokenizer != "bytes":
+        raise DistillError(f"data.tokenizer: {tokenizer} cannot be exported yet")
+    tok = ByteTokenizer()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
+    config = hf.to_hf_config(cfg, max_position_embeddings=max_position_embeddings, **ids)
+    generation = {
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+    }
+    files = {
+        hf.CONFIG: config,
+        "generation_config.json": generation,
+        **_byte_tokenizer_files(tok, max_position_embeddings),
+    }
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+    tensors = {k: v.astype(np.float32) for k, v in hf_tensors(cfg, params).items()}
+    save_file(tensors, str(out / hf.SINGLE_FILE), metadata={"format": "pt"})
+    return out
+
+
+def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path:
+    """Export the latest student checkpoint of the run `cfg` (default: <output_dir>/hf)."""
+    import jax
+    from jax.sharding import Mesh
+
+    from distill.checkpoint import Checkpointer, has_checkpoint
+    from distill.mesh import DP
+    from pipelines import outputs
+    from student import optim, train
+
+    where = outputs.checkpoint_dir(cfg)
+    if not has_checkpoint(where):
+        raise DistillError(f"run.output_dir: no student checkpoint in {where}")
+    scfg = cfg.student_model()
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), (DP,))
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    ckpt = Checkpointer(where)
+    try:
+        state, _, _ = ckpt.restore(train.abstract_state(scfg, tx, mesh))
+    finally:
+        ckpt.close()
+    out = Path(out_dir) if out_dir is not None else Path(cfg.run.output_dir) / "hf"
+    return write_hf(
+        out,
+        scfg,
+        jax.device_get(state.params),
+        max_position_embeddings=cfg.train.seq_len,
+        tokenizer=cfg.data.tokenizer,
+    )
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte: the alphabet of the ByteLevel pre-tokenizer."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _byte_tokenizer_files(tok: ByteTokenizer, max_length: int) -> dict[str, dict]:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for ByteTokenizer."""
+    specials = {"<pad>": tok.pad_id, "<s>": tok.bos_id, "</s>": tok.eos_id}
+    offset = tok.vocab_size - 256
+    vocab = {**specials, **{c: b + offset for b, c in enumerate(_byte_alphabet())}}
+    byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": text,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for text, i in specials.items()
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", **byte_level},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos]
+            + [{"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [tok.bos_id], "tokens": ["<s>"]}},
+        },
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
+    names = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        **names,
+    }
+    return {
+        "tokenizer.json": tokenizer,
+        "tokenizer_config.json": config,
+        "special_tokens_map.json": names,
+    }

@@ -1,0 +1,137 @@
+"""Load a Hugging Face Llama checkpoint straight into the teacher's tensor-parallel layout.
+
+Nothing is materialised whole on a host. The safetensors files are opened one at a time
+(memory-mapped: a read touches only the bytes of the slice it asks for). Each tensor, one
+layer at a time, becomes a sharded array in its stored [out, in] layout through
+`jax.make_array_from_callback`, whose per-device callback reads just that device's slice
+with `get_slice(name)[...]`. On the devices it is transposed to distill's [in, out] (the
+split axis moves with it, so this is shard-local) and written in place (donated) into its
+slot of a preallocated stacked [L, ...] array; waiting for that write before reading the
+next tensor keeps reads from running ahead of the devices.
+
+So the host holds at most one file's touched pages plus one tensor, and the devices the
+weights plus one tensor (measured on a 1.2 GB bf16 checkpoint in 0.2 GB shards, tp=4 on
+CPU devices: +0.21 GB mapped pages, +0.26 GB anonymous beyond the weights, the largest
+being the 0.13 GB lm_head). Each stored byte is read once, except that with fewer KV heads
+than `tp` each KV head is read once per shard that uses it, giving the layout of
+`teacher.sharding.expand_kv_heads`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for safetensors' numpy reader)
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
+
+from distill import hf
+from distill.config import ModelConfig
+from distill.mesh import TP
+from teacher import sharding
+
+Index = tuple[slice, ...]
+
+
+def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> dict:
+    """Teacher parameters on `mesh` in the layout of `teacher.sharding.shardings`.
+
+    `dtype` None keeps each tensor's stored dtype (bfloat16 stays bfloat16; the model casts
+    weights to the compute dtype where it uses them); a dtype converts while reading.
+    """
+    tp = mesh.shape[TP]
+    hf.check_checkpoint(path, cfg, tp)
+    reps = max(1, tp // cfg.n_kv_heads)  # copies of each KV head, one per shard using it
+    targets = sharding.shardings(cfg, mesh)
+    files, needed = hf.weight_files(path), hf.weight_names(cfg)
+    by_file: dict[str, list[str]] = {}
+    for name in needed:
+        by_file.setdefault(files[name], []).append(name)
+
+    params: dict = {"layers": {}}
+    for file in sorted(by_file):
+        with safe_open(Path(path) / file, framework="numpy") as f:
+            for name in by_file[file]:
+                key, layer, transposed = needed[name]
+                key_reps = reps if key in ("wk", "wv") else 1
+                read = _reader(f.get_slice(name), key_reps, cfg.hd, dtype)
+                shape = _stored_shape(cfg, key, key_reps)
+                if layer is None:
+                    target = targets[key]
+                    stored = jax.make_array_from_callback(
+                        shape, _as_stored(target, transposed), read
+                    )
+                    params[key] = _to_layout(stored, target) if transposed else stored
+                    continue
+                target = targets["layers"][key]
+                one = jax.make_array_from_callback(
+                    (1, *shape), _as_stored(target, transposed), _one_layer(read)
+                )
+                stacked = params["layers"].get(key)
+                if stacked is None:
+                    layout = shape[::-1] if transposed else shape
+                    stacked = jnp.zeros((cfg.n_layers, *layout), one.dtype, device=target)
+                stacked = _set_layer(stacked, one, np.int32(layer), transposed)
+                params["layers"][key] = stacked.block_until_ready()
+    return params
+
+
+def _stored_shape(cfg: ModelConfig, key: str, reps: int) -> tuple[int, ...]:
+    """The stored shape of one layer's (or a top-level) weight, KV heads repeated `reps`."""
+    rows, *rest = hf.hf_shape(cfg, key)
+    return (rows * reps, *rest)
+
+
+def _as_stored(target: NamedSharding, transposed: bool) -> NamedSharding:
+    """The sharding of the stored [out, in] layout whose transpose has `target`'s layout."""
+    if not transposed:
+        return target
+    *lead, a, b = target.spec  # every transposed weight's spec names both matrix axes
+    return NamedSharding(target.mesh, P(*lead, b, a))
+
+
+def _reader(sl, reps: int, hd: int, dtype) -> Callable[[Index], np.ndarray]:
+    """index in the stored layout -> that slice of the stored tensor, read from disk.
+
+    With `reps` > 1 the stored rows are KV heads and the index addresses the repeated heads:
+    repeated head e is stored head e // reps."""
+    n_rows = sl.get_shape()[0] * reps
+
+    def read(index: Index) -> np.ndarray:
+        if reps == 1:
+            x = sl[tuple(index)]
+        else:
+            start, stop, _ = index[0].indices(n_rows)
+            parts = []
+            for e in range(start // hd, -(-stop // hd)):
+                lo, hi = max(start, e * hd), min(stop, (e + 1) * hd)
+                base = (e // reps - e) * hd  # repeated row r is stored row r + base
+                parts.append(sl[(slice(lo + base, hi + base), *index[1:])])
+            x = np.concatenate(parts, axis=0)
+        return x if dtype is None else x.astype(dtype, copy=False)
+
+    return read
+
+
+def _one_layer(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.ndarray]:
+    """The callback of a [1, ...] single-layer array."""
+    return lambda index: read(index[1:])[None]
+
+
+def _to_layout(stored: jax.Array, target: NamedSharding) -> jax.Array:
+    """[out, in] -> [in, out] on the devices (shard-local: the split axis moves along)."""
+    return jax.jit(jnp.transpose, out_shardings=target)(stored)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _set_layer(stacked_l: jax.Array, one_1: jax.Array, layer, transposed: bool) -> jax.Array:
+    """stacked[layer] = one[0] (transposed from [out, in] on the devices), in place: the
+    stacked buffer is donated."""
+    one_1 = jnp.swapaxes(one_1, 1, 2) if transposed else one_1
+    return jax.lax.dynamic_update_slice_in_dim(stacked_l, one_1.astype(stacked_l.dtype), layer, 0)

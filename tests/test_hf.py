@@ -1,0 +1,278 @@
+"""Hugging Face Llama: a teacher loaded into the TP layout gives transformers' logits; an
+HF directory sets teacher.model; bad directories fail preflight naming the file; the
+exported student loads in transformers with distill's logits and tokens."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from distill import hf, model  # noqa: E402
+from distill.checkpoint import Checkpointer  # noqa: E402
+from distill.cli import main  # noqa: E402
+from distill.config import ModelConfig, config_from_dict  # noqa: E402
+from distill.data import ByteTokenizer  # noqa: E402
+from distill.errors import DistillError  # noqa: E402
+from distill.types import Batch  # noqa: E402
+from pipelines.preflight import check_shapes  # noqa: E402
+from pipelines.teacher_setup import load_teacher  # noqa: E402
+from student import optim, train  # noqa: E402
+from student.export import write_hf  # noqa: E402
+from teacher import sharding  # noqa: E402
+from teacher.forward import make_forward  # noqa: E402
+from teacher.hf import load_hf_teacher  # noqa: E402
+from tests.conftest import tiny_config  # noqa: E402
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # puts head_dim 16's wavelengths in all 3 bands
+}
+
+
+def _save_llama(path, *, torch_dtype=torch.float32, max_shard_size=None, arch="Llama", **overrides):
+    """A random {arch}ForCausalLM saved as safetensors; returns it reloaded in float32."""
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(**{**kw, **overrides})
+    m = getattr(transformers, f"{arch}ForCausalLM")(config)
+    with torch.no_grad():  # O(1) weights and non-unit norms, so every mapping shows in logits
+        for name, p in m.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.3)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    m.to(torch_dtype).save_pretrained(str(path), **extra)
+    # reloaded rather than upcast, so RoPE frequencies are float32 as in a fresh load
+    return type(m).from_pretrained(str(path), torch_dtype=torch.float32).eval()
+
+
+def _hf_logits(m, tokens):
+    with torch.no_grad():
+        return m(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def _batch(vocab, b=2, s=20):
+    tokens = np.random.default_rng(1).integers(0, vocab, (b, s)).astype(np.int32)
+    pos = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    return Batch(tokens, tokens, np.ones_like(tokens), pos, np.ones((b, s), np.float32))
+
+
+def _mesh(tp):
+    return Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+
+CASES = {  # name: (tp, save_llama kwargs)
+    "gqa_kv_below_tp": (4, dict(rms_norm_eps=1e-6)),
+    "kv_at_tp_tied_theta_sharded_files": (
+        4,
+        dict(
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_theta=5e5,
+            rms_norm_eps=1e-5,
+            max_shard_size="20KB",
+        ),
+    ),
+    "mqa_head_dim_llama3_rope": (
+        2,
+        dict(vocab_size=96, num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+        | dict(rope_scaling=LLAMA3),
+    ),
+    "bfloat16_linear_rope": (
+        2,
+        dict(
+            num_key_value_heads=8,
+            torch_dtype=torch.bfloat16,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+    ),
+    "mistral_without_sliding_window": (2, dict(arch="Mistral", sliding_window=None)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_teacher_from_hf_matches_transformers(tmp_path, name):
+    tp, kw = CASES[name]
+    ref_model = _save_llama(tmp_path, **kw)
+    if "max_shard_size" in kw:
+        assert (tmp_path / hf.INDEX_FILE).is_file()
+        assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    cfg = hf.read_model_config(tmp_path)
+    mesh = _mesh(tp)
+    params = load_hf_teacher(tmp_path, cfg, mesh)
+    specs = jax.tree.map(lambda s: s.spec, sharding.shardings(cfg, mesh))
+    assert jax.tree.map(lambda x: x.sharding.spec, params) == specs
+    stored = torch.bfloat16 if kw.get("torch_dtype") == torch.bfloat16 else torch.float32
+    assert {str(x.dtype) for x in jax.tree.leaves(params)} == {str(stored).split(".")[1]}
+    if cfg.rope_scaling is not None:
+        inv_freq = ref_model.model.rotary_emb.inv_freq.numpy()
+        ours = model.rope_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling)
+        np.testing.assert_allclose(ours, inv_freq, rtol=1e-6)
+
+    batch = _batch(cfg.vocab_size)
+    ours = np.asarray(make_forward(cfg, mesh, mode="logits")(params, batch))
+    np.testing.assert_allclose(ours, _hf_logits(ref_model, batch.tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def hf_teacher(tmp_path_factory):
+    """A byte-vocabulary (260 ids) HF Llama teacher directory."""
+    path = tmp_path_factory.mktemp("hf_teacher")
+    _save_llama(path, vocab_size=260, num_attention_heads=4, num_key_value_heads=2)
+    return path
+
+
+def _cfg_tree(corpus_dir, out, teacher_dir, **teacher):
+    tree = tiny_config(str(corpus_dir), str(out))
+    tree["teacher"] = {"checkpoint": str(teacher_dir), "top_k": 8, **teacher}
+    return tree
+
+
+def test_hf_dir_sets_teacher_model(hf_teacher, corpus_dir, tmp_path):
+    cfg = config_from_dict(_cfg_tree(corpus_dir, tmp_path, hf_teacher))
+    assert cfg.teacher.is_hf()
+    assert cfg.teacher.model == hf.read_model_config(hf_teacher)
+    assert cfg.teacher.model.d_model == 32 and cfg.teacher.model.norm_eps == 1e-6
+    assert cfg.student_model().vocab_size == 260  # the student inherits the HF vocabulary
+    # keys that agree with config.json may stay; a disagreeing one is an error naming the file
+    config_from_dict(_cfg_tree(corpus_dir, tmp_path, hf_teacher, model={"d_model": 32}))
+    with pytest.raises(DistillError, match=r"teacher.model.d_model: 64 .*config.json"):
+        config_from_dict(_cfg_tree(corpus_dir, tmp_path, hf_teacher, model={"d_model": 64}))
+    with pytest.raises(DistillError, match=r"config.json not found"):
+        config_from_dict(_cfg_tree(corpus_dir, tmp_path, tmp_path, format="hf"))
+    plain = config_from_dict(_cfg_tree(corpus_dir, tmp_path, hf_teacher, format="distill"))
+    assert not plain.teacher.is_hf()
+
+
+def test_load_teacher_dispatches_to_hf(hf_teacher, corpus_dir, tmp_path):
+    cfg = config_from_dict(_cfg_tree(corpus_dir, tmp_path, hf_teacher))
+    params = load_teacher(cfg, _mesh(2))
+    batch = _batch(260, b=1, s=8)
+    ref = _hf_logits(transformers.LlamaForCausalLM.from_pretrained(str(hf_teacher)), batch.tokens)
+    out = make_forward(cfg.teacher.model, _mesh(2), mode="logits")(params, batch)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4, rtol=1e-4)
+
+
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**raw, **changes}))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(model_type="qwen2"), "model_type 'qwen2'"),
+        (dict(attention_bias=True), "attention_bias=True is not supported"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+            "RoPE type 'yarn'",
+        ),
+    ],
+)
+def test_unsupported_hf_configs_name_the_file(hf_teacher, tmp_path, changes, match):
+    bad = _edit_config(hf_teacher, tmp_path / "bad", **changes)
+    with pytest.raises(DistillError, match=rf"{bad / 'config.json'}: .*{match}"):
+        hf.read_model_config(bad)
+
+
+def test_preflight_checks_the_hf_directory(hf_teacher, corpus_dir, tmp_path):
+    tree = _cfg_tree(corpus_dir, tmp_path, hf_teacher)
+    tree["mesh"]["teacher"]["tp"] = 8  # 260 ids do not split 8 ways
+    with pytest.raises(DistillError, match=r"config.json: vocab_size=260 is not divisible"):
+        check_shapes(config_from_dict(tree))
+
+    missing = _edit_config(hf_teacher, tmp_path / "missing")
+    (missing / hf.SINGLE_FILE).unlink()
+    with pytest.raises(DistillError, match="neither model.safetensors nor"):
+        check_shapes(config_from_dict(_cfg_tree(corpus_dir, tmp_path, missing)))
+
+    wrong = _edit_config(hf_teacher, tmp_path / "wrong", intermediate_size=48)
+    with pytest.raises(DistillError, match=r"mlp.gate_proj.weight has shape \(64, 32\)"):
+        check_shapes(config_from_dict(_cfg_tree(corpus_dir, tmp_path, wrong)))
+
+
+SCALED = {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(n_kv_heads=2, tie_embeddings=False),
+        dict(n_kv_heads=1, tie_embeddings=True, rope_theta=5e5, head_dim=16, rope_scaling=SCALED),
+    ],
+)
+def test_export_round_trip(tmp_path, overrides):
+    base = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-6)
+    cfg = ModelConfig(**base, **overrides)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda x: np.asarray(x) + 0.1 * rng.standard_normal(x.shape, np.float32),
+        model.init_params(cfg, 0),
+    )
+    out = write_hf(tmp_path / "hf", cfg, params, max_position_embeddings=64)
+    assert hf.read_model_config(out) == cfg
+
+    text = "distil héllo ✓\n"
+    ids = [ByteTokenizer.bos_id, *ByteTokenizer().encode(text).tolist()]
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok(text).input_ids == ids
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert (tok.eos_token_id, tok.pad_token_id) == (ByteTokenizer.eos_id, ByteTokenizer.pad_id)
+
+    tokens = np.array([ids], np.int32)
+    pos = np.arange(len(ids), dtype=np.int32)[None]
+    ours = np.asarray(model.apply(cfg, params, tokens, np.ones_like(tokens), pos))
+    ref = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    np.testing.assert_allclose(ours, _hf_logits(ref, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_run_with_hf_teacher_then_export(hf_teacher, corpus_dir, tmp_path, capsys):
+    """`distill run` with an HF teacher, then `distill export`: transformers loads the student
+    and gives the logits of distill's student checkpoint."""
+    out = tmp_path / "out"
+    tree = _cfg_tree(corpus_dir, out, hf_teacher)
+    tree["train"].update(steps=2, eval_every=2, checkpoint_every=2)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["run", str(path)]) == 0
+    assert not (out / "teacher").exists()  # nothing bootstrapped: the HF weights were used
+    capsys.readouterr()
+
+    assert main(["export", str(out), "--format", "hf"]) == 0
+    exported = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["export"]
+    assert exported == str(out / "hf")
+    cfg = config_from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    scfg = cfg.student_model()
+    assert hf.read_model_config(exported) == scfg
+
+    ckpt = Checkpointer(str(out / "checkpoints"))
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    state, _, step = ckpt.restore(train.abstract_state(scfg, tx, _mesh(1)))
+    ckpt.close()
+    assert step == 2
+    batch = _batch(260, b=1, s=12)
+    ours = model.apply(scfg, state.params, batch.tokens, batch.segment_ids, batch.positions)
+    student = transformers.LlamaForCausalLM.from_pretrained(exported).eval()
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(student, batch.tokens), atol=1e-4)
+
+    with pytest.raises(SystemExit):
+        main(["export", str(out), "--format", "onnx"])
+    assert main(["export", str(tmp_path / "nowhere")]) == 2
