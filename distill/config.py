@@ -26,28 +26,42 @@ class RunConfig(_Section):
     seed: int = Field(0, description="Seed for parameter init and data shuffling.")
 
 
-class MeshRole(_Section):
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree (teacher only).")
-    dp: int = Field(1, ge=1, description="Data-parallel degree (student only).")
+class TeacherMesh(_Section):
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree of the inference mesh.")
     devices: list[int] | None = Field(
-        None, description="Explicit device ids for this role; default: the next free ones."
+        None, description="Explicit device ids for the teacher; default: the first tp."
+    )
+
+
+class StudentMesh(_Section):
+    dp: int = Field(1, ge=1, description="Data-parallel degree of the training mesh.")
+    devices: list[int] | None = Field(
+        None, description="Explicit device ids for the student; default: the next dp."
     )
 
 
 class MeshConfig(_Section):
-    teacher: MeshRole = Field(default_factory=lambda: MeshRole(tp=1))
-    student: MeshRole = Field(default_factory=lambda: MeshRole(dp=1))
+    teacher: TeacherMesh = Field(default_factory=TeacherMesh)
+    student: StudentMesh = Field(default_factory=StudentMesh)
     platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
         "auto", description="Device platform. auto: accelerators if present, else simulated CPU."
     )
 
-    @model_validator(mode="after")
-    def _roles(self) -> MeshConfig:
-        if self.teacher.dp != 1:
-            raise ValueError("mesh.teacher.dp: the teacher mesh is tensor-parallel only; use tp")
-        if self.student.tp != 1:
-            raise ValueError("mesh.student.tp: the student mesh is data-parallel only; use dp")
-        return self
+
+class RopeScaling(_Section):
+    """RoPE frequency scaling of long-context checkpoints (Hugging Face `rope_scaling`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)  # hashable: a static model attribute
+
+    type: Literal["linear", "llama3"] = Field(
+        ..., description="linear: every frequency / factor; llama3: Llama 3.1's band-wise scaling."
+    )
+    factor: float = Field(..., gt=0, description="Context extension factor.")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: low-frequency band edge.")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: high-frequency band edge.")
+    original_max_position_embeddings: int = Field(
+        8192, ge=1, description="llama3: the context length before extension."
+    )
 
 
 class ModelConfig(_Section):
@@ -61,6 +75,7 @@ class ModelConfig(_Section):
     head_dim: int | None = Field(None, description="Per-head width; default d_model/n_heads.")
     d_ff: int = Field(704, ge=1, description="SwiGLU hidden width.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling; None: plain RoPE.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share the embedding and LM head.")
 
@@ -82,7 +97,14 @@ class ModelConfig(_Section):
 class TeacherConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     checkpoint: str | None = Field(
-        None, description="Teacher weights (an Orbax checkpoint dir written by distill)."
+        None,
+        description="Teacher weights: an Orbax checkpoint dir written by distill, or a local "
+        "Hugging Face Llama dir (config.json + *.safetensors).",
+    )
+    format: Literal["auto", "distill", "hf"] = Field(
+        "auto",
+        description="Checkpoint format. auto: hf if teacher.checkpoint holds a config.json. "
+        "With hf, teacher.model is read from config.json (keys set here must agree with it).",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
     top_k: int | None = Field(
@@ -92,6 +114,16 @@ class TeacherConfig(_Section):
         0, ge=0, description="If the checkpoint is missing, train the teacher this long first."
     )
     pretrain_lr: float = Field(3e-3, gt=0, description="Peak learning rate for the bootstrap.")
+    replicas: int = Field(
+        1, ge=1, description="Teacher actors in pipeline.mode ray, each with its own tp mesh."
+    )
+
+    def is_hf(self) -> bool:
+        """Whether `checkpoint` is read as a Hugging Face directory."""
+        if self.format != "auto":
+            return self.format == "hf"
+        ckpt = self.checkpoint
+        return bool(ckpt) and "://" not in ckpt and (Path(ckpt) / "config.json").is_file()
 
 
 class StudentModelOverrides(_Section):
@@ -105,6 +137,7 @@ class StudentModelOverrides(_Section):
     head_dim: int | None = None
     d_ff: int | None = None
     rope_theta: float | None = None
+    rope_scaling: RopeScaling | None = None
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
 
@@ -169,8 +202,24 @@ class TrainConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    mode: Literal["local"] = Field("local", description="local: one process, two meshes.")
+    mode: Literal["local", "ray"] = Field(
+        "local",
+        description="local: one process, two meshes. ray: teacher and student Ray actors, "
+        "each owning its devices (see the ray section).",
+    )
     prefetch: int = Field(2, ge=1, description="Teacher outputs in flight at most.")
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None, description="Ray cluster to join (e.g. 'auto', 'ray://head:10001'); None: start one."
+    )
+    max_teacher_restarts: int = Field(
+        3, ge=0, description="Teacher actor deaths survived (each recreated) before the run fails."
+    )
+    max_student_restarts: int = Field(
+        2, ge=0, description="Student actor deaths survived (each resumed from its checkpoint)."
+    )
 
 
 class ServerConfig(_Section):
@@ -195,6 +244,7 @@ class Config(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     def student_model(self) -> ModelConfig:
@@ -269,5 +319,23 @@ def config_from_dict(tree: dict) -> Config:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise DistillError(_one_line(e)) from None
+    if cfg.teacher.is_hf():
+        _teacher_model_from_hf(cfg)
     cfg.student_model()  # validates the merged student shape
     return cfg
+
+
+def _teacher_model_from_hf(cfg: Config) -> None:
+    """Set `teacher.model` from a Hugging Face config.json; keys set by hand must agree."""
+    from distill import hf  # imports this module
+
+    derived = hf.read_model_config(cfg.teacher.checkpoint)
+    given = cfg.teacher.model
+    for key in sorted(given.model_fields_set):
+        if getattr(given, key) != getattr(derived, key):
+            raise DistillError(
+                f"teacher.model.{key}: {getattr(given, key)} differs from "
+                f"{getattr(derived, key)} in {hf.config_file(cfg.teacher.checkpoint)}; a Hugging "
+                "Face teacher's shape comes from its config.json: leave teacher.model unset"
+            )
+    cfg.teacher.model = derived
