@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["bench"].add_argument(
         "--repeats", type=int, default=10, help="timed repeats per measurement (median)"
     )
+    sub.choices["bench"].add_argument(
+        "--http",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the loop while a second process sends N status/metrics requests",
+    )
     e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
     e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
     e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
@@ -88,7 +95,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from pipelines.bench import bench, format_bench
 
         meshes, corpus = runner.validate(cfg)
-        result = bench(cfg, corpus, meshes, repeats=args.repeats)
+        result = bench(cfg, corpus, meshes, repeats=args.repeats, http_requests=args.http)
         print(format_bench(result))
         print(json.dumps(result))
     elif args.command == "run":

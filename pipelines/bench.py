@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -21,10 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 from distill import model
 from distill.checkpoint import params_exist, save_params
-from distill.config import Config
+from distill.config import Config, ServerConfig
 from distill.data import Corpus
 from distill.mesh import DP, Meshes
 from distill.metrics import MetricsStore
+from distill.server import start_server
 from distill.types import TeacherOutput
 from pipelines.local import distill_local
 from pipelines.teacher_setup import load_teacher, teacher_path
@@ -64,7 +67,65 @@ def _teacher_params(cfg: Config, meshes: Meshes, tmp: str):
     return load_teacher(cfg, meshes.teacher)
 
 
-def bench(cfg: Config, corpus: Corpus, meshes: Meshes, repeats: int = 10) -> dict:
+_LOAD = """
+import sys, time, urllib.request
+url, n, rate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+for _ in range(600):  # wait for the server
+    try:
+        urllib.request.urlopen(url + "healthz", timeout=2); break
+    except Exception:
+        time.sleep(0.1)
+t0 = time.perf_counter()
+for i in range(n):
+    time.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+    path = "api/status" if i % 2 == 0 else "metrics"
+    urllib.request.urlopen(url + path, timeout=10).read()
+"""
+
+
+def _pipelined_ms(
+    cfg: Config,
+    corpus: Corpus,
+    meshes: Meshes,
+    out_dir: str,
+    repeats: int,
+    http_requests: int = 0,
+    http_rate: float = 0.0,
+) -> tuple[float, float]:
+    """Median step time of the real local loop over three windows after a warm-up, with
+    its status server up; optionally with `http_requests` GETs of /api/status and /metrics
+    from a second process, paced at `http_rate` per second. Returns (ms, wall seconds)."""
+    warm, window = 3, max(repeats, 4)
+    steps = warm + 3 * window
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.output_dir = out_dir
+    cfg.train.steps, cfg.train.log_every, cfg.train.metrics_lag = steps, 1, 2
+    cfg.train.eval_every = cfg.train.checkpoint_every = steps + 1
+    cfg.optim.warmup_steps = 1
+    cfg.data.eval_batches = 1
+    store = MetricsStore(cfg.run.name, steps, {}, output_dir=None)
+    server = start_server(store, ServerConfig(port=0))
+    load = None
+    if http_requests:
+        load = subprocess.Popen(
+            [sys.executable, "-c", _LOAD, server.url, str(http_requests), str(http_rate)]
+        )
+    t0 = time.perf_counter()
+    try:
+        distill_local(cfg, corpus, meshes, store)
+    finally:
+        wall = time.perf_counter() - t0
+        if load is not None:
+            load.wait(timeout=600)
+        server.stop()
+    t = {r["step"]: r["time"] for r in store.history() if "loss" in r and not r.get("eval")}
+    windows = [(t[warm + (i + 1) * window] - t[warm + i * window]) / window for i in range(3)]
+    return 1e3 * statistics.median(windows), wall
+
+
+def bench(
+    cfg: Config, corpus: Corpus, meshes: Meshes, repeats: int = 10, http_requests: int = 0
+) -> dict:
     tmp = tempfile.mkdtemp(prefix="distill-bench-")
     cfg = cfg.model_copy(deep=True)
     tcfg, scfg = cfg.teacher.model, cfg.student_model()
@@ -127,19 +188,20 @@ def bench(cfg: Config, corpus: Corpus, meshes: Meshes, repeats: int = 10) -> dic
         data_times.append(time.perf_counter() - t)
     res["data_ms"] = 1e3 * statistics.median(data_times)
 
-    # The real loop: warm-up, then three windows of steps; median window step time.
-    warm, window = 3, max(repeats, 4)
-    steps = warm + 3 * window
-    cfg.run.output_dir = f"{tmp}/run"
-    cfg.train.steps, cfg.train.log_every, cfg.train.metrics_lag = steps, 1, 2
-    cfg.train.eval_every = cfg.train.checkpoint_every = steps + 1
-    cfg.optim.warmup_steps = 1
-    cfg.data.eval_batches = 1
-    store = MetricsStore(cfg.run.name, steps, {}, output_dir=None)
-    distill_local(cfg, corpus, meshes, store)
-    t = {r["step"]: r["time"] for r in store.history() if "loss" in r and not r.get("eval")}
-    windows = [(t[warm + (i + 1) * window] - t[warm + i * window]) / window for i in range(3)]
-    res["pipeline_ms"] = 1e3 * statistics.median(windows)
+    res["pipeline_ms"], wall = _pipelined_ms(cfg, corpus, meshes, f"{tmp}/run", repeats)
+    if http_requests:
+        loaded, _ = _pipelined_ms(
+            cfg,
+            corpus,
+            meshes,
+            f"{tmp}/run-http",
+            repeats,
+            http_requests,
+            http_rate=http_requests / wall,
+        )
+        res["pipeline_http_ms"] = loaded
+        res["http_requests"] = http_requests
+        res["http_slowdown"] = loaded / res["pipeline_ms"]
 
     student_ms_ = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
     teacher_ms_ = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
@@ -176,6 +238,14 @@ def format_bench(r: dict) -> str:
             f"pipelined step: {r['pipeline_ms']:.1f} ms = {r['pipeline_over_sum']:.2f}x "
             f"(teacher + student), {r['pipeline_over_max']:.2f}x max; "
             f"{r['tokens_per_s']:.0f} tok/s",
+            *(
+                [
+                    f"with {r['http_requests']} HTTP requests: {r['pipeline_http_ms']:.1f} ms/step "
+                    f"({r['http_slowdown']:.3f}x)"
+                ]
+                if "http_slowdown" in r
+                else []
+            ),
             f"data: {r['data_ms']:.2f} ms/batch; "
             f"matmul {r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
             f"student MFU {100 * r['mfu']:.1f}%",
