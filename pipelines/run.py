@@ -19,8 +19,20 @@ from pipelines.teacher_setup import ensure_teacher
 log = logging.getLogger("distill")
 
 
+def _require_ray(cfg: Config) -> None:
+    if cfg.pipeline.mode != "ray":
+        return
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise DistillError(
+            "pipeline.mode: ray needs Ray installed: pip install 'distill[ray]'"
+        ) from None
+
+
 def validate(cfg: Config) -> tuple[Meshes, object]:
     """All checks a run makes before touching devices; returns (meshes, corpus)."""
+    _require_ray(cfg)
     corpus = preflight(cfg)
     return build_meshes(cfg), corpus
 
@@ -42,7 +54,13 @@ def _start_server(cfg: Config, store: MetricsStore):
 
 def run(cfg: Config) -> dict:
     """`distill run`: preflight, server, teacher (load or bootstrap), distil, summary."""
-    meshes, corpus = validate(cfg)
+    host_cfg = cfg
+    _require_ray(cfg)
+    if cfg.pipeline.mode == "ray":  # the driver stays on CPU; the actors own the devices
+        from pipelines.ray_mode import driver_view
+
+        host_cfg = driver_view(cfg)
+    meshes, corpus = validate(host_cfg)
     p = plan(cfg, meshes)
     log.info("plan:\n%s", format_plan(p))
     outputs.write_config(cfg)
@@ -56,12 +74,15 @@ def run(cfg: Config) -> dict:
     store.set_mesh(p["layout"])
     server = _start_server(cfg, store)
     try:
-        ensure_teacher(cfg, corpus, store)
-        if cfg.pipeline.mode != "local":
-            raise DistillError(f"pipeline.mode: {cfg.pipeline.mode} is not supported")
-        from pipelines.local import distill_local
+        ensure_teacher(host_cfg, corpus, store)
+        if cfg.pipeline.mode == "ray":
+            from pipelines.ray_mode import distill_ray
 
-        summary = distill_local(cfg, corpus, meshes, store)
+            summary = distill_ray(cfg, corpus, store)
+        else:
+            from pipelines.local import distill_local
+
+            summary = distill_local(cfg, corpus, meshes, store)
         summary = {
             "run": cfg.run.name,
             "plan": {k: v for k, v in p.items() if k != "layout"},

@@ -1,0 +1,231 @@
+"""The actors of `pipeline.mode: ray`: one teacher per replica and one student, each owning
+its devices.
+
+An actor process gets its devices from Ray before it imports JAX: GPUs (or TPU chips) as
+Ray resources, which Ray makes the only visible ones, or on a host without accelerators its
+own simulated CPU devices through `XLA_FLAGS` in the actor's runtime environment
+(`device_options`). Each actor builds a mesh over all of its local devices. JAX is imported
+only inside the actors' methods, never by importing this module.
+
+Actors get the config as a plain tree and validate it themselves. What crosses between
+actors is host numpy: a `Batch` and a `TeacherOutput` (top-k, or dense for small
+vocabularies). The jitted functions are the local mode's own (`teacher.forward.make_forward`,
+`student.train.make_train_step`), so both modes compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import ray
+
+from distill.config import config_from_dict
+from distill.errors import DistillError
+from distill.mesh import DP, TP
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def device_options(n_devices: int, platform: str) -> tuple[dict, dict]:
+    """(placement-group bundle, actor options) giving an actor `n_devices` of `platform`.
+
+    gpu/tpu: Ray resources, so the actor lands on a node that has them and sees only its
+    own (JAX picks its platform itself, whatever the driver's environment pins). cpu: one
+    CPU slot, and `n_devices` simulated host devices set in the actor's environment before
+    its JAX starts (the driver's other XLA flags are kept)."""
+    auto = {"runtime_env": {"env_vars": {"JAX_PLATFORMS": ""}}}
+    if platform == "gpu":
+        return {"CPU": 1, "GPU": n_devices}, {"num_cpus": 1, "num_gpus": n_devices, **auto}
+    if platform == "tpu":
+        opts = {"num_cpus": 1, "resources": {"TPU": n_devices}, **auto}
+        return {"CPU": 1, "TPU": n_devices}, opts
+    flags = re.sub(_COUNT_FLAG + r"=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
+    env = {"XLA_FLAGS": " ".join([*flags, f"{_COUNT_FLAG}={n_devices}"]), "JAX_PLATFORMS": "cpu"}
+    return {"CPU": 1}, {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+
+
+def _local_mesh(n: int, axis: str, field: str):
+    """A 1-D mesh over this process's first `n` devices."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if len(devices) < n:
+        raise DistillError(
+            f"{field}: the actor needs {n} devices but sees {len(devices)} "
+            f"{devices[0].platform} devices"
+        )
+    return Mesh(np.array(devices[:n]), (axis,))
+
+
+def _info(mesh, axis: str) -> dict:
+    """Where this actor runs and which devices it owns (status API, mesh layout)."""
+    devs = list(mesh.devices.flat)
+    return {
+        "node": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+        "platform": devs[0].platform,
+        "layout": {
+            "axis": axis,
+            "shape": {axis: len(devs)},
+            "devices": [{"id": int(d.id), "kind": str(d.device_kind)} for d in devs],
+        },
+    }
+
+
+@ray.remote
+class TeacherActor:
+    """The inference mesh (axis `tp`) and the frozen teacher on it."""
+
+    def __init__(self, cfg_tree: dict):
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from pipelines.teacher_setup import load_teacher
+        from teacher.forward import make_forward
+
+        cfg = config_from_dict(cfg_tree)
+        mcfg = cfg.teacher.model
+        self._mesh = _local_mesh(cfg.mesh.teacher.tp, TP, "mesh.teacher.tp")
+        self._params = load_teacher(cfg, self._mesh)
+        self._put = NamedSharding(self._mesh, P())
+        self._forward = make_forward(
+            mcfg,
+            self._mesh,
+            mode="topk" if cfg.teacher.top_k else "dense",
+            temperature=cfg.distill.temperature,
+            top_k=cfg.teacher.top_k,
+            dtype=cfg.teacher.dtype,
+        )
+        self._logits = make_forward(mcfg, self._mesh, mode="logits", dtype=cfg.teacher.dtype)
+        self._jax = jax
+
+    def info(self) -> dict:
+        return _info(self._mesh, TP)
+
+    @ray.method(num_returns=2)
+    def forward(self, batch):
+        """(TeacherOutput of host arrays [B, S, k or V], busy milliseconds)."""
+        t0 = time.perf_counter()
+        jax = self._jax
+        out = jax.device_get(self._forward(self._params, jax.device_put(batch, self._put)))
+        return out, 1e3 * (time.perf_counter() - t0)
+
+    @ray.method(num_returns=2)
+    def eval_logits(self, batch):
+        """(dense teacher logits [B, S, V] of an eval batch, busy milliseconds)."""
+        t0 = time.perf_counter()
+        jax = self._jax
+        out = jax.device_get(self._logits(self._params, jax.device_put(batch, self._put)))
+        return out, 1e3 * (time.perf_counter() - t0)
+
+
+@ray.remote
+class StudentActor:
+    """The training mesh (axis `dp`): train state, train step, evaluation, checkpoints.
+
+    On construction it restores the latest checkpoint of `run.output_dir` if there is one,
+    so a recreated student resumes where the last checkpoint left off; `resume_point` says
+    where, and the driver rewinds its data iterator to match."""
+
+    def __init__(self, cfg_tree: dict):
+        import jax
+
+        from distill import losses
+        from distill.checkpoint import Checkpointer
+        from pipelines import outputs
+        from student import optim, train
+
+        cfg = config_from_dict(cfg_tree)
+        scfg, steps = cfg.student_model(), cfg.train.steps
+        self._jax = jax
+        self._mesh = _local_mesh(cfg.mesh.student.dp, DP, "mesh.student.dp")
+        self._split = train.batch_sharding(self._mesh)
+        tx = optim.make_optimizer(cfg.optim, steps)
+        self._step_fn = train.make_train_step(
+            scfg,
+            tx,
+            self._mesh,
+            loss_cfg=cfg.distill,
+            lr_schedule=optim.schedule(cfg.optim, steps),
+            dtype=cfg.student.dtype,
+        )
+        self._ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
+        self._start, self._data_state = self._ckpt.latest_step() or 0, None
+        if self._start:
+            abstract = train.abstract_state(scfg, tx, self._mesh)
+            self._state, self._data_state, self._start = self._ckpt.restore(abstract)
+        else:
+            self._state = train.init_state(scfg, tx, cfg.run.seed, self._mesh)
+        self._next = self._start + 1
+        self._tokens = cfg.train.batch_size * cfg.train.seq_len
+        self._student_logits = train.make_logits_fn(scfg, self._mesh, cfg.student.dtype)
+        self._eval_metrics = jax.jit(losses.eval_metrics)
+        self._eval_cache = None  # [(batch, teacher logits)] on the mesh, if the driver says so
+
+    def info(self) -> dict:
+        return _info(self._mesh, DP)
+
+    def resume_point(self) -> tuple[int, dict | None]:
+        """(the step the state is at, the data state of its next batch; None: from the start)."""
+        return self._start, self._data_state
+
+    def step(self, step_no: int, batch, teacher_out) -> dict:
+        """Train on step `step_no`'s batch; metrics as host floats. Steps must come in order:
+        a step whose predecessor never ran (its teacher output was lost) is refused."""
+        if step_no != self._next:
+            raise RuntimeError(f"student step {step_no} out of order: expected {self._next}")
+        jax, t0 = self._jax, time.perf_counter()
+        t_out = jax.device_put(teacher_out, self._split)
+        self._state, metrics = self._step_fn(self._state, jax.device_put(batch, self._split), t_out)
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self._next += 1
+        m["student_ms"] = 1e3 * (time.perf_counter() - t0)
+        m["bytes_per_token"] = sum(x.nbytes for x in jax.tree.leaves(teacher_out)) / self._tokens
+        return m
+
+    def _eval_inputs(self, batches: list, teacher_logits: list, cache: bool):
+        """(batch, teacher logits) on the mesh, fetched one pair at a time (the refs come
+        nested in lists, so Ray leaves them unresolved); kept when `cache` (small)."""
+        if self._eval_cache is not None:
+            yield from self._eval_cache
+            return
+        jax, kept = self._jax, []
+        for b_ref, t_ref in zip(batches, teacher_logits, strict=True):
+            b, t = ray.get([b_ref, t_ref])
+            pair = (jax.device_put(b, self._split), jax.device_put(t, self._split))
+            if cache:
+                kept.append(pair)
+            yield pair
+        if cache:
+            self._eval_cache = kept
+
+    def evaluate(self, batches: list, teacher_logits: list, cache: bool) -> dict:
+        """Held-out teacher vs student metrics exactly as the local mode's Evaluator computes
+        them: per batch, then token-weighted means. `batches` and `teacher_logits` are lists
+        of object refs, one per eval batch."""
+        jax, sums = self._jax, {}
+        for sb, t_logits in self._eval_inputs(batches, teacher_logits, cache):
+            logits = self._student_logits(self._state.params, sb)
+            m = self._eval_metrics(logits, t_logits, sb.targets, sb.mask)
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * m["tokens"])
+        tokens = max(sums.pop("tokens"), 1.0)
+        return {k: v / tokens for k, v in sums.items()}
+
+    def save(self, step: int, data_state: dict) -> None:
+        """Start an asynchronous checkpoint of the state after `step`."""
+        self._ckpt.save(step, self._state, data_state, force=True)
+
+    def wait_for_checkpoints(self) -> int | None:
+        """Block until every started checkpoint is written; the latest step on disk."""
+        self._ckpt.wait()
+        return self._ckpt.latest_step()
+
+    def close(self) -> None:
+        self._ckpt.close()

@@ -1,0 +1,178 @@
+"""`pipeline.mode: ray` on a real local Ray cluster: parity with local mode, killed actors,
+teacher replicas. One cluster serves the whole module; every run uses the teacher that the
+local baseline run bootstrapped, so all runs distil from the same weights."""
+
+import contextlib
+import json
+import os
+import signal
+import warnings
+
+import pytest
+import yaml
+
+from distill.cli import main
+from tests.conftest import tiny_config
+
+ray = pytest.importorskip("ray")
+ray_mode = pytest.importorskip("pipelines.ray_mode")
+
+pytestmark = pytest.mark.ray
+
+KEYS = ("loss", "kd_loss", "ce_loss", "lr")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    with warnings.catch_warnings():  # fork+exec of Ray's processes, safe with JAX loaded
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _run(tmp_path, cfg: dict) -> int:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return main(["run", str(path)])
+
+
+def _train(out) -> dict[int, dict]:
+    """The last training record of each step (a resumed run logs some steps twice)."""
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if r.get("phase") == "distill" and "loss" in r}
+
+
+def _summary(out) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, corpus_dir):
+    tmp = tmp_path_factory.mktemp("local")
+    out = tmp / "out"
+    assert _run(tmp, tiny_config(str(corpus_dir), str(out))) == 0
+    return out
+
+
+def _ray_config(corpus_dir, out, local_out, **sections) -> dict:
+    cfg = tiny_config(
+        str(corpus_dir),
+        str(out),
+        pipeline={"mode": "ray"},
+        teacher={"checkpoint": str(local_out / "teacher")},
+    )
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def _assert_same_losses(out, local_out) -> None:
+    ray_records, local_records = _train(out), _train(local_out)
+    assert sorted(ray_records) == sorted(local_records) == [2, 4, 6]
+    for step, expected in local_records.items():
+        for key in KEYS:
+            assert ray_records[step][key] == pytest.approx(expected[key], rel=1e-5), (step, key)
+    final, local_final = _summary(out)["final_eval"], _summary(local_out)["final_eval"]
+    assert final["student_loss"] == pytest.approx(local_final["student_loss"], rel=1e-5)
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_ray_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):
+    out = tmp_path / "out"
+    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    records = _train(out)
+    assert all(r["teacher_ms"] > 0 and r["student_ms"] > 0 for r in records.values())
+    assert records[6]["bytes_per_token"] == 8 * 8  # top-8 float32 values + int32 ids
+    summary = _summary(out)
+    assert summary["completed"] and summary["steps"] == 6 and summary["tokens"] == 6 * 4 * 32
+    assert summary["actor_restarts"] == {"teacher": 0, "student": 0}
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert ckpts == ["3", "6"]
+
+
+def test_killed_teacher_is_restarted(ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch):
+    statuses = []
+
+    def kill_teacher(step, pool):
+        statuses.append(pool.store.status())
+        if step == 2:
+            _kill(pool.info["teacher-0"]["pid"])
+
+    monkeypatch.setattr(ray_mode, "after_step", kill_teacher)
+    out = tmp_path / "out"
+    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
+    first, last = statuses[0], statuses[-1]  # what /api/status shows
+    assert [a["role"] for a in first["actors"]] == ["teacher", "student"]
+    for actor in first["actors"]:
+        assert actor["alive"] and actor["restarts"] == 0 and actor["node"]
+        assert actor["devices"] == "cpu:0,1" and isinstance(actor["queued"], int)
+    assert last["actors"][0]["restarts"] == 1 and last["actors"][0]["alive"]
+    assert last["restarts"] == 1
+
+
+def test_killed_student_resumes_from_checkpoint(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    def kill_student(step, pool):
+        if step == 5 and not pool.resumed_from:
+            ray.get(pool.student.wait_for_checkpoints.remote())  # checkpoint 3 is on disk
+            _kill(pool.info["student"]["pid"])
+
+    monkeypatch.setattr(ray_mode, "after_step", kill_student)
+    out = tmp_path / "out"
+    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    summary = _summary(out)
+    assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
+    assert summary["student_resumed_from"] == [3]
+
+
+def test_two_teacher_replicas(ray_cluster, local_run, corpus_dir, tmp_path):
+    out = tmp_path / "out"
+    cfg = _ray_config(corpus_dir, out, local_run, teacher={"replicas": 2})
+    assert _run(tmp_path, cfg) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["teacher_replicas"] == 2
+
+
+def test_teacher_that_keeps_dying_ends_the_run(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch, capsys
+):
+    killed = set()
+
+    def kill_every_teacher(step, pool):
+        pid = pool.info["teacher-0"]["pid"]
+        if step >= 2 and pid not in killed:
+            killed.add(pid)
+            _kill(pid)
+
+    monkeypatch.setattr(ray_mode, "after_step", kill_every_teacher)
+    out = tmp_path / "out"
+    cfg = _ray_config(corpus_dir, out, local_run, ray={"max_teacher_restarts": 1})
+    cfg["train"].update(steps=40, checkpoint_every=2)
+    assert _run(tmp_path, cfg) == 2
+    err = capsys.readouterr().err
+    assert "ray.max_teacher_restarts" in err and "Latest checkpoint: step" in err
+    ckpts = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert ckpts and max(ckpts) >= 2
+
+
+def test_device_options_give_each_actor_its_devices(monkeypatch):
+    from pipelines.ray_actors import device_options
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")
+    bundle, opts = device_options(2, "cpu")
+    env = opts["runtime_env"]["env_vars"]
+    assert bundle == {"CPU": 1} and env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"
+    bundle, opts = device_options(4, "gpu")
+    assert bundle == {"CPU": 1, "GPU": 4} and opts["num_gpus"] == 4
+    assert opts["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": ""}  # no CPU pin leaks in
