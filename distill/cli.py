@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also time the loop while a second process sends N status/metrics requests",
     )
+    sub.choices["bench"].add_argument(
+        "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
+    )
     e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
     e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
     e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
@@ -95,7 +98,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from pipelines.bench import bench, format_bench
 
         meshes, corpus = runner.validate(cfg)
-        result = bench(cfg, corpus, meshes, repeats=args.repeats, http_requests=args.http)
+        result = bench(
+            cfg, corpus, meshes, repeats=args.repeats, http_requests=args.http, ray_mode=args.ray
+        )
         print(format_bench(result))
         print(json.dumps(result))
     elif args.command == "run":

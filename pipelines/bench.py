@@ -37,24 +37,35 @@ from teacher.forward import make_forward
 log = logging.getLogger("distill")
 
 
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
+def _interleaved_ms(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median ms of each function, timed round-robin so drift in a shared machine's speed
+    hits every variant alike (their ratios are what the targets are about)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
 def matmul_flops_per_s(mesh, n: int = 1024, repeats: int = 5) -> float:
-    """Throughput of an [dp*n, n] x [n, n] float32 matmul, rows split over the mesh."""
+    """Peak throughput of an [dp*n, n] x [n, n] float32 matmul, rows split over the mesh."""
     dp = mesh.shape[DP]
     a = jax.device_put(jnp.ones((dp * n, n), jnp.float32), NamedSharding(mesh, P(DP)))
     b = jax.device_put(jnp.ones((n, n), jnp.float32), NamedSharding(mesh, P()))
     mm = jax.jit(lambda a, b: a @ b)
-    ms = _median_ms(lambda: mm(a, b), repeats)
+    for _ in range(2):
+        jax.block_until_ready(mm(a, b))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        times.append(time.perf_counter() - t)
+    ms = 1e3 * min(times)  # the peak this machine reaches: a conservative MFU denominator
     return 2.0 * dp * n * n * n / (ms / 1e3)
 
 
@@ -91,10 +102,12 @@ def _pipelined_ms(
     repeats: int,
     http_requests: int = 0,
     http_rate: float = 0.0,
-) -> tuple[float, float]:
-    """Median step time of the real local loop over three windows after a warm-up, with
-    its status server up; optionally with `http_requests` GETs of /api/status and /metrics
-    from a second process, paced at `http_rate` per second. Returns (ms, wall seconds)."""
+    mode: str = "local",
+) -> tuple[float, float, MetricsStore]:
+    """Median step time of the real loop (local or ray mode) over three windows after a
+    warm-up, with its status server up; optionally with `http_requests` GETs of /api/status
+    and /metrics from a second process, paced at `http_rate` per second.
+    Returns (ms, wall seconds, the run's metrics store)."""
     warm, window = 3, max(repeats, 4)
     steps = warm + 3 * window
     cfg = cfg.model_copy(deep=True)
@@ -112,7 +125,12 @@ def _pipelined_ms(
         )
     t0 = time.perf_counter()
     try:
-        distill_local(cfg, corpus, meshes, store)
+        if mode == "ray":
+            from pipelines.ray_mode import distill_ray
+
+            distill_ray(cfg, corpus, store)
+        else:
+            distill_local(cfg, corpus, meshes, store)
     finally:
         wall = time.perf_counter() - t0
         if load is not None:
@@ -120,11 +138,16 @@ def _pipelined_ms(
         server.stop()
     t = {r["step"]: r["time"] for r in store.history() if "loss" in r and not r.get("eval")}
     windows = [(t[warm + (i + 1) * window] - t[warm + i * window]) / window for i in range(3)]
-    return 1e3 * statistics.median(windows), wall
+    return 1e3 * statistics.median(windows), wall, store
 
 
 def bench(
-    cfg: Config, corpus: Corpus, meshes: Meshes, repeats: int = 10, http_requests: int = 0
+    cfg: Config,
+    corpus: Corpus,
+    meshes: Meshes,
+    repeats: int = 10,
+    http_requests: int = 0,
+    ray_mode: bool = False,
 ) -> dict:
     tmp = tempfile.mkdtemp(prefix="distill-bench-")
     cfg = cfg.model_copy(deep=True)
@@ -150,15 +173,21 @@ def bench(
         for m in ("logits", "dense", "topk")
     }
     res: dict[str, float] = {}
-    res["teacher_plain_ms"] = _median_ms(lambda: fwd["logits"](t_params, t_batch), repeats)
-    res["teacher_dense_ms"] = _median_ms(lambda: fwd["dense"](t_params, t_batch), repeats)
-    res["teacher_topk_ms"] = _median_ms(lambda: fwd["topk"](t_params, t_batch), repeats)
+    res.update(
+        _interleaved_ms(
+            {
+                f"teacher_{name}_ms": (lambda m=m: fwd[m](t_params, t_batch))
+                for name, m in (("plain", "logits"), ("dense", "dense"), ("topk", "topk"))
+            },
+            repeats,
+        )
+    )
     outs = {m: jax.device_put(fwd[m](t_params, t_batch), s_put) for m in ("dense", "topk")}
 
     tx = optim.make_optimizer(cfg.optim, 10**6)
     sched = optim.schedule(cfg.optim, 10**6)
 
-    def student_ms(teacher_out: TeacherOutput | None) -> float:
+    def student_step(teacher_out: TeacherOutput | None):
         step = train.make_train_step(
             scfg,
             tx,
@@ -175,11 +204,18 @@ def bench(
             box[0], metrics = step(box[0], s_batch, *extra)
             return metrics
 
-        return _median_ms(one, repeats)
+        return one
 
-    res["student_ce_ms"] = student_ms(None)
-    res["student_kd_dense_ms"] = student_ms(outs["dense"])
-    res["student_kd_topk_ms"] = student_ms(outs["topk"])
+    res.update(
+        _interleaved_ms(
+            {
+                "student_ce_ms": student_step(None),
+                "student_kd_dense_ms": student_step(outs["dense"]),
+                "student_kd_topk_ms": student_step(outs["topk"]),
+            },
+            repeats,
+        )
+    )
 
     data_times = []
     for _ in range(repeats * 5):
@@ -188,9 +224,18 @@ def bench(
         data_times.append(time.perf_counter() - t)
     res["data_ms"] = 1e3 * statistics.median(data_times)
 
-    res["pipeline_ms"], wall = _pipelined_ms(cfg, corpus, meshes, f"{tmp}/run", repeats)
+    res["pipeline_ms"], wall, _ = _pipelined_ms(cfg, corpus, meshes, f"{tmp}/run", repeats)
+    if ray_mode:
+        ray_ms, _, store = _pipelined_ms(cfg, corpus, meshes, f"{tmp}/ray", repeats, mode="ray")
+        per_token = [r["bytes_per_token"] for r in store.history() if r.get("bytes_per_token")]
+        batch_bytes = sum(x.nbytes for x in host_batch)  # driver -> teacher, driver -> student
+        res.update(
+            ray_pipeline_ms=ray_ms,
+            ray_over_local=ray_ms / res["pipeline_ms"],
+            ray_bytes_per_step=int(per_token[-1] * tokens + 2 * batch_bytes),
+        )
     if http_requests:
-        loaded, _ = _pipelined_ms(
+        loaded, _, _ = _pipelined_ms(
             cfg,
             corpus,
             meshes,
@@ -244,6 +289,15 @@ def format_bench(r: dict) -> str:
                     f"({r['http_slowdown']:.3f}x)"
                 ]
                 if "http_slowdown" in r
+                else []
+            ),
+            *(
+                [
+                    f"ray mode: {r['ray_pipeline_ms']:.1f} ms/step "
+                    f"({r['ray_over_local']:.2f}x local), "
+                    f"{r['ray_bytes_per_step'] / 2**20:.2f} MiB/step between actors"
+                ]
+                if "ray_over_local" in r
                 else []
             ),
             f"data: {r['data_ms']:.2f} ms/batch; "
