@@ -251,6 +251,7 @@ class MetricsStore:
                 "eta_s": self._eta(),
                 "elapsed_s": time.time() - self._started_at,
                 **{k: latest.get(k) for k in _STATUS_FIGURES},
+                "bottleneck": _bottleneck(latest),
                 "mesh": copy.deepcopy(self._mesh),
                 "last_checkpoint": copy.deepcopy(self._checkpoint),
                 "latest_eval": copy.deepcopy(self._eval),
@@ -416,6 +417,14 @@ class MetricsStore:
         if dt <= 0 or ds <= 0:
             return None
         return max(0.0, (self._total - self._step) * dt / ds)
+
+
+def _bottleneck(latest: dict) -> str | None:
+    """The side that bounds throughput: the mesh (or actor role) busier per unit of time."""
+    t, s = latest.get("teacher_busy"), latest.get("student_busy")
+    if not isinstance(t, (int, float)) or not isinstance(s, (int, float)):
+        return None
+    return "teacher" if t > s else "student"
 
 
 _STATUS_FIGURES = (

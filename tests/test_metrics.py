@@ -279,3 +279,12 @@ def test_control_flags():
 def test_unknown_phase_is_rejected():
     with pytest.raises(ValueError, match="unknown phase"):
         store().set_phase("warmup")
+
+
+def test_status_names_the_bottleneck():
+    store = MetricsStore("b", total_steps=10, config={})
+    assert store.status()["bottleneck"] is None
+    store.log({"step": 1, "loss": 1.0, "teacher_busy": 0.9, "student_busy": 0.4})
+    assert store.status()["bottleneck"] == "teacher"
+    store.update(teacher_busy=0.2)
+    assert store.status()["bottleneck"] == "student"

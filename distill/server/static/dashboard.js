@@ -173,6 +173,7 @@ function renderStatus(s) {
   setText("teacher-ms", fmt(s.teacher_ms, 3));
   setText("student-ms", fmt(s.student_ms, 3));
   setText("in-flight", fmt(s.in_flight));
+  setText("bottleneck", s.bottleneck || "—");
   setText("bytes-per-token", fmtSI(s.bytes_per_token));
 
   const ev = s.latest_eval;
