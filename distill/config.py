@@ -185,8 +185,8 @@ class OptimConfig(_Section):
     warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor / peak.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not on norms).")
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.95, ge=0, lt=1)
+    b1: float = Field(0.9, ge=0, lt=1, description="Adam first-moment decay.")
+    b2: float = Field(0.95, ge=0, lt=1, description="Adam second-moment decay.")
     clip_norm: float | None = Field(1.0, gt=0, description="Global-norm gradient clipping.")
 
 
