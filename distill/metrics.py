@@ -118,6 +118,7 @@ class MetricsStore:
         self._summary: dict | None = None
         self._failure: str | None = None
         self._started_at = time.time()
+        self._ended_at: float | None = None  # set when the run is done or failed
         self._progress_at = time.monotonic()
         self._checkpoint_requested = False
         self._stop_requested = False
@@ -192,11 +193,13 @@ class MetricsStore:
     def fail(self, reason: str) -> None:
         with self._lock:
             self._phase, self._failure = "failed", str(reason)
+            self._ended_at = time.time()
             self._write({"event": "failed", "reason": self._failure})
 
     def finish(self, summary: dict) -> None:
         with self._lock:
             self._phase = "done"
+            self._ended_at = time.time()
             self._summary = redact(to_plain(summary or {}))
             self._write({"event": "done", "summary": self._summary})
 
@@ -249,7 +252,7 @@ class MetricsStore:
                 "total_steps": total,
                 "progress": min(1.0, step / total) if total > 0 else None,
                 "eta_s": self._eta(),
-                "elapsed_s": time.time() - self._started_at,
+                "elapsed_s": (self._ended_at or time.time()) - self._started_at,
                 **{k: latest.get(k) for k in _STATUS_FIGURES},
                 "bottleneck": _bottleneck(latest),
                 "mesh": copy.deepcopy(self._mesh),
@@ -520,7 +523,7 @@ class _Follower:
             store.run_name = str(line.get("run_name") or store.run_name)
             if line.get("total_steps"):
                 store._run_total = int(line["total_steps"])
-            store._failure = None
+            store._failure, store._ended_at = None, None
             store._phase = "starting"
             store._apply_phase("starting", None)  # the distill counter and total again
         elif event == "phase" and line.get("phase") in PHASES:
@@ -533,9 +536,11 @@ class _Follower:
         elif event == "failed":
             self._phase_events = True
             store._phase, store._failure = "failed", str(line.get("reason"))
+            store._ended_at = line.get("time")
         elif event == "done":
             self._phase_events = True
             store._phase = "done"
+            store._ended_at = line.get("time")
             if isinstance(line.get("summary"), dict):
                 store._summary = redact(line["summary"])
 

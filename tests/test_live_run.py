@@ -97,3 +97,49 @@ def test_status_api_and_dashboard_during_a_real_run(tmp_path, corpus_dir, monkey
         assert shown and int(shown.group(1)) == status["step"]
     else:
         pytest.skip("chromium not installed: the browser half of this test did not run")
+
+
+def test_post_stop_saves_and_ends_a_real_run(tmp_path, corpus_dir):
+    """POST /api/stop with the bearer token: the loop saves a checkpoint and returns early."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}/"
+    out = tmp_path / "out"
+    cfg = config_from_dict(
+        tiny_config(
+            str(corpus_dir),
+            str(out),
+            server={"enabled": True, "port": port, "token": "s3cret"},
+            train={
+                "steps": 100000,
+                "log_every": 1,
+                "eval_every": 100000,
+                "checkpoint_every": 100000,
+            },
+        )
+    )
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(run(cfg)), daemon=True)
+    worker.start()
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            status = json.loads(_get(base + "api/status")[1])
+        except OSError:
+            time.sleep(0.1)
+            continue
+        if status["phase"] == "distill" and (status["step"] or 0) >= 2:
+            break
+        time.sleep(0.2)
+    unauthorized = urllib.request.Request(base + "api/stop", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(unauthorized, timeout=5)
+    assert e.value.code == 401
+    stop = urllib.request.Request(
+        base + "api/stop", method="POST", headers={"Authorization": "Bearer s3cret"}
+    )
+    assert urllib.request.urlopen(stop, timeout=5).status == 200
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert result["completed"] is False and 2 <= result["steps"] < 100000
+    saved = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved == [result["steps"]]

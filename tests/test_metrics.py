@@ -288,3 +288,14 @@ def test_status_names_the_bottleneck():
     assert store.status()["bottleneck"] == "teacher"
     store.update(teacher_busy=0.2)
     assert store.status()["bottleneck"] == "student"
+
+
+def test_elapsed_stops_when_the_run_ends(tmp_path):
+    store = MetricsStore("e", total_steps=1, config={}, output_dir=str(tmp_path))
+    store.finish({"ok": True})
+    first = store.status()["elapsed_s"]
+    time.sleep(0.05)
+    assert store.status()["elapsed_s"] == first
+    store.close()
+    replay = MetricsStore.from_run_dir(str(tmp_path))
+    assert replay.status()["elapsed_s"] == pytest.approx(first, abs=0.01)
