@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 
 from tqdm import tqdm
@@ -14,7 +15,15 @@ class Progress:
     def __init__(self, total: int, start: int, name: str):
         self._bar = None
         if sys.stderr.isatty():
-            self._bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True)
+            size = shutil.get_terminal_size((100, 24))  # a pty reporting 0x0 gets 100x24
+            self._bar = tqdm(
+                total=total,
+                initial=start,
+                desc=name,
+                unit="step",
+                ncols=size.columns,
+                nrows=size.lines,
+            )
         self._last = start
 
     def update(self, step: int, record: dict) -> None:
