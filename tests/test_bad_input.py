@@ -77,7 +77,7 @@ def test_empty_data_and_missing_config(tmp_path, capsys):
 def test_every_shipped_pipeline_validates(path):
     cfg = load_config(path)
     assert main(["validate", path]) == 0
-    assert cfg.pipeline.mode == "local"
+    assert cfg.pipeline.mode in ("local", "ray")
 
 
 def test_set_overrides_are_typed():
