@@ -43,9 +43,7 @@ def with_jax_extra(requirement: str, extra: str | None) -> str:
 def requirements(project: dict, accelerator: str = "cpu", extras: list[str] = ()) -> list[str]:
     """The image's requirements: project dependencies (+ JAX accelerator extra) + extras."""
     if accelerator not in ACCELERATORS:
-        raise ValueError(
-            f"ACCELERATOR={accelerator!r}: expected one of {', '.join(ACCELERATORS)}"
-        )
+        raise ValueError(f"ACCELERATOR={accelerator!r}: expected one of {', '.join(ACCELERATORS)}")
     deps = list(project.get("dependencies", []))
     if not any(_canonical(_REQ.match(d)["name"]) == "jax" for d in deps if _REQ.match(d)):
         raise ValueError("pyproject.toml: [project] dependencies name no jax requirement")

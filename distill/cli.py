@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
         "plan": "print the device split, sizes and FLOPs",
         "eval": "evaluate teacher and latest student checkpoint; prints one JSON object",
         "bench": "time each phase and the pipelined step; prints one JSON object last",
+        "cache-teacher": "store top-k teacher outputs for teacher.source cache; one JSON line",
     }
     for name, text in helps.items():
         c = sub.add_parser(name, help=text, description=text)
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="also time the loop while a second process sends N status/metrics requests",
+    )
+    sub.choices["cache-teacher"].add_argument(
+        "--batches-per-shard", type=int, default=64, metavar="N", help="records per shard"
     )
     sub.choices["bench"].add_argument(
         "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
@@ -103,6 +107,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         print(format_bench(result))
         print(json.dumps(result))
+    elif args.command == "cache-teacher":
+        from pipelines.teacher_cache import cache_teacher
+
+        print(json.dumps(cache_teacher(cfg, args.batches_per_shard)))
     elif args.command == "run":
         summary = runner.run(cfg)
         print(

@@ -32,6 +32,20 @@ def embed_lookup(embed_vd: jax.Array, tokens_bs: jax.Array, axis: str | None) ->
     return jax.lax.psum(jnp.where(owned[..., None], x, 0).astype(embed_vd.dtype), axis)
 
 
+def mask_vocab(
+    logits_bsv: jax.Array, vocab_limit: int | None, axis: str | None, fill: float = -jnp.inf
+) -> jax.Array:
+    """`fill` at global ids >= `vocab_limit` (a model vocabulary padded past its tokenizer's):
+    each shard masks the part of its id range [offset, offset + V/tp) beyond the limit.
+    The teacher uses -inf; a student masking its own logits under a gradient should use a
+    large finite value (-1e30): the JSD's logaddexp(-inf, -inf) has a NaN gradient."""
+    local_v = logits_bsv.shape[-1]
+    if vocab_limit is None or (axis is None and vocab_limit >= local_v):
+        return logits_bsv
+    ids = _vocab_offset(local_v, axis) + jnp.arange(local_v)
+    return jnp.where(ids < vocab_limit, logits_bsv, fill).astype(logits_bsv.dtype)
+
+
 def log_softmax(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
     """log softmax over a vocabulary sharded on `axis` (global max and sum via collectives)."""
     z = logits_bsv.astype(jnp.float32)

@@ -117,6 +117,16 @@ class TeacherConfig(_Section):
     replicas: int = Field(
         1, ge=1, description="Teacher actors in pipeline.mode ray, each with its own tp mesh."
     )
+    source: Literal["online", "cache"] = Field(
+        "online",
+        description="online: run the teacher during training. cache: read its top-k outputs "
+        "from teacher.cache_dir, written by `distill cache-teacher` (no teacher on any device).",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where cache-teacher writes and source cache reads; default "
+        "<run.output_dir>/teacher_cache.",
+    )
 
     def is_hf(self) -> bool:
         """Whether `checkpoint` is read as a Hugging Face directory."""
@@ -161,7 +171,11 @@ class DataConfig(_Section):
         "auto", description="auto: .jsonl/.json lines files are JSONL, the rest plain text."
     )
     text_field: str = Field("text", description="The text field of JSONL records.")
-    tokenizer: Literal["bytes"] = Field("bytes", description="Built-in byte-level tokenizer.")
+    tokenizer: str = Field(
+        "bytes",
+        description="'bytes' (built-in byte-level), or a path to a Hugging Face tokenizer.json "
+        "or a SentencePiece .model.",
+    )
     max_bytes: int | None = Field(
         None, ge=1, description="Stop reading the corpus after this many bytes."
     )

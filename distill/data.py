@@ -29,6 +29,7 @@ import numpy as np
 
 from distill.config import DataConfig
 from distill.errors import DistillError
+from distill.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer  # noqa: F401
 from distill.types import Batch
 
 _GLOB_CHARS = "*?["
@@ -41,31 +42,7 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
 # ----------------------------------------------------------------------------- tokenizers
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: PAD=0, BOS=1, EOS=2, byte b -> b + 3. Needs no vocabulary file."""
-
-    pad_id = 0
-    bos_id = 1
-    eos_id = 2
-    vocab_size = 259
-
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids [n] int32 of ``text``'s UTF-8 bytes, without BOS/EOS."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + 3
-
-    def decode(self, ids) -> str:
-        """Text of ``ids``; special ids are skipped, invalid UTF-8 becomes U+FFFD."""
-        ids = np.asarray(ids).reshape(-1)
-        ids = ids[(ids >= 3) & (ids < self.vocab_size)]
-        return (ids - 3).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-
-_TOKENIZERS = {"bytes": ByteTokenizer}
-
-
-def build_tokenizer(cfg: DataConfig) -> ByteTokenizer:
-    """The tokenizer named by ``data.tokenizer``."""
-    return _TOKENIZERS[cfg.tokenizer]()
+# ByteTokenizer (re-exported here), tokenizer.json and SentencePiece: distill.tokenizers.
 
 
 # ----------------------------------------------------------------------------- documents
@@ -288,7 +265,7 @@ def _shuffle_seed(seed: int) -> int:
 class Corpus:
     """Packed train and eval rows of one corpus, and the tokenizer that made them."""
 
-    tokenizer: ByteTokenizer
+    tokenizer: Tokenizer
     train: PackedRows
     eval: PackedRows
 
@@ -327,7 +304,7 @@ class Corpus:
 def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
     """Read, tokenize, split and pack ``cfg``'s corpus into rows of ``seq_len`` tokens."""
     tokenizer = build_tokenizer(cfg)
-    docs = [tokenizer.encode(t) for t in load_documents(cfg)]
+    docs = tokenizer.encode_batch(load_documents(cfg))
     need = seq_len + 1
     train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, need)
     packed = {}

@@ -52,7 +52,9 @@ _EVAL_CACHE_BYTES = 256 * 2**20  # cache the frozen teacher's eval logits below 
 class Evaluator:
     """Held-out metrics of teacher vs student: dense teacher logits, exact full-vocab KL."""
 
-    def __init__(self, cfg: Config, meshes: Meshes, teacher_params, corpus: Corpus):
+    def __init__(
+        self, cfg: Config, meshes: Meshes, teacher_params, corpus: Corpus, teacher_logits=None
+    ):
         self._teacher = make_forward(
             cfg.teacher.model, meshes.teacher, mode="logits", dtype=cfg.teacher.dtype
         )
@@ -62,7 +64,8 @@ class Evaluator:
         self._tput = NamedSharding(meshes.teacher, P())
         self._batches = corpus.eval_batches(cfg.train.batch_size, cfg.data.eval_batches)
         self._metrics = jax.jit(losses.eval_metrics)
-        self._teacher_logits = None  # the teacher is frozen: keep its logits if they are small
+        # the teacher is frozen: keep its logits if they are small (or take them from a cache)
+        self._teacher_logits = teacher_logits
         self._vocab = cfg.teacher.model.vocab_size
 
     def _cache_bytes(self) -> int:
@@ -105,16 +108,22 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     steps, bsz, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     tokens_per_step = bsz * seq
 
-    teacher_params = load_teacher(cfg, meshes.teacher)
-    mode = "topk" if cfg.teacher.top_k else "dense"
-    teacher_fwd = make_forward(
-        tcfg,
-        meshes.teacher,
-        mode=mode,
-        temperature=cfg.distill.temperature,
-        top_k=cfg.teacher.top_k,
-        dtype=cfg.teacher.dtype,
-    )
+    cached = cfg.teacher.source == "cache"  # offline: batches + teacher outputs from disk
+    if cached:
+        from pipelines import teacher_cache
+
+        teacher_params = teacher_fwd = None
+    else:
+        teacher_params = load_teacher(cfg, meshes.teacher)
+        mode = "topk" if cfg.teacher.top_k else "dense"
+        teacher_fwd = make_forward(
+            tcfg,
+            meshes.teacher,
+            mode=mode,
+            temperature=cfg.distill.temperature,
+            top_k=cfg.teacher.top_k,
+            dtype=cfg.teacher.dtype,
+        )
     tx = optim.make_optimizer(cfg.optim, steps)
     step_fn = train.make_train_step(
         scfg,
@@ -124,10 +133,16 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
         lr_schedule=optim.schedule(cfg.optim, steps),
         dtype=cfg.student.dtype,
     )
-    evaluate = Evaluator(cfg, meshes, teacher_params, corpus)
+    if cached:  # the stored teacher eval logits, or no periodic eval if too large to store
+        logits = teacher_cache.eval_logits(cfg)
+        split = train.batch_sharding(meshes.student)
+        stored = [jax.device_put(x, split) for x in logits] if logits else None
+        evaluate = Evaluator(cfg, meshes, None, corpus, stored) if stored else None
+    else:
+        evaluate = Evaluator(cfg, meshes, teacher_params, corpus)
     ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
 
-    it = corpus.train_iterator(bsz, seed=cfg.run.seed)
+    it = teacher_cache.train_iterator(cfg) if cached else corpus.train_iterator(bsz, cfg.run.seed)
     start = ckpt.latest_step() or 0
     if start:
         state, data_state, start = ckpt.restore(train.abstract_state(scfg, tx, meshes.student))
@@ -142,9 +157,12 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
 
     def submit_teacher() -> None:
         data_state = it.get_state()
-        batch = next(it)
-        out = teacher_fwd(teacher_params, jax.device_put(batch, t_put))
-        t_watch.watch(out)
+        if cached:
+            batch, out = next(it)  # host arrays; moved to the training mesh like online outputs
+        else:
+            batch = next(it)
+            out = teacher_fwd(teacher_params, jax.device_put(batch, t_put))
+            t_watch.watch(out)
         in_flight.append(InFlight(data_state, batch, out))
 
     def resume_point() -> dict:
@@ -198,7 +216,9 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
             progress.update(step, record)
             last_log_t, last_log_step = now, step
 
-    def run_eval(step: int) -> dict:
+    def run_eval(step: int) -> dict | None:
+        if evaluate is None:
+            return None
         store.set_phase("eval")
         m = {"step": step, **evaluate(state.params)}
         store.log_eval(m)

@@ -40,6 +40,8 @@ def check_shapes(cfg: Config) -> None:
 
 
 def check_teacher_source(cfg: Config) -> None:
+    if cfg.teacher.source == "cache":  # the cache is checked by pipelines.teacher_cache
+        return
     if params_exist(cfg.teacher.checkpoint) or cfg.teacher.pretrain_steps > 0:
         return
     where = cfg.teacher.checkpoint or "(not set)"
@@ -68,5 +70,10 @@ def preflight(cfg: Config) -> Corpus:
             f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "
             f"tokenizer's vocabulary ({corpus.tokenizer.vocab_size}, data.tokenizer="
             f"{cfg.data.tokenizer})"
+        )
+    if cfg.teacher.top_k is not None and cfg.teacher.top_k > corpus.tokenizer.vocab_size:
+        raise DistillError(
+            f"teacher.top_k: {cfg.teacher.top_k} exceeds the tokenizer's vocabulary "
+            f"({corpus.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer})"
         )
     return corpus

@@ -34,6 +34,10 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
     """All checks a run makes before touching devices; returns (meshes, corpus)."""
     _require_ray(cfg)
     corpus = preflight(cfg)
+    if cfg.teacher.source == "cache":  # offline: the cache must match and be long enough
+        from pipelines.teacher_cache import check_cache
+
+        check_cache(cfg, corpus)
     return build_meshes(cfg), corpus
 
 
@@ -74,7 +78,8 @@ def run(cfg: Config) -> dict:
     store.set_mesh(p["layout"])
     server = _start_server(cfg, store)
     try:
-        ensure_teacher(host_cfg, corpus, store)
+        if cfg.teacher.source == "online":
+            ensure_teacher(host_cfg, corpus, store)
         if cfg.pipeline.mode == "ray":
             from pipelines.ray_mode import distill_ray
 

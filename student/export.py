@@ -21,6 +21,7 @@ from distill import hf
 from distill.config import Config, ModelConfig
 from distill.data import ByteTokenizer
 from distill.errors import DistillError
+from distill.tokenizers import export_files, load_tokenizer
 
 
 def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -43,9 +44,7 @@ def write_hf(
     """Write `params` as a Hugging Face Llama directory; returns its path."""
     from safetensors.numpy import save_file
 
-    if tokenizer != "bytes":
-        raise DistillError(f"data.tokenizer: {tokenizer} cannot be exported yet")
-    tok = ByteTokenizer()
+    tok = load_tokenizer(tokenizer)  # "bytes", or the run's tokenizer file (copied below)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
@@ -58,7 +57,11 @@ def write_hf(
     files = {
         hf.CONFIG: config,
         "generation_config.json": generation,
-        **_byte_tokenizer_files(tok, max_position_embeddings),
+        **(
+            _byte_tokenizer_files(tok, max_position_embeddings)
+            if tok.kind == "bytes"
+            else export_files(tok, out, max_position_embeddings)
+        ),
     }
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")

@@ -31,8 +31,13 @@ def make_forward(
     temperature: float = 1.0,
     top_k: int | None = None,
     dtype: str = "float32",
+    vocab_limit: int | None = None,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output.
+
+    `vocab_limit`: the tokenizer's vocabulary size when the model's is padded past it; the
+    logits of ids >= vocab_limit are -inf in every mode (each vocab shard masks its own
+    range), so log-probs and top-k put no mass on ids the tokenizer never produces.
 
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V] sharded over vocab, None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k]), replicated
@@ -45,6 +50,8 @@ def make_forward(
         logits = model.apply(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP, dtype=dtype
         )  # [B, S, V/tp]
+        if vocab_limit is not None and vocab_limit < cfg.vocab_size:
+            logits = cc.mask_vocab(logits, vocab_limit, TP)
         if mode == "logits":
             return logits
         logprobs = cc.log_softmax(logits / temperature, TP)

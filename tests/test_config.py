@@ -10,8 +10,11 @@ from distill.config import Config
 
 def _fields(model, prefix=""):
     for name, field in model.model_fields.items():
-        sub = [t for t in (field.annotation, *typing.get_args(field.annotation))
-               if isinstance(t, type) and issubclass(t, BaseModel)]
+        sub = [
+            t
+            for t in (field.annotation, *typing.get_args(field.annotation))
+            if isinstance(t, type) and issubclass(t, BaseModel)
+        ]
         if sub and name != "rope_scaling":
             yield from _fields(sub[0], f"{prefix}{name}.")
         else:
@@ -29,11 +32,32 @@ def test_every_field_is_documented_and_in_the_readme():
 
 def test_public_key_paths_exist():
     paths = {p for p, _ in _fields(Config)}
-    for p in ("run.output_dir", "run.seed", "mesh.teacher.tp", "mesh.student.dp",
-              "teacher.checkpoint", "teacher.top_k", "teacher.pretrain_steps", "distill.loss",
-              "distill.temperature", "distill.alpha", "optim.lr", "train.steps",
-              "train.batch_size", "train.seq_len", "train.checkpoint_every", "train.eval_every",
-              "data.source", "pipeline.mode", "pipeline.prefetch", "teacher.model.vocab_size",
-              "teacher.model.d_model", "teacher.model.n_layers", "teacher.model.n_heads",
-              "teacher.model.n_kv_heads", "teacher.model.d_ff", "student.model.d_model"):
+    for p in (
+        "run.output_dir",
+        "run.seed",
+        "mesh.teacher.tp",
+        "mesh.student.dp",
+        "teacher.checkpoint",
+        "teacher.top_k",
+        "teacher.pretrain_steps",
+        "distill.loss",
+        "distill.temperature",
+        "distill.alpha",
+        "optim.lr",
+        "train.steps",
+        "train.batch_size",
+        "train.seq_len",
+        "train.checkpoint_every",
+        "train.eval_every",
+        "data.source",
+        "pipeline.mode",
+        "pipeline.prefetch",
+        "teacher.model.vocab_size",
+        "teacher.model.d_model",
+        "teacher.model.n_layers",
+        "teacher.model.n_heads",
+        "teacher.model.n_kv_heads",
+        "teacher.model.d_ff",
+        "student.model.d_model",
+    ):
         assert p in paths, p

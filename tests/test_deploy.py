@@ -97,8 +97,9 @@ def _final_stage() -> list[tuple[str, str]]:
 
 
 def _image_requirements():
-    spec = importlib.util.spec_from_file_location("image_requirements",
-                                                  DEPLOY / "image_requirements.py")
+    spec = importlib.util.spec_from_file_location(
+        "image_requirements", DEPLOY / "image_requirements.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -110,8 +111,9 @@ class _Launch:
     def __init__(self, path: Path):
         self.docs = _docs(path)
         self.configmaps = {d["metadata"]["name"]: d for d in self.docs if d["kind"] == "ConfigMap"}
-        self.pvcs = {d["metadata"]["name"] for d in self.docs
-                     if d["kind"] == "PersistentVolumeClaim"}
+        self.pvcs = {
+            d["metadata"]["name"] for d in self.docs if d["kind"] == "PersistentVolumeClaim"
+        }
         self.service = _one(self.docs, "Service")
         if path == GPU:
             job = _one(self.docs, "RayJob")
@@ -175,10 +177,18 @@ def test_every_yaml_under_deploy_parses_into_k8s_objects():
 
 def test_kinds_and_api_versions():
     want = {
-        GPU: {"ConfigMap": "v1", "PersistentVolumeClaim": "v1", "RayJob": "ray.io/v1",
-              "Service": "v1"},
-        TPU: {"ConfigMap": "v1", "PersistentVolumeClaim": "v1",
-              "JobSet": "jobset.x-k8s.io/v1alpha2", "Service": "v1"},
+        GPU: {
+            "ConfigMap": "v1",
+            "PersistentVolumeClaim": "v1",
+            "RayJob": "ray.io/v1",
+            "Service": "v1",
+        },
+        TPU: {
+            "ConfigMap": "v1",
+            "PersistentVolumeClaim": "v1",
+            "JobSet": "jobset.x-k8s.io/v1alpha2",
+            "Service": "v1",
+        },
     }
     for path, kinds in want.items():
         got = {d["kind"]: d["apiVersion"] for d in _docs(path)}
@@ -218,10 +228,14 @@ def test_output_dir_is_on_the_persistent_volume(launch):
         assert "ReadWriteMany" in pvc["spec"]["accessModes"]
         for group in launch.job["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
             spec = group["template"]["spec"]
-            names = {v["name"] for v in spec["volumes"]
-                     if v.get("persistentVolumeClaim", {}).get("claimName") == claim}
-            mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]
-                      if m["name"] in names}
+            names = {
+                v["name"]
+                for v in spec["volumes"]
+                if v.get("persistentVolumeClaim", {}).get("claimName") == claim
+            }
+            mounts = {
+                m["mountPath"] for m in spec["containers"][0]["volumeMounts"] if m["name"] in names
+            }
             assert any(out.startswith(m.rstrip("/") + "/") for m in mounts)
 
 
@@ -358,8 +372,9 @@ def test_head_liveness_probe_semantics(healthz, alive):
         port = servers[-1].server_port
     script = script.replace(f"127.0.0.1:{SERVER_PORT}", f"127.0.0.1:{port}")
     try:
-        rc = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                            timeout=30).returncode
+        rc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, timeout=30
+        ).returncode
     finally:
         for s in servers:
             s.shutdown()
@@ -396,12 +411,19 @@ def test_dockerfile_runtime_contract():
 
 def test_dockerfile_installs_dependencies_before_copying_the_source():
     ins = _dockerfile()
-    copy_pyproject = next(i for i, (w, r) in enumerate(ins)
-                          if w == "COPY" and "pyproject.toml" in r and "--from" not in r)
-    install_deps = next(i for i, (w, r) in enumerate(ins)
-                        if w == "RUN" and "pip install" in r and "requirements" in r)
-    copy_source = next(i for i, (w, r) in enumerate(ins)
-                       if w == "COPY" and re.match(r"(--\S+\s+)*\.\s", r))
+    copy_pyproject = next(
+        i
+        for i, (w, r) in enumerate(ins)
+        if w == "COPY" and "pyproject.toml" in r and "--from" not in r
+    )
+    install_deps = next(
+        i
+        for i, (w, r) in enumerate(ins)
+        if w == "RUN" and "pip install" in r and "requirements" in r
+    )
+    copy_source = next(
+        i for i, (w, r) in enumerate(ins) if w == "COPY" and re.match(r"(--\S+\s+)*\.\s", r)
+    )
     copy_pyproject_args = ins[copy_pyproject][1].split()
     assert "." not in copy_pyproject_args[:-1], "the dependency layer must not see the source"
     assert copy_pyproject < install_deps < copy_source
@@ -420,8 +442,11 @@ def test_dockerfile_leaves_no_compilers_or_caches():
 
 
 def test_dockerignore_keeps_runs_caches_and_git_out():
-    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]
+    lines = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     for pattern in (".git", "runs", "**/__pycache__", ".venv", ".pytest_cache", "tests"):
         assert pattern in lines, pattern
     # what the build needs stays in
@@ -433,9 +458,14 @@ def test_dockerignore_keeps_runs_caches_and_git_out():
 # ---------------------------------------------------------------------------- requirements
 
 
-@pytest.mark.parametrize(("accelerator", "jax"), [
-    ("cpu", "jax>=0.8"), ("cuda12", "jax[cuda12]>=0.8"), ("tpu", "jax[tpu]>=0.8"),
-])
+@pytest.mark.parametrize(
+    ("accelerator", "jax"),
+    [
+        ("cpu", "jax>=0.8"),
+        ("cuda12", "jax[cuda12]>=0.8"),
+        ("tpu", "jax[tpu]>=0.8"),
+    ],
+)
 def test_image_requirements_select_the_jax_install(accelerator, jax):
     mod = _image_requirements()
     assert mod.with_jax_extra("jax>=0.8", mod.ACCELERATORS[accelerator]) == jax
@@ -469,10 +499,15 @@ def test_smoke_script_is_valid_bash():
 
 def test_readme_walks_from_build_to_dashboard():
     text = (DEPLOY / "README.md").read_text()
-    for needed in ("docker build --build-arg ACCELERATOR=cuda12", "docker build --build-arg "
-                   "ACCELERATOR=tpu", "kubectl port-forward svc/distill-gpu-dashboard",
-                   "kubectl port-forward svc/distill-tpu-dashboard", "container_smoke.sh",
-                   "container.sh", "jax.distributed.initialize()"):
+    for needed in (
+        "docker build --build-arg ACCELERATOR=cuda12",
+        "docker build --build-arg ACCELERATOR=tpu",
+        "kubectl port-forward svc/distill-gpu-dashboard",
+        "kubectl port-forward svc/distill-tpu-dashboard",
+        "container_smoke.sh",
+        "container.sh",
+        "jax.distributed.initialize()",
+    ):
         assert needed in text, needed
 
 
@@ -484,15 +519,20 @@ def test_container_smoke():
     """Builds the cpu image and runs validate + a 4-step run inside it (minutes)."""
     if shutil.which("buildah") is None:
         pytest.skip("buildah is not installed")
-    container_sh = Path(os.environ.get("DISTILL_CONTAINER_SH",
-                                       ROOT.parent / "shared" / "tools" / "container.sh"))
+    container_sh = Path(
+        os.environ.get("DISTILL_CONTAINER_SH", ROOT.parent / "shared" / "tools" / "container.sh")
+    )
     if not container_sh.is_file():
         pytest.skip(f"no {container_sh}")
     if hasattr(os, "geteuid") and os.geteuid() != 0:
         pytest.skip("buildah with chroot isolation needs root here")
     proc = subprocess.run(
-        ["bash", str(DEPLOY / "container_smoke.sh")], cwd=ROOT, capture_output=True,
-        text=True, timeout=3600, env={**os.environ, "DISTILL_CONTAINER_SH": str(container_sh)},
+        ["bash", str(DEPLOY / "container_smoke.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**os.environ, "DISTILL_CONTAINER_SH": str(container_sh)},
     )
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail

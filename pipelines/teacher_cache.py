@@ -1,0 +1,421 @@
+"""Offline distillation: run the teacher once, store its top-k outputs, train from them.
+
+`distill cache-teacher CONFIG` runs the teacher over the training batches in exactly the
+order `corpus.train_iterator(train.batch_size, seed=run.seed)` yields them and writes one
+ArrayRecord record per batch (the Batch fields and the top-k TeacherOutput) to shards of
+`batches_per_shard` records under `teacher.cache_dir`, plus `manifest.json`. A shard is
+written under a temporary name and renamed when closed, and the manifest is replaced
+after each shard, so a rerun continues after the last complete shard.
+
+`teacher.source: cache` reads the records back in order through a Grain MapDataset whose
+iterator state is the same `{"next_index": n}` as online mode's, so checkpoints resume
+alike; `pipelines.local` places them on the training mesh and runs the same train step.
+No teacher is loaded on any device.
+
+On disk, per token: tokens/targets as uint16 when the vocabulary fits (else int32),
+segment_ids/positions as uint16 when seq_len fits, mask as uint8, top-k ids as uint16 when
+the vocabulary fits, top-k log-probs as float32. float32 and not float16: float16 saves
+2*k bytes per token (k=32: 128 instead of 192 teacher bytes per token, against 512 KiB of
+dense float32 logits for a 128k vocabulary) but, measured on the tiny test config with
+top_k=8, it moves the step-1 KD term by 3.5e-4 relative (the total loss by under 1e-5): not
+the exact parity with online training that makes a cache trustworthy.
+
+Measured (tiny config, vocab 260, batch 8 x 128, 16 batches): top_k=8: 64 bytes per token
+on disk (48 of them teacher outputs) vs 1040 dense, 16x smaller; top_k=32: 208 (192) vs
+1040, 5x. ArrayRecord pads each record's chunk a little (<= 7 bytes/token here, well under
+1% for real batches of megabytes).
+
+The held-out split's dense teacher logits (what `Evaluator` compares against) are stored
+too, in `eval.arrayrecord`, when they fit in the evaluator's own in-memory cache limit;
+otherwise periodic evaluation is skipped in cache mode.
+
+The teacher hash is a sha256 over every file of the teacher checkpoint directory (sorted
+relative paths, sizes and all bytes): exact, at the cost of reading the checkpoint once
+per `cache-teacher` and once per run preflight (when the checkpoint is present there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+
+from distill.config import Config
+from distill.errors import DistillError
+from distill.types import Batch, TeacherOutput
+
+log = logging.getLogger("distill")
+
+FORMAT = 1
+BATCHES_PER_SHARD = 64
+LOGPROBS_DTYPE = np.dtype(np.float32)  # see the module docstring for float16
+_WRITER_OPTIONS = "group_size:1,uncompressed"  # one batch per chunk: random access is cheap
+_EVAL_CACHE_BYTES = 256 * 2**20  # the same limit as pipelines.local's evaluator cache
+_MANIFEST = "manifest.json"
+_EVAL_FILE = "eval.arrayrecord"
+# manifest key -> the config key (or option) it must agree with
+_CHECKED = {
+    "teacher_hash": "teacher.checkpoint",
+    "top_k": "teacher.top_k",
+    "temperature": "distill.temperature",
+    "teacher_dtype": "teacher.dtype",
+    "vocab_size": "teacher.model.vocab_size",
+    "seq_len": "train.seq_len",
+    "batch_size": "train.batch_size",
+    "seed": "run.seed",
+    "data_hash": "data",
+    "eval_batches": "data.eval_batches",
+    "batches_per_shard": "--batches-per-shard",
+}
+
+
+def cache_dir(cfg: Config) -> Path:
+    return Path(cfg.teacher.cache_dir or f"{cfg.run.output_dir.rstrip('/')}/teacher_cache")
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def encode(arrays: dict[str, np.ndarray]) -> bytes:
+    """One record: a 4-byte header length, a JSON header {name: [dtype, shape]}, raw bytes."""
+    header = json.dumps({k: [v.dtype.str, list(v.shape)] for k, v in arrays.items()}).encode()
+    body = b"".join(np.ascontiguousarray(v).tobytes() for v in arrays.values())
+    return struct.pack("<I", len(header)) + header + body
+
+
+def decode(record: bytes) -> dict[str, np.ndarray]:
+    (n,) = struct.unpack_from("<I", record)
+    header = json.loads(record[4 : 4 + n])
+    out, offset = {}, 4 + n
+    for name, (dtype, shape) in header.items():
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape))
+        out[name] = np.frombuffer(record, dt, count, offset).reshape(shape)
+        offset += count * dt.itemsize
+    return out
+
+
+def _small_int(limit: int) -> np.dtype:
+    return np.dtype(np.uint16) if limit <= 2**16 else np.dtype(np.int32)
+
+
+def batch_record(batch: Batch, out: TeacherOutput, vocab_size: int, seq_len: int) -> bytes:
+    vocab_t, pos_t = _small_int(vocab_size), _small_int(seq_len + 1)
+    return encode(
+        {
+            "tokens": np.asarray(batch.tokens).astype(vocab_t),
+            "targets": np.asarray(batch.targets).astype(vocab_t),
+            "segment_ids": np.asarray(batch.segment_ids).astype(pos_t),
+            "positions": np.asarray(batch.positions).astype(pos_t),
+            "mask": np.asarray(batch.mask).astype(np.uint8),
+            "logprobs": np.asarray(out.logprobs).astype(LOGPROBS_DTYPE),
+            "ids": np.asarray(out.ids).astype(vocab_t),
+        }
+    )
+
+
+def read_batch(record: bytes) -> tuple[Batch, TeacherOutput]:
+    """A record back as host arrays with the dtypes of online mode (int32, float32)."""
+    a = decode(record)
+    i32 = lambda k: a[k].astype(np.int32)  # noqa: E731
+    batch = Batch(
+        i32("tokens"), i32("targets"), i32("segment_ids"), i32("positions"),
+        a["mask"].astype(np.float32),
+    )  # fmt: skip
+    return batch, TeacherOutput(a["logprobs"].astype(np.float32), i32("ids"))
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def teacher_hash(path: str) -> str:
+    """sha256 over the sorted relative paths, sizes and bytes of every checkpoint file."""
+    if "://" in path:
+        return f"remote:{path}"  # not read here; the path stands for the weights
+    root = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(root).as_posix()}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def data_hash(corpus) -> str:
+    """sha256 of the packed train and eval token streams: the cache's tokens come from them."""
+    h = hashlib.sha256()
+    for rows in (corpus.train, corpus.eval):
+        h.update(str(len(rows)).encode())
+        if hasattr(rows, "stream"):
+            h.update(rows.stream.tobytes())
+        else:
+            h.update(rows.gather(np.arange(min(len(rows), 256))).tokens.tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def expected_manifest(cfg: Config, corpus, thash: str | None, batches_per_shard: int) -> dict:
+    return {
+        "format": FORMAT,
+        "teacher_hash": thash,
+        "top_k": cfg.teacher.top_k,
+        "temperature": cfg.distill.temperature,
+        "teacher_dtype": cfg.teacher.dtype,
+        "vocab_size": cfg.teacher.model.vocab_size,
+        "seq_len": cfg.train.seq_len,
+        "batch_size": cfg.train.batch_size,
+        "seed": cfg.run.seed,
+        "data_hash": data_hash(corpus),
+        "eval_batches": cfg.data.eval_batches,
+        "batches_per_shard": batches_per_shard,
+    }
+
+
+def read_manifest(root: Path) -> dict | None:
+    path = root / _MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise DistillError(f"teacher cache: {path} is not valid JSON") from None
+
+
+def check_manifest(manifest: dict, expected: dict, root: Path) -> None:
+    """One-line DistillError naming the first field where the cache and the config differ."""
+    if manifest.get("format") != FORMAT:
+        raise DistillError(
+            f"teacher cache: {root / _MANIFEST} has format {manifest.get('format')}, "
+            f"this version reads {FORMAT}; rerun distill cache-teacher into a new teacher.cache_dir"
+        )
+    for key, field in _CHECKED.items():
+        want = expected.get(key)
+        if want is None:  # e.g. the teacher checkpoint is absent when training from the cache
+            continue
+        if manifest.get(key) != want:
+            raise DistillError(
+                f"{field}: {key} {want} differs from {manifest.get(key)} in the teacher cache "
+                f"manifest {root / _MANIFEST}; use another teacher.cache_dir or the same settings"
+            )
+
+
+def _write_manifest(root: Path, manifest: dict) -> None:
+    tmp = root / (_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, root / _MANIFEST)
+
+
+def _shard_name(i: int) -> str:
+    return f"train-{i:05d}.arrayrecord"
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> dict:
+    """`distill cache-teacher`: write (or continue) the cache; returns the JSON summary."""
+    import jax
+    from array_record.python.array_record_module import ArrayRecordWriter
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from distill.mesh import build_meshes
+    from pipelines.preflight import preflight
+    from pipelines.teacher_setup import ensure_teacher, load_teacher, teacher_path
+    from teacher.forward import make_forward
+
+    if not cfg.teacher.top_k:
+        raise DistillError(
+            "teacher.top_k: is null; distill cache-teacher stores the top-k teacher outputs, "
+            "set teacher.top_k (e.g. --set teacher.top_k=32)"
+        )
+    if batches_per_shard < 1:
+        raise DistillError(f"--batches-per-shard: {batches_per_shard} must be >= 1")
+    t0 = time.perf_counter()
+    corpus = preflight(cfg)
+    meshes = build_meshes(cfg)
+    ensure_teacher(cfg, corpus)
+    root = cache_dir(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    expected = expected_manifest(cfg, corpus, teacher_hash(teacher_path(cfg)), batches_per_shard)
+    manifest = read_manifest(root)
+    if manifest is not None:
+        check_manifest(manifest, expected, root)
+        shards = list(manifest["shards"])
+        if (
+            shards
+            and shards[-1]["batches"] < batches_per_shard
+            and (manifest["steps_written"] < cfg.train.steps)
+        ):  # a short last shard is rewritten whole, not appended to
+            shards.pop()
+    else:
+        shards = []
+    for stale in root.glob("*.tmp"):
+        stale.unlink()
+    for extra in manifest["shards"][len(shards) :] if manifest else []:  # a short last shard
+        (root / extra["file"]).unlink(missing_ok=True)
+    done = sum(s["batches"] for s in shards)
+    steps = cfg.train.steps
+    manifest = {**expected, "shards": shards, "steps_written": done}
+    _write_manifest(root, manifest)
+
+    vocab, seq, bsz = cfg.teacher.model.vocab_size, cfg.train.seq_len, cfg.train.batch_size
+    params = load_teacher(cfg, meshes.teacher) if done < steps or not _has_eval(root) else None
+    put = NamedSharding(meshes.teacher, P())
+    if params is not None and not _has_eval(root):
+        _write_eval(cfg, corpus, meshes, params, root)
+    written_now = 0
+    if done < steps:
+        forward = make_forward(
+            cfg.teacher.model,
+            meshes.teacher,
+            mode="topk",
+            temperature=cfg.distill.temperature,
+            top_k=cfg.teacher.top_k,
+            dtype=cfg.teacher.dtype,
+        )
+        it = corpus.train_iterator(bsz, seed=cfg.run.seed)
+        it.set_state({"next_index": done})
+        log.info("cache-teacher: batches %d..%d into %s", done, steps, root)
+        pending = None  # one batch in flight: the next forward overlaps the host write
+        writer, shard_batches, shard_index = None, 0, len(shards)
+        for i in range(done, steps + 1):
+            nxt = None
+            if i < steps:
+                batch = next(it)
+                nxt = (batch, forward(params, jax.device_put(batch, put)))
+            if pending is not None:
+                if writer is None:
+                    tmp = root / (_shard_name(shard_index) + ".tmp")
+                    writer = ArrayRecordWriter(str(tmp), _WRITER_OPTIONS)
+                batch, out = pending
+                writer.write(batch_record(batch, jax.device_get(out), vocab, seq))
+                shard_batches += 1
+                written_now += 1
+                if shard_batches == batches_per_shard or i == steps:
+                    writer.close()
+                    name = _shard_name(shard_index)
+                    os.replace(root / (name + ".tmp"), root / name)
+                    shards.append({"file": name, "batches": shard_batches})
+                    manifest["steps_written"] += shard_batches
+                    _write_manifest(root, manifest)
+                    writer, shard_batches, shard_index = None, 0, shard_index + 1
+            pending = nxt
+    on_disk = sum((root / s["file"]).stat().st_size for s in shards)
+    tokens = manifest["steps_written"] * bsz * seq
+    k = cfg.teacher.top_k
+    ids_bytes = _small_int(vocab).itemsize
+    return {
+        "cache_dir": str(root),
+        "steps_written": manifest["steps_written"],
+        "written_now": written_now,
+        "shards": len(shards),
+        "bytes_on_disk": on_disk,
+        "bytes_per_token": on_disk / max(tokens, 1),
+        "teacher_bytes_per_token": k * (4 + ids_bytes),
+        "dense_float32_bytes_per_token": vocab * 4,
+        "compression_vs_dense": vocab * 4 / max(on_disk / max(tokens, 1), 1e-9),
+        "teacher_hash": expected["teacher_hash"],
+        "wall_time_s": time.perf_counter() - t0,
+    }
+
+
+def _eval_bytes(cfg: Config) -> int:
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    return cfg.data.eval_batches * b * s * cfg.teacher.model.vocab_size * 4
+
+
+def _has_eval(root: Path) -> bool:
+    return (root / _EVAL_FILE).is_file() or (root / (_EVAL_FILE + ".skipped")).is_file()
+
+
+def _write_eval(cfg: Config, corpus, meshes, params, root: Path) -> None:
+    """Dense teacher logits of the held-out batches, as `Evaluator` computes them."""
+    import jax
+    from array_record.python.array_record_module import ArrayRecordWriter
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from teacher.forward import make_forward
+
+    if _eval_bytes(cfg) > _EVAL_CACHE_BYTES:
+        (root / (_EVAL_FILE + ".skipped")).write_text("eval logits exceed the cache limit\n")
+        return
+    fwd = make_forward(cfg.teacher.model, meshes.teacher, mode="logits", dtype=cfg.teacher.dtype)
+    put = NamedSharding(meshes.teacher, P())
+    tmp = root / (_EVAL_FILE + ".tmp")
+    writer = ArrayRecordWriter(str(tmp), _WRITER_OPTIONS)
+    for b in corpus.eval_batches(cfg.train.batch_size, cfg.data.eval_batches):
+        logits = jax.device_get(fwd(params, jax.device_put(b, put)))
+        writer.write(encode({"logits": np.asarray(logits, dtype=np.float32)}))
+    writer.close()
+    os.replace(tmp, root / _EVAL_FILE)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def check_cache(cfg: Config, corpus) -> dict:
+    """Preflight for `teacher.source: cache`: the cache exists, matches, and is long enough."""
+    from pipelines.teacher_setup import teacher_path
+
+    if cfg.pipeline.mode != "local":
+        raise DistillError("teacher.source: cache is read by pipeline.mode local only")
+    root = cache_dir(cfg)
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise DistillError(
+            f"teacher.cache_dir: no teacher cache at {root} (no {_MANIFEST}); "
+            "write it first with distill cache-teacher CONFIG"
+        )
+    path = teacher_path(cfg)
+    thash = teacher_hash(path) if Path(path).is_dir() or "://" in path else None
+    expected = expected_manifest(cfg, corpus, thash, manifest.get("batches_per_shard"))
+    check_manifest(manifest, expected, root)
+    missing = [s["file"] for s in manifest["shards"] if not (root / s["file"]).is_file()]
+    if missing:
+        raise DistillError(f"teacher.cache_dir: {root} lacks shard {missing[0]}")
+    if manifest["steps_written"] < cfg.train.steps:
+        raise DistillError(
+            f"train.steps: {cfg.train.steps} batches needed, the teacher cache at {root} holds "
+            f"{manifest['steps_written']}; rerun distill cache-teacher CONFIG to extend it"
+        )
+    return manifest
+
+
+def train_iterator(cfg: Config):
+    """Iterator of (Batch, TeacherOutput) host arrays in training order; its state is
+    `{"next_index": n}`, as for `Corpus.train_iterator`."""
+    import grain
+
+    from distill.data import _READ_OPTIONS
+
+    root = cache_dir(cfg)
+    manifest = read_manifest(root)
+    paths = [str(root / s["file"]) for s in manifest["shards"]]
+    source = grain.sources.ArrayRecordDataSource(paths)
+    # Repeated: the loop's look-ahead (pipeline.prefetch) reads a batch or two past the
+    # last step; those are never trained on.
+    ds = grain.MapDataset.source(source).repeat(None).map(read_batch)
+    return iter(ds.to_iter_dataset(_READ_OPTIONS))
+
+
+def eval_logits(cfg: Config) -> list[np.ndarray] | None:
+    """The stored dense teacher logits of the eval batches, or None if not stored."""
+    path = cache_dir(cfg) / _EVAL_FILE
+    if not path.is_file():
+        return None
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    reader = ArrayRecordReader(str(path))
+    try:
+        records = reader.read_all()
+    finally:
+        reader.close()
+    return [decode(r)["logits"] for r in records]
