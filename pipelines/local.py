@@ -34,7 +34,7 @@ from pipelines import outputs
 from pipelines.progress import Progress
 from pipelines.teacher_setup import load_teacher
 from pipelines.timing import ReadyWatcher
-from student import optim, train
+from student import train
 from teacher.forward import make_forward
 
 log = logging.getLogger("distill")
@@ -124,15 +124,7 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
             top_k=cfg.teacher.top_k,
             dtype=cfg.teacher.dtype,
         )
-    tx = optim.make_optimizer(cfg.optim, steps)
-    step_fn = train.make_train_step(
-        scfg,
-        tx,
-        meshes.student,
-        loss_cfg=cfg.distill,
-        lr_schedule=optim.schedule(cfg.optim, steps),
-        dtype=cfg.student.dtype,
-    )
+    tx, step_fn = train.distill_step_for(cfg, meshes.student)
     if cached:  # the stored teacher eval logits, or no periodic eval if too large to store
         logits = teacher_cache.eval_logits(cfg)
         split = train.batch_sharding(meshes.student)

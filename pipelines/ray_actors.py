@@ -138,22 +138,14 @@ class StudentActor:
         from distill import losses
         from distill.checkpoint import Checkpointer
         from pipelines import outputs
-        from student import optim, train
+        from student import train
 
         cfg = config_from_dict(cfg_tree)
-        scfg, steps = cfg.student_model(), cfg.train.steps
+        scfg = cfg.student_model()
         self._jax = jax
         self._mesh = _local_mesh(cfg.mesh.student.dp, DP, "mesh.student.dp")
         self._split = train.batch_sharding(self._mesh)
-        tx = optim.make_optimizer(cfg.optim, steps)
-        self._step_fn = train.make_train_step(
-            scfg,
-            tx,
-            self._mesh,
-            loss_cfg=cfg.distill,
-            lr_schedule=optim.schedule(cfg.optim, steps),
-            dtype=cfg.student.dtype,
-        )
+        tx, self._step_fn = train.distill_step_for(cfg, self._mesh)
         self._ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
         self._start, self._data_state = self._ckpt.latest_step() or 0, None
         if self._start:

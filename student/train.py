@@ -20,9 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distill import losses, model
-from distill.config import DistillLossConfig, ModelConfig
+from distill.config import Config, DistillLossConfig, ModelConfig
 from distill.mesh import DP
 from distill.types import Batch, TeacherOutput
+from student import optim
 
 
 class TrainState(NamedTuple):
@@ -101,6 +102,21 @@ def make_train_step(
     return jax.jit(
         fn, in_shardings=in_shardings, out_shardings=(replicated, replicated), donate_argnums=0
     )
+
+
+def distill_step_for(cfg: Config, mesh):
+    """The run's optimizer and compiled distillation step, as every pipeline mode builds
+    them from the config: (tx, step(state, batch, teacher_out))."""
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    step = make_train_step(
+        cfg.student_model(),
+        tx,
+        mesh,
+        loss_cfg=cfg.distill,
+        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+        dtype=cfg.student.dtype,
+    )
+    return tx, step
 
 
 def make_logits_fn(cfg: ModelConfig, mesh, dtype: str = "float32"):
