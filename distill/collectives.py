@@ -85,8 +85,3 @@ def gather_replicated(x: jax.Array, axis: str) -> jax.Array:
     mine = jnp.arange(n) == jax.lax.axis_index(axis)  # [tp]
     slots = jnp.where(mine[:, None], x[..., None, :], jnp.zeros((), x.dtype))  # [..., tp, k]
     return jax.lax.psum(slots, axis).reshape(*x.shape[:-1], n * x.shape[-1])
-
-
-def all_gather_vocab(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
-    """Full-vocabulary array from vocab shards (used for dense outputs and tests)."""
-    return logits_bsv if axis is None else jax.lax.all_gather(logits_bsv, axis, axis=-1, tiled=True)

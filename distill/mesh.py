@@ -9,7 +9,6 @@ before JAX initialises so that the two-mesh layout runs anywhere.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from distill.config import Config
@@ -34,11 +33,6 @@ def simulate_cpu_devices(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if _COUNT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={n}".strip()
-
-
-def _simulated_count() -> int | None:
-    m = re.search(_COUNT_FLAG + r"=(\d+)", os.environ.get("XLA_FLAGS", ""))
-    return int(m.group(1)) if m else None
 
 
 def available_devices(platform: str = "auto") -> list:

@@ -31,7 +31,7 @@ from distill.data import Corpus
 from distill.mesh import Meshes
 from distill.types import Batch, TeacherOutput
 from pipelines import outputs
-from pipelines.progress import Progress
+from pipelines.progress import Progress, distill_record
 from pipelines.teacher_setup import load_teacher
 from pipelines.timing import ReadyWatcher
 from student import train
@@ -187,23 +187,17 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
             now = time.perf_counter()
             rate = (step - last_log_step) * tokens_per_step / max(now - last_log_t, 1e-9)
             n = max(step - last_log_step, 1)
-            record = {
-                "step": step,
-                "phase": "distill",
-                "loss": m["loss"],
-                "kd_loss": m["kd_loss"],
-                "ce_loss": m["ce_loss"],
-                "lr": m["lr"],
-                "grad_norm": m["grad_norm"],
-                "tokens_per_s": rate,
-                "teacher_ms": t_watch.recent_ms(n),
-                "student_ms": s_watch.recent_ms(n),
-                "teacher_busy": t_watch.busy_fraction(last_log_t),
-                "student_busy": s_watch.busy_fraction(last_log_t),
-                "in_flight": len(in_flight),
-                "bytes_per_token": bytes_per_token,
-                "time": time.time(),
-            }
+            record = distill_record(
+                step,
+                m,
+                tokens_per_s=rate,
+                teacher_ms=t_watch.recent_ms(n),
+                student_ms=s_watch.recent_ms(n),
+                teacher_busy=t_watch.busy_fraction(last_log_t),
+                student_busy=s_watch.busy_fraction(last_log_t),
+                in_flight=len(in_flight),
+                bytes_per_token=bytes_per_token,
+            )
             store.log(record)
             progress.update(step, record)
             last_log_t, last_log_step = now, step

@@ -5,10 +5,24 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import time
 
 from tqdm import tqdm
 
 log = logging.getLogger("distill")
+
+
+def distill_record(step: int, metrics: dict, **figures) -> dict:
+    """One metrics.jsonl training record: the step's losses and lr (host floats) plus the
+    loop's own figures (tokens_per_s, teacher_ms, student_ms, busy fractions, ...)."""
+    keys = ("loss", "kd_loss", "ce_loss", "lr", "grad_norm")
+    return {
+        "step": step,
+        "phase": "distill",
+        **{k: metrics[k] for k in keys},
+        **figures,
+        "time": time.time(),
+    }
 
 
 class Progress:

@@ -30,7 +30,7 @@ import ray
 
 from distill.config import Config
 from distill.data import Corpus
-from pipelines.progress import Progress
+from pipelines.progress import Progress, distill_record
 from pipelines.ray_pool import ActorPool, StudentLost
 
 log = logging.getLogger("distill")
@@ -143,23 +143,17 @@ class _Loop:
                     r_ms = sum(w[1] for w in window if w[0] == r)
                     pool.busy[f"teacher-{r}"] = min(1.0, r_ms / 1e3 / elapsed)
                 pool.busy["student"] = min(1.0, s_ms / 1e3 / elapsed)
-                record = {
-                    "step": step,
-                    "phase": "distill",
-                    "loss": m["loss"],
-                    "kd_loss": m["kd_loss"],
-                    "ce_loss": m["ce_loss"],
-                    "lr": m["lr"],
-                    "grad_norm": m["grad_norm"],
-                    "tokens_per_s": (step - last_log_step) * tokens_per_step / elapsed,
-                    "teacher_ms": t_ms / len(window),
-                    "student_ms": s_ms / len(window),
-                    "teacher_busy": min(1.0, t_ms / 1e3 / elapsed / pool.replicas),
-                    "student_busy": pool.busy["student"],
-                    "in_flight": len(pool.in_flight),
-                    "bytes_per_token": bytes_per_token,
-                    "time": time.time(),
-                }
+                record = distill_record(
+                    step,
+                    m,
+                    tokens_per_s=(step - last_log_step) * tokens_per_step / elapsed,
+                    teacher_ms=t_ms / len(window),
+                    student_ms=s_ms / len(window),
+                    teacher_busy=min(1.0, t_ms / 1e3 / elapsed / pool.replicas),
+                    student_busy=pool.busy["student"],
+                    in_flight=len(pool.in_flight),
+                    bytes_per_token=bytes_per_token,
+                )
                 store.log(record)
                 progress.update(step, record)
                 window.clear()

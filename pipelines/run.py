@@ -108,8 +108,6 @@ def run(cfg: Config) -> dict:
 
 def evaluate(cfg: Config) -> dict:
     """`distill eval`: the teacher and the latest student checkpoint on the held-out split."""
-    import jax
-
     from distill.checkpoint import Checkpointer
     from pipelines.local import Evaluator
     from pipelines.teacher_setup import load_teacher
@@ -125,7 +123,6 @@ def evaluate(cfg: Config) -> dict:
     state, _, step = ckpt.restore(train.abstract_state(scfg, tx, meshes.student))
     ckpt.close()
     result = Evaluator(cfg, meshes, load_teacher(cfg, meshes.teacher), corpus)(state.params)
-    del jax
     return {
         "step": step,
         **{k: result[k] for k in ("teacher_loss", "student_loss", "kl", "top1_agreement")},
