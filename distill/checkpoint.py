@@ -57,6 +57,11 @@ class Checkpointer:
         self._mngr.close()
 
 
+def has_checkpoint(directory: str) -> bool:
+    path = _path(directory)
+    return path.exists() and any(p.name.isdigit() for p in path.iterdir())
+
+
 def save_params(path: str, params: Any) -> None:
     """Write a parameter pytree (the teacher's weights) synchronously."""
     with ocp.StandardCheckpointer() as ckpt:
