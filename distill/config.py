@@ -155,6 +155,16 @@ class StudentModelOverrides(_Section):
 class StudentConfig(_Section):
     model: StudentModelOverrides = Field(default_factory=StudentModelOverrides)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+    init: Literal["random", "from_teacher"] = Field(
+        "random",
+        description="random: fresh weights. from_teacher: the teacher's embeddings, final norm, "
+        "head and a subset of its layers (depth pruning); the student keeps the teacher's width.",
+    )
+    init_layers: list[int] | None = Field(
+        None,
+        description="from_teacher: the teacher layers to keep, increasing; default: "
+        "student.model.n_layers of them evenly spaced, the first and last included.",
+    )
 
 
 class DataConfig(_Section):
@@ -270,6 +280,36 @@ class Config(_Section):
         except ValidationError as e:
             raise DistillError(_one_line(e, prefix="student.model")) from None
 
+    def init_layers(self) -> list[int]:
+        """The teacher layers a `from_teacher` student starts from (validated)."""
+        t, s = self.teacher.model, self.student_model()
+        for key in ModelConfig.model_fields:
+            if key != "n_layers" and getattr(s, key) != getattr(t, key):
+                raise DistillError(
+                    f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
+                    f"{getattr(t, key)}; student.init: from_teacher keeps the teacher's width"
+                )
+        layers = self.student.init_layers
+        if layers is None:
+            if s.n_layers > t.n_layers:
+                raise DistillError(
+                    f"student.model.n_layers: {s.n_layers} exceeds the teacher's {t.n_layers};"
+                    " student.init: from_teacher takes a subset of the teacher's layers"
+                )
+            n, span = s.n_layers, t.n_layers - 1  # n evenly spaced in [0, span], rounded
+            return [(i * span + (n - 1) // 2) // (n - 1) for i in range(n)] if n > 1 else [0]
+        if len(layers) != s.n_layers:
+            raise DistillError(
+                f"student.init_layers: {len(layers)} layers given, but student.model.n_layers "
+                f"is {s.n_layers}"
+            )
+        if any(not 0 <= i < t.n_layers for i in layers) or sorted(set(layers)) != layers:
+            raise DistillError(
+                f"student.init_layers: {layers} must be increasing teacher layer indices in "
+                f"[0, {t.n_layers})"
+            )
+        return layers
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -336,6 +376,12 @@ def config_from_dict(tree: dict) -> Config:
     if cfg.teacher.is_hf():
         _teacher_model_from_hf(cfg)
     cfg.student_model()  # validates the merged student shape
+    if cfg.student.init == "from_teacher":
+        cfg.init_layers()
+    elif cfg.student.init_layers is not None:
+        raise DistillError(
+            "student.init_layers: set, but student.init is random (not from_teacher)"
+        )
     return cfg
 
 

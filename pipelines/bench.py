@@ -28,6 +28,7 @@ from distill.data import Corpus
 from distill.mesh import DP, Meshes
 from distill.metrics import MetricsStore
 from distill.server import start_server
+from distill.tokenizers import vocab_limit
 from distill.types import TeacherOutput
 from pipelines.local import distill_local
 from pipelines.teacher_setup import load_teacher, teacher_path
@@ -161,6 +162,7 @@ def bench(
     s_put = train.batch_sharding(meshes.student)
     s_batch = jax.device_put(host_batch, s_put)
     k = cfg.teacher.top_k or 32
+    limit = vocab_limit(corpus.tokenizer, tcfg.vocab_size)
     fwd = {
         m: make_forward(
             tcfg,
@@ -169,6 +171,7 @@ def bench(
             temperature=cfg.distill.temperature,
             top_k=k if m == "topk" else None,
             dtype=cfg.teacher.dtype,
+            vocab_limit=limit,
         )
         for m in ("logits", "dense", "topk")
     }
@@ -196,6 +199,7 @@ def bench(
             lr_schedule=sched,
             dtype=cfg.student.dtype,
             with_teacher=teacher_out is not None,
+            vocab_limit=limit,
         )
         box = [train.init_state(scfg, tx, 0, meshes.student)]
         extra = () if teacher_out is None else (teacher_out,)

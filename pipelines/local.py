@@ -29,10 +29,11 @@ from distill.checkpoint import Checkpointer
 from distill.config import Config
 from distill.data import Corpus
 from distill.mesh import Meshes
+from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
 from pipelines import outputs
 from pipelines.progress import Progress, distill_record
-from pipelines.teacher_setup import load_teacher
+from pipelines.teacher_setup import load_teacher, student_init_params
 from pipelines.timing import ReadyWatcher
 from student import train
 from teacher.forward import make_forward
@@ -55,10 +56,17 @@ class Evaluator:
     def __init__(
         self, cfg: Config, meshes: Meshes, teacher_params, corpus: Corpus, teacher_logits=None
     ):
+        limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
         self._teacher = make_forward(
-            cfg.teacher.model, meshes.teacher, mode="logits", dtype=cfg.teacher.dtype
+            cfg.teacher.model,
+            meshes.teacher,
+            mode="logits",
+            dtype=cfg.teacher.dtype,
+            vocab_limit=limit,
         )
-        self._student = train.make_logits_fn(cfg.student_model(), meshes.student, cfg.student.dtype)
+        self._student = train.make_logits_fn(
+            cfg.student_model(), meshes.student, cfg.student.dtype, vocab_limit=limit
+        )
         self._params = teacher_params
         self._split = train.batch_sharding(meshes.student)
         self._tput = NamedSharding(meshes.teacher, P())
@@ -107,6 +115,7 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     tcfg, scfg = cfg.teacher.model, cfg.student_model()
     steps, bsz, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     tokens_per_step = bsz * seq
+    limit = vocab_limit(corpus.tokenizer, tcfg.vocab_size)  # padded ids: masked throughout
 
     cached = cfg.teacher.source == "cache"  # offline: batches + teacher outputs from disk
     if cached:
@@ -123,8 +132,9 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
             temperature=cfg.distill.temperature,
             top_k=cfg.teacher.top_k,
             dtype=cfg.teacher.dtype,
+            vocab_limit=limit,
         )
-    tx, step_fn = train.distill_step_for(cfg, meshes.student)
+    tx, step_fn = train.distill_step_for(cfg, meshes.student, vocab_limit=limit)
     if cached:  # the stored teacher eval logits, or no periodic eval if too large to store
         logits = teacher_cache.eval_logits(cfg)
         split = train.batch_sharding(meshes.student)
@@ -141,7 +151,7 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
         it.set_state(data_state)
         log.info("resuming from checkpoint step %d", start)
     else:
-        state = train.init_state(scfg, tx, cfg.run.seed, meshes.student)
+        state = train.init_state(scfg, tx, cfg.run.seed, meshes.student, student_init_params(cfg))
 
     t_put, s_put = NamedSharding(meshes.teacher, P()), train.batch_sharding(meshes.student)
     t_watch, s_watch = ReadyWatcher("teacher"), ReadyWatcher("student")

@@ -40,8 +40,8 @@ def check_shapes(cfg: Config) -> None:
 
 
 def check_teacher_source(cfg: Config) -> None:
-    if cfg.teacher.source == "cache":  # the cache is checked by pipelines.teacher_cache
-        return
+    if cfg.teacher.source == "cache" and cfg.student.init == "random":
+        return  # the cache is checked by pipelines.teacher_cache; no teacher weights needed
     if params_exist(cfg.teacher.checkpoint) or cfg.teacher.pretrain_steps > 0:
         return
     where = cfg.teacher.checkpoint or "(not set)"

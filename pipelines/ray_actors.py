@@ -24,6 +24,7 @@ import ray
 from distill.config import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import DP, TP
+from distill.tokenizers import build_tokenizer, vocab_limit
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -90,6 +91,7 @@ class TeacherActor:
 
         cfg = config_from_dict(cfg_tree)
         mcfg = cfg.teacher.model
+        limit = vocab_limit(build_tokenizer(cfg.data), mcfg.vocab_size)
         self._mesh = _local_mesh(cfg.mesh.teacher.tp, TP, "mesh.teacher.tp")
         self._params = load_teacher(cfg, self._mesh)
         self._put = NamedSharding(self._mesh, P())
@@ -100,8 +102,11 @@ class TeacherActor:
             temperature=cfg.distill.temperature,
             top_k=cfg.teacher.top_k,
             dtype=cfg.teacher.dtype,
+            vocab_limit=limit,
         )
-        self._logits = make_forward(mcfg, self._mesh, mode="logits", dtype=cfg.teacher.dtype)
+        self._logits = make_forward(
+            mcfg, self._mesh, mode="logits", dtype=cfg.teacher.dtype, vocab_limit=limit
+        )
         self._jax = jax
 
     def info(self) -> dict:
@@ -138,24 +143,29 @@ class StudentActor:
         from distill import losses
         from distill.checkpoint import Checkpointer
         from pipelines import outputs
+        from pipelines.teacher_setup import student_init_params
         from student import train
 
         cfg = config_from_dict(cfg_tree)
         scfg = cfg.student_model()
+        limit = vocab_limit(build_tokenizer(cfg.data), scfg.vocab_size)
         self._jax = jax
         self._mesh = _local_mesh(cfg.mesh.student.dp, DP, "mesh.student.dp")
         self._split = train.batch_sharding(self._mesh)
-        tx, self._step_fn = train.distill_step_for(cfg, self._mesh)
+        tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
         self._ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
         self._start, self._data_state = self._ckpt.latest_step() or 0, None
         if self._start:
             abstract = train.abstract_state(scfg, tx, self._mesh)
             self._state, self._data_state, self._start = self._ckpt.restore(abstract)
         else:
-            self._state = train.init_state(scfg, tx, cfg.run.seed, self._mesh)
+            init = student_init_params(cfg)
+            self._state = train.init_state(scfg, tx, cfg.run.seed, self._mesh, init)
         self._next = self._start + 1
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
-        self._student_logits = train.make_logits_fn(scfg, self._mesh, cfg.student.dtype)
+        self._student_logits = train.make_logits_fn(
+            scfg, self._mesh, cfg.student.dtype, vocab_limit=limit
+        )
         self._eval_metrics = jax.jit(losses.eval_metrics)
         self._eval_cache = None  # [(batch, teacher logits)] on the mesh, if the driver says so
 

@@ -78,7 +78,7 @@ def run(cfg: Config) -> dict:
     store.set_mesh(p["layout"])
     server = _start_server(cfg, store)
     try:
-        if cfg.teacher.source == "online":
+        if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
             ensure_teacher(host_cfg, corpus, store)
         if cfg.pipeline.mode == "ray":
             from pipelines.ray_mode import distill_ray

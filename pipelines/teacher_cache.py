@@ -48,6 +48,7 @@ import numpy as np
 
 from distill.config import Config
 from distill.errors import DistillError
+from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
 
 log = logging.getLogger("distill")
@@ -168,6 +169,7 @@ def expected_manifest(cfg: Config, corpus, thash: str | None, batches_per_shard:
         "temperature": cfg.distill.temperature,
         "teacher_dtype": cfg.teacher.dtype,
         "vocab_size": cfg.teacher.model.vocab_size,
+        "vocab_limit": vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size),
         "seq_len": cfg.train.seq_len,
         "batch_size": cfg.train.batch_size,
         "seed": cfg.run.seed,
@@ -279,6 +281,7 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
             temperature=cfg.distill.temperature,
             top_k=cfg.teacher.top_k,
             dtype=cfg.teacher.dtype,
+            vocab_limit=vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size),
         )
         it = corpus.train_iterator(bsz, seed=cfg.run.seed)
         it.set_state({"next_index": done})
@@ -347,7 +350,10 @@ def _write_eval(cfg: Config, corpus, meshes, params, root: Path) -> None:
     if _eval_bytes(cfg) > _EVAL_CACHE_BYTES:
         (root / (_EVAL_FILE + ".skipped")).write_text("eval logits exceed the cache limit\n")
         return
-    fwd = make_forward(cfg.teacher.model, meshes.teacher, mode="logits", dtype=cfg.teacher.dtype)
+    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    fwd = make_forward(
+        cfg.teacher.model, meshes.teacher, mode="logits", dtype=cfg.teacher.dtype, vocab_limit=limit
+    )
     put = NamedSharding(meshes.teacher, P())
     tmp = root / (_EVAL_FILE + ".tmp")
     writer = ArrayRecordWriter(str(tmp), _WRITER_OPTIONS)

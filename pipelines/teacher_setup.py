@@ -48,6 +48,31 @@ def load_teacher(cfg: Config, mesh) -> dict:
     return sharding.shard_params(params, mcfg, mesh) if expand else params
 
 
+def student_init_params(cfg: Config) -> dict | None:
+    """`student.init: from_teacher`: host float32 parameters of the student made of the
+    teacher's embeddings, final norm, head and the layers `cfg.init_layers()`; None: random.
+
+    A Hugging Face teacher is read tensor by tensor, only the tensors the student keeps; a
+    distill checkpoint is read whole into host memory first."""
+    if cfg.student.init != "from_teacher":
+        return None
+    layers, mcfg = cfg.init_layers(), cfg.teacher.model
+    if cfg.teacher.is_hf():
+        from teacher.hf import read_hf_layers
+
+        return read_hf_layers(cfg.teacher.checkpoint, mcfg, layers)
+    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=host),
+        model.abstract_params(mcfg),
+    )
+    params = jax.tree.map(
+        lambda x: np.asarray(x, np.float32), load_params(teacher_path(cfg), abstract)
+    )
+    params["layers"] = {k: v[np.asarray(layers)] for k, v in params["layers"].items()}
+    return params
+
+
 def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, stop=lambda: False) -> None:
     """Train the teacher with cross-entropy and save it at `teacher_path(cfg)`."""
     steps, mcfg = cfg.teacher.pretrain_steps, cfg.teacher.model

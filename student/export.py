@@ -21,7 +21,7 @@ from distill import hf
 from distill.config import Config, ModelConfig
 from distill.data import ByteTokenizer
 from distill.errors import DistillError
-from distill.tokenizers import export_files, load_tokenizer
+from distill.tokenizers import export_files, load_tokenizer, vocab_limit
 
 
 def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -41,10 +41,20 @@ def write_hf(
     max_position_embeddings: int,
     tokenizer: str = "bytes",
 ) -> Path:
-    """Write `params` as a Hugging Face Llama directory; returns its path."""
+    """Write `params` as a Hugging Face Llama directory; returns its path.
+
+    A vocabulary padded past the tokenizer's is trimmed to it: training masks the padded
+    ids, so the trimmed model's softmax is exactly the trained one's, and a sampler can
+    never draw an id the tokenizer cannot decode."""
     from safetensors.numpy import save_file
 
     tok = load_tokenizer(tokenizer)  # "bytes", or the run's tokenizer file (copied below)
+    limit = vocab_limit(tok, cfg.vocab_size)
+    if limit is not None:
+        cfg = cfg.model_copy(update={"vocab_size": limit})
+        params = dict(params, embed=np.asarray(params["embed"])[:limit])
+        if "lm_head" in params:
+            params["lm_head"] = np.asarray(params["lm_head"])[:, :limit]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}

@@ -15,11 +15,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distill import losses, model
+from distill.collectives import mask_vocab
 from distill.config import Config, DistillLossConfig, ModelConfig
 from distill.mesh import DP
 from distill.types import Batch, TeacherOutput
@@ -32,15 +34,28 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh) -> TrainState:
-    """Initialise parameters and optimizer state directly in their replicated placement."""
+def init_state(
+    cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh, params: dict | None = None
+) -> TrainState:
+    """Initialise parameters (or take `params`, host arrays of `cfg`'s shapes, e.g. from the
+    teacher) and the optimizer state directly in their replicated placement."""
     replicated = NamedSharding(mesh, P())
 
-    def init():
-        params = model.init_params(cfg, seed)
+    def init(params):
+        params = model.init_params(cfg, seed) if params is None else params
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-    return jax.jit(init, out_shardings=replicated)()
+    if params is not None:
+        expected = jax.eval_shape(lambda: model.init_params(cfg, 0))
+        params = jax.device_put(jax.tree.map(_host_param, expected, params), replicated)
+    return jax.jit(init, out_shardings=replicated)(params)
+
+
+def _host_param(expected: jax.ShapeDtypeStruct, given) -> np.ndarray:
+    given = np.asarray(given, np.float32)
+    if given.shape != tuple(expected.shape):
+        raise ValueError(f"initial parameter of shape {given.shape}, expected {expected.shape}")
+    return given
 
 
 def abstract_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:
@@ -72,15 +87,17 @@ def make_train_step(
     lr_schedule: optax.Schedule,
     dtype: str = "float32",
     with_teacher: bool = True,
+    vocab_limit: int | None = None,
 ):
-    """Compile the step once for this mesh. Returns step(state, batch, teacher_out)."""
+    """Compile the step once for this mesh. Returns step(state, batch, teacher_out).
+
+    `vocab_limit` (`distill.tokenizers.vocab_limit`): logits of padded ids >= it are masked
+    to a large finite negative, which the losses treat as zero probability."""
     replicated = NamedSharding(mesh, P())
     split = batch_sharding(mesh)
 
     def loss_fn(params, batch: Batch, teacher_out: TeacherOutput | None):
-        logits = model.apply(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype
-        )
+        logits = student_logits(cfg, params, batch, dtype, vocab_limit)
         if teacher_out is None:
             return losses.ce_loss(logits, batch.targets, batch.mask)
         return losses.kd_loss(logits, teacher_out, batch.targets, batch.mask, loss_cfg)
@@ -104,7 +121,7 @@ def make_train_step(
     )
 
 
-def distill_step_for(cfg: Config, mesh):
+def distill_step_for(cfg: Config, mesh, vocab_limit: int | None = None):
     """The run's optimizer and compiled distillation step, as every pipeline mode builds
     them from the config: (tx, step(state, batch, teacher_out))."""
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
@@ -115,17 +132,28 @@ def distill_step_for(cfg: Config, mesh):
         loss_cfg=cfg.distill,
         lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         dtype=cfg.student.dtype,
+        vocab_limit=vocab_limit,
     )
     return tx, step
 
 
-def make_logits_fn(cfg: ModelConfig, mesh, dtype: str = "float32"):
+# A padded id's logit: finite, so no gradient meets logaddexp(-inf, -inf) (the JSD), yet so
+# low that its probability is exactly 0 in float32.
+PADDED_LOGIT = -1e30
+
+
+def student_logits(
+    cfg: ModelConfig, params, batch: Batch, dtype: str, vocab_limit: int | None
+) -> jax.Array:
+    logits = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype)
+    return mask_vocab(logits, vocab_limit, None, fill=PADDED_LOGIT)  # float32 logits
+
+
+def make_logits_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):
     """Student logits on the training mesh, batch split over `dp` (evaluation)."""
     split = batch_sharding(mesh)
 
     def logits(params, batch: Batch):
-        return model.apply(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype
-        )
+        return student_logits(cfg, params, batch, dtype, vocab_limit)
 
     return jax.jit(logits, in_shardings=(NamedSharding(mesh, P()), split), out_shardings=split)

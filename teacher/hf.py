@@ -82,6 +82,31 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
     return params
 
 
+def read_hf_layers(path: str | Path, cfg: ModelConfig, layers: list[int]) -> dict:
+    """Host float32 parameters in distill's layout of the model made of the checkpoint's
+    embeddings, final norm, head and `layers` (in that order): depth pruning for
+    `student.init: from_teacher`. Only the tensors kept are read."""
+    hf.check_checkpoint(path, cfg, 1)
+    slot = {layer: i for i, layer in enumerate(layers)}
+    files, needed = hf.weight_files(path), hf.weight_names(cfg)
+    params: dict = {"layers": {}}
+    for file in sorted(set(files[n] for n in needed)):
+        with safe_open(Path(path) / file, framework="numpy") as f:
+            for name, (key, layer, transposed) in needed.items():
+                if files[name] != file or (layer is not None and layer not in slot):
+                    continue
+                x = np.asarray(f.get_tensor(name), np.float32)
+                x = x.T if transposed else x
+                if layer is None:
+                    params[key] = x
+                else:
+                    stacked = params["layers"].setdefault(
+                        key, np.empty((len(layers), *x.shape), np.float32)
+                    )
+                    stacked[slot[layer]] = x
+    return params
+
+
 def _stored_shape(cfg: ModelConfig, key: str, reps: int) -> tuple[int, ...]:
     """The stored shape of one layer's (or a top-level) weight, KV heads repeated `reps`."""
     rows, *rest = hf.hf_shape(cfg, key)

@@ -38,6 +38,20 @@ CASES = [  # (--set overrides, text the one-line message must contain)
     (["mesh.student.devices=[1]"], "mesh.student.devices"),
     (["distill.alpha=2"], "distill.alpha"),
     (["pipeline.mode=bogus"], "pipeline.mode"),
+    (["student.init=from_teacher"], "student.model.d_model: 16 differs from the teacher's 32"),
+    (["student.init_layers=[0]"], "student.init_layers: set, but student.init is random"),
+    (
+        ["student.init=from_teacher", "student.model={n_layers: 3}"],
+        "student.model.n_layers: 3 exceeds the teacher's 2",
+    ),
+    (
+        ["student.init=from_teacher", "student.model={n_layers: 1}", "student.init_layers=[2]"],
+        "student.init_layers: [2] must be increasing teacher layer indices in [0, 2)",
+    ),
+    (
+        ["student.init=from_teacher", "student.model={n_layers: 1}", "student.init_layers=[0, 1]"],
+        "student.init_layers: 2 layers given, but student.model.n_layers is 1",
+    ),
 ]
 
 

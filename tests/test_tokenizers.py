@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from distill import collectives as cc
 from distill import losses, model
 from distill.cli import main
-from distill.config import DataConfig, DistillLossConfig, ModelConfig
+from distill.config import DataConfig, DistillLossConfig, ModelConfig, OptimConfig
 from distill.data import ByteTokenizer, load_corpus
 from distill.errors import DistillError
 from distill.tokenizers import HFTokenizer, load_tokenizer
@@ -227,6 +227,52 @@ def test_kd_loss_with_masked_teacher_and_student(loss, top_k):
         assert finite or (not student_mask and top_k is None and loss == "reverse_kl")
 
 
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("top_k", [None, 8])
+def test_padded_and_masked_equals_unpadded(loss, top_k):
+    """The pipeline's masking (teacher forward on a tp=4 mesh, student step on a dp=2 mesh,
+    both given `vocab_limit`) computes exactly what a model of the unpadded vocabulary
+    computes (single-device reference): same loss, same update of every live parameter."""
+    from student import optim, train
+
+    limit = 50
+    padded = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=48)
+    unpadded = padded.model_copy(update={"vocab_size": limit})
+    params = jax.tree.map(np.asarray, model.init_params(padded, 0))
+    trimmed = dict(params, embed=params["embed"][:limit], lm_head=params["lm_head"][:, :limit])
+    lcfg = DistillLossConfig(loss=loss, temperature=2.0, alpha=0.7)
+    ocfg = OptimConfig(weight_decay=0.0)
+    tx, sched = optim.make_optimizer(ocfg, 10), optim.schedule(ocfg, 10)
+    mesh = lambda axis, ids: Mesh(np.array([jax.devices()[i] for i in ids]), (axis,))
+    batch = _batch(b=4, vocab=limit)
+    results = []
+    for cfg, p, lim, t_mesh, s_mesh in (
+        (padded, params, limit, mesh("tp", [0, 1, 2, 3]), mesh("dp", [4, 5])),
+        (unpadded, trimmed, None, mesh("tp", [0]), mesh("dp", [1])),
+    ):
+        mode = "topk" if top_k else "dense"
+        fwd = make_forward(cfg, t_mesh, mode=mode, temperature=2.0, top_k=top_k, vocab_limit=lim)
+        t_out = jax.device_get(fwd(shard_params(p, cfg, t_mesh), batch))
+        if top_k is None and lim is not None:  # the dense teacher's padded ids carry no mass
+            assert np.all(np.isneginf(t_out.logprobs[..., lim:]))
+        step = train.make_train_step(
+            cfg, tx, s_mesh, loss_cfg=lcfg, lr_schedule=sched, vocab_limit=lim
+        )
+        state = jax.device_put(
+            train.TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+            NamedSharding(s_mesh, PartitionSpec()),
+        )
+        new, metrics = step(state, batch, t_out)
+        results.append((jax.device_get(new.params), jax.device_get(metrics)))
+    (p_pad, m_pad), (p_ref, m_ref) = results
+    for key in ("loss", "kd_loss", "ce_loss", "grad_norm"):
+        assert np.isfinite(m_pad[key])
+        np.testing.assert_allclose(m_pad[key], m_ref[key], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(p_pad["embed"][:limit], p_ref["embed"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p_pad["lm_head"][:, :limit], p_ref["lm_head"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p_pad["embed"][limit:], params["embed"][limit:])  # never touched
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -246,7 +292,7 @@ def test_run_and_export_with_tokenizer_json_and_padded_vocab(tmp_path, corpus_di
     hf_dir = out / "hf"
     assert (hf_dir / "tokenizer.json").read_bytes() == hf_json.read_bytes()
     config = json.loads((hf_dir / "config.json").read_text())
-    assert config["vocab_size"] == PADDED_VOCAB
+    assert config["vocab_size"] == HF_VOCAB  # the padded ids are trimmed on export
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
     assert (tok_cfg["bos_token"], tok_cfg["eos_token"], tok_cfg["pad_token"]) == (

@@ -1,0 +1,96 @@
+"""`student.init: from_teacher`: a depth-pruned copy of the teacher as the student's start."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from distill import model
+from distill.checkpoint import save_params
+from distill.cli import main
+from distill.config import ModelConfig, config_from_dict
+from pipelines.teacher_setup import student_init_params
+from tests.conftest import tiny_config
+
+TEACHER = dict(vocab_size=260, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64)
+
+
+def _teacher_params(seed=3):
+    """A random teacher with confident predictions (large head weights), so that the
+    distance of a student from it means something."""
+    rng = np.random.default_rng(seed)
+    params = model.init_params(ModelConfig(**TEACHER), seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: (
+            np.asarray(x)
+            + (0.5 if "lm_head" in jax.tree_util.keystr(path) else 0.1)
+            * rng.standard_normal(x.shape).astype(np.float32)
+        ),
+        params,
+    )
+
+
+def _tree(corpus_dir, out, teacher_ckpt, **student):
+    tree = tiny_config(str(corpus_dir), str(out))
+    tree["teacher"].update(model=dict(TEACHER), checkpoint=str(teacher_ckpt), pretrain_steps=0)
+    tree["student"] = {"init": "from_teacher", **student}
+    return tree
+
+
+@pytest.mark.parametrize(
+    "teacher_layers,student_layers,expected",
+    [(12, 4, [0, 4, 7, 11]), (4, 2, [0, 3]), (3, 3, [0, 1, 2]), (5, 1, [0])],
+)
+def test_default_layers_are_evenly_spaced(
+    corpus_dir, tmp_path, teacher_layers, student_layers, expected
+):
+    tree = _tree(corpus_dir, tmp_path, tmp_path / "t", model={"n_layers": student_layers})
+    tree["teacher"]["model"]["n_layers"] = teacher_layers
+    assert config_from_dict(tree).init_layers() == expected
+
+
+@pytest.mark.parametrize("fmt", ["distill", "hf"])
+def test_init_params_are_the_chosen_teacher_layers(corpus_dir, tmp_path, fmt):
+    params = _teacher_params()
+    ckpt = tmp_path / "teacher"
+    if fmt == "distill":
+        save_params(str(ckpt), params)
+    else:
+        from student.export import write_hf
+
+        # the bytes tokenizer has 259 ids, so this 260-vocab export is trimmed to 259
+        cfg259 = ModelConfig(**{**TEACHER, "vocab_size": 259})
+        params = dict(params, embed=params["embed"][:259], lm_head=params["lm_head"][:, :259])
+        write_hf(ckpt, cfg259, params, max_position_embeddings=32)
+    tree = _tree(corpus_dir, tmp_path / "out", ckpt, model={"n_layers": 2}, init_layers=[0, 2])
+    if fmt == "hf":
+        tree["teacher"]["model"] = {}  # from config.json
+    cfg = config_from_dict(tree)
+    assert cfg.teacher.is_hf() == (fmt == "hf")
+    got = student_init_params(cfg)
+    want = dict(params, layers={k: v[[0, 2]] for k, v in params["layers"].items()})
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_from_teacher_with_every_layer_starts_equal_to_the_teacher(corpus_dir, tmp_path):
+    """`distill run` end to end (teacher tp=2, student dp=2): with all of the teacher's layers
+    the student's step-0 eval is the teacher's: KL 0, the same loss, the same argmax."""
+    save_params(str(tmp_path / "teacher"), _teacher_params())
+
+    def step0_eval(name, **student):
+        out = tmp_path / name
+        tree = _tree(corpus_dir, out, tmp_path / "teacher", **student)
+        tree["train"].update(steps=1, eval_every=1)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        assert main(["run", str(path)]) == 0
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return next(r for r in records if r.get("eval") and r["step"] == 0)
+
+    full = step0_eval("full")
+    assert full["kl"] < 1e-5 and full["top1_agreement"] == 1.0
+    np.testing.assert_allclose(full["student_loss"], full["teacher_loss"], rtol=1e-5)
