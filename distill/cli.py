@@ -1,4 +1,4 @@
-"""`distill run|validate|plan|eval|dashboard`: parse, load the config, call one function.
+"""`distill run|validate|plan|eval|prepare|dashboard`: parse, load the config, call one function.
 
 The config is read before JAX is imported, so that on a host without accelerators the
 right number of simulated CPU devices can be requested first.
@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
         "eval": "evaluate teacher and latest student checkpoint; prints one JSON object",
         "bench": "time each phase and the pipelined step; prints one JSON object last",
         "cache-teacher": "store top-k teacher outputs for teacher.source cache; one JSON line",
+        "prepare": "tokenise and pack the corpus into data.prepared_dir once; one JSON line",
     }
     for name, text in helps.items():
         c = sub.add_parser(name, help=text, description=text)
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.choices["cache-teacher"].add_argument(
         "--batches-per-shard", type=int, default=64, metavar="N", help="records per shard"
+    )
+    sub.choices["prepare"].add_argument(
+        "--rows-per-shard", type=int, default=None, metavar="N", help="rows per shard"
     )
     sub.choices["bench"].add_argument(
         "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
@@ -111,6 +115,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from pipelines.teacher_cache import cache_teacher
 
         print(json.dumps(cache_teacher(cfg, args.batches_per_shard)))
+    elif args.command == "prepare":
+        from pipelines.prepare import prepare
+
+        print(json.dumps(prepare(cfg, args.rows_per_shard)))
     elif args.command == "run":
         summary = runner.run(cfg)
         print(

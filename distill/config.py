@@ -177,10 +177,14 @@ class DataConfig(_Section):
         default_factory=lambda: ["**/*"], description="Glob patterns within a directory."
     )
     exclude: list[str] = Field(default_factory=list, description="Glob patterns to skip.")
-    format: Literal["auto", "text", "jsonl"] = Field(
-        "auto", description="auto: .jsonl/.json lines files are JSONL, the rest plain text."
+    format: Literal["auto", "text", "jsonl", "parquet", "arrayrecord"] = Field(
+        "auto",
+        description="auto: .jsonl/.json files are JSONL, .parquet Parquet, .array_record/"
+        ".arrayrecord ArrayRecord of token ids (see the README's data section), the rest text.",
     )
-    text_field: str = Field("text", description="The text field of JSONL records.")
+    text_field: str = Field(
+        "text", description="The text field of JSONL records and the text column of Parquet."
+    )
     tokenizer: str = Field(
         "bytes",
         description="'bytes' (built-in byte-level), or a path to a Hugging Face tokenizer.json "
@@ -193,6 +197,11 @@ class DataConfig(_Section):
         0.02, gt=0, lt=1, description="Fraction of documents held out for evaluation."
     )
     eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
+    prepared_dir: str | None = Field(
+        None,
+        description="Directory of the corpus tokenised and packed by `distill prepare`. Set: "
+        "`distill prepare` writes it and runs read their rows from it, not from data.source.",
+    )
 
 
 class DistillLossConfig(_Section):

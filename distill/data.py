@@ -1,8 +1,12 @@
 """Grain input pipeline: read documents, tokenize, pack into rows, serve shuffled batches.
 
-Everything is in memory and deterministic: the same config and seed give the same batches
-on every host, and the train iterator's state is a small JSON dict (checkpointed with the
-student) from which it resumes at exactly the next batch.
+Documents come from plain text files, JSONL records and Parquet rows (``data.text_field``),
+or arrive already tokenised in ArrayRecord files (one document's ids per record, see
+``_token_docs``). Everything is in memory and deterministic: the same config and seed give
+the same batches on every host, and the train iterator's state is a small JSON dict
+(checkpointed with the student) from which it resumes at exactly the next batch. A corpus
+prepared once by `distill prepare` (``data.prepared_dir``, see ``distill.prepared``) serves
+the very same rows from disk instead, through the same shuffle and the same iterator state.
 
 Packing is concat-then-split: every document becomes ``[BOS] + tokens + [EOS]``, all of them
 are concatenated into one stream, and row ``i`` is ``stream[i*S : i*S + S + 1]`` (rows
@@ -33,7 +37,12 @@ from distill.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer  # noqa
 from distill.types import Batch
 
 _GLOB_CHARS = "*?["
-_JSONL_SUFFIXES = (".jsonl", ".json")
+_SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+# name.array_record, name.arrayrecord, and sharded name.array_record-00000-of-00008
+_ARRAYRECORD_NAME = re.compile(r"\.array_?record(-\d+-of-\d+)?\Z", re.IGNORECASE)
+_PARQUET_BATCH_ROWS = 1024
+_RECORDS_PER_READ = 4096
+_ENCODE_CHUNK = 1024  # documents per tokenizer call: bounds the progress bar's granularity
 # The corpus is already in memory; a couple of threads and a short buffer keep a few
 # batches ready without holding hundreds of them.
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
@@ -119,15 +128,28 @@ def resolve_paths(cfg: DataConfig) -> list[Path]:
     raise DistillError(f"data.source: no such file or directory: '{source}'")
 
 
-def _file_texts(path: Path, cfg: DataConfig):
-    """Yield the texts of one file: the whole file, or one per JSON line."""
+def _format(path: Path, cfg: DataConfig) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    if _ARRAYRECORD_NAME.search(path.name):
+        return "arrayrecord"
+    return _SUFFIX_FORMATS.get(path.suffix.lower(), "text")
+
+
+def _file_docs(path: Path, cfg: DataConfig, get_vocab):
+    """Yield the documents of one file: texts (str), or token ids ([n] int32) of ArrayRecord
+    (checked against the vocabulary size ``get_vocab()``)."""
+    fmt = _format(path, cfg)
+    if fmt == "parquet":
+        yield from _parquet_texts(path, cfg.text_field)
+        return
+    if fmt == "arrayrecord":
+        yield from _token_docs(path, cfg, get_vocab())
+        return
     data = path.read_bytes()
     if b"\x00" in data:  # binary (images, archives, bytecode): not text, skip it
         return
-    as_jsonl = cfg.format == "jsonl" or (
-        cfg.format == "auto" and path.suffix.lower() in _JSONL_SUFFIXES
-    )
-    if not as_jsonl:
+    if fmt == "text":
         yield data.decode("utf-8", errors="replace")
         return
     for lineno, line in enumerate(data.split(b"\n"), start=1):
@@ -146,31 +168,133 @@ def _file_texts(path: Path, cfg: DataConfig):
         yield text
 
 
-def load_documents(cfg: DataConfig) -> list[str]:
-    """Non-empty texts of ``data.source`` in sorted path order, at most ``data.max_bytes``.
+def _parquet_texts(path: Path, field: str):
+    """The ``field`` column of a Parquet file, one record batch at a time (no other column is
+    read). Null texts are skipped, like empty ones."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DistillError(
+            f"data.source: {path} is Parquet and needs pyarrow (pip install pyarrow)"
+        ) from None
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DistillError(
+            f"data.source: {path} is not a readable Parquet file ({first})"
+        ) from None
+    schema = pf.schema_arrow
+    if schema.get_field_index(field) < 0:
+        raise DistillError(
+            f"data.source: {path} has no column '{field}' (data.text_field); its columns:"
+            f" {', '.join(schema.names)}"
+        )
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DistillError(
+            f"data.source: {path} column '{field}' (data.text_field) holds {kind}, not strings"
+        )
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[field]):
+        yield from (t for t in batch.column(0).to_pylist() if t)
 
-    The last document is cut to fit ``max_bytes`` (counted in UTF-8 bytes) and reading stops.
+
+def _token_docs(path: Path, cfg: DataConfig, vocab_size: int):
+    """Pre-tokenised documents of an ArrayRecord file: each record is one document's token
+    ids as little-endian int32 (4 bytes per id, no header, no BOS/EOS: packing adds them),
+    made with ``data.tokenizer``; an id outside its vocabulary is an error naming the record.
+    """
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    reader = ArrayRecordReader(str(path))
+    if not reader.ok():  # (closing a reader that is not ok raises)
+        raise DistillError(f"data.source: {path} is not a readable ArrayRecord file")
+    try:
+        n = reader.num_records()
+        for lo in range(0, n, _RECORDS_PER_READ):
+            records = reader.read(lo, min(lo + _RECORDS_PER_READ, n))
+            bad = next((i for i, r in enumerate(records) if len(r) % 4), None)
+            if bad is not None:
+                raise DistillError(
+                    f"data.source: {path} record {lo + bad}: {len(records[bad])} bytes is not"
+                    " a whole number of int32 token ids"
+                )
+            docs = [np.frombuffer(r, dtype="<i4").astype(np.int32) for r in records]
+            flat = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+            out = np.flatnonzero((flat < 0) | (flat >= vocab_size))
+            if out.size:
+                ends = np.cumsum([len(d) for d in docs])
+                rec = lo + int(np.searchsorted(ends, out[0], side="right"))
+                raise DistillError(
+                    f"data.source: {path} record {rec}: token id {flat[out[0]]} is outside"
+                    f" data.tokenizer={cfg.tokenizer}'s vocabulary [0, {vocab_size}); the ids"
+                    " must come from the same tokenizer"
+                )
+            yield from docs
+    finally:
+        reader.close()
+
+
+def load_documents(cfg: DataConfig, vocab_size: int | None = None, progress=None) -> list:
+    """Non-empty documents of ``data.source`` in sorted path order, at most ``data.max_bytes``:
+    texts (str), and token ids ([n] int32) from ArrayRecord files, checked against
+    ``vocab_size`` (default: data.tokenizer's).
+
+    ``max_bytes`` counts UTF-8 bytes of texts and 4 bytes per pre-tokenised id; the last
+    document is cut to fit and reading stops. ``progress(total=, desc=, unit=)`` may return
+    a tqdm-like bar advanced per file.
     """
     paths = resolve_paths(cfg)
-    docs: list[str] = []
+    vocab = [vocab_size]
+
+    def get_vocab() -> int:
+        if vocab[0] is None:
+            vocab[0] = build_tokenizer(cfg).vocab_size
+        return vocab[0]
+
+    bar = (progress or _NoProgress)(total=len(paths), desc="read", unit="file")
+    docs: list = []
     budget = cfg.max_bytes
-    for path in paths:
-        for text in _file_texts(path, cfg):
-            if not text:
-                continue
-            if budget is not None:
-                raw = text.encode("utf-8")
-                if len(raw) >= budget:
-                    docs.append(raw[:budget].decode("utf-8", errors="ignore"))
-                    return [d for d in docs if d]
-                budget -= len(raw)
-            docs.append(text)
+    try:
+        for path in paths:
+            for doc in _file_docs(path, cfg, get_vocab):
+                if not len(doc):
+                    continue
+                if budget is not None:
+                    nbytes = len(doc.encode("utf-8")) if isinstance(doc, str) else 4 * len(doc)
+                    if nbytes >= budget:
+                        docs.append(_cut(doc, budget))
+                        return [d for d in docs if len(d)]
+                    budget -= nbytes
+                docs.append(doc)
+            bar.update(1)
+    finally:
+        bar.close()
     if not docs:
         raise DistillError(
             f"data.source: the {len(paths)} file(s) of '{cfg.source}' hold no text"
             " (all empty or binary)"
         )
     return docs
+
+
+def _cut(doc, nbytes: int):
+    """The first ``nbytes`` of a document: UTF-8 bytes of a text, 4 per token id."""
+    if isinstance(doc, str):
+        return doc.encode("utf-8")[:nbytes].decode("utf-8", errors="ignore")
+    return doc[: nbytes // 4]
+
+
+class _NoProgress:
+    def __init__(self, **_):
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------- packing
@@ -206,26 +330,42 @@ class PackedRows:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
     def __getitem__(self, index: int) -> Batch:
-        if not 0 <= index < len(self):
-            raise IndexError(f"row {index} out of range [0, {len(self)})")
-        return Batch(*(x[0] for x in self.gather(np.array([index]))))
+        return row_at(self, index)
+
+    def windows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids [B, S+1] int32 and doc-start flags [B, S+1] bool of rows ``rows`` [B]."""
+        s = self.seq_len
+        window = np.asarray(rows, dtype=np.int64)[:, None] * s + np.arange(s + 1)
+        return self.stream[window], self.doc_start[window]
 
     def gather(self, rows: np.ndarray) -> Batch:
         """The Batch of rows ``rows`` [B]: every field [B, S]."""
-        s = self.seq_len
-        window = np.asarray(rows, dtype=np.int64)[:, None] * s + np.arange(s + 1)
-        ids, starts = self.stream[window], self.doc_start[window]
-        new_doc = starts[:, :-1].copy()
-        new_doc[:, 0] = True  # the row's first token opens segment 1, position 0
-        ar = np.arange(s, dtype=np.int32)
-        seg_start = np.maximum.accumulate(np.where(new_doc, ar, 0), axis=1)
-        return Batch(
-            tokens=ids[:, :-1],
-            targets=ids[:, 1:],
-            segment_ids=np.cumsum(new_doc, axis=1, dtype=np.int32),
-            positions=(ar - seg_start).astype(np.int32),
-            mask=(~starts[:, 1:]).astype(np.float32),  # target opens a new doc: no loss
-        )
+        return rows_batch(*self.windows(rows))
+
+
+def row_at(rows, index: int) -> Batch:
+    """Row ``index`` of ``rows`` (anything with ``len`` and ``gather``) as a Batch of [S]."""
+    if not 0 <= index < len(rows):
+        raise IndexError(f"row {index} out of range [0, {len(rows)})")
+    return Batch(*(x[0] for x in rows.gather(np.array([index]))))
+
+
+def rows_batch(ids: np.ndarray, starts: np.ndarray) -> Batch:
+    """The Batch [B, S] of packed rows given as token ids [B, S+1] and doc-start flags [B, S+1]
+    (the last column is the first token after the row: the last target, and whether it opens
+    a new document)."""
+    s = ids.shape[1] - 1
+    new_doc = starts[:, :-1].copy()
+    new_doc[:, 0] = True  # the row's first token opens segment 1, position 0
+    ar = np.arange(s, dtype=np.int32)
+    seg_start = np.maximum.accumulate(np.where(new_doc, ar, 0), axis=1)
+    return Batch(
+        tokens=ids[:, :-1],
+        targets=ids[:, 1:],
+        segment_ids=np.cumsum(new_doc, axis=1, dtype=np.int32),
+        positions=(ar - seg_start).astype(np.int32),
+        mask=(~starts[:, 1:]).astype(np.float32),  # target opens a new doc: no loss
+    )
 
 
 def split_documents(
@@ -263,11 +403,18 @@ def _shuffle_seed(seed: int) -> int:
 
 @dataclass
 class Corpus:
-    """Packed train and eval rows of one corpus, and the tokenizer that made them."""
+    """Packed train and eval rows of one corpus, and the tokenizer that made them.
+
+    The rows are ``PackedRows`` in memory, or ``distill.prepared.StoredRows`` read from a
+    prepared corpus on demand; both have ``len`` and ``gather``, so batches are the same.
+    ``fingerprint`` is the prepared corpus's stored hash of its packed streams (see
+    ``pipelines.teacher_cache.data_hash``), None for rows in memory.
+    """
 
     tokenizer: Tokenizer
     train: PackedRows
     eval: PackedRows
+    fingerprint: str | None = None
 
     @property
     def train_rows(self) -> int:
@@ -302,9 +449,20 @@ class Corpus:
 
 
 def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
-    """Read, tokenize, split and pack ``cfg``'s corpus into rows of ``seq_len`` tokens."""
+    """The corpus of ``cfg`` in rows of ``seq_len`` tokens: from ``data.prepared_dir`` when
+    set (checked against ``cfg``, nothing tokenised), else read and tokenised here."""
+    if cfg.prepared_dir is not None:
+        from distill.prepared import load_prepared
+
+        return load_prepared(cfg, seq_len)
+    return tokenize_corpus(cfg, seq_len)
+
+
+def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:
+    """Read, tokenize, split and pack ``data.source`` into rows of ``seq_len`` tokens.
+    ``progress`` as for ``load_documents``: bars per file read and per document tokenised."""
     tokenizer = build_tokenizer(cfg)
-    docs = tokenizer.encode_batch(load_documents(cfg))
+    docs = _encode(load_documents(cfg, tokenizer.vocab_size, progress), tokenizer, progress)
     need = seq_len + 1
     train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, need)
     packed = {}
@@ -318,3 +476,19 @@ def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
             )
         packed[split] = rows
     return Corpus(tokenizer=tokenizer, train=packed["train"], eval=packed["eval"])
+
+
+def _encode(docs: list, tokenizer: Tokenizer, progress=None) -> list[np.ndarray]:
+    """Token ids [n] int32 of every document; texts are tokenised in chunks, in order."""
+    out = list(docs)
+    texts = [i for i, d in enumerate(docs) if isinstance(d, str)]
+    bar = (progress or _NoProgress)(total=len(texts), desc="tokenize", unit="doc")
+    try:
+        for lo in range(0, len(texts), _ENCODE_CHUNK):
+            chunk = texts[lo : lo + _ENCODE_CHUNK]
+            for i, ids in zip(chunk, tokenizer.encode_batch([docs[i] for i in chunk]), strict=True):
+                out[i] = ids
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    return out

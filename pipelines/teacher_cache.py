@@ -150,7 +150,10 @@ def teacher_hash(path: str) -> str:
 
 
 def data_hash(corpus) -> str:
-    """sha256 of the packed train and eval token streams: the cache's tokens come from them."""
+    """sha256 of the packed train and eval token streams: the cache's tokens come from them.
+    A prepared corpus carries the value `distill prepare` computed from its streams."""
+    if getattr(corpus, "fingerprint", None):
+        return corpus.fingerprint
     h = hashlib.sha256()
     for rows in (corpus.train, corpus.eval):
         h.update(str(len(rows)).encode())

@@ -235,3 +235,102 @@ def test_bad_inputs_raise_one_line(tmp_path, setup, kwargs, match):
     with pytest.raises(DistillError, match=match) as err:
         load_corpus(DataConfig(**kwargs), seq_len=16)
     assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def _parquet(path, **columns):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, row_group_size=2)
+    return path
+
+
+def _empty_strings():
+    import pyarrow as pa
+
+    return pa.array([], type=pa.string())
+
+
+def _token_records(path, docs, options="group_size:1"):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = ArrayRecordWriter(str(path), options)
+    for d in docs:
+        writer.write(d if isinstance(d, bytes) else np.asarray(d, dtype="<i4").tobytes())
+    writer.close()
+    return path
+
+
+def test_parquet_text_column(tmp_path):
+    texts = ["alpha", None, "", "delta", "epsilon"]
+    _parquet(tmp_path / "a.parquet", id=list(range(5)), body=texts)
+    _parquet(tmp_path / "b.parquet", body=["zeta"])
+    docs = load_documents(DataConfig(source=str(tmp_path), text_field="body"))
+    assert docs == ["alpha", "delta", "epsilon", "zeta"]  # nulls and empty texts skipped
+    forced = DataConfig(source=str(tmp_path / "a.parquet"), format="parquet", text_field="body")
+    assert load_documents(forced) == ["alpha", "delta", "epsilon"]
+
+
+def test_arrayrecord_token_ids_pack_like_the_text_they_came_from(tmp_path, corpus_dir):
+    texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
+    tok = ByteTokenizer()
+    _token_records(
+        tmp_path / "tok" / "part.array_record-00000-of-00002", [tok.encode(t) for t in texts[:25]]
+    )
+    _token_records(
+        tmp_path / "tok" / "part.array_record-00001-of-00002", [tok.encode(t) for t in texts[25:]]
+    )
+    from_ids = load_corpus(DataConfig(source=str(tmp_path / "tok")), seq_len=16)
+    from_text = load_corpus(DataConfig(source=str(corpus_dir)), seq_len=16)
+    for split in ("train", "eval"):
+        np.testing.assert_array_equal(
+            getattr(from_ids, split).stream, getattr(from_text, split).stream
+        )
+    capped = DataConfig(source=str(tmp_path / "tok"), max_bytes=4 * 30)  # 4 bytes per id
+    assert sum(len(d) for d in load_documents(capped)) == 30
+
+
+def test_formats_mix_in_one_directory(tmp_path):
+    _write(tmp_path / "a.txt", "plain text")
+    _write(tmp_path / "b.jsonl", json.dumps({"text": "json text"}))
+    _parquet(tmp_path / "c.parquet", text=["parquet text"])
+    _token_records(tmp_path / "d.arrayrecord", [[10, 11, 12]])
+    docs = load_documents(DataConfig(source=str(tmp_path)))
+    assert docs[:3] == ["plain text", "json text", "parquet text"]
+    np.testing.assert_array_equal(docs[3], [10, 11, 12])
+    assert docs[3].dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    "name, make, kwargs, match",
+    [
+        ("nf.parquet", lambda p: _parquet(p, body=["x"]), {},
+         r"nf\.parquet has no column 'text' \(data\.text_field\); its columns: body"),
+        ("num.parquet", lambda p: _parquet(p, text=[1, 2]), {},
+         r"num\.parquet column 'text' \(data\.text_field\) holds int64, not strings"),
+        ("empty.parquet", lambda p: _parquet(p, text=_empty_strings()), {},
+         r"data\.source: the 1 file\(s\) of .*empty\.parquet' hold no text"),
+        ("broken.parquet", lambda p: _write(p, "not parquet"), {},
+         r"broken\.parquet is not a readable Parquet file"),
+        ("big.arrayrecord", lambda p: _token_records(p, [[5, 6], [7, 259, 8]]), {},
+         r"big\.arrayrecord record 1: token id 259 is outside data\.tokenizer=bytes's"
+         r" vocabulary \[0, 259\)"),
+        ("neg.arrayrecord", lambda p: _token_records(p, [[-1]]), {}, r"neg\.arrayrecord record 0"),
+        ("odd.arrayrecord", lambda p: _token_records(p, [b"\x05\x00\x00"]), {},
+         r"odd\.arrayrecord record 0: 3 bytes is not a whole number of int32 token ids"),
+        ("junk.arrayrecord", lambda p: _write(p, "junk"), {},
+         r"junk\.arrayrecord is not a readable ArrayRecord file"),
+        ("t.txt", lambda p: _write(p, "text"), {"format": "arrayrecord"},
+         r"t\.txt is not a readable ArrayRecord file"),
+    ],
+)  # fmt: skip
+def test_bad_format_inputs_raise_one_line(tmp_path, name, make, kwargs, match):
+    make(tmp_path / name)
+    with pytest.raises(DistillError, match=match) as err:
+        load_corpus(DataConfig(source=str(tmp_path / name), **kwargs), seq_len=16)
+    assert "\n" not in str(err.value)
