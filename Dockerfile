@@ -1,12 +1,13 @@
 # distill: one image for every target.
 #
 #   docker build -t distill:cpu .                                   # CPU (default)
-#   docker build --build-arg ACCELERATOR=cuda12 --build-arg EXTRAS=ray -t distill:cuda12 .
-#   docker build --build-arg ACCELERATOR=tpu -t distill:tpu .
+#   docker build --build-arg ACCELERATOR=cuda12 --build-arg EXTRAS="ray gcs" -t distill:cuda12 .
+#   docker build --build-arg ACCELERATOR=tpu --build-arg EXTRAS=gcs -t distill:tpu .
 #
 # ACCELERATOR picks the JAX install: cpu -> jax, cuda12 -> jax[cuda12] (CUDA, cuDNN and NCCL
 # come as pip wheels; the node only needs the NVIDIA driver), tpu -> jax[tpu] (libtpu).
-# EXTRAS names [project.optional-dependencies] groups of pyproject.toml to add (e.g. ray).
+# EXTRAS names [project.optional-dependencies] groups of pyproject.toml to add (e.g. ray;
+# gcs: gcsfs, for a gs:// run.output_dir).
 #
 # Stages: base (Debian's python3) -> deps (venv with the dependencies, from pyproject.toml
 # alone) -> wheel (the project's wheel, from the source) -> runtime (base + the venv, then

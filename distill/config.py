@@ -22,7 +22,11 @@ class _Section(BaseModel):
 
 class RunConfig(_Section):
     name: str = Field("distill", description="Run name, shown in logs and the dashboard.")
-    output_dir: str = Field("runs/distill", description="Where every output of the run lives.")
+    output_dir: str = Field(
+        "runs/distill",
+        description="Where every output of the run lives: a local directory or a gs:// URI "
+        "(needs the gcs extra).",
+    )
     seed: int = Field(0, description="Seed for parameter init and data shuffling.")
 
 
@@ -364,6 +368,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     tree: dict = {}
     if path is not None:
         p = Path(path)
+        if "://" in str(path):  # a run's config.yaml in a bucket (`distill export gs://...`)
+            from etils import epath
+
+            from distill import storage
+
+            storage.check(str(path), "config")
+            p = epath.Path(path)
         if not p.is_file():
             raise DistillError(f"config file not found: {p}")
         try:

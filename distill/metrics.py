@@ -6,8 +6,9 @@ touch device arrays and never wait on the accelerator; one lock guards all state
 held only for dictionary work.
 
 The store also appends every record to ``{output_dir}/metrics.jsonl`` (one JSON object per
-line, flushed per line, append mode so a resumed run continues the file). Three kinds of
-line share the file:
+line, flushed per line, append mode so a resumed run continues the file; on a ``gs://``
+bucket, which cannot append, the file is rewritten whole every few seconds and at close:
+see `distill.storage`). Three kinds of line share the file:
 
 - training records: ``{"step", "loss", "kd_loss", "ce_loss", "lr", ..., "phase", "time"}``
   where ``phase`` is ``"bootstrap"`` (teacher pretraining) or ``"distill"``;
@@ -33,15 +34,15 @@ import bisect
 import copy
 import json
 import math
-import os
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import yaml
+from etils import epath
 
+from distill import storage
 from distill.errors import DistillError
 
 PHASES = ("starting", "bootstrap", "distill", "eval", "checkpoint", "done", "failed")
@@ -49,6 +50,7 @@ SERIES = ("bootstrap", "distill", "eval")
 _SECRET_WORDS = ("token", "secret", "password", "key")
 _REDACTED = "***"
 _ETA_WINDOW = 20  # records used for the steps-per-second estimate
+_REMOTE_POLL_S = 2.0  # a follower of a bucket's metrics.jsonl looks this often at most
 
 
 def redact(tree: Any) -> Any:
@@ -125,11 +127,11 @@ class MetricsStore:
         self._file = None
         self._follow: _Follower | None = None
         if output_dir is not None:
-            path = Path(output_dir) / "metrics.jsonl"
-            if path.is_file():
-                self._load_previous(Path(output_dir))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (lives with the store)
+            storage.check(output_dir, "run.output_dir")
+            root = epath.Path(output_dir)
+            if storage.stat(root / "metrics.jsonl") is not None:
+                self._load_previous(root)
+            self._file = storage.open_log(root / "metrics.jsonl")  # lives with the store
             self._write({"event": "start", "run_name": self.run_name, "total_steps": self._total})
 
     # -- the loop's side ------------------------------------------------------------------
@@ -204,7 +206,8 @@ class MetricsStore:
             self._write({"event": "done", "summary": self._summary})
 
     def close(self) -> None:
-        """Close metrics.jsonl (the store stays readable)."""
+        """Close metrics.jsonl, writing what a bucket has not got yet (the store stays
+        readable)."""
         with self._lock:
             if self._file is not None:
                 self._file.close()
@@ -295,8 +298,10 @@ class MetricsStore:
     def from_run_dir(cls, output_dir: str) -> MetricsStore:
         """A read-only store rebuilt from ``metrics.jsonl`` (+ ``summary.json``,
         ``config.yaml``) that re-reads the file whenever it changes, so it also follows a
-        run going on in another process. Raises DistillError if the directory is missing."""
-        root = Path(output_dir)
+        run going on in another process; ``output_dir`` may be a ``gs://`` URI. Raises
+        DistillError if the directory is missing."""
+        storage.check(output_dir, "OUTPUT_DIR")
+        root = epath.Path(output_dir)
         if not root.is_dir():
             raise DistillError(f"run directory not found: {root}")
         config: dict = {}
@@ -311,7 +316,7 @@ class MetricsStore:
             return value if isinstance(value, dict) else {}
 
         store = cls(
-            run_name=section("run").get("name") or root.resolve().name,
+            run_name=section("run").get("name") or _dir_name(root),
             total_steps=int(section("train").get("steps") or 0),
             config=config,
             stall_timeout_s=float(section("server").get("stall_timeout_s") or 300.0),
@@ -320,7 +325,7 @@ class MetricsStore:
         store._refresh()
         return store
 
-    def _load_previous(self, root: Path) -> None:
+    def _load_previous(self, root: epath.Path) -> None:
         """A resumed run: start from the history already in metrics.jsonl, so the live
         dashboard shows one continuous run (the records it repeats will replace these)."""
         name, total = self.run_name, self._run_total
@@ -422,6 +427,10 @@ class MetricsStore:
         return max(0.0, (self._total - self._step) * dt / ds)
 
 
+def _dir_name(root: epath.Path) -> str:
+    return root.name if storage.is_remote(root) else root.resolve().name
+
+
 def _bottleneck(latest: dict) -> str | None:
     """The side that bounds throughput: the mesh (or actor role) busier per unit of time."""
     t, s = latest.get("teacher_busy"), latest.get("student_busy")
@@ -447,32 +456,36 @@ _STATUS_FIGURES = (
 
 class _Follower:
     """Reads a run directory's ``metrics.jsonl`` into a store incrementally: the new complete
-    lines on each sync, everything again if the file was replaced or truncated."""
+    lines on each sync, everything again if the file was replaced or truncated. On a bucket
+    (where each sync costs requests) it looks at most every `_REMOTE_POLL_S` seconds."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: epath.Path) -> None:
         self.root = root
         self.path = root / "metrics.jsonl"
         self._lock = threading.Lock()
         self._offset = 0
-        self._ino: int | None = None
+        self._seen = False
+        self._ident: int | None = None
         self.starts = 0
         self._phase_events = False
         self._summary_mtime: float | None = None
+        self._poll_every = _REMOTE_POLL_S if storage.is_remote(root) else 0.0
+        self._polled_at = -math.inf
 
     def sync(self, store: MetricsStore) -> None:
         with self._lock:
-            try:
-                st = os.stat(self.path)
-            except OSError:
-                st = None
+            if time.monotonic() - self._polled_at < self._poll_every:
+                return
+            self._polled_at = time.monotonic()
+            st = storage.stat(self.path)
             if st is not None:
-                if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
+                if self._seen and (st.ident != self._ident or st.size < self._offset):
                     self._reset(store)
-                self._ino = st.st_ino
-                if st.st_size > self._offset:
+                self._seen, self._ident = True, st.ident
+                if st.size > self._offset:
                     self._read_new(store)
                 with store._lock:  # progress as seen from here: the file's last change
-                    store._progress_at = time.monotonic() - max(0.0, time.time() - st.st_mtime)
+                    store._progress_at = time.monotonic() - max(0.0, time.time() - st.mtime)
             self._sync_summary(store, st)
 
     def _reset(self, store: MetricsStore) -> None:
@@ -489,9 +502,7 @@ class _Follower:
             store._mesh = store._checkpoint = store._eval = store._failure = None
 
     def _read_new(self, store: MetricsStore) -> None:
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
+        data = storage.read(self.path, self._offset)
         end = data.rfind(b"\n") + 1  # the writer may be mid-line: leave the tail for later
         self._offset += end
         with store._lock:
@@ -544,21 +555,24 @@ class _Follower:
             if isinstance(line.get("summary"), dict):
                 store._summary = redact(line["summary"])
 
-    def _sync_summary(self, store: MetricsStore, jsonl: os.stat_result | None) -> None:
+    def _sync_summary(self, store: MetricsStore, jsonl: storage.FileStat | None) -> None:
         """summary.json marks a finished run, unless metrics.jsonl grew well after it (the
         run was resumed)."""
         path = self.root / "summary.json"
         try:
-            mtime = path.stat().st_mtime
+            st = storage.stat(path)
+            if st is None:
+                return
+            mtime = st.mtime
             if mtime != self._summary_mtime:
-                summary = json.loads(path.read_text(encoding="utf-8"))
+                summary = json.loads(storage.read(path).decode("utf-8"))
                 self._summary_mtime = mtime
                 if isinstance(summary, dict):
                     with store._lock:
                         store._summary = redact(to_plain(summary))
         except (OSError, ValueError):
             return
-        resumed = jsonl is not None and jsonl.st_mtime > mtime + 1.0
+        resumed = jsonl is not None and jsonl.mtime > mtime + 1.0
         with store._lock:
             if store._summary is not None and store._phase != "failed" and not resumed:
                 store._phase = "done"

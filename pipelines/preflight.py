@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distill import hf
+from distill import hf, storage
 from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data import Corpus, load_corpus
@@ -40,6 +40,7 @@ def check_shapes(cfg: Config) -> None:
 
 
 def check_teacher_source(cfg: Config) -> None:
+    storage.check(cfg.teacher.checkpoint, "teacher.checkpoint")
     if cfg.teacher.source == "cache" and cfg.student.init == "random":
         return  # the cache is checked by pipelines.teacher_cache; no teacher weights needed
     if params_exist(cfg.teacher.checkpoint) or cfg.teacher.pretrain_steps > 0:
@@ -53,6 +54,7 @@ def check_teacher_source(cfg: Config) -> None:
 
 def check_output_dir(cfg: Config) -> None:
     out = cfg.run.output_dir
+    storage.check(out, "run.output_dir")  # gs:// needs gcsfs; other schemes are refused
     if "://" not in out and Path(out).exists() and not Path(out).is_dir():
         raise DistillError(f"run.output_dir: {out} exists and is not a directory")
 

@@ -104,6 +104,7 @@ def run(cfg: Config) -> dict:
             if os.environ.get("DISTILL_HOLD_SERVER_S"):  # keep the dashboard up for a look
                 time.sleep(float(os.environ["DISTILL_HOLD_SERVER_S"]))
             server.stop()
+        store.close()  # on a bucket, this writes the metrics.jsonl lines not uploaded yet
 
 
 def evaluate(cfg: Config) -> dict:

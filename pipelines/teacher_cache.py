@@ -77,7 +77,17 @@ _CHECKED = {
 
 
 def cache_dir(cfg: Config) -> Path:
-    return Path(cfg.teacher.cache_dir or f"{cfg.run.output_dir.rstrip('/')}/teacher_cache")
+    """The cache directory, which must be local: ArrayRecord files are written and read
+    through local file descriptors (a `gs://` path would fail, or land in a directory named
+    `gs:`), and shards are committed by rename."""
+    path = cfg.teacher.cache_dir or f"{cfg.run.output_dir.rstrip('/')}/teacher_cache"
+    if "://" in path:
+        unset = "" if cfg.teacher.cache_dir else " (the default under run.output_dir)"
+        raise DistillError(
+            f"teacher.cache_dir: {path}{unset} is not local; the teacher cache is ArrayRecord "
+            "files on local disk: set teacher.cache_dir to a local directory"
+        )
+    return Path(path)
 
 
 # ----------------------------------------------------------------------------- records
@@ -242,11 +252,11 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
         )
     if batches_per_shard < 1:
         raise DistillError(f"--batches-per-shard: {batches_per_shard} must be >= 1")
+    root = cache_dir(cfg)  # local, or one line now, before any device work
     t0 = time.perf_counter()
     corpus = preflight(cfg)
     meshes = build_meshes(cfg)
     ensure_teacher(cfg, corpus)
-    root = cache_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)
     expected = expected_manifest(cfg, corpus, teacher_hash(teacher_path(cfg)), batches_per_shard)
     manifest = read_manifest(root)

@@ -12,12 +12,15 @@ training (training also appends EOS after each document; generation stops there)
 
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
-from distill import hf
+from distill import hf, storage
 from distill.config import Config, ModelConfig
 from distill.data import ByteTokenizer
 from distill.errors import DistillError
@@ -80,8 +83,9 @@ def write_hf(
     return out
 
 
-def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path:
-    """Export the latest student checkpoint of the run `cfg` (default: <output_dir>/hf)."""
+def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Path:
+    """Export the latest student checkpoint of the run `cfg` (default: <output_dir>/hf);
+    the run and the destination may be local or in a gs:// bucket."""
     import jax
     from jax.sharding import Mesh
 
@@ -101,14 +105,20 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path:
         state, _, _ = ckpt.restore(train.abstract_state(scfg, tx, mesh))
     finally:
         ckpt.close()
-    out = Path(out_dir) if out_dir is not None else Path(cfg.run.output_dir) / "hf"
-    return write_hf(
-        out,
-        scfg,
-        jax.device_get(state.params),
+    out = str(out_dir) if out_dir is not None else f"{cfg.run.output_dir.rstrip('/')}/hf"
+    write = functools.partial(
+        write_hf,
+        cfg=scfg,
+        params=jax.device_get(state.params),
         max_position_embeddings=cfg.train.seq_len,
         tokenizer=cfg.data.tokenizer,
     )
+    if not storage.is_remote(out):
+        return write(Path(out))
+    storage.check(out, "--out")  # a bucket: write the files here, then upload them
+    with tempfile.TemporaryDirectory() as tmp:
+        storage.upload_dir(write(Path(tmp)), out)
+    return epath.Path(out)
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -96,6 +96,16 @@ def _final_stage() -> list[tuple[str, str]]:
     return ins[last_from:]
 
 
+def _readme_build_extras(accelerator: str) -> set[str]:
+    """The EXTRAS of deploy/README.md's `docker build` commands for `accelerator`."""
+    extras = set()
+    for line in (DEPLOY / "README.md").read_text().splitlines():
+        if line.startswith("docker build") and f"ACCELERATOR={accelerator} " in line:
+            m = re.search(r"EXTRAS=(\"[^\"]*\"|\S+)", line)
+            extras |= set(m[1].strip('"').replace(",", " ").split()) if m else set()
+    return extras
+
+
 def _image_requirements():
     spec = importlib.util.spec_from_file_location(
         "image_requirements", DEPLOY / "image_requirements.py"
@@ -137,6 +147,9 @@ class _Launch:
                 (vol,) = [v for v in self.pod["spec"]["volumes"] if v["name"] == m["name"]]
                 return vol
         raise AssertionError(f"nothing mounted at {mount_path_prefix} in {self.container['name']}")
+
+    def volume_names(self) -> set[str]:
+        return {v["name"] for v in self.pod["spec"].get("volumes", [])}
 
     def config_text(self) -> str:
         path = self.argv[2]
@@ -185,7 +198,7 @@ def test_kinds_and_api_versions():
         },
         TPU: {
             "ConfigMap": "v1",
-            "PersistentVolumeClaim": "v1",
+            "ServiceAccount": "v1",
             "JobSet": "jobset.x-k8s.io/v1alpha2",
             "Service": "v1",
         },
@@ -218,8 +231,22 @@ def test_command_runs_distill_on_a_config_from_the_configmap(launch):
         assert launch.sets["ray.address"] == "auto"
 
 
-def test_output_dir_is_on_the_persistent_volume(launch):
+def test_output_dir_is_on_a_persistent_volume_or_in_a_bucket(launch):
     out = launch.sets["run.output_dir"]
+    if out.startswith("gs://"):
+        # every pod that writes outputs has a declared service account (Workload Identity:
+        # no key files), and the image the README builds for it carries gcsfs
+        accounts = {d["metadata"]["name"] for d in launch.docs if d["kind"] == "ServiceAccount"}
+        pods = [launch.pod]
+        if launch.job["kind"] == "RayJob":  # the student actor checkpoints from a worker
+            groups = launch.job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+            pods += [g["template"] for g in groups]
+        for pod in pods:
+            assert pod["spec"].get("serviceAccountName") in accounts
+        assert not launch.pvcs and not launch.volume_names() - {"config", "shm"}
+        accelerator = launch.container["image"].rpartition(":")[2]
+        assert "gcs" in _readme_build_extras(accelerator), accelerator
+        return
     vol = launch.volume(out)
     assert vol["persistentVolumeClaim"]["claimName"] in launch.pvcs
     if launch.job["kind"] == "RayJob":  # the student actor checkpoints from a worker
@@ -478,6 +505,18 @@ def test_image_requirements_select_the_jax_install(accelerator, jax):
     assert len(jax_reqs) == 1
     extra = mod.ACCELERATORS[accelerator]
     assert (f"[{extra}]" in jax_reqs[0]) if extra else ("[" not in jax_reqs[0])
+
+
+def test_readme_builds_name_existing_extras_and_gcs_brings_gcsfs():
+    import tomllib
+
+    mod = _image_requirements()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for accelerator in ("cuda12", "tpu"):
+        extras = _readme_build_extras(accelerator)
+        assert "gcs" in extras, f"the {accelerator} image cannot write to a gs:// output_dir"
+        reqs = mod.requirements(project, accelerator, sorted(extras))
+        assert any(re.match(r"gcsfs\b", r) for r in reqs)
 
 
 def test_image_requirements_reject_unknowns():
