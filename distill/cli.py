@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["bench"].add_argument(
         "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
     )
+    sub.choices["bench"].add_argument(
+        "--cache",
+        action="store_true",
+        help="also write a teacher cache and time offline training from it",
+    )
     e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
     e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
     e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
@@ -107,7 +112,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         meshes, corpus = runner.validate(cfg)
         result = bench(
-            cfg, corpus, meshes, repeats=args.repeats, http_requests=args.http, ray_mode=args.ray
+            cfg,
+            corpus,
+            meshes,
+            repeats=args.repeats,
+            http_requests=args.http,
+            ray_mode=args.ray,
+            cache_mode=args.cache,
         )
         print(format_bench(result))
         print(json.dumps(result))

@@ -95,6 +95,29 @@ for i in range(n):
 """
 
 
+def _loop_steps(repeats: int) -> tuple[int, int, int]:
+    """(warm-up steps, steps per window, total) of a timed loop: three windows."""
+    warm, window = 3, max(repeats, 4)
+    return warm, window, warm + 3 * window
+
+
+def _cached_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, k: int, repeats: int):
+    """Median step time of the local loop training from a teacher cache (`teacher.source:
+    cache`, top-`k`), written first by `distill cache-teacher` for as many steps as the
+    loop runs. Returns (ms, cache bytes per token on disk)."""
+    from pipelines.teacher_cache import cache_teacher
+
+    ccfg = cfg.model_copy(deep=True)
+    ccfg.teacher.top_k, ccfg.teacher.cache_dir = k, f"{tmp}/cache"
+    ccfg.run.output_dir = f"{tmp}/cache-run"
+    ccfg.train.steps = _loop_steps(repeats)[2]
+    ccfg.data.eval_batches = 1  # as `_pipelined_ms` sets it: the cache must match the loop
+    written = cache_teacher(ccfg)
+    ccfg.teacher.source = "cache"
+    ms, _, _ = _pipelined_ms(ccfg, corpus, meshes, f"{tmp}/cache-run", repeats)
+    return ms, written.get("bytes_per_token")
+
+
 def _pipelined_ms(
     cfg: Config,
     corpus: Corpus,
@@ -109,8 +132,7 @@ def _pipelined_ms(
     warm-up, with its status server up; optionally with `http_requests` GETs of /api/status
     and /metrics from a second process, paced at `http_rate` per second.
     Returns (ms, wall seconds, the run's metrics store)."""
-    warm, window = 3, max(repeats, 4)
-    steps = warm + 3 * window
+    warm, window, steps = _loop_steps(repeats)
     cfg = cfg.model_copy(deep=True)
     cfg.run.output_dir = out_dir
     cfg.train.steps, cfg.train.log_every, cfg.train.metrics_lag = steps, 1, 2
@@ -149,8 +171,24 @@ def bench(
     repeats: int = 10,
     http_requests: int = 0,
     ray_mode: bool = False,
+    cache_mode: bool = False,
 ) -> dict:
-    tmp = tempfile.mkdtemp(prefix="distill-bench-")
+    """Every figure of `distill bench`; what it writes (a random teacher when none is
+    configured, the loops' checkpoints, a teacher cache) goes to a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="distill-bench-") as tmp:
+        return _bench(cfg, corpus, meshes, tmp, repeats, http_requests, ray_mode, cache_mode)
+
+
+def _bench(
+    cfg: Config,
+    corpus: Corpus,
+    meshes: Meshes,
+    tmp: str,
+    repeats: int,
+    http_requests: int,
+    ray_mode: bool,
+    cache_mode: bool,
+) -> dict:
     cfg = cfg.model_copy(deep=True)
     tcfg, scfg = cfg.teacher.model, cfg.student_model()
     bsz, seq = cfg.train.batch_size, cfg.train.seq_len
@@ -238,6 +276,13 @@ def bench(
             ray_over_local=ray_ms / res["pipeline_ms"],
             ray_bytes_per_step=int(per_token[-1] * tokens + 2 * batch_bytes),
         )
+    if cache_mode:  # offline distillation: the student alone, reading the cache from disk
+        cache_ms, cache_bytes = _cached_ms(cfg, corpus, meshes, tmp, k, repeats)
+        res.update(
+            cache_pipeline_ms=cache_ms,
+            cache_over_student=cache_ms / res["student_kd_topk_ms"],
+            cache_bytes_per_token=cache_bytes,
+        )
     if http_requests:
         loaded, _, _ = _pipelined_ms(
             cfg,
@@ -302,6 +347,14 @@ def format_bench(r: dict) -> str:
                     f"{r['ray_bytes_per_step'] / 2**20:.2f} MiB/step between actors"
                 ]
                 if "ray_over_local" in r
+                else []
+            ),
+            *(
+                [
+                    f"offline (teacher cache, top-k): {r['cache_pipeline_ms']:.1f} ms/step "
+                    f"({r['cache_over_student']:.2f}x the student-alone top-k step)"
+                ]
+                if "cache_over_student" in r
                 else []
             ),
             f"data: {r['data_ms']:.2f} ms/batch; "

@@ -152,3 +152,17 @@ def test_dense_teacher_outputs_and_jsd(tmp_path, corpus_dir, finished_run):
     assert records[-1]["bytes_per_token"] == 260 * 4  # the whole vocabulary, float32
     assert all(r["kd_loss"] > 0 for r in records)
     assert not (out / "teacher").exists()
+
+
+def test_bench_with_cache_prints_every_figure(tmp_path, corpus_dir, capsys):
+    """`distill bench --cache` end to end on the tiny config: every phase, the pipelined
+    loop and offline training from a freshly written teacher cache."""
+    cfg = _write(tmp_path, tiny_config(str(corpus_dir), str(tmp_path / "out")))
+    assert main(["bench", cfg, "--repeats", "2", "--cache"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("teacher_topk_ms", "student_kd_topk_ms", "pipeline_ms", "cache_pipeline_ms"):
+        assert result[key] > 0, key
+    assert result["cache_over_student"] == pytest.approx(
+        result["cache_pipeline_ms"] / result["student_kd_topk_ms"], rel=1e-3
+    )
+    assert result["cache_bytes_per_token"] > 0

@@ -281,3 +281,17 @@ def test_run_with_hf_teacher_then_export(hf_teacher, corpus_dir, tmp_path, capsy
     with pytest.raises(SystemExit):
         main(["export", str(out), "--format", "onnx"])
     assert main(["export", str(tmp_path / "nowhere")]) == 2
+
+
+def test_load_benchmark_script_runs(tmp_path):
+    """`python -m teacher.load_bench` on a tiny generated checkpoint: sharded as asked,
+    every byte on the devices, memory figures present."""
+    from teacher import load_bench
+
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128)
+    sizes = load_bench.write_checkpoint(tmp_path, cfg, shard_bytes=40_000)
+    assert sizes["shards"] > 2 and (tmp_path / hf.INDEX_FILE).is_file()
+    assert sizes["largest_shard_bytes"] <= max(40_000, 2 * 256 * 64)  # one tensor may exceed
+    result = load_bench.load_child(str(tmp_path), tp=2)
+    assert result["device_bytes"] == sizes["checkpoint_bytes"]
+    assert result["load_s"] > 0 and result["peak_rss_above_start_bytes"] >= 0
