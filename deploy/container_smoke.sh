@@ -12,6 +12,9 @@
 #   DISTILL_SMOKE_CONFIG   pipeline, relative to the image's WORKDIR /workspace
 #                                                 (default: pipelines/quickstart.yaml)
 #   DISTILL_SMOKE_SET      extra `--set` overrides for the run, space-separated key=value
+#   DISTILL_SMOKE_EXTRAS   the image's EXTRAS build arg (default: none); with `gcs` the
+#                          container also validates a gs:// run.output_dir (gcsfs is there;
+#                          validation sends nothing: no bucket is reachable from here)
 #
 # Exits non-zero, naming the failed step, on any failure.
 set -euo pipefail
@@ -19,6 +22,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 CONTAINER_SH=${DISTILL_CONTAINER_SH:-../shared/tools/container.sh}
 TAG=${DISTILL_SMOKE_TAG:-localhost/distill:cpu-smoke}
+EXTRAS=${DISTILL_SMOKE_EXTRAS:-}
 CONFIG=${DISTILL_SMOKE_CONFIG:-pipelines/quickstart.yaml}
 OUT=/tmp/distill-smoke
 
@@ -31,11 +35,11 @@ fail() { printf '\nSMOKE FAILED: %s\n' "$*" >&2; exit 1; }
 step "base image (debian:bookworm-slim, made once per machine)"
 bash "$CONTAINER_SH" base || fail "base image"
 
-step "build $TAG (ACCELERATOR=cpu; --layers reuses the dependency layer)"
+step "build $TAG (ACCELERATOR=cpu EXTRAS='$EXTRAS'; --layers reuses the dependency layer)"
 start=$SECONDS
 # --format docker keeps the HEALTHCHECK (the OCI format has no field for it).
 bash "$CONTAINER_SH" build "$TAG" --format docker --layers --build-arg ACCELERATOR=cpu \
-  || fail "image build"
+  --build-arg "EXTRAS=$EXTRAS" || fail "image build"
 echo "built in $((SECONDS - start)) s"
 
 step "image metadata: entrypoint, user, port, healthcheck"
@@ -62,6 +66,10 @@ overrides=(--set train.steps=4 --set teacher.pretrain_steps=4 --set train.log_ev
            --set run.output_dir=$OUT/run --set teacher.checkpoint=$OUT/teacher
            --set server.port=0)
 for kv in ${DISTILL_SMOKE_SET:-}; do overrides+=(--set "$kv"); done
+gcs_check="echo 'no gcs extra: gs:// check skipped'"
+if [[ " $EXTRAS " == *" gcs "* ]]; then
+  gcs_check="distill validate $CONFIG --set run.output_dir=gs://distill-smoke/run"
+fi
 inner=$(cat <<EOF
 set -eu
 echo "container: uid=\$(id -u) cwd=\$(pwd) python=\$(python --version 2>&1)"
@@ -69,6 +77,7 @@ test "\$(id -u)" != 0 || { echo "running as root"; exit 1; }
 echo '--- distill --help'; distill --help >/dev/null
 echo '--- bash -lc (KubeRay login shell) finds the venv'; bash -lc 'command -v distill python'
 echo '--- distill validate $CONFIG'; distill validate $CONFIG
+echo '--- gs:// run.output_dir (the gcs extra)'; $gcs_check
 echo '--- distill run $CONFIG ${overrides[*]}'; distill run $CONFIG ${overrides[*]}
 echo '--- outputs'; ls -la $OUT/run
 test -s $OUT/run/metrics.jsonl || { echo "missing or empty: metrics.jsonl"; exit 1; }

@@ -143,6 +143,18 @@ def test_two_teacher_replicas(ray_cluster, local_run, corpus_dir, tmp_path):
     assert _summary(out)["teacher_replicas"] == 2
 
 
+def test_from_teacher_student_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):
+    """`student.init: from_teacher` in the student actor: the same start, so the same losses
+    as the local mode."""
+    student = {"init": "from_teacher", "model": {"n_layers": 1}, "init_layers": [1]}
+    local_out, out = tmp_path / "local", tmp_path / "ray"
+    teacher = {"checkpoint": str(local_run / "teacher")}
+    local = tiny_config(str(corpus_dir), str(local_out), teacher=teacher, student=student)
+    assert _run(tmp_path, local) == 0
+    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run, student=student)) == 0
+    _assert_same_losses(out, local_out)
+
+
 def test_teacher_that_keeps_dying_ends_the_run(
     ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch, capsys
 ):
