@@ -31,7 +31,7 @@ from distill.data import Corpus
 from distill.mesh import Meshes
 from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
-from pipelines import outputs
+from pipelines import evaluation, outputs
 from pipelines.progress import Progress, distill_record
 from pipelines.teacher_setup import load_teacher, student_init_params
 from pipelines.timing import ReadyWatcher
@@ -45,9 +45,6 @@ class InFlight(NamedTuple):
     data_state: dict  # iterator state *before* this batch: where a resume restarts
     batch: Batch  # host arrays
     teacher_out: TeacherOutput  # on the inference mesh (dispatched, maybe not ready)
-
-
-_EVAL_CACHE_BYTES = 256 * 2**20  # cache the frozen teacher's eval logits below this size
 
 
 class Evaluator:
@@ -70,14 +67,11 @@ class Evaluator:
         self._params = teacher_params
         self._split = train.batch_sharding(meshes.student)
         self._tput = NamedSharding(meshes.teacher, P())
-        self._batches = corpus.eval_batches(cfg.train.batch_size, cfg.data.eval_batches)
+        self._batches = evaluation.eval_batches(cfg, corpus)
         self._metrics = jax.jit(losses.eval_metrics)
         # the teacher is frozen: keep its logits if they are small (or take them from a cache)
         self._teacher_logits = teacher_logits
-        self._vocab = cfg.teacher.model.vocab_size
-
-    def _cache_bytes(self) -> int:
-        return sum(b.tokens.size for b in self._batches) * self._vocab * 4
+        self._keep = evaluation.eval_cache_fits(cfg)
 
     def _teacher_logits_for(self, i: int, batch: Batch):
         if self._teacher_logits is not None:
@@ -86,20 +80,20 @@ class Evaluator:
         return jax.device_put(logits, self._split)
 
     def __call__(self, student_params) -> dict:
-        if self._teacher_logits is None and self._cache_bytes() <= _EVAL_CACHE_BYTES:
+        if self._teacher_logits is None and self._keep:
             self._teacher_logits = [
                 self._teacher_logits_for(i, b) for i, b in enumerate(self._batches)
             ]
-        sums: dict[str, float] = {}
-        for i, b in enumerate(self._batches):
-            t_logits = self._teacher_logits_for(i, b)
-            sb = jax.device_put(b, self._split)
-            m = self._metrics(self._student(student_params, sb), t_logits, sb.targets, sb.mask)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            for k, v in m.items():  # token-weighted means over batches
-                sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * m["tokens"])
-        tokens = max(sums.pop("tokens"), 1.0)
-        return {k: v / tokens for k, v in sums.items()}
+
+        def per_chunk():
+            for i, b in enumerate(self._batches):
+                t_logits = self._teacher_logits_for(i, b)
+                sb = jax.device_put(b, self._split)
+                logits = self._student(student_params, sb)
+                m = self._metrics(logits, t_logits, sb.targets, sb.mask)
+                yield {k: float(v) for k, v in jax.device_get(m).items()}
+
+        return evaluation.token_weighted_means(per_chunk())
 
 
 def _sigterm_flag() -> threading.Event:

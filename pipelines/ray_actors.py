@@ -210,15 +210,15 @@ class StudentActor:
         """Held-out teacher vs student metrics exactly as the local mode's Evaluator computes
         them: per batch, then token-weighted means. `batches` and `teacher_logits` are lists
         of object refs, one per eval batch."""
-        jax, sums = self._jax, {}
-        for sb, t_logits in self._eval_inputs(batches, teacher_logits, cache):
-            logits = self._student_logits(self._state.params, sb)
-            m = self._eval_metrics(logits, t_logits, sb.targets, sb.mask)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * m["tokens"])
-        tokens = max(sums.pop("tokens"), 1.0)
-        return {k: v / tokens for k, v in sums.items()}
+        from pipelines.evaluation import token_weighted_means
+
+        def per_chunk():
+            for sb, t_logits in self._eval_inputs(batches, teacher_logits, cache):
+                logits = self._student_logits(self._state.params, sb)
+                m = self._eval_metrics(logits, t_logits, sb.targets, sb.mask)
+                yield {k: float(v) for k, v in self._jax.device_get(m).items()}
+
+        return token_weighted_means(per_chunk())
 
     def save(self, step: int, data_state: dict) -> None:
         """Start an asynchronous checkpoint of the state after `step`."""

@@ -30,12 +30,12 @@ import ray
 
 from distill.config import Config
 from distill.data import Corpus
+from pipelines import evaluation
 from pipelines.progress import Progress, distill_record
 from pipelines.ray_pool import ActorPool, StudentLost
 
 log = logging.getLogger("distill")
 
-EVAL_CACHE_BYTES = 256 * 2**20  # as pipelines.local: keep the eval logits below this size
 
 # Called as after_step(step, pool) right after student step `step` is submitted; tests use
 # it to kill actors at a chosen point of a run.
@@ -64,14 +64,10 @@ class _Loop:
     def __init__(self, cfg: Config, corpus: Corpus, store, pool: ActorPool):
         self.cfg, self.corpus, self.store, self.pool = cfg, corpus, store, pool
         self.sigterm = _sigterm_flag()
-        batches = corpus.eval_batches(cfg.train.batch_size, cfg.data.eval_batches)
-        self.eval_batches = [ray.put(b) for b in batches]
+        self.eval_batches = [ray.put(b) for b in evaluation.eval_batches(cfg, corpus)]
         # The frozen teacher's eval logits are computed once and kept when small (as local
         # mode does), else again for every evaluation.
-        self.cache_eval = (
-            sum(b.tokens.size for b in batches) * cfg.teacher.model.vocab_size * 4
-            <= EVAL_CACHE_BYTES
-        )
+        self.cache_eval = evaluation.eval_cache_fits(cfg)
         self.eval_logits = None
 
     def run(self) -> dict:

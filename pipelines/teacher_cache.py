@@ -50,6 +50,7 @@ from distill.config import Config
 from distill.errors import DistillError
 from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
+from pipelines.evaluation import eval_batches, eval_cache_fits
 
 log = logging.getLogger("distill")
 
@@ -57,7 +58,6 @@ FORMAT = 1
 BATCHES_PER_SHARD = 64
 LOGPROBS_DTYPE = np.dtype(np.float32)  # see the module docstring for float16
 _WRITER_OPTIONS = "group_size:1,uncompressed"  # one batch per chunk: random access is cheap
-_EVAL_CACHE_BYTES = 256 * 2**20  # the same limit as pipelines.local's evaluator cache
 _MANIFEST = "manifest.json"
 _EVAL_FILE = "eval.arrayrecord"
 # manifest key -> the config key (or option) it must agree with
@@ -342,11 +342,6 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     }
 
 
-def _eval_bytes(cfg: Config) -> int:
-    b, s = cfg.train.batch_size, cfg.train.seq_len
-    return cfg.data.eval_batches * b * s * cfg.teacher.model.vocab_size * 4
-
-
 def _has_eval(root: Path) -> bool:
     return (root / _EVAL_FILE).is_file() or (root / (_EVAL_FILE + ".skipped")).is_file()
 
@@ -360,7 +355,7 @@ def _write_eval(cfg: Config, corpus, meshes, params, root: Path) -> None:
 
     from teacher.forward import make_forward
 
-    if _eval_bytes(cfg) > _EVAL_CACHE_BYTES:
+    if not eval_cache_fits(cfg):
         (root / (_EVAL_FILE + ".skipped")).write_text("eval logits exceed the cache limit\n")
         return
     limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
@@ -370,7 +365,7 @@ def _write_eval(cfg: Config, corpus, meshes, params, root: Path) -> None:
     put = NamedSharding(meshes.teacher, P())
     tmp = root / (_EVAL_FILE + ".tmp")
     writer = ArrayRecordWriter(str(tmp), _WRITER_OPTIONS)
-    for b in corpus.eval_batches(cfg.train.batch_size, cfg.data.eval_batches):
+    for b in eval_batches(cfg, corpus):
         logits = jax.device_get(fwd(params, jax.device_put(b, put)))
         writer.write(encode({"logits": np.asarray(logits, dtype=np.float32)}))
     writer.close()

@@ -70,6 +70,43 @@ def test_eval_prints_one_json_object(finished_run, capsys):
     assert result["step"] == 6 and 0 <= result["top1_agreement"] <= 1
 
 
+def test_eval_in_chunks_gives_the_same_metrics(finished_run, capsys, monkeypatch):
+    """Evaluation split into chunks of `dp` rows (what a large vocabulary gets) gives the
+    metrics of whole-batch evaluation: the same rows, token-weighted."""
+    from distill.config import load_config
+    from pipelines import evaluation
+
+    _, _, cfg_path = finished_run
+    cfg = load_config(cfg_path)
+    assert evaluation.eval_rows(cfg) == cfg.train.batch_size
+    results = []
+    for budget in (evaluation.EVAL_DEVICE_BYTES, 1):
+        monkeypatch.setattr(evaluation, "EVAL_DEVICE_BYTES", budget)
+        capsys.readouterr()
+        assert main(["eval", cfg_path]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert evaluation.eval_rows(cfg) == cfg.mesh.student.dp < cfg.train.batch_size
+    whole, chunked = results
+    for key in ("teacher_loss", "student_loss", "kl", "top1_agreement"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-5), key
+
+
+def test_eval_rows_for_a_large_vocabulary():
+    from distill.config import config_from_dict
+    from pipelines.evaluation import eval_rows
+
+    def rows(batch_size, dp, seq_len, vocab):
+        tree = tiny_config("corpus", "out", train={"batch_size": batch_size, "seq_len": seq_len})
+        tree["mesh"]["student"]["dp"] = dp
+        tree["teacher"]["model"]["vocab_size"] = vocab
+        return eval_rows(config_from_dict(tree))
+
+    assert rows(16, 4, 128, 384) == 16  # the quick start: whole batches
+    assert rows(64, 8, 2048, 128256) == 8  # Llama 3: one row per device (1 GB of logits)
+    assert rows(48, 2, 512, 128256) == 2  # 256 MiB per row
+    assert rows(48, 2, 256, 128256) == 4  # two rows per device fit
+
+
 def test_plan_and_validate(finished_run, capsys):
     _, _, cfg_path = finished_run
     capsys.readouterr()

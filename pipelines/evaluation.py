@@ -1,0 +1,55 @@
+"""What every pipeline mode evaluates on, and how per-batch metrics combine.
+
+Evaluation compares dense teacher and student logits [rows, S, V] on the held-out split. For
+a real vocabulary (128k ids) a whole training batch of them would not fit on a device
+(64 x 2048 x 128k float32 is 67 GB), so the same held-out rows are evaluated in chunks of
+`eval_rows` rows: the largest divisor of `train.batch_size` that is a multiple of the
+student's `dp` and keeps each student device's share of a chunk's logits under
+`EVAL_DEVICE_BYTES` (at least one row per device). Metrics are token-weighted means, so the
+chunking does not change them. Nothing here touches a device: the Ray driver uses it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from distill.config import Config
+from distill.data import Corpus
+from distill.types import Batch
+
+# The frozen teacher's eval logits are computed once and kept when they are this small.
+EVAL_CACHE_BYTES = 256 * 2**20
+# A chunk's dense float32 logits, per student device (teacher and student logits, and the
+# log-softmax temporaries of the metrics, each of about this size).
+EVAL_DEVICE_BYTES = 256 * 2**20
+
+
+def eval_rows(cfg: Config) -> int:
+    """Rows per evaluation chunk (see the module docstring)."""
+    bsz, dp = cfg.train.batch_size, cfg.mesh.student.dp
+    row_bytes = cfg.train.seq_len * cfg.teacher.model.vocab_size * 4
+    divisors = [r for r in range(dp, bsz + 1, dp) if bsz % r == 0]  # dp divides bsz
+    return max((r for r in divisors if r // dp * row_bytes <= EVAL_DEVICE_BYTES), default=dp)
+
+
+def eval_batches(cfg: Config, corpus: Corpus) -> list[Batch]:
+    """The held-out rows every evaluation uses (`data.eval_batches` training batches of
+    them, the same rows in the same order in every mode), in chunks of `eval_rows`."""
+    rows = eval_rows(cfg)
+    return corpus.eval_batches(rows, cfg.data.eval_batches * cfg.train.batch_size // rows)
+
+
+def eval_cache_fits(cfg: Config) -> bool:
+    """Whether the teacher's dense eval logits are small enough to keep."""
+    b, s, v = cfg.train.batch_size, cfg.train.seq_len, cfg.teacher.model.vocab_size
+    return cfg.data.eval_batches * b * s * v * 4 <= EVAL_CACHE_BYTES
+
+
+def token_weighted_means(per_batch: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Combine per-batch means (each with its "tokens" count) into means over all tokens."""
+    sums: dict[str, float] = {}
+    for m in per_batch:
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * m["tokens"])
+    tokens = max(sums.pop("tokens", 0.0), 1.0)
+    return {k: v / tokens for k, v in sums.items()}
