@@ -1,20 +1,22 @@
 """Load a Hugging Face Llama checkpoint straight into the teacher's tensor-parallel layout.
 
 Nothing is materialised whole on a host. The safetensors files are opened one at a time
-(memory-mapped: a read touches only the bytes of the slice it asks for). Each tensor, one
-layer at a time, becomes a sharded array in its stored [out, in] layout through
-`jax.make_array_from_callback`, whose per-device callback reads just that device's slice
-with `get_slice(name)[...]`. On the devices it is transposed to distill's [in, out] (the
-split axis moves with it, so this is shard-local) and written in place (donated) into its
-slot of a preallocated stacked [L, ...] array; waiting for that write before reading the
-next tensor keeps reads from running ahead of the devices.
+(memory-mapped: a read touches only the bytes of the slice it asks for). Each tensor
+becomes a sharded array through `jax.make_array_from_callback`, whose per-device callback
+reads just that device's slice with `get_slice(name)[...]`. A top-level tensor (embedding,
+final norm, LM head) is read straight in distill's [in, out] layout, the LM head transposed
+on the host one device slice at a time. A layer's tensor, one layer at a time, is read in
+its stored [out, in] layout, transposed on the devices (the split axis moves with it, so
+this is shard-local) and written in place (donated) into its slot of a preallocated
+stacked [L, ...] array; waiting for that write before reading the next tensor keeps reads
+from running ahead of the devices.
 
-So the host holds at most one file's touched pages plus one tensor, and the devices the
-weights plus one tensor (measured on a 1.2 GB bf16 checkpoint in 0.2 GB shards, tp=4 on
-CPU devices: +0.21 GB mapped pages, +0.26 GB anonymous beyond the weights, the largest
-being the 0.13 GB lm_head). Each stored byte is read once, except that with fewer KV heads
-than `tp` each KV head is read once per shard that uses it, giving the layout of
-`teacher.sharding.expand_kv_heads`.
+So the host holds at most one file's touched pages plus one device's slice of a tensor, and
+the devices the weights plus one layer's tensor (`python -m teacher.load_bench`: a 0.98 GB
+bf16 checkpoint in 0.25 GB shards, tp=4 on CPU devices: 0.29 GB mapped pages and 0.11 GB
+other memory beyond the weights at the peak). Each stored byte is read once, except that
+with fewer KV heads than `tp` each KV head is read once per shard that uses it, giving the
+layout of `teacher.sharding.expand_kv_heads`.
 """
 
 from __future__ import annotations
@@ -62,12 +64,10 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
                 key_reps = reps if key in ("wk", "wv") else 1
                 read = _reader(f.get_slice(name), key_reps, cfg.hd, dtype)
                 shape = _stored_shape(cfg, key, key_reps)
-                if layer is None:
-                    target = targets[key]
-                    stored = jax.make_array_from_callback(
-                        shape, _as_stored(target, transposed), read
-                    )
-                    params[key] = _to_layout(stored, target) if transposed else stored
+                if layer is None:  # transposed on the host, one device's slice at a time
+                    layout = shape[::-1] if transposed else shape
+                    read = _transposed(read) if transposed else read
+                    params[key] = jax.make_array_from_callback(layout, targets[key], read)
                     continue
                 target = targets["layers"][key]
                 one = jax.make_array_from_callback(
@@ -149,9 +149,11 @@ def _one_layer(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.ndar
     return lambda index: read(index[1:])[None]
 
 
-def _to_layout(stored: jax.Array, target: NamedSharding) -> jax.Array:
-    """[out, in] -> [in, out] on the devices (shard-local: the split axis moves along)."""
-    return jax.jit(jnp.transpose, out_shardings=target)(stored)
+def _transposed(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.ndarray]:
+    """The callback of the [in, out] layout of a stored [out, in] tensor: the device's
+    slice, read at the mirrored index and transposed on the host (one slice at a time, so a
+    large top-level tensor such as the LM head never exists twice on the devices)."""
+    return lambda index: np.ascontiguousarray(read(tuple(index)[::-1]).T)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
