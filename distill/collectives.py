@@ -46,8 +46,9 @@ def mask_vocab(
     return jnp.where(ids < vocab_limit, logits_bsv, fill).astype(logits_bsv.dtype)
 
 
-def log_softmax(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
-    """log softmax over a vocabulary sharded on `axis` (global max and sum via collectives)."""
+def logsumexp(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
+    """log sum exp [B, S, 1] over a vocabulary sharded on `axis` (global max and sum via
+    collectives), in float32."""
     z = logits_bsv.astype(jnp.float32)
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     if axis is not None:
@@ -55,17 +56,22 @@ def log_softmax(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
     s = jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True)
     if axis is not None:
         s = jax.lax.psum(s, axis)
-    return z - m - jnp.log(s)
+    return m + jnp.log(s)
 
 
-def top_k(logprobs_bsv: jax.Array, k: int, axis: str | None) -> tuple[jax.Array, jax.Array]:
+def log_softmax(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
+    """log softmax over a vocabulary sharded on `axis`."""
+    return logits_bsv.astype(jnp.float32) - logsumexp(logits_bsv, axis)
+
+
+def top_k(scores_bsv: jax.Array, k: int, axis: str | None) -> tuple[jax.Array, jax.Array]:
     """Vocab-parallel top-k: a local top-k per shard, then an all-gather of k candidates per
     shard and a merge. Only `tp * k` values per token move, never the vocabulary.
 
-    Returns (values [B,S,k] float32, global ids [B,S,k] int32), values descending.
+    Returns (values [B,S,k], global ids [B,S,k] int32), values descending.
     """
-    local_v = logprobs_bsv.shape[-1]
-    vals, idx = jax.lax.top_k(logprobs_bsv, min(k, local_v))
+    local_v = scores_bsv.shape[-1]
+    vals, idx = jax.lax.top_k(scores_bsv, min(k, local_v))
     idx = idx.astype(jnp.int32) + _vocab_offset(local_v, axis)
     if axis is None:
         return vals, idx

@@ -96,9 +96,10 @@ for i in range(n):
 
 
 def _loop_steps(repeats: int) -> tuple[int, int, int]:
-    """(warm-up steps, steps per window, total) of a timed loop: three windows."""
-    warm, window = 3, max(repeats, 4)
-    return warm, window, warm + 3 * window
+    """(warm-up steps, steps per window, total) of a timed loop: a window of warm-up, then
+    three timed windows; the loop logs once per window, as runs do every few steps."""
+    window = max(repeats, 4)
+    return window, window, 4 * window
 
 
 def _cached_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, k: int, repeats: int):
@@ -135,7 +136,7 @@ def _pipelined_ms(
     warm, window, steps = _loop_steps(repeats)
     cfg = cfg.model_copy(deep=True)
     cfg.run.output_dir = out_dir
-    cfg.train.steps, cfg.train.log_every, cfg.train.metrics_lag = steps, 1, 2
+    cfg.train.steps, cfg.train.log_every, cfg.train.metrics_lag = steps, window, 2
     cfg.train.eval_every = cfg.train.checkpoint_every = steps + 1
     cfg.optim.warmup_steps = 1
     cfg.data.eval_batches = 1

@@ -54,10 +54,13 @@ def make_forward(
             logits = cc.mask_vocab(logits, vocab_limit, TP)
         if mode == "logits":
             return logits
-        logprobs = cc.log_softmax(logits / temperature, TP)
+        z = logits / temperature
         if mode == "dense":
-            return TeacherOutput(logprobs, None)
-        return TeacherOutput(*cc.top_k(logprobs, top_k, TP))
+            return TeacherOutput(cc.log_softmax(z, TP), None)
+        # log-probs are logits minus one per-token constant: the top-k of the logits are
+        # theirs, so only k log-probs are formed, never the [B, S, V/tp] array
+        values, ids = cc.top_k(z, top_k, TP)
+        return TeacherOutput(values - cc.logsumexp(z, TP), ids)
 
     vocab_sharded = P(None, None, TP)
     out_specs = {
