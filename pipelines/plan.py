@@ -6,7 +6,7 @@ import math
 
 import jax
 
-from distill import model
+from distill import hf, model
 from distill.config import Config
 from distill.mesh import Meshes
 from student import optim
@@ -16,7 +16,12 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
     tcfg, scfg = cfg.teacher.model, cfg.student_model()
     tp, dp, seq = cfg.mesh.teacher.tp, cfg.mesh.student.dp, cfg.train.seq_len
     t_params, s_params = model.param_count(tcfg), model.param_count(scfg)
-    t_bytes = 2 if cfg.teacher.dtype == "bfloat16" else 4
+    # as loaded: a Hugging Face teacher keeps its stored dtypes, distill's own are float32
+    # (teacher.dtype is the compute dtype; weights are cast where they are used)
+    if cfg.teacher.is_hf():
+        t_weights = hf.weight_bytes(cfg.teacher.checkpoint, tcfg)
+    else:
+        t_weights = t_params * 4
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     opt_shapes = jax.eval_shape(tx.init, model.abstract_params(scfg))
     opt_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_shapes))
@@ -26,7 +31,7 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
         "layout": meshes.layout(),
         "teacher": {
             "params": t_params,
-            "weight_bytes_per_device": t_params * t_bytes // tp,
+            "weight_bytes_per_device": t_weights // tp,
             "forward_flops_per_token": model.flops_per_token(tcfg, seq),
         },
         "student": {

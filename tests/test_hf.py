@@ -295,3 +295,17 @@ def test_load_benchmark_script_runs(tmp_path):
     result = load_bench.load_child(str(tmp_path), tp=2)
     assert result["device_bytes"] == sizes["checkpoint_bytes"]
     assert result["load_s"] > 0 and result["peak_rss_above_start_bytes"] >= 0
+
+
+@pytest.mark.parametrize("torch_dtype", [torch.float32, torch.bfloat16])
+def test_plan_counts_the_stored_dtype_of_an_hf_teacher(corpus_dir, tmp_path, capsys, torch_dtype):
+    """`distill plan`: an HF teacher's weights are held at their stored dtype, whatever
+    teacher.dtype (the compute dtype) says."""
+    _save_llama(tmp_path / "t", torch_dtype=torch_dtype, vocab_size=260, num_attention_heads=4)
+    tree = _cfg_tree(corpus_dir, tmp_path / "out", tmp_path / "t", dtype="float32")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["plan", str(path)]) == 0
+    teacher = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["teacher"]
+    itemsize = 2 if torch_dtype == torch.bfloat16 else 4
+    assert teacher["weight_bytes_per_device"] == teacher["params"] * itemsize // 2  # tp=2
