@@ -394,6 +394,11 @@ def config_from_dict(tree: dict) -> Config:
     except ValidationError as e:
         raise DistillError(_one_line(e)) from None
     if cfg.teacher.is_hf():
+        if "://" in (cfg.teacher.checkpoint or ""):
+            raise DistillError(
+                f"teacher.checkpoint: {cfg.teacher.checkpoint}: a Hugging Face teacher is read "
+                "from a local directory; copy it to local disk first"
+            )
         _teacher_model_from_hf(cfg)
     cfg.student_model()  # validates the merged student shape
     if cfg.student.init == "from_teacher":

@@ -39,6 +39,17 @@ def check_shapes(cfg: Config) -> None:
         )
 
 
+def check_mode(cfg: Config) -> None:
+    """Keys that the chosen pipeline mode cannot honour."""
+    if cfg.pipeline.mode == "ray":
+        for role in ("teacher", "student"):
+            if getattr(cfg.mesh, role).devices is not None:
+                raise DistillError(
+                    f"mesh.{role}.devices: not used in pipeline.mode ray, where Ray gives each "
+                    "actor its devices; remove it"
+                )
+
+
 def check_teacher_source(cfg: Config) -> None:
     storage.check(cfg.teacher.checkpoint, "teacher.checkpoint")
     if cfg.teacher.source == "cache" and cfg.student.init == "random":
@@ -64,6 +75,7 @@ def preflight(cfg: Config) -> Corpus:
     devices = available_devices(cfg.mesh.platform)
     check_fit(cfg, len(devices), devices[0].platform)
     check_shapes(cfg)
+    check_mode(cfg)
     check_teacher_source(cfg)
     check_output_dir(cfg)
     corpus = load_corpus(cfg.data, cfg.train.seq_len)

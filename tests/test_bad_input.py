@@ -38,6 +38,11 @@ CASES = [  # (--set overrides, text the one-line message must contain)
     (["mesh.student.devices=[1]"], "mesh.student.devices"),
     (["distill.alpha=2"], "distill.alpha"),
     (["pipeline.mode=bogus"], "pipeline.mode"),
+    (["pipeline.mode=ray", "mesh.teacher.devices=[0, 1]"], "mesh.teacher.devices: not used in"),
+    (
+        ["teacher.format=hf", "teacher.checkpoint=gs://bucket/llama"],
+        "teacher.checkpoint: gs://bucket/llama: a Hugging Face teacher is read from a local",
+    ),
     (["student.init=from_teacher"], "student.model.d_model: 16 differs from the teacher's 32"),
     (["student.init_layers=[0]"], "student.init_layers: set, but student.init is random"),
     (
