@@ -33,7 +33,7 @@ from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
 from pipelines import evaluation, outputs
 from pipelines.progress import Progress, distill_record
-from pipelines.teacher_setup import load_teacher, student_init_params
+from pipelines.teacher_setup import load_teacher, start_student
 from pipelines.timing import ReadyWatcher
 from student import train
 from teacher.forward import make_forward
@@ -106,7 +106,7 @@ def _sigterm_flag() -> threading.Event:
 def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     """Distil the student; returns the summary written to summary.json."""
     t_start = time.perf_counter()
-    tcfg, scfg = cfg.teacher.model, cfg.student_model()
+    tcfg = cfg.teacher.model
     steps, bsz, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     tokens_per_step = bsz * seq
     limit = vocab_limit(corpus.tokenizer, tcfg.vocab_size)  # padded ids: masked throughout
@@ -139,13 +139,10 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
 
     it = teacher_cache.train_iterator(cfg) if cached else corpus.train_iterator(bsz, cfg.run.seed)
-    start = ckpt.latest_step() or 0
+    state, data_state, start = start_student(cfg, tx, meshes.student, ckpt)
     if start:
-        state, data_state, start = ckpt.restore(train.abstract_state(scfg, tx, meshes.student))
         it.set_state(data_state)
         log.info("resuming from checkpoint step %d", start)
-    else:
-        state = train.init_state(scfg, tx, cfg.run.seed, meshes.student, student_init_params(cfg))
 
     t_put, s_put = NamedSharding(meshes.teacher, P()), train.batch_sharding(meshes.student)
     t_watch, s_watch = ReadyWatcher("teacher"), ReadyWatcher("student")

@@ -143,7 +143,7 @@ class StudentActor:
         from distill import losses
         from distill.checkpoint import Checkpointer
         from pipelines import outputs
-        from pipelines.teacher_setup import student_init_params
+        from pipelines.teacher_setup import start_student
         from student import train
 
         cfg = config_from_dict(cfg_tree)
@@ -154,13 +154,7 @@ class StudentActor:
         self._split = train.batch_sharding(self._mesh)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
         self._ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
-        self._start, self._data_state = self._ckpt.latest_step() or 0, None
-        if self._start:
-            abstract = train.abstract_state(scfg, tx, self._mesh)
-            self._state, self._data_state, self._start = self._ckpt.restore(abstract)
-        else:
-            init = student_init_params(cfg)
-            self._state = train.init_state(scfg, tx, cfg.run.seed, self._mesh, init)
+        self._state, self._data_state, self._start = start_student(cfg, tx, self._mesh, self._ckpt)
         self._next = self._start + 1
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
         self._student_logits = train.make_logits_fn(

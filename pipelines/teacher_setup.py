@@ -4,6 +4,9 @@ If `teacher.checkpoint` has no weights and `teacher.pretrain_steps > 0`, the tea
 first trained with plain cross-entropy on the same data, data-parallel over every device
 of both meshes, and saved at that path (default `<output_dir>/teacher`); a second run
 reuses it. This makes the quick start meaningful with no downloads.
+
+The student's starting state is made here too (`start_student`), since it may come from the
+teacher's weights (`student.init: from_teacher`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,16 @@ def student_init_params(cfg: Config) -> dict | None:
     )
     params["layers"] = {k: v[np.asarray(layers)] for k, v in params["layers"].items()}
     return params
+
+
+def start_student(cfg: Config, tx, mesh, ckpt) -> tuple[train.TrainState, dict | None, int]:
+    """The student's state at the start of a run, on `mesh`, in every pipeline mode: the
+    latest checkpoint of `ckpt` with its data-iterator state and step, or, with none, a fresh
+    state (random, or `student.init: from_teacher`) at step 0 with no data state."""
+    scfg = cfg.student_model()
+    if ckpt.latest_step():
+        return ckpt.restore(train.abstract_state(scfg, tx, mesh))
+    return train.init_state(scfg, tx, cfg.run.seed, mesh, student_init_params(cfg)), None, 0
 
 
 def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, stop=lambda: False) -> None:
