@@ -19,6 +19,7 @@ starts another document, so nothing is predicted across a document boundary).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -246,12 +247,8 @@ def load_documents(cfg: DataConfig, vocab_size: int | None = None, progress=None
     a tqdm-like bar advanced per file.
     """
     paths = resolve_paths(cfg)
-    vocab = [vocab_size]
-
-    def get_vocab() -> int:
-        if vocab[0] is None:
-            vocab[0] = build_tokenizer(cfg).vocab_size
-        return vocab[0]
+    # the tokenizer is loaded only if an ArrayRecord file needs its vocabulary size
+    get_vocab = functools.cache(lambda: vocab_size or build_tokenizer(cfg).vocab_size)
 
     bar = (progress or _NoProgress)(total=len(paths), desc="read", unit="file")
     docs: list = []

@@ -112,21 +112,22 @@ class TeacherActor:
     def info(self) -> dict:
         return _info(self._mesh, TP)
 
+    def _timed(self, fn, batch):
+        """(fn's output for `batch` as host arrays, busy milliseconds)."""
+        t0 = time.perf_counter()
+        jax = self._jax
+        out = jax.device_get(fn(self._params, jax.device_put(batch, self._put)))
+        return out, 1e3 * (time.perf_counter() - t0)
+
     @ray.method(num_returns=2)
     def forward(self, batch):
         """(TeacherOutput of host arrays [B, S, k or V], busy milliseconds)."""
-        t0 = time.perf_counter()
-        jax = self._jax
-        out = jax.device_get(self._forward(self._params, jax.device_put(batch, self._put)))
-        return out, 1e3 * (time.perf_counter() - t0)
+        return self._timed(self._forward, batch)
 
     @ray.method(num_returns=2)
     def eval_logits(self, batch):
         """(dense teacher logits [B, S, V] of an eval batch, busy milliseconds)."""
-        t0 = time.perf_counter()
-        jax = self._jax
-        out = jax.device_get(self._logits(self._params, jax.device_put(batch, self._put)))
-        return out, 1e3 * (time.perf_counter() - t0)
+        return self._timed(self._logits, batch)
 
 
 @ray.remote
