@@ -31,9 +31,9 @@ from distill.server import start_server
 from distill.tokenizers import vocab_limit
 from distill.types import TeacherOutput
 from pipelines.local import distill_local
-from pipelines.teacher_setup import load_teacher, teacher_path
 from student import optim, train
 from teacher.forward import make_forward
+from teacher.weights import load_teacher, teacher_path
 
 log = logging.getLogger("distill")
 

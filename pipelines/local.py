@@ -24,19 +24,20 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import losses
+from distill import losses, outputs
 from distill.checkpoint import Checkpointer
 from distill.config import Config
 from distill.data import Corpus
 from distill.mesh import Meshes
 from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
-from pipelines import evaluation, outputs
+from pipelines import evaluation
 from pipelines.progress import Progress, distill_record
-from pipelines.teacher_setup import load_teacher, start_student
 from pipelines.timing import ReadyWatcher
 from student import train
+from student.state import start_student
 from teacher.forward import make_forward
+from teacher.weights import load_teacher, student_init_params
 
 log = logging.getLogger("distill")
 
@@ -139,7 +140,9 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
 
     it = teacher_cache.train_iterator(cfg) if cached else corpus.train_iterator(bsz, cfg.run.seed)
-    state, data_state, start = start_student(cfg, tx, meshes.student, ckpt)
+    state, data_state, start = start_student(
+        cfg, tx, meshes.student, ckpt, lambda: student_init_params(cfg)
+    )
     if start:
         it.set_state(data_state)
         log.info("resuming from checkpoint step %d", start)

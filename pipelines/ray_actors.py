@@ -86,8 +86,8 @@ class TeacherActor:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from pipelines.teacher_setup import load_teacher
         from teacher.forward import make_forward
+        from teacher.weights import load_teacher
 
         cfg = config_from_dict(cfg_tree)
         mcfg = cfg.teacher.model
@@ -141,11 +141,11 @@ class StudentActor:
     def __init__(self, cfg_tree: dict):
         import jax
 
-        from distill import losses
+        from distill import losses, outputs
         from distill.checkpoint import Checkpointer
-        from pipelines import outputs
-        from pipelines.teacher_setup import start_student
         from student import train
+        from student.state import start_student
+        from teacher.weights import student_init_params
 
         cfg = config_from_dict(cfg_tree)
         scfg = cfg.student_model()
@@ -155,7 +155,9 @@ class StudentActor:
         self._split = train.batch_sharding(self._mesh)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
         self._ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
-        self._state, self._data_state, self._start = start_student(cfg, tx, self._mesh, self._ckpt)
+        self._state, self._data_state, self._start = start_student(
+            cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg)
+        )
         self._next = self._start + 1
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
         self._student_logits = train.make_logits_fn(

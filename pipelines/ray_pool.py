@@ -20,9 +20,9 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from distill import outputs
 from distill.config import Config
 from distill.errors import DistillError
-from pipelines import outputs
 from pipelines.ray_actors import StudentActor, TeacherActor, device_options
 
 log = logging.getLogger("distill")

@@ -7,14 +7,14 @@ import logging
 import os
 import time
 
+from distill import outputs
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import Meshes, build_meshes
 from distill.metrics import MetricsStore
-from pipelines import outputs
+from pipelines.bootstrap import ensure_teacher
 from pipelines.plan import format_plan, plan
 from pipelines.preflight import preflight
-from pipelines.teacher_setup import ensure_teacher
 
 log = logging.getLogger("distill")
 
@@ -111,8 +111,8 @@ def evaluate(cfg: Config) -> dict:
     """`distill eval`: the teacher and the latest student checkpoint on the held-out split."""
     from distill.checkpoint import Checkpointer
     from pipelines.local import Evaluator
-    from pipelines.teacher_setup import load_teacher
     from student import optim, train
+    from teacher.weights import load_teacher
 
     meshes, corpus = validate(cfg)
     ckpt = Checkpointer(outputs.checkpoint_dir(cfg))

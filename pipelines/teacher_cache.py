@@ -241,9 +241,10 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     from jax.sharding import PartitionSpec as P
 
     from distill.mesh import build_meshes
+    from pipelines.bootstrap import ensure_teacher
     from pipelines.preflight import preflight
-    from pipelines.teacher_setup import ensure_teacher, load_teacher, teacher_path
     from teacher.forward import make_forward
+    from teacher.weights import load_teacher, teacher_path
 
     if not cfg.teacher.top_k:
         raise DistillError(
@@ -377,7 +378,7 @@ def _write_eval(cfg: Config, corpus, meshes, params, root: Path) -> None:
 
 def check_cache(cfg: Config, corpus) -> dict:
     """Preflight for `teacher.source: cache`: the cache exists, matches, and is long enough."""
-    from pipelines.teacher_setup import teacher_path
+    from teacher.weights import teacher_path
 
     if cfg.pipeline.mode != "local":
         raise DistillError("teacher.source: cache is read by pipeline.mode local only")

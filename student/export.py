@@ -89,9 +89,9 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
     import jax
     from jax.sharding import Mesh
 
+    from distill import outputs
     from distill.checkpoint import Checkpointer, has_checkpoint
     from distill.mesh import DP
-    from pipelines import outputs
     from student import optim, train
 
     where = outputs.checkpoint_dir(cfg)

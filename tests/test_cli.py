@@ -6,7 +6,7 @@ import shutil
 import pytest
 import yaml
 
-from distill.cli import main
+from pipelines.cli import main
 from tests.conftest import tiny_config
 
 
@@ -156,7 +156,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
     path = _write(tmp_path, cfg)
     env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distill.cli", "run", path],
+        [sys.executable, "-m", "pipelines.cli", "run", path],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distill.cli import main
 from distill.metrics import MetricsStore
+from pipelines.cli import main
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(

@@ -17,18 +17,18 @@ from jax.sharding import Mesh  # noqa: E402
 
 from distill import hf, model  # noqa: E402
 from distill.checkpoint import Checkpointer  # noqa: E402
-from distill.cli import main  # noqa: E402
 from distill.config import ModelConfig, config_from_dict  # noqa: E402
 from distill.data import ByteTokenizer  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
 from distill.types import Batch  # noqa: E402
+from pipelines.cli import main  # noqa: E402
 from pipelines.preflight import check_shapes  # noqa: E402
-from pipelines.teacher_setup import load_teacher  # noqa: E402
 from student import optim, train  # noqa: E402
 from student.export import write_hf  # noqa: E402
 from teacher import sharding  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher  # noqa: E402
+from teacher.weights import load_teacher  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 LLAMA3 = {

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import yaml
 
-from distill.cli import main
 from distill.config import Config
 from distill.data import load_corpus
 from distill.errors import DistillError
 from distill.prepared import StoredRows
+from pipelines.cli import main
 from pipelines.prepare import prepare
 from pipelines.teacher_cache import data_hash
 from tests.conftest import tiny_config

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import yaml
 
-from distill.cli import main
+from pipelines.cli import main
 from tests.conftest import tiny_config
 
 ray = pytest.importorskip("ray")

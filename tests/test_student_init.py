@@ -9,9 +9,9 @@ import yaml
 
 from distill import model
 from distill.checkpoint import save_params
-from distill.cli import main
 from distill.config import ModelConfig, config_from_dict
-from pipelines.teacher_setup import student_init_params
+from pipelines.cli import main
+from teacher.weights import student_init_params
 from tests.conftest import tiny_config
 
 TEACHER = dict(vocab_size=260, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64)

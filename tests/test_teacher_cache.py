@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from distill.cli import main
+from pipelines.cli import main
 from tests.conftest import tiny_config
 
 

@@ -1,12 +1,9 @@
-"""Where the teacher's weights come from: a checkpoint, or a bootstrap run that makes one.
+"""The teacher bootstrap: a teacher trained with cross-entropy on the run's own data.
 
 If `teacher.checkpoint` has no weights and `teacher.pretrain_steps > 0`, the teacher is
 first trained with plain cross-entropy on the same data, data-parallel over every device
 of both meshes, and saved at that path (default `<output_dir>/teacher`); a second run
 reuses it. This makes the quick start meaningful with no downloads.
-
-The student's starting state is made here too (`start_student`), since it may come from the
-teacher's weights (`student.init: from_teacher`).
 """
 
 from __future__ import annotations
@@ -16,74 +13,16 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from distill import model
-from distill.checkpoint import abstract_like, load_params, params_exist, save_params
+from distill.checkpoint import params_exist, save_params
 from distill.config import Config
 from distill.data import Corpus
-from distill.mesh import DP, TP, all_devices_mesh
+from distill.mesh import DP, all_devices_mesh
 from student import optim, train
-from teacher import sharding
+from teacher.weights import teacher_path
 
 log = logging.getLogger("distill")
-
-
-def teacher_path(cfg: Config) -> str:
-    return cfg.teacher.checkpoint or f"{cfg.run.output_dir.rstrip('/')}/teacher"
-
-
-def load_teacher(cfg: Config, mesh) -> dict:
-    """Read the teacher checkpoint straight into the TP layout of the inference mesh: each
-    device reads only its own slices. A Hugging Face directory is read by `teacher.hf`."""
-    mcfg = cfg.teacher.model
-    if cfg.teacher.is_hf():
-        from teacher.hf import load_hf_teacher
-
-        return load_hf_teacher(cfg.teacher.checkpoint, mcfg, mesh)
-    target = sharding.shardings(mcfg, mesh)
-    expand = mcfg.n_kv_heads < mesh.shape[TP]
-    if expand:  # stored with n_kv_heads KV heads: read those replicated, then repeat per shard
-        rep = NamedSharding(mesh, P())
-        target = dict(target, layers=dict(target["layers"], wk=rep, wv=rep))
-    params = load_params(teacher_path(cfg), abstract_like(model.abstract_params(mcfg), target))
-    return sharding.shard_params(params, mcfg, mesh) if expand else params
-
-
-def student_init_params(cfg: Config) -> dict | None:
-    """`student.init: from_teacher`: host float32 parameters of the student made of the
-    teacher's embeddings, final norm, head and the layers `cfg.init_layers()`; None: random.
-
-    A Hugging Face teacher is read tensor by tensor, only the tensors the student keeps; a
-    distill checkpoint is read whole into host memory first."""
-    if cfg.student.init != "from_teacher":
-        return None
-    layers, mcfg = cfg.init_layers(), cfg.teacher.model
-    if cfg.teacher.is_hf():
-        from teacher.hf import read_hf_layers
-
-        return read_hf_layers(cfg.teacher.checkpoint, mcfg, layers)
-    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=host),
-        model.abstract_params(mcfg),
-    )
-    params = jax.tree.map(
-        lambda x: np.asarray(x, np.float32), load_params(teacher_path(cfg), abstract)
-    )
-    params["layers"] = {k: v[np.asarray(layers)] for k, v in params["layers"].items()}
-    return params
-
-
-def start_student(cfg: Config, tx, mesh, ckpt) -> tuple[train.TrainState, dict | None, int]:
-    """The student's state at the start of a run, on `mesh`, in every pipeline mode: the
-    latest checkpoint of `ckpt` with its data-iterator state and step, or, with none, a fresh
-    state (random, or `student.init: from_teacher`) at step 0 with no data state."""
-    scfg = cfg.student_model()
-    if ckpt.latest_step():
-        return ckpt.restore(train.abstract_state(scfg, tx, mesh))
-    return train.init_state(scfg, tx, cfg.run.seed, mesh, student_init_params(cfg)), None, 0
 
 
 def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, stop=lambda: False) -> None:

@@ -1,5 +1,6 @@
-"""`distill run|validate|plan|eval|prepare|dashboard`: parse, load the config, call one function.
+"""`distill COMMAND`: parse the arguments, load the config, call one function.
 
+The console script `distill` points here. Each command is a small function in `COMMANDS`.
 The config is read before JAX is imported, so that on a host without accelerators the
 right number of simulated CPU devices can be requested first.
 """
@@ -79,68 +80,102 @@ def _prepare_devices(cfg: Config) -> None:
     simulate_cpu_devices(devices_needed(cfg))
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "dashboard":
-        from distill.server import serve_dashboard
-
-        serve_dashboard(args.output_dir, host=args.host, port=args.port)
-        return 0
-    if args.command == "export":
-        from student.export import export_hf
-
-        cfg = load_config(f"{args.output_dir}/config.yaml")
-        cfg.run.output_dir = args.output_dir  # the run may have moved since
-        print(json.dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
-        return 0
+def _config(args: argparse.Namespace) -> Config:
+    """The command's config, with simulated CPU devices requested before JAX starts."""
     cfg = load_config(args.config, args.overrides)
     _prepare_devices(cfg)
-    from pipelines import run as runner
+    return cfg
 
-    if args.command == "validate":
-        meshes, corpus = runner.validate(cfg)
-        print(
-            f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
-            f"rows; teacher tp={cfg.mesh.teacher.tp}, student dp={cfg.mesh.student.dp}, "
-            f"{meshes.platform})"
-        )
-    elif args.command == "plan":
-        print(runner.plan_json(cfg))
-    elif args.command == "eval":
-        print(json.dumps(runner.evaluate(cfg)))
-    elif args.command == "bench":
-        from pipelines.bench import bench, format_bench
 
-        meshes, corpus = runner.validate(cfg)
-        result = bench(
-            cfg,
-            corpus,
-            meshes,
-            repeats=args.repeats,
-            http_requests=args.http,
-            ray_mode=args.ray,
-            cache_mode=args.cache,
-        )
-        print(format_bench(result))
-        print(json.dumps(result))
-    elif args.command == "cache-teacher":
-        from pipelines.teacher_cache import cache_teacher
+def cmd_dashboard(args: argparse.Namespace) -> None:
+    from distill.server import serve_dashboard
 
-        print(json.dumps(cache_teacher(cfg, args.batches_per_shard)))
-    elif args.command == "prepare":
-        from pipelines.prepare import prepare
+    serve_dashboard(args.output_dir, host=args.host, port=args.port)
 
-        print(json.dumps(prepare(cfg, args.rows_per_shard)))
-    elif args.command == "run":
-        summary = runner.run(cfg)
-        print(
-            json.dumps(
-                {
-                    "summary": f"{cfg.run.output_dir}/summary.json",
-                    "final_eval": summary.get("final_eval"),
-                }
-            )
-        )
-    return 0
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from student.export import export_hf
+
+    cfg = load_config(f"{args.output_dir}/config.yaml")
+    cfg.run.output_dir = args.output_dir  # the run may have moved since
+    print(json.dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from pipelines import run
+
+    cfg = _config(args)
+    meshes, corpus = run.validate(cfg)
+    print(
+        f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
+        f"rows; teacher tp={cfg.mesh.teacher.tp}, student dp={cfg.mesh.student.dp}, "
+        f"{meshes.platform})"
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from pipelines import run
+
+    print(run.plan_json(_config(args)))
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from pipelines import run
+
+    print(json.dumps(run.evaluate(_config(args))))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from pipelines import run
+    from pipelines.bench import bench, format_bench
+
+    cfg = _config(args)
+    meshes, corpus = run.validate(cfg)
+    result = bench(
+        cfg,
+        corpus,
+        meshes,
+        repeats=args.repeats,
+        http_requests=args.http,
+        ray_mode=args.ray,
+        cache_mode=args.cache,
+    )
+    print(format_bench(result))
+    print(json.dumps(result))
+
+
+def cmd_cache_teacher(args: argparse.Namespace) -> None:
+    from pipelines.teacher_cache import cache_teacher
+
+    print(json.dumps(cache_teacher(_config(args), args.batches_per_shard)))
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from pipelines.prepare import prepare
+
+    print(json.dumps(prepare(_config(args), args.rows_per_shard)))
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from pipelines import run
+
+    cfg = _config(args)
+    summary = run.run(cfg)
+    out = {"summary": f"{cfg.run.output_dir}/summary.json", "final_eval": summary.get("final_eval")}
+    print(json.dumps(out))
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "validate": cmd_validate,
+    "plan": cmd_plan,
+    "eval": cmd_eval,
+    "bench": cmd_bench,
+    "cache-teacher": cmd_cache_teacher,
+    "prepare": cmd_prepare,
+    "export": cmd_export,
+    "dashboard": cmd_dashboard,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        COMMANDS[args.command](args)
+        return 0
     except DistillError as e:
         print(f"distill: error: {e}", file=sys.stderr)
         return 2

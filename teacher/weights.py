@@ -1,0 +1,66 @@
+"""Where the teacher's weights live and how they are read.
+
+`teacher.checkpoint` is an Orbax checkpoint written by distill (by default the bootstrap's
+`<output_dir>/teacher`) or a Hugging Face directory (`teacher.hf`). `load_teacher` reads it
+straight into the tensor-parallel layout of the inference mesh; `student_init_params` reads
+the layers a `student.init: from_teacher` student starts from, into host memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distill import model
+from distill.checkpoint import abstract_like, load_params
+from distill.config import Config
+from distill.mesh import TP
+from teacher import sharding
+
+
+def teacher_path(cfg: Config) -> str:
+    return cfg.teacher.checkpoint or f"{cfg.run.output_dir.rstrip('/')}/teacher"
+
+
+def load_teacher(cfg: Config, mesh) -> dict:
+    """Read the teacher checkpoint straight into the TP layout of the inference mesh: each
+    device reads only its own slices. A Hugging Face directory is read by `teacher.hf`."""
+    mcfg = cfg.teacher.model
+    if cfg.teacher.is_hf():
+        from teacher.hf import load_hf_teacher
+
+        return load_hf_teacher(cfg.teacher.checkpoint, mcfg, mesh)
+    target = sharding.shardings(mcfg, mesh)
+    expand = mcfg.n_kv_heads < mesh.shape[TP]
+    if expand:  # stored with n_kv_heads KV heads: read those replicated, then repeat per shard
+        rep = NamedSharding(mesh, P())
+        target = dict(target, layers=dict(target["layers"], wk=rep, wv=rep))
+    params = load_params(teacher_path(cfg), abstract_like(model.abstract_params(mcfg), target))
+    return sharding.shard_params(params, mcfg, mesh) if expand else params
+
+
+def student_init_params(cfg: Config) -> dict | None:
+    """`student.init: from_teacher`: host float32 parameters of the student made of the
+    teacher's embeddings, final norm, head and the layers `cfg.init_layers()`; None: random.
+
+    A Hugging Face teacher is read tensor by tensor, only the tensors the student keeps; a
+    distill checkpoint is read whole into host memory first."""
+    if cfg.student.init != "from_teacher":
+        return None
+    layers, mcfg = cfg.init_layers(), cfg.teacher.model
+    if cfg.teacher.is_hf():
+        from teacher.hf import read_hf_layers
+
+        return read_hf_layers(cfg.teacher.checkpoint, mcfg, layers)
+    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=host),
+        model.abstract_params(mcfg),
+    )
+    params = jax.tree.map(
+        lambda x: np.asarray(x, np.float32), load_params(teacher_path(cfg), abstract)
+    )
+    params["layers"] = {k: v[np.asarray(layers)] for k, v in params["layers"].items()}
+    return params
