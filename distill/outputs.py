@@ -1,4 +1,5 @@
-"""The layout of `run.output_dir`: config.yaml, metrics.jsonl, checkpoints/, summary.json."""
+"""The layout of `run.output_dir`: config.yaml, metrics.jsonl, checkpoints/, summary.json, and
+the default place of a bootstrapped teacher."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from distill.config import Config
 
 def out_dir(cfg: Config) -> epath.Path:
     return epath.Path(cfg.run.output_dir)
+
+
+def teacher_path(cfg: Config) -> str:
+    """The teacher's weights: `teacher.checkpoint`, default the bootstrap's <output_dir>/teacher."""
+    return cfg.teacher.checkpoint or f"{cfg.run.output_dir.rstrip('/')}/teacher"
 
 
 def checkpoint_dir(cfg: Config) -> str:

@@ -27,13 +27,14 @@ from distill.config import Config, ServerConfig
 from distill.data import Corpus
 from distill.mesh import DP, Meshes
 from distill.metrics import MetricsStore
+from distill.outputs import teacher_path
 from distill.server import start_server
 from distill.tokenizers import vocab_limit
 from distill.types import TeacherOutput
 from pipelines.local import distill_local
 from student import optim, train
 from teacher.forward import make_forward
-from teacher.weights import load_teacher, teacher_path
+from teacher.weights import load_teacher
 
 log = logging.getLogger("distill")
 

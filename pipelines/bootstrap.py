@@ -19,8 +19,8 @@ from distill.checkpoint import params_exist, save_params
 from distill.config import Config
 from distill.data import Corpus
 from distill.mesh import DP, all_devices_mesh
+from distill.outputs import teacher_path
 from student import optim, train
-from teacher.weights import teacher_path
 
 log = logging.getLogger("distill")
 

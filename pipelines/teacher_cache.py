@@ -241,10 +241,11 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     from jax.sharding import PartitionSpec as P
 
     from distill.mesh import build_meshes
+    from distill.outputs import teacher_path
     from pipelines.bootstrap import ensure_teacher
     from pipelines.preflight import preflight
     from teacher.forward import make_forward
-    from teacher.weights import load_teacher, teacher_path
+    from teacher.weights import load_teacher
 
     if not cfg.teacher.top_k:
         raise DistillError(
@@ -378,7 +379,7 @@ def _write_eval(cfg: Config, corpus, meshes, params, root: Path) -> None:
 
 def check_cache(cfg: Config, corpus) -> dict:
     """Preflight for `teacher.source: cache`: the cache exists, matches, and is long enough."""
-    from teacher.weights import teacher_path
+    from distill.outputs import teacher_path
 
     if cfg.pipeline.mode != "local":
         raise DistillError("teacher.source: cache is read by pipeline.mode local only")

@@ -17,11 +17,8 @@ from distill import model
 from distill.checkpoint import abstract_like, load_params
 from distill.config import Config
 from distill.mesh import TP
+from distill.outputs import teacher_path
 from teacher import sharding
-
-
-def teacher_path(cfg: Config) -> str:
-    return cfg.teacher.checkpoint or f"{cfg.run.output_dir.rstrip('/')}/teacher"
 
 
 def load_teacher(cfg: Config, mesh) -> dict:
