@@ -1,14 +1,15 @@
-"""One typed config tree: YAML file + `--set key.path=value` overrides, validated at the door.
+"""One typed config tree, validated at the door; the schema only, without I/O.
 
-Every section forbids unknown keys. The key paths (``run.output_dir``, ``mesh.teacher.tp``,
+Configs are made by `distill.config_file` (YAML file + `--set key.path=value` overrides,
+the teacher's format and a Hugging Face teacher's shape resolved there). Every section
+forbids unknown keys. The key paths (``run.output_dir``, ``mesh.teacher.tp``,
 ``teacher.model.d_model``, ...) are the public contract used by docs, scripts and ``--set``.
 The student's model is the teacher's schema with overrides (``student.model.*``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -28,6 +29,16 @@ class RunConfig(_Section):
         "(needs the gcs extra).",
     )
     seed: int = Field(0, description="Seed for parameter init and data shuffling.")
+    allow_teacher_change: bool = Field(
+        False,
+        description="Resume, eval or export a student whose checkpoint was distilled with "
+        "another teacher or tokenizer than the config's (refused by default).",
+    )
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files of the run's metrics under "
+        "<run.output_dir>/tensorboard.",
+    )
 
 
 class TeacherMesh(_Section):
@@ -107,8 +118,10 @@ class TeacherConfig(_Section):
     )
     format: Literal["auto", "distill", "hf"] = Field(
         "auto",
-        description="Checkpoint format. auto: hf if teacher.checkpoint holds a config.json. "
-        "With hf, teacher.model is read from config.json (keys set here must agree with it).",
+        description="Checkpoint format. auto: hf if teacher.checkpoint is a local directory "
+        "holding a config.json, else distill; resolved when the config is loaded (the run's "
+        "config.yaml records which). With hf, teacher.model is read from config.json (keys set "
+        "here must agree with it).",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
     top_k: int | None = Field(
@@ -118,6 +131,12 @@ class TeacherConfig(_Section):
         0, ge=0, description="If the checkpoint is missing, train the teacher this long first."
     )
     pretrain_lr: float = Field(3e-3, gt=0, description="Peak learning rate for the bootstrap.")
+    rebootstrap: bool = Field(
+        False,
+        description="Bootstrap the teacher again (teacher.pretrain_steps) over the one "
+        "distill bootstrapped at teacher.checkpoint; a run whose settings differ from those "
+        "it recorded is refused otherwise.",
+    )
     replicas: int = Field(
         1, ge=1, description="Teacher actors in pipeline.mode ray, each with its own tp mesh."
     )
@@ -133,11 +152,9 @@ class TeacherConfig(_Section):
     )
 
     def is_hf(self) -> bool:
-        """Whether `checkpoint` is read as a Hugging Face directory."""
-        if self.format != "auto":
-            return self.format == "hf"
-        ckpt = self.checkpoint
-        return bool(ckpt) and "://" not in ckpt and (Path(ckpt) / "config.json").is_file()
+        """Whether `checkpoint` is read as a Hugging Face directory. The loader
+        (`distill.config_file`) resolves `auto` to `hf` or `distill`."""
+        return self.format == "hf"
 
 
 class StudentModelOverrides(_Section):
@@ -236,6 +253,19 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep.")
     metrics_lag: int = Field(2, ge=1, description="Read step n-lag's metrics at step n.")
+    profile: list[int] | None = Field(
+        None,
+        description="[first_step, steps]: write a jax.profiler trace of these training steps "
+        "to <run.output_dir>/profile (TensorBoard's profile plugin or Perfetto); None: off.",
+    )
+
+    @model_validator(mode="after")
+    def _profile(self) -> TrainConfig:
+        if self.profile is not None and (
+            len(self.profile) != 2 or self.profile[0] < 1 or self.profile[1] < 1
+        ):
+            raise ValueError(f"profile: {self.profile} must be [first_step >= 1, steps >= 1]")
+        return self
 
 
 class PipelineConfig(_Section):
@@ -271,6 +301,23 @@ class ServerConfig(_Section):
     )
 
 
+class WandbConfig(_Section):
+    """Weights & Biases logging of the run's metrics (the wandb extra)."""
+
+    enabled: bool = Field(False, description="Log the run's metrics to W&B.")
+    project: str | None = Field(None, description="W&B project; None: WANDB_PROJECT or W&B's.")
+    entity: str | None = Field(None, description="W&B entity (user or team); None: the default.")
+    mode: Literal["online", "offline"] | None = Field(
+        None, description="online, or offline (sync later: `wandb sync`); None: WANDB_MODE."
+    )
+    name: str | None = Field(None, description="W&B run name; default run.name.")
+    group: str | None = Field(None, description="W&B run group.")
+    tags: list[str] = Field(default_factory=list, description="W&B run tags.")
+    id: str | None = Field(
+        None, description="W&B run id; set it to continue one W&B run across resumed runs."
+    )
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
@@ -283,6 +330,7 @@ class Config(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     def student_model(self) -> ModelConfig:
         """The teacher's model schema with the student's overrides applied."""
@@ -291,7 +339,7 @@ class Config(_Section):
         try:
             return ModelConfig(**merged)
         except ValidationError as e:
-            raise DistillError(_one_line(e, prefix="student.model")) from None
+            raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
 
     def init_layers(self) -> list[int]:
         """The teacher layers a `from_teacher` student starts from (validated)."""
@@ -327,100 +375,18 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def _one_line(err: ValidationError, prefix: str = "") -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
-    path = ".".join(p for p in (prefix, loc) if p)
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif first["type"] == "missing":
-        msg = "required field is missing"
-    return f"config: {path}: {msg}" if path else f"config: {msg}"
-
-
-def _parse_value(text: str) -> Any:
-    """`--set` values are YAML scalars: 3, 1e-3, true, null, [1, 2], 'text'."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def apply_override(tree: dict, assignment: str) -> None:
-    if "=" not in assignment:
-        raise DistillError(f"--set {assignment!r}: expected key.path=value")
-    path, value = assignment.split("=", 1)
-    keys = path.strip().split(".")
-    node = tree
-    for k in keys[:-1]:
-        nxt = node.get(k)
-        if nxt is None:
-            nxt = node[k] = {}
-        if not isinstance(nxt, dict):
-            raise DistillError(f"--set {path}: {k} is not a section")
-        node = nxt
-    node[keys[-1]] = _parse_value(value)
-
-
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read YAML, apply `--set` overrides, validate. Raises DistillError with one line."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if "://" in str(path):  # a run's config.yaml in a bucket (`distill export gs://...`)
-            from etils import epath
-
-            from distill import storage
-
-            storage.check(str(path), "config")
-            p = epath.Path(path)
-        if not p.is_file():
-            raise DistillError(f"config file not found: {p}")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise DistillError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(tree, dict):
-            raise DistillError(f"{p}: the top level must be a mapping of sections")
-    for o in overrides:
-        apply_override(tree, o)
-    return config_from_dict(tree)
-
-
-def config_from_dict(tree: dict) -> Config:
-    try:
-        cfg = Config.model_validate(tree)
-    except ValidationError as e:
-        raise DistillError(_one_line(e)) from None
-    if cfg.teacher.is_hf():
-        if "://" in (cfg.teacher.checkpoint or ""):
-            raise DistillError(
-                f"teacher.checkpoint: {cfg.teacher.checkpoint}: a Hugging Face teacher is read "
-                "from a local directory; copy it to local disk first"
-            )
-        _teacher_model_from_hf(cfg)
-    cfg.student_model()  # validates the merged student shape
-    if cfg.student.init == "from_teacher":
-        cfg.init_layers()
-    elif cfg.student.init_layers is not None:
-        raise DistillError(
-            "student.init_layers: set, but student.init is random (not from_teacher)"
-        )
-    return cfg
-
-
-def _teacher_model_from_hf(cfg: Config) -> None:
-    """Set `teacher.model` from a Hugging Face config.json; keys set by hand must agree."""
-    from distill import hf  # imports this module
-
-    derived = hf.read_model_config(cfg.teacher.checkpoint)
-    given = cfg.teacher.model
-    for key in sorted(given.model_fields_set):
-        if getattr(given, key) != getattr(derived, key):
-            raise DistillError(
-                f"teacher.model.{key}: {getattr(given, key)} differs from "
-                f"{getattr(derived, key)} in {hf.config_file(cfg.teacher.checkpoint)}; a Hugging "
-                "Face teacher's shape comes from its config.json: leave teacher.model unset"
-            )
-    cfg.teacher.model = derived
+def error_lines(err: ValidationError, prefix: str = "") -> list[str]:
+    """One `config: key.path: message` line per validation error, in the schema's order."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        path = ".".join(p for p in (prefix, loc) if p)
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        line = f"config: {path}: {msg}" if path else f"config: {msg}"
+        if line not in lines:
+            lines.append(line)
+    return lines

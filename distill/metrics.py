@@ -16,8 +16,8 @@ see `distill.storage`). Three kinds of line share the file:
   "eval": true, "time"}``;
 - events: ``{"event": "start" | "phase" | "mesh" | "checkpoint" | "failed" | "done",
   "step", "time", ...}``, so that ``distill dashboard`` can rebuild the phase, mesh layout
-  and last checkpoint of a run from the file alone. Readers of training records skip lines
-  with an ``"event"`` or ``"eval"`` key.
+  and last checkpoint of a run from the file alone (``distill.metrics_log.Follower``).
+  Readers of training records skip lines with an ``"event"`` or ``"eval"`` key.
 
 History is kept per series (bootstrap, distill, eval), each strictly increasing in step: a
 record whose step is not past the series' last step (a run resumed from an earlier
@@ -33,10 +33,8 @@ from __future__ import annotations
 import bisect
 import copy
 import json
-import math
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -44,46 +42,9 @@ from etils import epath
 
 from distill import storage
 from distill.errors import DistillError
+from distill.metrics_log import PHASES, SERIES, Follower, redact, to_plain
 
-PHASES = ("starting", "bootstrap", "distill", "eval", "checkpoint", "done", "failed")
-SERIES = ("bootstrap", "distill", "eval")
-_SECRET_WORDS = ("token", "secret", "password", "key")
-_REDACTED = "***"
 _ETA_WINDOW = 20  # records used for the steps-per-second estimate
-_REMOTE_POLL_S = 2.0  # a follower of a bucket's metrics.jsonl looks this often at most
-
-
-def redact(tree: Any) -> Any:
-    """A deep copy of a config tree with string values of secret-looking keys replaced."""
-    if isinstance(tree, Mapping):
-        out = {}
-        for k, v in tree.items():
-            secret = any(w in str(k).lower() for w in _SECRET_WORDS)
-            out[str(k)] = _REDACTED if secret and isinstance(v, str) else redact(v)
-        return out
-    if isinstance(tree, list | tuple):
-        return [redact(v) for v in tree]
-    return copy.deepcopy(tree)
-
-
-def to_plain(value: Any, *, finite: bool = True) -> Any:
-    """JSON-safe plain Python: numpy/JAX scalars become int/float; with ``finite``,
-    NaN and infinities become None (strict JSON, and what a browser's JSON.parse accepts)."""
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value) if (not finite or math.isfinite(value)) else None
-    if isinstance(value, Mapping):
-        return {str(k): to_plain(v, finite=finite) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_plain(v, finite=finite) for v in value]
-    if hasattr(value, "model_dump"):  # a pydantic config section
-        return to_plain(value.model_dump(mode="json"), finite=finite)
-    if hasattr(value, "tolist"):  # numpy / JAX scalars and arrays
-        return to_plain(value.tolist(), finite=finite)
-    return str(value)
 
 
 class MetricsStore:
@@ -96,8 +57,12 @@ class MetricsStore:
         config: dict,
         output_dir: str | None = None,
         stall_timeout_s: float = 300.0,
+        sinks: list[Any] | tuple[Any, ...] = (),
     ) -> None:
+        """``sinks`` (`distill.tracking.Sink`: TensorBoard, W&B) get every training and eval
+        record from `log` and `log_eval`, in the loop's thread, and are closed by `close`."""
         self._lock = threading.RLock()
+        self._sinks = list(sinks)
         self.run_name = str(run_name)
         self.stall_timeout_s = float(stall_timeout_s)
         self._config = redact(to_plain(config or {}))
@@ -125,7 +90,7 @@ class MetricsStore:
         self._checkpoint_requested = False
         self._stop_requested = False
         self._file = None
-        self._follow: _Follower | None = None
+        self._follow: Follower | None = None
         if output_dir is not None:
             storage.check(output_dir, "run.output_dir")
             root = epath.Path(output_dir)
@@ -161,6 +126,10 @@ class MetricsStore:
             self._write(rec)
             self._apply_record(to_plain(rec))
             self._progress_at = time.monotonic()
+            if self._sinks:
+                plain = to_plain(rec, finite=False)  # a NaN loss is worth a sink's plot
+                for sink in self._sinks:
+                    sink.record(plain)
 
     def log_eval(self, record: dict) -> None:
         """``{"step", "teacher_loss", "student_loss", "kl", "top1_agreement"}``."""
@@ -171,6 +140,10 @@ class MetricsStore:
             self._write(rec)
             self._apply_eval(to_plain(rec))
             self._progress_at = time.monotonic()
+            if self._sinks:
+                plain = to_plain(rec, finite=False)
+                for sink in self._sinks:
+                    sink.eval(plain)
 
     def set_checkpoint(self, step: int, time: float) -> None:  # noqa: A002 (the contract's name)
         with self._lock:
@@ -206,12 +179,15 @@ class MetricsStore:
             self._write({"event": "done", "summary": self._summary})
 
     def close(self) -> None:
-        """Close metrics.jsonl, writing what a bucket has not got yet (the store stays
-        readable)."""
+        """Close metrics.jsonl, writing what a bucket has not got yet, then the sinks (the
+        store stays readable)."""
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+            sinks, self._sinks = self._sinks, []
+        for sink in sinks:  # outside the lock: a sink may upload files or finish a W&B run
+            sink.close()
 
     # -- control: set by HTTP handlers, polled by the loop -----------------------------------
 
@@ -321,7 +297,7 @@ class MetricsStore:
             config=config,
             stall_timeout_s=float(section("server").get("stall_timeout_s") or 300.0),
         )
-        store._follow = _Follower(root)
+        store._follow = Follower(root)
         store._refresh()
         return store
 
@@ -329,7 +305,7 @@ class MetricsStore:
         """A resumed run: start from the history already in metrics.jsonl, so the live
         dashboard shows one continuous run (the records it repeats will replace these)."""
         name, total = self.run_name, self._run_total
-        follower = _Follower(root)
+        follower = Follower(root)
         follower.sync(self)
         with self._lock:
             self.run_name, self._run_total = name, total
@@ -452,127 +428,3 @@ _STATUS_FIGURES = (
     "in_flight",
     "bytes_per_token",
 )
-
-
-class _Follower:
-    """Reads a run directory's ``metrics.jsonl`` into a store incrementally: the new complete
-    lines on each sync, everything again if the file was replaced or truncated. On a bucket
-    (where each sync costs requests) it looks at most every `_REMOTE_POLL_S` seconds."""
-
-    def __init__(self, root: epath.Path) -> None:
-        self.root = root
-        self.path = root / "metrics.jsonl"
-        self._lock = threading.Lock()
-        self._offset = 0
-        self._seen = False
-        self._ident: int | None = None
-        self.starts = 0
-        self._phase_events = False
-        self._summary_mtime: float | None = None
-        self._poll_every = _REMOTE_POLL_S if storage.is_remote(root) else 0.0
-        self._polled_at = -math.inf
-
-    def sync(self, store: MetricsStore) -> None:
-        with self._lock:
-            if time.monotonic() - self._polled_at < self._poll_every:
-                return
-            self._polled_at = time.monotonic()
-            st = storage.stat(self.path)
-            if st is not None:
-                if self._seen and (st.ident != self._ident or st.size < self._offset):
-                    self._reset(store)
-                self._seen, self._ident = True, st.ident
-                if st.size > self._offset:
-                    self._read_new(store)
-                with store._lock:  # progress as seen from here: the file's last change
-                    store._progress_at = time.monotonic() - max(0.0, time.time() - st.mtime)
-            self._sync_summary(store, st)
-
-    def _reset(self, store: MetricsStore) -> None:
-        self._offset = self.starts = 0
-        self._phase_events = False
-        self._summary_mtime = None
-        with store._lock:
-            for s in SERIES:
-                store._series[s].clear()
-                store._steps[s].clear()
-            store._log, store._seqs = [], []
-            store._epoch += 1
-            store._phase, store._step, store._latest, store._gauges = "starting", 0, {}, {}
-            store._mesh = store._checkpoint = store._eval = store._failure = None
-
-    def _read_new(self, store: MetricsStore) -> None:
-        data = storage.read(self.path, self._offset)
-        end = data.rfind(b"\n") + 1  # the writer may be mid-line: leave the tail for later
-        self._offset += end
-        with store._lock:
-            for raw in data[:end].splitlines():
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(line, dict) and isinstance(line.get("step", 0), int):
-                    self._apply(store, to_plain(line))
-
-    def _apply(self, store: MetricsStore, line: dict) -> None:
-        event = line.get("event")
-        if event is None:
-            if "step" not in line:
-                pass
-            elif line.get("eval"):
-                store._apply_eval(line)
-            else:
-                if not self._phase_events:  # a file without phase events: follow the records
-                    store._phase = "bootstrap" if line.get("phase") == "bootstrap" else "distill"
-                store._apply_record(line)
-        elif event == "start":
-            self.starts += 1
-            if self.starts == 1 and isinstance(line.get("time"), float | int):
-                store._started_at = float(line["time"])
-            else:
-                store._gauges["restarts"] = self.starts - 1
-            store.run_name = str(line.get("run_name") or store.run_name)
-            if line.get("total_steps"):
-                store._run_total = int(line["total_steps"])
-            store._failure, store._ended_at = None, None
-            store._phase = "starting"
-            store._apply_phase("starting", None)  # the distill counter and total again
-        elif event == "phase" and line.get("phase") in PHASES:
-            self._phase_events = True
-            store._apply_phase(line["phase"], line.get("total_steps"))
-        elif event == "mesh" and isinstance(line.get("layout"), dict):
-            store._mesh = line["layout"]
-        elif event == "checkpoint":
-            store._checkpoint = {"step": int(line.get("step") or 0), "time": line.get("time")}
-        elif event == "failed":
-            self._phase_events = True
-            store._phase, store._failure = "failed", str(line.get("reason"))
-            store._ended_at = line.get("time")
-        elif event == "done":
-            self._phase_events = True
-            store._phase = "done"
-            store._ended_at = line.get("time")
-            if isinstance(line.get("summary"), dict):
-                store._summary = redact(line["summary"])
-
-    def _sync_summary(self, store: MetricsStore, jsonl: storage.FileStat | None) -> None:
-        """summary.json marks a finished run, unless metrics.jsonl grew well after it (the
-        run was resumed)."""
-        path = self.root / "summary.json"
-        try:
-            st = storage.stat(path)
-            if st is None:
-                return
-            mtime = st.mtime
-            if mtime != self._summary_mtime:
-                summary = json.loads(storage.read(path).decode("utf-8"))
-                self._summary_mtime = mtime
-                if isinstance(summary, dict):
-                    with store._lock:
-                        store._summary = redact(to_plain(summary))
-        except (OSError, ValueError):
-            return
-        resumed = jsonl is not None and jsonl.mtime > mtime + 1.0
-        with store._lock:
-            if store._summary is not None and store._phase != "failed" and not resumed:
-                store._phase = "done"

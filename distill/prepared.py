@@ -13,7 +13,7 @@ One record is one packed row ``i``: the S+1 token ids ``stream[i*S : i*S + S + 1
 then the S+1 doc-start flags of the same positions packed 8 to a byte
 (``np.packbits(bitorder="little")``), so ``record_bytes = (S+1) * itemsize + ceil((S+1)/8)``.
 The rest of a row (targets, segment ids, positions, mask) is derived on reading, exactly as
-for rows in memory (``distill.data.rows_batch``).
+for rows in memory (``distill.corpus.rows_batch``).
 
 ``manifest.json`` holds ``kind`` and ``format``, ``seq_len``, ``token_dtype``,
 ``record_bytes``, the tokenizer's identity (kind, sha256 of its file, vocab size, BOS and
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from distill.config import DataConfig
-from distill.data import Corpus, row_at, rows_batch
+from distill.corpus import Corpus, row_at, rows_batch
 from distill.errors import DistillError
 from distill.tokenizers import Tokenizer, build_tokenizer
 from distill.types import Batch

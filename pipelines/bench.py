@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from distill import model
 from distill.checkpoint import params_exist, save_params
 from distill.config import Config, ServerConfig
-from distill.data import Corpus
+from distill.corpus import Corpus
 from distill.mesh import DP, Meshes
 from distill.metrics import MetricsStore
 from distill.outputs import teacher_path
@@ -107,7 +107,7 @@ def _cached_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, k: int, re
     """Median step time of the local loop training from a teacher cache (`teacher.source:
     cache`, top-`k`), written first by `distill cache-teacher` for as many steps as the
     loop runs. Returns (ms, cache bytes per token on disk)."""
-    from pipelines.teacher_cache import cache_teacher
+    from pipelines.cache_writer import cache_teacher
 
     ccfg = cfg.model_copy(deep=True)
     ccfg.teacher.top_k, ccfg.teacher.cache_dir = k, f"{tmp}/cache"
@@ -181,20 +181,11 @@ def bench(
         return _bench(cfg, corpus, meshes, tmp, repeats, http_requests, ray_mode, cache_mode)
 
 
-def _bench(
-    cfg: Config,
-    corpus: Corpus,
-    meshes: Meshes,
-    tmp: str,
-    repeats: int,
-    http_requests: int,
-    ray_mode: bool,
-    cache_mode: bool,
-) -> dict:
-    cfg = cfg.model_copy(deep=True)
+def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: int):
+    """Each phase alone: the teacher forward (plain, dense, top-k), the student step (CE,
+    KD dense, KD top-k) and a Grain batch. Returns (figures, a host batch, top-k used)."""
     tcfg, scfg = cfg.teacher.model, cfg.student_model()
-    bsz, seq = cfg.train.batch_size, cfg.train.seq_len
-    tokens = bsz * seq
+    bsz = cfg.train.batch_size
     t_params = _teacher_params(cfg, meshes, tmp)
     it = corpus.train_iterator(bsz, seed=cfg.run.seed)
     host_batch = next(it)
@@ -268,6 +259,33 @@ def _bench(
         data_times.append(time.perf_counter() - t)
     res["data_ms"] = 1e3 * statistics.median(data_times)
 
+    return res, host_batch, k
+
+
+def _bench(
+    cfg: Config,
+    corpus: Corpus,
+    meshes: Meshes,
+    tmp: str,
+    repeats: int,
+    http_requests: int,
+    ray_mode: bool,
+    cache_mode: bool,
+) -> dict:
+    cfg = cfg.model_copy(deep=True)
+    res, host_batch, k = _phase_ms(cfg, corpus, meshes, tmp, repeats)
+    _loop_ms(
+        res, cfg, corpus, meshes, tmp, repeats, host_batch, k, http_requests, ray_mode, cache_mode
+    )
+    _derived(res, cfg, meshes)
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
+
+
+def _loop_ms(
+    res, cfg, corpus, meshes, tmp, repeats, host_batch, k, http_requests, ray_mode, cache_mode
+):
+    """The real pipelined loop: local, and optionally ray mode, offline, and under HTTP load."""
+    tokens = cfg.train.batch_size * cfg.train.seq_len
     res["pipeline_ms"], wall, _ = _pipelined_ms(cfg, corpus, meshes, f"{tmp}/run", repeats)
     if ray_mode:
         ray_ms, _, store = _pipelined_ms(cfg, corpus, meshes, f"{tmp}/ray", repeats, mode="ray")
@@ -299,6 +317,11 @@ def _bench(
         res["http_requests"] = http_requests
         res["http_slowdown"] = loaded / res["pipeline_ms"]
 
+
+def _derived(res: dict, cfg: Config, meshes: Meshes) -> None:
+    """Ratios, tokens/s and MFU from the measured figures."""
+    scfg, seq = cfg.student_model(), cfg.train.seq_len
+    tokens = cfg.train.batch_size * seq
     student_ms_ = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
     teacher_ms_ = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
     flops = matmul_flops_per_s(meshes.student)
@@ -318,7 +341,6 @@ def _bench(
         platform=meshes.platform,
         tokens_per_step=tokens,
     )
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
 
 
 def format_bench(r: dict) -> str:

@@ -9,34 +9,51 @@ reuses it. This makes the quick start meaningful with no downloads.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import jax
 import numpy as np
+from etils import epath
 from jax.sharding import Mesh
 
 from distill.checkpoint import params_exist, save_params
 from distill.config import Config
-from distill.data import Corpus
+from distill.corpus import Corpus
+from distill.errors import DistillError
 from distill.mesh import DP, all_devices_mesh
 from distill.outputs import teacher_path
+from pipelines.executors import LocalExecutor
+from pipelines.loop import Hooks, Loop
+from pipelines.sources import NoTeacher
 from student import optim, train
 
 log = logging.getLogger("distill")
 
 
-def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, stop=lambda: False) -> None:
-    """Train the teacher with cross-entropy and save it at `teacher_path(cfg)`."""
-    steps, mcfg = cfg.teacher.pretrain_steps, cfg.teacher.model
+def _bootstrap_mesh(cfg: Config) -> Mesh:
+    """Every device of both meshes, or the largest count of them that divides the batch."""
     mesh = all_devices_mesh(cfg, DP)
     n = mesh.shape[DP]
-    while cfg.train.batch_size % n:  # the largest device count that divides the batch
+    while cfg.train.batch_size % n:
         n -= 1
-    if n != mesh.shape[DP]:
-        mesh = Mesh(np.array(list(mesh.devices.flat)[:n]), (DP,))
+    return mesh if n == mesh.shape[DP] else Mesh(np.array(list(mesh.devices.flat)[:n]), (DP,))
+
+
+def _record(step: int, m: dict, figures: dict) -> dict:
+    keys = ("loss", "ce_loss", "lr")
+    return {"step": step, "phase": "bootstrap", **{k: m[k] for k in keys}, **figures}
+
+
+def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, record: dict | None = None) -> None:
+    """Train the teacher with cross-entropy and save it at `teacher_path(cfg)`: the one loop
+    with no teacher source and a CE step, data-parallel over every device. The weights and
+    the provenance `record` are written to a temporary directory first and then moved into
+    place together, so a teacher without its record never appears."""
+    steps, mcfg = cfg.teacher.pretrain_steps, cfg.teacher.model
+    mesh = _bootstrap_mesh(cfg)
     ocfg = cfg.optim.model_copy(update={"lr": cfg.teacher.pretrain_lr})
     tx = optim.make_optimizer(ocfg, steps)
-    state = train.init_state(mcfg, tx, cfg.run.seed + 1, mesh)
     step_fn = train.make_train_step(
         mcfg,
         tx,
@@ -46,41 +63,62 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, stop=lambda: Fals
         dtype=cfg.teacher.dtype,
         with_teacher=False,
     )
-    it = corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed + 1)
-    split = train.batch_sharding(mesh)
-    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-    log.info("bootstrap: training the teacher for %d steps on %d devices", steps, n)
-    if store is not None:
-        store.set_phase("bootstrap", total_steps=steps)
-    pending, t0, t_window = [], time.perf_counter(), time.perf_counter()
-    for step in range(1, steps + 1):
-        state, metrics = step_fn(state, jax.device_put(next(it), split))
-        pending.append((step, metrics))
-        while len(pending) > (0 if step == steps or stop() else cfg.train.metrics_lag):
-            s, m = pending.pop(0)
-            if s % cfg.train.log_every == 0 or s == steps:
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
-                now = time.perf_counter()
-                rate = cfg.train.log_every * tokens_per_step / max(now - t_window, 1e-9)
-                t_window = now
-                log.info("bootstrap step %d/%d loss %.4f", s, steps, m["loss"])
-                if store is not None:
-                    store.log(
-                        {
-                            "step": s,
-                            "phase": "bootstrap",
-                            "loss": m["loss"],
-                            "ce_loss": m["ce_loss"],
-                            "lr": m["lr"],
-                            "tokens_per_s": rate,
-                        }
-                    )
-        if stop():
-            break
-    save_params(teacher_path(cfg), jax.device_get(state.params))
+    executor = LocalExecutor(
+        mesh,
+        lambda: (train.init_state(mcfg, tx, cfg.run.seed + 1, mesh), None, 0),
+        step_fn,
+        with_teacher=False,
+    )
+    source = NoTeacher(lambda: corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed + 1))
+    hooks = Hooks(
+        phase="bootstrap",
+        record=lambda step, m, figures: _record(step, m, {"tokens_per_s": figures["tokens_per_s"]}),
+        checkpoints=False,
+        progress=False,
+        report=lambda step, r: log.info("bootstrap step %d/%d loss %.4f", step, steps, r["loss"]),
+    )
+    log.info("bootstrap: training the teacher for %d steps on %d devices", steps, mesh.size)
+    t0 = time.perf_counter()
+    try:
+        summary = Loop(cfg, source, executor, store, hooks, steps=steps).run()
+    finally:
+        source.close()
+    if not summary["completed"]:
+        raise DistillError(
+            f"stopped during the teacher bootstrap at step {summary['steps']} of {steps}: "
+            f"no teacher was saved at {teacher_path(cfg)}; rerun to bootstrap it"
+        )
+    _save(teacher_path(cfg), jax.device_get(executor.state.params), record)
     log.info("bootstrap: teacher saved to %s (%.1fs)", teacher_path(cfg), time.perf_counter() - t0)
 
 
+def _save(path: str, params, record: dict | None) -> None:
+    """Weights and provenance into `path.partial`, then renamed to `path` (an older teacher
+    there, replaced on purpose by `teacher.rebootstrap`, is removed only after that)."""
+    from teacher import provenance
+
+    final = epath.Path(path if "://" in path else os.path.abspath(path))
+    partial, old = final.parent / f"{final.name}.partial", final.parent / f"{final.name}.old"
+    for stale in (partial, old):
+        if stale.exists():
+            stale.rmtree()
+    save_params(str(partial), params)
+    if record is not None:
+        provenance.write(str(partial), record)
+    if final.exists():
+        final.rename(old)
+    partial.rename(final)
+    if old.exists():
+        old.rmtree()
+
+
 def ensure_teacher(cfg: Config, corpus: Corpus, store=None) -> None:
-    if not params_exist(teacher_path(cfg)):
-        bootstrap_teacher(cfg, corpus, store)
+    """The teacher at `teacher_path(cfg)`: reused when there (checked as preflight checks
+    it), else, or with `teacher.rebootstrap`, bootstrapped and saved with the provenance
+    record of the settings that made it (`teacher.provenance`)."""
+    from pipelines.teacher_checks import check_teacher_weights, teacher_record
+
+    check_teacher_weights(cfg, corpus)  # again: cache-teacher's preflight may skip it
+    if params_exist(teacher_path(cfg)) and not cfg.teacher.rebootstrap:
+        return
+    bootstrap_teacher(cfg, corpus, store, record=teacher_record(cfg, corpus))

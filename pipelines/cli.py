@@ -12,7 +12,8 @@ import json
 import logging
 import sys
 
-from distill.config import Config, load_config
+from distill.config import Config
+from distill.config_file import load_config
 from distill.errors import DistillError
 
 
@@ -145,7 +146,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_cache_teacher(args: argparse.Namespace) -> None:
-    from pipelines.teacher_cache import cache_teacher
+    from pipelines.cache_writer import cache_teacher
 
     print(json.dumps(cache_teacher(_config(args), args.batches_per_shard)))
 
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         COMMANDS[args.command](args)
         return 0
     except DistillError as e:
-        print(f"distill: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:
+            print(f"distill: error: {line}", file=sys.stderr)
         return 2
 
 

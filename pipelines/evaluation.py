@@ -11,10 +11,8 @@ chunking does not change them. Nothing here touches a device: the Ray driver use
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from distill.config import Config
-from distill.data import Corpus
+from distill.corpus import Corpus
 from distill.types import Batch
 
 # The frozen teacher's eval logits are computed once and kept when they are this small.
@@ -45,11 +43,21 @@ def eval_cache_fits(cfg: Config) -> bool:
     return cfg.data.eval_batches * b * s * v * 4 <= EVAL_CACHE_BYTES
 
 
-def token_weighted_means(per_batch: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Combine per-batch means (each with its "tokens" count) into means over all tokens."""
-    sums: dict[str, float] = {}
-    for m in per_batch:
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * m["tokens"])
-    tokens = max(sums.pop("tokens", 0.0), 1.0)
-    return {k: v / tokens for k, v in sums.items()}
+class Evaluation:
+    """The loop's evaluation hook: the teacher's dense eval logits from the source (kept
+    when small: the teacher is frozen) against the student's, on the executor."""
+
+    def __init__(self, cfg: Config, batches: list, source, executor):
+        self._batches, self._source, self._executor = batches, source, executor
+        self._keep = eval_cache_fits(cfg)
+        self._logits = None
+
+    def __call__(self, step: int) -> dict | None:
+        logits = self._logits
+        if logits is None:
+            logits = self._source.eval_logits(self._batches)
+            if logits is None:  # no teacher logits to compare with (a cache without them)
+                return None
+            if self._keep:
+                logits = self._logits = list(logits)
+        return self._executor.evaluate(self._batches, logits, self._keep)

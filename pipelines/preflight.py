@@ -12,9 +12,11 @@ from pathlib import Path
 from distill import hf, storage
 from distill.checkpoint import params_exist
 from distill.config import Config
-from distill.data import Corpus, load_corpus
+from distill.corpus import Corpus
+from distill.data import load_corpus
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit
+from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
 from teacher.sharding import check_divisible
 
 
@@ -41,6 +43,16 @@ def check_shapes(cfg: Config) -> None:
 
 def check_mode(cfg: Config) -> None:
     """Keys that the chosen pipeline mode cannot honour."""
+    if cfg.train.profile is not None and cfg.pipeline.mode == "ray":
+        raise DistillError(
+            "train.profile: traces the devices of the process that runs the loop; in "
+            "pipeline.mode ray those are the actors' (profile a local-mode run of the same config)"
+        )
+    if cfg.train.profile is not None and "://" in cfg.run.output_dir:
+        raise DistillError(
+            f"train.profile: the trace is written under run.output_dir, which must be local "
+            f"for it ({cfg.run.output_dir})"
+        )
     if cfg.pipeline.mode == "ray":
         for role in ("teacher", "student"):
             if getattr(cfg.mesh, role).devices is not None:
@@ -71,7 +83,8 @@ def check_output_dir(cfg: Config) -> None:
 
 
 def preflight(cfg: Config) -> Corpus:
-    """Validate config, devices, shapes, teacher source and data. Returns the loaded corpus."""
+    """Validate config, devices, shapes, teacher source and data, then the teacher weights
+    and the student checkpoint's teacher (`pipelines.teacher_checks`). Returns the corpus."""
     devices = available_devices(cfg.mesh.platform)
     check_fit(cfg, len(devices), devices[0].platform)
     check_shapes(cfg)
@@ -90,4 +103,7 @@ def preflight(cfg: Config) -> Corpus:
             f"teacher.top_k: {cfg.teacher.top_k} exceeds the tokenizer's vocabulary "
             f"({corpus.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer})"
         )
+    if uses_teacher(cfg):
+        check_teacher_weights(cfg, corpus)
+    check_student_pin(cfg)
     return corpus

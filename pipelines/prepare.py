@@ -24,9 +24,10 @@ from tqdm import tqdm
 
 from distill import prepared
 from distill.config import Config
-from distill.data import PackedRows, tokenize_corpus
+from distill.corpus import PackedRows
+from distill.data import tokenize_corpus
 from distill.errors import DistillError
-from pipelines.teacher_cache import data_hash
+from distill.identity import data_hash
 
 log = logging.getLogger("distill")
 

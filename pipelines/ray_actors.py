@@ -21,7 +21,7 @@ import time
 
 import ray
 
-from distill.config import config_from_dict
+from distill.config_file import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import DP, TP
 from distill.tokenizers import build_tokenizer, vocab_limit
@@ -83,30 +83,12 @@ class TeacherActor:
 
     def __init__(self, cfg_tree: dict):
         import jax
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
 
-        from teacher.forward import make_forward
-        from teacher.weights import load_teacher
+        from pipelines.sources import OnlineTeacher
 
         cfg = config_from_dict(cfg_tree)
-        mcfg = cfg.teacher.model
-        limit = vocab_limit(build_tokenizer(cfg.data), mcfg.vocab_size)
         self._mesh = _local_mesh(cfg.mesh.teacher.tp, TP, "mesh.teacher.tp")
-        self._params = load_teacher(cfg, self._mesh)
-        self._put = NamedSharding(self._mesh, P())
-        self._forward = make_forward(
-            mcfg,
-            self._mesh,
-            mode="topk" if cfg.teacher.top_k else "dense",
-            temperature=cfg.distill.temperature,
-            top_k=cfg.teacher.top_k,
-            dtype=cfg.teacher.dtype,
-            vocab_limit=limit,
-        )
-        self._logits = make_forward(
-            mcfg, self._mesh, mode="logits", dtype=cfg.teacher.dtype, vocab_limit=limit
-        )
+        self._teacher = OnlineTeacher(cfg, self._mesh, build_tokenizer(cfg.data))
         self._jax = jax
 
     def info(self) -> dict:
@@ -115,19 +97,18 @@ class TeacherActor:
     def _timed(self, fn, batch):
         """(fn's output for `batch` as host arrays, busy milliseconds)."""
         t0 = time.perf_counter()
-        jax = self._jax
-        out = jax.device_get(fn(self._params, jax.device_put(batch, self._put)))
+        out = self._jax.device_get(fn(batch))
         return out, 1e3 * (time.perf_counter() - t0)
 
     @ray.method(num_returns=2)
     def forward(self, batch):
         """(TeacherOutput of host arrays [B, S, k or V], busy milliseconds)."""
-        return self._timed(self._forward, batch)
+        return self._timed(self._teacher.output, batch)
 
     @ray.method(num_returns=2)
     def eval_logits(self, batch):
         """(dense teacher logits [B, S, V] of an eval batch, busy milliseconds)."""
-        return self._timed(self._logits, batch)
+        return self._timed(self._teacher.logits, batch)
 
 
 @ray.remote
@@ -141,10 +122,9 @@ class StudentActor:
     def __init__(self, cfg_tree: dict):
         import jax
 
-        from distill import losses, outputs
-        from distill.checkpoint import Checkpointer
         from student import train
-        from student.state import start_student
+        from student.evaluate import StudentEval
+        from student.state import run_checkpointer, start_student
         from teacher.weights import student_init_params
 
         cfg = config_from_dict(cfg_tree)
@@ -154,17 +134,13 @@ class StudentActor:
         self._mesh = _local_mesh(cfg.mesh.student.dp, DP, "mesh.student.dp")
         self._split = train.batch_sharding(self._mesh)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
-        self._ckpt = Checkpointer(outputs.checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints)
+        self._ckpt = run_checkpointer(cfg)
         self._state, self._data_state, self._start = start_student(
             cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg)
         )
         self._next = self._start + 1
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
-        self._student_logits = train.make_logits_fn(
-            scfg, self._mesh, cfg.student.dtype, vocab_limit=limit
-        )
-        self._eval_metrics = jax.jit(losses.eval_metrics)
-        self._eval_cache = None  # [(batch, teacher logits)] on the mesh, if the driver says so
+        self._eval = StudentEval(cfg, self._mesh, limit)
 
     def info(self) -> dict:
         return _info(self._mesh, DP)
@@ -187,35 +163,16 @@ class StudentActor:
         m["bytes_per_token"] = sum(x.nbytes for x in jax.tree.leaves(teacher_out)) / self._tokens
         return m
 
-    def _eval_inputs(self, batches: list, teacher_logits: list, cache: bool):
-        """(batch, teacher logits) on the mesh, fetched one pair at a time (the refs come
-        nested in lists, so Ray leaves them unresolved); kept when `cache` (small)."""
-        if self._eval_cache is not None:
-            yield from self._eval_cache
-            return
-        jax, kept = self._jax, []
-        for b_ref, t_ref in zip(batches, teacher_logits, strict=True):
-            b, t = ray.get([b_ref, t_ref])
-            pair = (jax.device_put(b, self._split), jax.device_put(t, self._split))
-            if cache:
-                kept.append(pair)
-            yield pair
-        if cache:
-            self._eval_cache = kept
-
-    def evaluate(self, batches: list, teacher_logits: list, cache: bool) -> dict:
-        """Held-out teacher vs student metrics exactly as the local mode's Evaluator computes
-        them: per batch, then token-weighted means. `batches` and `teacher_logits` are lists
-        of object refs, one per eval batch."""
-        from pipelines.evaluation import token_weighted_means
-
-        def per_chunk():
-            for sb, t_logits in self._eval_inputs(batches, teacher_logits, cache):
-                logits = self._student_logits(self._state.params, sb)
-                m = self._eval_metrics(logits, t_logits, sb.targets, sb.mask)
-                yield {k: float(v) for k, v in self._jax.device_get(m).items()}
-
-        return token_weighted_means(per_chunk())
+    def evaluate(self, batches: list, teacher_logits: list, keep: bool) -> dict:
+        """Held-out teacher vs student metrics, by the local mode's own `StudentEval`.
+        `batches` and `teacher_logits` are lists of object refs, one per eval batch (nested
+        in lists, so Ray leaves them unresolved); they are fetched one at a time."""
+        return self._eval(
+            self._state.params,
+            (ray.get(b) for b in batches),
+            (ray.get(t) for t in teacher_logits),
+            keep,
+        )
 
     def save(self, step: int, data_state: dict) -> None:
         """Start an asynchronous checkpoint of the state after `step`."""

@@ -9,18 +9,16 @@ outputs never pass through the driver. The driver waits only on small values: a 
 busy time (so that a dead teacher is noticed before its output is handed on) and step
 n-lag's metrics, as the local loop does.
 
-The loop mirrors `pipelines.local.distill_local` step for step: the same records, evals,
-checkpoints (with the data state of the next unconsumed batch) and summary. A student that
-dies is recreated from the latest checkpoint and the loop restarts from there
-(`pipelines.ray_pool` has the actors and their restarts).
+The loop is the local mode's own (`pipelines.loop.Loop`) with a Ray teacher source and a Ray
+student executor: the same records, evals, checkpoints (with the data state of the next
+unconsumed batch) and summary. A student that dies is recreated from the latest checkpoint
+and the loop restarts from there (`pipelines.ray_pool` has the actors and their restarts).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 import warnings
 from collections import deque
@@ -29,10 +27,11 @@ from collections.abc import Callable
 import ray
 
 from distill.config import Config
-from distill.data import Corpus
-from pipelines import evaluation
-from pipelines.progress import Progress, distill_record
-from pipelines.ray_pool import ActorPool, StudentLost
+from distill.corpus import Corpus
+from pipelines.evaluation import Evaluation, eval_batches
+from pipelines.local import distill_hooks
+from pipelines.loop import Item, Loop
+from pipelines.ray_pool import ActorPool
 
 log = logging.getLogger("distill")
 
@@ -51,170 +50,141 @@ def driver_view(cfg: Config) -> Config:
     return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"platform": "cpu"})})
 
 
-def _sigterm_flag() -> threading.Event:
-    flag = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: flag.set())
-    return flag
+class RayTeacherSource:
+    """The teacher source of ray mode: the driver reads batches with Grain, puts each in the
+    object store once and submits its forward to the pool's replicas, round-robin."""
 
+    def __init__(self, cfg: Config, corpus: Corpus, pool: ActorPool):
+        self._cfg, self._corpus, self._pool = cfg, corpus, pool
+        self._it = None
+        # (when handed on, replica, busy ms) of recent forwards, as `ReadyWatcher` keeps them
+        self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
 
-class _Loop:
-    """The driver loop over an ActorPool; `run` restarts it when the student is lost."""
-
-    def __init__(self, cfg: Config, corpus: Corpus, store, pool: ActorPool):
-        self.cfg, self.corpus, self.store, self.pool = cfg, corpus, store, pool
-        self.sigterm = _sigterm_flag()
-        self.eval_batches = [ray.put(b) for b in evaluation.eval_batches(cfg, corpus)]
-        # The frozen teacher's eval logits are computed once and kept when small (as local
-        # mode does), else again for every evaluation.
-        self.cache_eval = evaluation.eval_cache_fits(cfg)
-        self.eval_logits = None
-
-    def run(self) -> dict:
-        t_start = time.perf_counter()
-        start, data_state = first = self.pool.start()
-        self.store.set_mesh(self.pool.layout())
-        while True:
-            try:
-                summary = self._distill(start, data_state)
-                break
-            except StudentLost as e:
-                start, data_state = self.pool.restart_student(e.__cause__ or e)
-        tokens_per_step = self.cfg.train.batch_size * self.cfg.train.seq_len
-        return {
-            **summary,
-            "wall_time_s": time.perf_counter() - t_start,
-            "tokens": (summary["steps"] - first[0]) * tokens_per_step,
-            "teacher_replicas": self.pool.replicas,
-            "actor_restarts": dict(self.pool.restarts),
-            "student_resumed_from": list(self.pool.resumed_from),
-        }
-
-    def _distill(self, start: int, data_state: dict | None) -> dict:
-        """From checkpoint step `start` (data state `data_state`) to the end."""
-        cfg, store, pool, student = self.cfg, self.store, self.pool, self.pool.student
-        steps, tokens_per_step = cfg.train.steps, cfg.train.batch_size * cfg.train.seq_len
-        it = self.corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed)
+    def start(self, data_state: dict | None) -> None:
+        self._it = self._corpus.train_iterator(self._cfg.train.batch_size, seed=self._cfg.run.seed)
         if data_state is not None:
-            it.set_state(data_state)
-        pool.in_flight.clear()
+            self._it.set_state(data_state)
+        self._pool.in_flight.clear()
 
-        def submit_teacher() -> None:
-            data_state = it.get_state()
-            pool.submit(data_state, ray.put(next(it)))
+    def submit(self) -> None:
+        data_state = self._it.get_state()
+        self._pool.submit(data_state, ray.put(next(self._it)))
 
-        def resume_point() -> dict:
-            return pool.in_flight[0].data_state if pool.in_flight else it.get_state()
+    def pop(self) -> Item:
+        """Waits for the forward's busy time (small), so that a dead teacher is noticed and
+        its work redone before its output is handed to the student."""
+        p, busy_ms = self._pool.next_output()
+        self._recent.append((time.perf_counter(), p.replica, busy_ms))
+        return Item(p.data_state, p.batch, p.out, p.replica)
 
-        bytes_per_token = None
-        progress = Progress(steps, start, cfg.run.name)
-        store.set_phase("distill", total_steps=steps)
-        pending: deque[tuple[int, ray.ObjectRef, int, float]] = deque()  # step, metrics, r, ms
-        window: list[tuple[int, float, float]] = []  # (replica, teacher ms, student ms)
-        last_eval: dict | None = None
-        last_log_t, last_log_step = time.perf_counter(), start
-        last_saved = start
+    def peek(self) -> Item:
+        p = self._pool.in_flight[0]
+        return Item(p.data_state, p.batch, p.out, p.replica)
 
-        def save(step: int) -> None:
-            nonlocal last_saved
-            store.set_phase("checkpoint")
-            student.save.remote(step, resume_point())
-            store.set_checkpoint(step, time.time())
-            store.set_phase("distill")
-            last_saved = step
+    def in_flight(self) -> int:
+        return len(self._pool.in_flight)
 
-        def read_metrics(drain: bool = False) -> None:
-            nonlocal last_log_t, last_log_step, bytes_per_token
-            while len(pending) > (0 if drain else cfg.train.metrics_lag):
-                step, ref, replica, teacher_ms = pending.popleft()
-                m = pool.student_result(ref)
-                window.append((replica, teacher_ms, m["student_ms"]))
-                bytes_per_token = m["bytes_per_token"]
-                if step % cfg.train.log_every and step != steps:
-                    continue
-                now = time.perf_counter()
-                elapsed = max(now - last_log_t, 1e-9)
-                t_ms, s_ms = sum(w[1] for w in window), sum(w[2] for w in window)
-                for r in range(pool.replicas):
-                    r_ms = sum(w[1] for w in window if w[0] == r)
-                    pool.busy[f"teacher-{r}"] = min(1.0, r_ms / 1e3 / elapsed)
-                pool.busy["student"] = min(1.0, s_ms / 1e3 / elapsed)
-                record = distill_record(
-                    step,
-                    m,
-                    tokens_per_s=(step - last_log_step) * tokens_per_step / elapsed,
-                    teacher_ms=t_ms / len(window),
-                    student_ms=s_ms / len(window),
-                    teacher_busy=min(1.0, t_ms / 1e3 / elapsed / pool.replicas),
-                    student_busy=pool.busy["student"],
-                    in_flight=len(pool.in_flight),
-                    bytes_per_token=bytes_per_token,
-                )
-                store.log(record)
-                progress.update(step, record)
-                window.clear()
-                last_log_t, last_log_step = now, step
+    def resume_point(self) -> dict:
+        in_flight = self._pool.in_flight
+        return in_flight[0].data_state if in_flight else self._it.get_state()
 
-        def run_eval(step: int) -> dict:
-            store.set_phase("eval")
-            logits = self.eval_logits or pool.eval_teacher_logits(self.eval_batches)
-            if self.cache_eval:
-                self.eval_logits = logits
-            result = student.evaluate.remote(self.eval_batches, logits, self.cache_eval)
-            m = {"step": step, **pool.student_result(result)}
-            store.log_eval(m)
-            progress.note(
-                f"eval step {step}: student {m['student_loss']:.4f} "
-                f"teacher {m['teacher_loss']:.4f} kl {m['kl']:.4f} top1 {m['top1_agreement']:.3f}"
-            )
-            store.set_phase("distill")
-            return m
-
-        try:
-            if start == 0:
-                last_eval = run_eval(0)
-            for _ in range(cfg.pipeline.prefetch):
-                submit_teacher()
-            stopped_early = False
-            step = start
-            for step in range(start + 1, steps + 1):
-                item, teacher_ms = pool.next_output()
-                metrics = student.step.remote(step, item.batch, item.out)
-                pending.append((step, metrics, item.replica, teacher_ms))
-                if step < steps:
-                    while len(pool.in_flight) < cfg.pipeline.prefetch:
-                        submit_teacher()
-                if after_step is not None:
-                    after_step(step, pool)
-                read_metrics()
-                if step % cfg.train.eval_every == 0 and step != steps:
-                    last_eval = run_eval(step)
-                if step % cfg.train.checkpoint_every == 0 or store.take_checkpoint_request():
-                    save(step)
-                if self.sigterm.is_set() or store.stop_requested():
-                    log.info("stop requested: saving a checkpoint at step %d and exiting", step)
-                    stopped_early = step != steps
-                    break
-                store.update(step=step, in_flight=len(pool.in_flight))
-                pool.student_queued = len(pending)
-                pool.publish()
-
-            read_metrics(drain=True)
-            if not stopped_early:
-                last_eval = run_eval(step)
-            if last_saved != step:
-                save(step)
-            pool.student_result(student.wait_for_checkpoints.remote())
-            pool.student_queued = 0
-            pool.publish()
-        finally:
-            progress.close()
+    def figures(self, steps: int, since: float) -> dict:
+        """Mean busy ms of the last `steps` forwards; busy fractions since `since`, per
+        replica (for the status rows) and over all replicas."""
+        elapsed = max(time.perf_counter() - since, 1e-9)
+        last = list(self._recent)[-steps:]
+        window = [(r, ms) for t, r, ms in self._recent if t >= since]
+        for r in range(self._pool.replicas):
+            r_ms = sum(ms for replica, ms in window if replica == r)
+            self._pool.busy[f"teacher-{r}"] = min(1.0, r_ms / 1e3 / elapsed)
+        t_ms = sum(ms for _, ms in window)
         return {
-            "steps": step,
-            "completed": not stopped_early,
-            "final_eval": last_eval,
-            "bytes_per_token": bytes_per_token,
+            "teacher_ms": sum(ms for _, _, ms in last) / max(len(last), 1),
+            "teacher_busy": min(1.0, t_ms / 1e3 / elapsed / self._pool.replicas),
         }
+
+    def eval_logits(self, batches: list) -> list:
+        return self._pool.eval_teacher_logits(batches)
+
+    def close(self) -> None:
+        pass
+
+
+class RayStudentExecutor:
+    """The student executor of ray mode: the student actor, fed object refs (its teacher
+    outputs are resolved in its own process, never in the driver's)."""
+
+    hops = False
+
+    def __init__(self, pool: ActorPool, resume: tuple[int, dict | None]):
+        self._pool, self._resume = pool, resume
+        self._window: list[float] = []  # student busy ms since the last record
+        self._bytes_per_token: float | None = None
+
+    def start(self) -> tuple[int, dict | None]:
+        return self._resume
+
+    def restart(self, err: BaseException) -> tuple[int, dict | None]:
+        return self._pool.restart_student(err)
+
+    def hop(self, teacher_out):
+        return teacher_out
+
+    def step(self, step: int, batch, teacher_out):
+        return self._pool.student.step.remote(step, batch, teacher_out)
+
+    def read(self, ref, wanted: bool) -> dict:
+        """Every step's result is fetched: a dead student must be noticed."""
+        m = self._pool.student_result(ref)
+        self._window.append(m["student_ms"])
+        self._bytes_per_token = m["bytes_per_token"]
+        return m
+
+    def figures(self, steps: int, since: float) -> dict:
+        elapsed = max(time.perf_counter() - since, 1e-9)
+        window, self._window = self._window, []
+        busy = min(1.0, sum(window) / 1e3 / elapsed)
+        self._pool.busy["student"] = busy
+        return {
+            "student_ms": sum(window) / max(len(window), 1),
+            "student_busy": busy,
+            "bytes_per_token": self._bytes_per_token,
+        }
+
+    def evaluate(self, batches: list, teacher_logits: list, keep: bool) -> dict:
+        ref = self._pool.student.evaluate.remote(batches, list(teacher_logits), keep)
+        return self._pool.student_result(ref)
+
+    def save(self, step: int, data_state: dict) -> None:
+        self._pool.student.save.remote(step, data_state)
+
+    def finish(self) -> None:
+        self._pool.student_result(self._pool.student.wait_for_checkpoints.remote())
+
+
+def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
+    resume = pool.start()
+    store.set_mesh(pool.layout())
+    source = RayTeacherSource(cfg, corpus, pool)
+    executor = RayStudentExecutor(pool, resume)
+    hooks = distill_hooks(cfg, corpus, source, executor, store)
+    hooks.evaluate = Evaluation(
+        cfg, [ray.put(b) for b in eval_batches(cfg, corpus)], source, executor
+    )
+
+    def publish(step: int, queued: int) -> None:
+        pool.student_queued = queued
+        pool.publish()
+
+    hooks.end_of_step.append(publish)
+    hooks.after_dispatch.append(lambda step: after_step(step, pool) if after_step else None)
+    summary = Loop(cfg, source, executor, store, hooks).run()
+    return {
+        **summary,
+        "teacher_replicas": pool.replicas,
+        "actor_restarts": dict(pool.restarts),
+        "student_resumed_from": list(pool.resumed_from),
+    }
 
 
 def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
@@ -233,7 +203,7 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
     pool = None
     try:
         pool = ActorPool(cfg, store)
-        return _Loop(cfg, corpus, store, pool).run()
+        return _run(cfg, corpus, store, pool)
     finally:
         if pool is not None:
             pool.shutdown()

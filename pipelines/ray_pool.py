@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from distill import outputs
 from distill.config import Config
 from distill.errors import DistillError
+from pipelines.loop import StudentLost
 from pipelines.ray_actors import StudentActor, TeacherActor, device_options
 
 log = logging.getLogger("distill")
@@ -38,10 +39,6 @@ class Pending(NamedTuple):
     replica: int
     out: ray.ObjectRef  # TeacherOutput, resolved only in the student's process
     busy_ms: ray.ObjectRef  # small; ready (or failed) together with `out`
-
-
-class StudentLost(Exception):
-    """The student actor died (or lost an input); raised from the Ray error."""
 
 
 def _actor_config(cfg: Config) -> dict:

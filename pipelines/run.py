@@ -68,12 +68,15 @@ def run(cfg: Config) -> dict:
     p = plan(cfg, meshes)
     log.info("plan:\n%s", format_plan(p))
     outputs.write_config(cfg)
+    from distill.tracking import metric_sinks  # TensorBoard, W&B: what the config asks for
+
     store = MetricsStore(
         cfg.run.name,
         cfg.train.steps,
         cfg.model_dump(mode="json"),
         output_dir=str(outputs.out_dir(cfg)),
         stall_timeout_s=cfg.server.stall_timeout_s,
+        sinks=metric_sinks(cfg),
     )
     store.set_mesh(p["layout"])
     server = _start_server(cfg, store)
@@ -109,21 +112,23 @@ def run(cfg: Config) -> dict:
 
 def evaluate(cfg: Config) -> dict:
     """`distill eval`: the teacher and the latest student checkpoint on the held-out split."""
-    from distill.checkpoint import Checkpointer
-    from pipelines.local import Evaluator
-    from student import optim, train
-    from teacher.weights import load_teacher
+    from distill.checkpoint import has_checkpoint
+    from pipelines.evaluation import eval_batches
+    from pipelines.local import student_executor
+    from pipelines.sources import OnlineTeacher
 
     meshes, corpus = validate(cfg)
-    ckpt = Checkpointer(outputs.checkpoint_dir(cfg))
-    if ckpt.latest_step() is None:
+    if not has_checkpoint(outputs.checkpoint_dir(cfg)):
         where = outputs.checkpoint_dir(cfg)
         raise DistillError(f"run.output_dir: no student checkpoint in {where}")
-    scfg = cfg.student_model()
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
-    state, _, step = ckpt.restore(train.abstract_state(scfg, tx, meshes.student))
-    ckpt.close()
-    result = Evaluator(cfg, meshes, load_teacher(cfg, meshes.teacher), corpus)(state.params)
+    executor = student_executor(cfg, corpus, meshes.student)
+    step, _ = executor.start()
+    try:
+        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
+        batches = eval_batches(cfg, corpus)
+        result = executor.evaluate(batches, teacher.eval_logits(batches), keep=False)
+    finally:
+        executor.finish()
     return {
         "step": step,
         **{k: result[k] for k in ("teacher_loss", "student_loss", "kl", "top1_agreement")},

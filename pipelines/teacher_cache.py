@@ -1,5 +1,7 @@
 """Offline distillation: run the teacher once, store its top-k outputs, train from them.
 
+This module is the cache's format and its reading; `pipelines.cache_writer` writes it.
+
 `distill cache-teacher CONFIG` runs the teacher over the training batches in exactly the
 order `corpus.train_iterator(train.batch_size, seed=run.seed)` yields them and writes one
 ArrayRecord record per batch (the Batch fields and the top-k TeacherOutput) to shards of
@@ -25,7 +27,7 @@ on disk (48 of them teacher outputs) vs 1040 dense, 16x smaller; top_k=32: 208 (
 1040, 5x. ArrayRecord pads each record's chunk a little (<= 7 bytes/token here, well under
 1% for real batches of megabytes).
 
-The held-out split's dense teacher logits (what `Evaluator` compares against) are stored
+The held-out split's dense teacher logits (what evaluation compares against) are stored
 too, in `eval.arrayrecord`, when they fit in the evaluator's own in-memory cache limit;
 otherwise periodic evaluation is skipped in cache mode.
 
@@ -41,25 +43,24 @@ import json
 import logging
 import os
 import struct
-import time
 from pathlib import Path
 
 import numpy as np
 
 from distill.config import Config
 from distill.errors import DistillError
+from distill.identity import data_hash
 from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
-from pipelines.evaluation import eval_batches, eval_cache_fits
 
 log = logging.getLogger("distill")
 
 FORMAT = 1
 BATCHES_PER_SHARD = 64
 LOGPROBS_DTYPE = np.dtype(np.float32)  # see the module docstring for float16
-_WRITER_OPTIONS = "group_size:1,uncompressed"  # one batch per chunk: random access is cheap
+WRITER_OPTIONS = "group_size:1,uncompressed"  # one batch per chunk: random access is cheap
 _MANIFEST = "manifest.json"
-_EVAL_FILE = "eval.arrayrecord"
+EVAL_FILE = "eval.arrayrecord"
 # manifest key -> the config key (or option) it must agree with
 _CHECKED = {
     "teacher_hash": "teacher.checkpoint",
@@ -112,12 +113,12 @@ def decode(record: bytes) -> dict[str, np.ndarray]:
     return out
 
 
-def _small_int(limit: int) -> np.dtype:
+def small_int(limit: int) -> np.dtype:
     return np.dtype(np.uint16) if limit <= 2**16 else np.dtype(np.int32)
 
 
 def batch_record(batch: Batch, out: TeacherOutput, vocab_size: int, seq_len: int) -> bytes:
-    vocab_t, pos_t = _small_int(vocab_size), _small_int(seq_len + 1)
+    vocab_t, pos_t = small_int(vocab_size), small_int(seq_len + 1)
     return encode(
         {
             "tokens": np.asarray(batch.tokens).astype(vocab_t),
@@ -156,21 +157,6 @@ def teacher_hash(path: str) -> str:
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 20):
                 h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
-def data_hash(corpus) -> str:
-    """sha256 of the packed train and eval token streams: the cache's tokens come from them.
-    A prepared corpus carries the value `distill prepare` computed from its streams."""
-    if getattr(corpus, "fingerprint", None):
-        return corpus.fingerprint
-    h = hashlib.sha256()
-    for rows in (corpus.train, corpus.eval):
-        h.update(str(len(rows)).encode())
-        if hasattr(rows, "stream"):
-            h.update(rows.stream.tobytes())
-        else:
-            h.update(rows.gather(np.arange(min(len(rows), 256))).tokens.tobytes())
     return "sha256:" + h.hexdigest()
 
 
@@ -220,158 +206,17 @@ def check_manifest(manifest: dict, expected: dict, root: Path) -> None:
             )
 
 
-def _write_manifest(root: Path, manifest: dict) -> None:
+def write_manifest(root: Path, manifest: dict) -> None:
     tmp = root / (_MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, root / _MANIFEST)
 
 
-def _shard_name(i: int) -> str:
+def shard_name(i: int) -> str:
     return f"train-{i:05d}.arrayrecord"
 
 
 # ----------------------------------------------------------------------------- writing
-
-
-def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> dict:
-    """`distill cache-teacher`: write (or continue) the cache; returns the JSON summary."""
-    import jax
-    from array_record.python.array_record_module import ArrayRecordWriter
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from distill.mesh import build_meshes
-    from distill.outputs import teacher_path
-    from pipelines.bootstrap import ensure_teacher
-    from pipelines.preflight import preflight
-    from teacher.forward import make_forward
-    from teacher.weights import load_teacher
-
-    if not cfg.teacher.top_k:
-        raise DistillError(
-            "teacher.top_k: is null; distill cache-teacher stores the top-k teacher outputs, "
-            "set teacher.top_k (e.g. --set teacher.top_k=32)"
-        )
-    if batches_per_shard < 1:
-        raise DistillError(f"--batches-per-shard: {batches_per_shard} must be >= 1")
-    root = cache_dir(cfg)  # local, or one line now, before any device work
-    t0 = time.perf_counter()
-    corpus = preflight(cfg)
-    meshes = build_meshes(cfg)
-    ensure_teacher(cfg, corpus)
-    root.mkdir(parents=True, exist_ok=True)
-    expected = expected_manifest(cfg, corpus, teacher_hash(teacher_path(cfg)), batches_per_shard)
-    manifest = read_manifest(root)
-    if manifest is not None:
-        check_manifest(manifest, expected, root)
-        shards = list(manifest["shards"])
-        if (
-            shards
-            and shards[-1]["batches"] < batches_per_shard
-            and (manifest["steps_written"] < cfg.train.steps)
-        ):  # a short last shard is rewritten whole, not appended to
-            shards.pop()
-    else:
-        shards = []
-    for stale in root.glob("*.tmp"):
-        stale.unlink()
-    for extra in manifest["shards"][len(shards) :] if manifest else []:  # a short last shard
-        (root / extra["file"]).unlink(missing_ok=True)
-    done = sum(s["batches"] for s in shards)
-    steps = cfg.train.steps
-    manifest = {**expected, "shards": shards, "steps_written": done}
-    _write_manifest(root, manifest)
-
-    vocab, seq, bsz = cfg.teacher.model.vocab_size, cfg.train.seq_len, cfg.train.batch_size
-    params = load_teacher(cfg, meshes.teacher) if done < steps or not _has_eval(root) else None
-    put = NamedSharding(meshes.teacher, P())
-    if params is not None and not _has_eval(root):
-        _write_eval(cfg, corpus, meshes, params, root)
-    written_now = 0
-    if done < steps:
-        forward = make_forward(
-            cfg.teacher.model,
-            meshes.teacher,
-            mode="topk",
-            temperature=cfg.distill.temperature,
-            top_k=cfg.teacher.top_k,
-            dtype=cfg.teacher.dtype,
-            vocab_limit=vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size),
-        )
-        it = corpus.train_iterator(bsz, seed=cfg.run.seed)
-        it.set_state({"next_index": done})
-        log.info("cache-teacher: batches %d..%d into %s", done, steps, root)
-        pending = None  # one batch in flight: the next forward overlaps the host write
-        writer, shard_batches, shard_index = None, 0, len(shards)
-        for i in range(done, steps + 1):
-            nxt = None
-            if i < steps:
-                batch = next(it)
-                nxt = (batch, forward(params, jax.device_put(batch, put)))
-            if pending is not None:
-                if writer is None:
-                    tmp = root / (_shard_name(shard_index) + ".tmp")
-                    writer = ArrayRecordWriter(str(tmp), _WRITER_OPTIONS)
-                batch, out = pending
-                writer.write(batch_record(batch, jax.device_get(out), vocab, seq))
-                shard_batches += 1
-                written_now += 1
-                if shard_batches == batches_per_shard or i == steps:
-                    writer.close()
-                    name = _shard_name(shard_index)
-                    os.replace(root / (name + ".tmp"), root / name)
-                    shards.append({"file": name, "batches": shard_batches})
-                    manifest["steps_written"] += shard_batches
-                    _write_manifest(root, manifest)
-                    writer, shard_batches, shard_index = None, 0, shard_index + 1
-            pending = nxt
-    on_disk = sum((root / s["file"]).stat().st_size for s in shards)
-    tokens = manifest["steps_written"] * bsz * seq
-    k = cfg.teacher.top_k
-    ids_bytes = _small_int(vocab).itemsize
-    return {
-        "cache_dir": str(root),
-        "steps_written": manifest["steps_written"],
-        "written_now": written_now,
-        "shards": len(shards),
-        "bytes_on_disk": on_disk,
-        "bytes_per_token": on_disk / max(tokens, 1),
-        "teacher_bytes_per_token": k * (4 + ids_bytes),
-        "dense_float32_bytes_per_token": vocab * 4,
-        "compression_vs_dense": vocab * 4 / max(on_disk / max(tokens, 1), 1e-9),
-        "teacher_hash": expected["teacher_hash"],
-        "wall_time_s": time.perf_counter() - t0,
-    }
-
-
-def _has_eval(root: Path) -> bool:
-    return (root / _EVAL_FILE).is_file() or (root / (_EVAL_FILE + ".skipped")).is_file()
-
-
-def _write_eval(cfg: Config, corpus, meshes, params, root: Path) -> None:
-    """Dense teacher logits of the held-out batches, as `Evaluator` computes them."""
-    import jax
-    from array_record.python.array_record_module import ArrayRecordWriter
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from teacher.forward import make_forward
-
-    if not eval_cache_fits(cfg):
-        (root / (_EVAL_FILE + ".skipped")).write_text("eval logits exceed the cache limit\n")
-        return
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
-    fwd = make_forward(
-        cfg.teacher.model, meshes.teacher, mode="logits", dtype=cfg.teacher.dtype, vocab_limit=limit
-    )
-    put = NamedSharding(meshes.teacher, P())
-    tmp = root / (_EVAL_FILE + ".tmp")
-    writer = ArrayRecordWriter(str(tmp), _WRITER_OPTIONS)
-    for b in eval_batches(cfg, corpus):
-        logits = jax.device_get(fwd(params, jax.device_put(b, put)))
-        writer.write(encode({"logits": np.asarray(logits, dtype=np.float32)}))
-    writer.close()
-    os.replace(tmp, root / _EVAL_FILE)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -410,7 +255,7 @@ def train_iterator(cfg: Config):
     `{"next_index": n}`, as for `Corpus.train_iterator`."""
     import grain
 
-    from distill.data import _READ_OPTIONS
+    from distill.corpus import READ_OPTIONS
 
     root = cache_dir(cfg)
     manifest = read_manifest(root)
@@ -419,12 +264,12 @@ def train_iterator(cfg: Config):
     # Repeated: the loop's look-ahead (pipeline.prefetch) reads a batch or two past the
     # last step; those are never trained on.
     ds = grain.MapDataset.source(source).repeat(None).map(read_batch)
-    return iter(ds.to_iter_dataset(_READ_OPTIONS))
+    return iter(ds.to_iter_dataset(READ_OPTIONS))
 
 
 def eval_logits(cfg: Config) -> list[np.ndarray] | None:
     """The stored dense teacher logits of the eval batches, or None if not stored."""
-    path = cache_dir(cfg) / _EVAL_FILE
+    path = cache_dir(cfg) / EVAL_FILE
     if not path.is_file():
         return None
     from array_record.python.array_record_module import ArrayRecordReader

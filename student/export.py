@@ -2,7 +2,11 @@
 
 The directory holds what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer` load:
 config.json, generation_config.json, model.safetensors (float32, one file: students are
-small, and the whole student passes through host memory once), and the tokenizer.
+small, and the whole student passes through host memory once), the tokenizer, and
+distill.json: the step, and the identities of the teacher and tokenizer the student was
+distilled with (`distill.identity`; `recorded` false: taken from the config, the checkpoint
+predating them). A student distilled with another teacher or tokenizer than its config's
+is not exported unless `run.allow_teacher_change`.
 
 The built-in byte tokenizer (PAD=0, BOS=1, EOS=2, byte b -> b + 3) is written as a
 `tokenizers` BPE model with no merges over a byte-level alphabet, so the Hugging Face
@@ -22,9 +26,10 @@ from etils import epath
 
 from distill import hf, storage
 from distill.config import Config, ModelConfig
-from distill.data import ByteTokenizer
 from distill.errors import DistillError
-from distill.tokenizers import export_files, load_tokenizer, vocab_limit
+from distill.tokenizers import ByteTokenizer, export_files, load_tokenizer, vocab_limit
+
+PROVENANCE = "distill.json"  # the teacher and tokenizer the exported student was distilled with
 
 
 def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -43,12 +48,14 @@ def write_hf(
     *,
     max_position_embeddings: int,
     tokenizer: str = "bytes",
+    provenance: dict | None = None,
 ) -> Path:
     """Write `params` as a Hugging Face Llama directory; returns its path.
 
     A vocabulary padded past the tokenizer's is trimmed to it: training masks the padded
     ids, so the trimmed model's softmax is exactly the trained one's, and a sampler can
-    never draw an id the tokenizer cannot decode."""
+    never draw an id the tokenizer cannot decode. `provenance` (what the student was
+    distilled from) is written as distill.json."""
     from safetensors.numpy import save_file
 
     tok = load_tokenizer(tokenizer)  # "bytes", or the run's tokenizer file (copied below)
@@ -76,6 +83,8 @@ def write_hf(
             else export_files(tok, out, max_position_embeddings)
         ),
     }
+    if provenance is not None:
+        files[PROVENANCE] = provenance
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
     tensors = {k: v.astype(np.float32) for k, v in hf_tensors(cfg, params).items()}
@@ -91,6 +100,7 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
 
     from distill import outputs
     from distill.checkpoint import Checkpointer, has_checkpoint
+    from distill.identity import check_pinned, run_identity
     from distill.mesh import DP
     from student import optim, train
 
@@ -102,9 +112,18 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     ckpt = Checkpointer(where)
     try:
-        state, _, _ = ckpt.restore(train.abstract_state(scfg, tx, mesh))
+        stored, current = ckpt.stored_meta(), run_identity(cfg)
+        how = (
+            f"set run.allow_teacher_change: true in {cfg.run.output_dir.rstrip('/')}/"
+            "config.yaml to export it anyway"
+        )
+        check_pinned(cfg, stored, current, how)
+        state, _, step = ckpt.restore(train.abstract_state(scfg, tx, mesh))
     finally:
         ckpt.close()
+    # what the student was distilled with: its checkpoint's record, else (a checkpoint from
+    # before records) the run's teacher and tokenizer now
+    provenance = {"step": step, "recorded": stored is not None, **(stored or current)}
     out = str(out_dir) if out_dir is not None else f"{cfg.run.output_dir.rstrip('/')}/hf"
     write = functools.partial(
         write_hf,
@@ -112,6 +131,7 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
         params=jax.device_get(state.params),
         max_position_embeddings=cfg.train.seq_len,
         tokenizer=cfg.data.tokenizer,
+        provenance=provenance,
     )
     if not storage.is_remote(out):
         return write(Path(out))

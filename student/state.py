@@ -1,4 +1,6 @@
-"""The student's state at the start of a run, the same in every pipeline mode."""
+"""The student's state at the start of a run, the same in every pipeline mode, and the
+run's student checkpointer, whose checkpoints pin the teacher and tokenizer they were
+distilled with (`distill.identity`)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,18 @@ from collections.abc import Callable
 
 from distill.checkpoint import Checkpointer
 from distill.config import Config
+from distill.identity import check_pinned, run_identity
+from distill.outputs import checkpoint_dir
 from student import train
+
+
+def run_checkpointer(cfg: Config) -> Checkpointer:
+    """The run's student checkpoints: `checkpoint_dir(cfg)`, the last
+    `train.keep_checkpoints` kept, each saved with `run_identity(cfg)`. Make it once the
+    teacher is in place (after a bootstrap), so that the identity is that teacher's."""
+    return Checkpointer(
+        checkpoint_dir(cfg), keep=cfg.train.keep_checkpoints, meta=run_identity(cfg)
+    )
 
 
 def start_student(
@@ -15,8 +28,13 @@ def start_student(
     """(state on `mesh`, data-iterator state, step): the latest checkpoint of `ckpt`, or,
     with none, a fresh state at step 0 with no data state, from `init_params()` (host
     parameters, e.g. the teacher's layers; None: random). `init_params` is called only
-    when there is no checkpoint to resume."""
+    when there is no checkpoint to resume. A checkpoint distilled with another teacher or
+    tokenizer is refused (one DistillError line) unless `run.allow_teacher_change`."""
     scfg = cfg.student_model()
-    if ckpt.latest_step():
-        return ckpt.restore(train.abstract_state(scfg, tx, mesh))
+    if ckpt.latest_step() is not None:
+        state, data_state, step = ckpt.restore(train.abstract_state(scfg, tx, mesh))
+        current = ckpt.meta if ckpt.meta is not None else run_identity(cfg)
+        how = "set run.allow_teacher_change=true to go on with it anyway"
+        check_pinned(cfg, ckpt.stored_meta(step), current, how)  # of the step restored
+        return state, data_state, step
     return train.init_state(scfg, tx, cfg.run.seed, mesh, init_params()), None, 0

@@ -5,7 +5,7 @@ import glob
 import pytest
 import yaml
 
-from distill.config import load_config
+from distill.config_file import load_config
 from pipelines.cli import main
 from tests.conftest import tiny_config
 
@@ -107,3 +107,16 @@ def test_set_overrides_are_typed():
     assert cfg.train.steps == 7 and cfg.optim.lr == 1e-4 and cfg.teacher.top_k is None
     assert cfg.run.name == "x y"
     assert cfg.student_model().d_model == 128 and cfg.student_model().vocab_size == 384
+
+
+def test_several_config_mistakes_are_all_printed(tmp_path, capsys):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("teacher:\n  modle: {}\ntrain:\n  steps: many\nbogus: 1\n")
+    assert main(["validate", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "Traceback" not in err
+    assert all(line.startswith("distill: error: config: ") for line in lines), err
+    for key in ("teacher.modle: unknown key", "bogus: unknown key", "train.steps: "):
+        assert any(key in line for line in lines), err
+    assert "distill: error: config: data: required field is missing" in lines

@@ -73,7 +73,7 @@ def test_eval_prints_one_json_object(finished_run, capsys):
 def test_eval_in_chunks_gives_the_same_metrics(finished_run, capsys, monkeypatch):
     """Evaluation split into chunks of `dp` rows (what a large vocabulary gets) gives the
     metrics of whole-batch evaluation: the same rows, token-weighted."""
-    from distill.config import load_config
+    from distill.config_file import load_config
     from pipelines import evaluation
 
     _, _, cfg_path = finished_run
@@ -92,7 +92,7 @@ def test_eval_in_chunks_gives_the_same_metrics(finished_run, capsys, monkeypatch
 
 
 def test_eval_rows_for_a_large_vocabulary():
-    from distill.config import config_from_dict
+    from distill.config_file import config_from_dict
     from pipelines.evaluation import eval_rows
 
     def rows(batch_size, dp, seq_len, vocab):
@@ -178,10 +178,12 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
 
 def test_dense_teacher_outputs_and_jsd(tmp_path, corpus_dir, finished_run):
     """Dense log-probs (sharded over the vocabulary on the inference mesh) cross to the
-    training mesh; the bootstrapped teacher of another run is reused, not retrained."""
+    training mesh; the bootstrapped teacher of another run is reused, not retrained. With
+    `train.profile`, a jax.profiler trace of the chosen steps lands under the output dir."""
     _, first_out, _ = finished_run
     out = tmp_path / "out"
-    cfg = tiny_config(str(corpus_dir), str(out), train={"steps": 4, "checkpoint_every": 4})
+    train = {"steps": 4, "checkpoint_every": 4, "profile": [2, 2]}
+    cfg = tiny_config(str(corpus_dir), str(out), train=train)
     cfg["teacher"].update(top_k=None, checkpoint=str(first_out / "teacher"), pretrain_steps=0)
     cfg["distill"] = {"loss": "jsd", "beta": 0.3, "temperature": 2.0}
     assert main(["run", _write(tmp_path, cfg)]) == 0
@@ -189,6 +191,7 @@ def test_dense_teacher_outputs_and_jsd(tmp_path, corpus_dir, finished_run):
     assert records[-1]["bytes_per_token"] == 260 * 4  # the whole vocabulary, float32
     assert all(r["kd_loss"] > 0 for r in records)
     assert not (out / "teacher").exists()
+    assert list((out / "profile").rglob("*.xplane.pb"))  # TensorBoard / Perfetto readable
 
 
 def test_bench_with_cache_prints_every_figure(tmp_path, corpus_dir, capsys):

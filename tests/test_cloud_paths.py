@@ -224,10 +224,10 @@ def test_remote_log_uploads_while_open_and_all_at_close(gcs):
 
 def test_dashboard_follows_a_live_run_in_the_bucket(gcs, monkeypatch):
     """A writer's uploads reach a reader polling the bucket, new lines read incrementally."""
-    from distill import metrics, storage
+    from distill import metrics_log, storage
 
     monkeypatch.setattr(storage, "FLUSH_S", 0.1)
-    monkeypatch.setattr(metrics, "_REMOTE_POLL_S", 0.0)
+    monkeypatch.setattr(metrics_log, "_REMOTE_POLL_S", 0.0)
     out = f"gs://{BUCKET}/live"
     gcs.pipe_file(f"{out}/config.yaml", b"run: {name: live}\n")  # as `distill run` does first
     writer = MetricsStore("live", 10, {}, output_dir=out)

@@ -3,9 +3,12 @@
 import typing
 from pathlib import Path
 
+import pytest
 from pydantic import BaseModel
 
 from distill.config import Config
+from distill.config_file import config_from_dict
+from distill.errors import DistillError
 
 
 def _fields(model, prefix=""):
@@ -61,3 +64,31 @@ def test_public_key_paths_exist():
         "student.model.d_model",
     ):
         assert p in paths, p
+
+
+def test_every_mistake_is_reported_one_line_each():
+    tree = {
+        "teacher": {"modle": {"d_model": 8}},  # a typo: an unknown key
+        "train": {"steps": "many"},  # a bad value
+        "bogus": {"x": 1},  # an unknown section
+    }  # and no data section
+    with pytest.raises(DistillError) as err:
+        config_from_dict(tree)
+    lines = str(err.value).splitlines()
+    assert "config: teacher.modle: unknown key" in lines
+    assert "config: bogus: unknown key" in lines
+    assert "config: data: required field is missing" in lines
+    assert any(line.startswith("config: train.steps: ") for line in lines), lines
+    assert len(lines) == 4, lines
+
+
+def test_the_schema_does_no_io_and_the_loader_resolves_the_format(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    tree = {"data": {"source": "x"}, "teacher": {"checkpoint": str(hf_dir)}}
+    assert not Config.model_validate(tree).teacher.is_hf()  # auto is resolved only by the loader
+    plain = config_from_dict({"data": {"source": "x"}, "teacher": {"checkpoint": "gs://b/t"}})
+    assert plain.teacher.format == "distill" and not plain.teacher.is_hf()
+    with pytest.raises(DistillError, match="teacher.checkpoint: required"):
+        config_from_dict({"data": {"source": "x"}, "teacher": {"format": "hf"}})

@@ -6,15 +6,10 @@ import numpy as np
 import pytest
 
 from distill.config import DataConfig
-from distill.data import (
-    ByteTokenizer,
-    PackedRows,
-    build_tokenizer,
-    load_corpus,
-    load_documents,
-    split_documents,
-)
+from distill.corpus import PackedRows
+from distill.data import load_corpus, load_documents, split_documents
 from distill.errors import DistillError
+from distill.tokenizers import ByteTokenizer, build_tokenizer
 from distill.types import Batch
 
 

@@ -267,7 +267,7 @@ def test_output_dir_is_on_a_persistent_volume_or_in_a_bucket(launch):
 
 
 def test_configmap_config_is_valid_for_the_cli(launch, tmp_path):
-    from distill.config import load_config
+    from distill.config_file import load_config
     from distill.errors import DistillError
 
     cfg_file = tmp_path / "config.yaml"

@@ -17,9 +17,10 @@ from jax.sharding import Mesh  # noqa: E402
 
 from distill import hf, model  # noqa: E402
 from distill.checkpoint import Checkpointer  # noqa: E402
-from distill.config import ModelConfig, config_from_dict  # noqa: E402
-from distill.data import ByteTokenizer  # noqa: E402
+from distill.config import ModelConfig  # noqa: E402
+from distill.config_file import config_from_dict  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
+from distill.tokenizers import ByteTokenizer  # noqa: E402
 from distill.types import Batch  # noqa: E402
 from pipelines.cli import main  # noqa: E402
 from pipelines.preflight import check_shapes  # noqa: E402

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from distill.config import config_from_dict
+from distill.config_file import config_from_dict
 from pipelines.run import run
 from tests.conftest import tiny_config
 from tests.test_dashboard_browser import CHARTS, CHROMIUM, chromium

@@ -10,10 +10,10 @@ import yaml
 from distill.config import Config
 from distill.data import load_corpus
 from distill.errors import DistillError
+from distill.identity import data_hash
 from distill.prepared import StoredRows
 from pipelines.cli import main
 from pipelines.prepare import prepare
-from pipelines.teacher_cache import data_hash
 from tests.conftest import tiny_config
 
 

@@ -9,7 +9,8 @@ import yaml
 
 from distill import model
 from distill.checkpoint import save_params
-from distill.config import ModelConfig, config_from_dict
+from distill.config import ModelConfig
+from distill.config_file import config_from_dict
 from pipelines.cli import main
 from teacher.weights import student_init_params
 from tests.conftest import tiny_config

@@ -13,9 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from distill import collectives as cc
 from distill import losses, model
 from distill.config import DataConfig, DistillLossConfig, ModelConfig, OptimConfig
-from distill.data import ByteTokenizer, load_corpus
+from distill.data import load_corpus
 from distill.errors import DistillError
-from distill.tokenizers import HFTokenizer, load_tokenizer
+from distill.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from distill.types import Batch, TeacherOutput
 from pipelines.cli import main
 from teacher.forward import make_forward

@@ -1,0 +1,90 @@
+"""The student executor of one process: the jitted step on the training mesh.
+
+`LocalExecutor` owns the train state, its compiled step, its checkpoints and the student
+side of evaluation (`pipelines.loop.StudentExecutor`). The same class runs the teacher
+bootstrap (a cross-entropy step, no teacher output, no checkpoints). The Ray student actor
+is the other executor (`pipelines.ray_mode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from distill.checkpoint import Checkpointer
+from pipelines.timing import ReadyWatcher
+from student import train
+from student.evaluate import StudentEval
+
+
+class LocalExecutor:
+    """step(step, batch, teacher_out) dispatches `step_fn` on `mesh` with the state donated.
+
+    `start_fn()` gives (state, data state, step) as `student.state.start_student` does;
+    `step_fn(state, batch, teacher_out)` (or `(state, batch)` when `with_teacher` is False)
+    returns (state, metrics)."""
+
+    hops = True
+
+    def __init__(
+        self,
+        mesh,
+        start_fn: Callable,
+        step_fn: Callable,
+        *,
+        with_teacher: bool = True,
+        ckpt: Checkpointer | None = None,
+        evaluator: StudentEval | None = None,
+        tokens_per_step: int = 1,
+    ):
+        self._split = train.batch_sharding(mesh)
+        self._start_fn, self._step_fn, self._with_teacher = start_fn, step_fn, with_teacher
+        self._ckpt, self._evaluator = ckpt, evaluator
+        self._tokens = tokens_per_step
+        self._watch = ReadyWatcher("student")
+        self.state = None
+        self._bytes_per_token: float | None = None
+
+    def start(self) -> tuple[int, dict | None]:
+        self.state, data_state, start = self._start_fn()
+        return start, data_state
+
+    def restart(self, err: BaseException):
+        raise err  # one process: nothing to recover from
+
+    def hop(self, teacher_out):
+        """The teacher output onto the training mesh, batch split over `dp`."""
+        return None if teacher_out is None else jax.device_put(teacher_out, self._split)
+
+    def step(self, step: int, batch, teacher_out):
+        args = (teacher_out,) if self._with_teacher else ()
+        self.state, metrics = self._step_fn(self.state, jax.device_put(batch, self._split), *args)
+        self._watch.watch(metrics)
+        if self._bytes_per_token is None and teacher_out is not None:
+            nbytes = sum(x.nbytes for x in jax.tree.leaves(teacher_out))
+            self._bytes_per_token = nbytes / self._tokens
+        return metrics
+
+    def read(self, metrics, wanted: bool) -> dict | None:
+        if not wanted:  # never synchronise on a step whose metrics are not recorded
+            return None
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def figures(self, steps: int, since: float) -> dict:
+        return {
+            "student_ms": self._watch.recent_ms(steps),
+            "student_busy": self._watch.busy_fraction(since),
+            "bytes_per_token": self._bytes_per_token,
+        }
+
+    def evaluate(self, batches: list, teacher_logits, keep: bool) -> dict:
+        return self._evaluator(self.state.params, batches, teacher_logits, keep)
+
+    def save(self, step: int, data_state: dict) -> None:
+        self._ckpt.save(step, self.state, data_state, force=True)
+
+    def finish(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()
+        self._watch.close()

@@ -1,0 +1,146 @@
+"""Teacher sources of one process: online on the inference mesh, the offline cache, none.
+
+Each reads batches in data order from an iterator whose state is `{"next_index": n}` and
+keeps the items whose teacher work has started in a queue, oldest first
+(`pipelines.loop.TeacherSource`). The Ray teacher pool is the fourth source
+(`pipelines.ray_mode`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distill.config import Config
+from distill.tokenizers import vocab_limit
+from distill.types import Batch
+from pipelines import teacher_cache
+from pipelines.loop import Item
+from pipelines.timing import ReadyWatcher
+from teacher.forward import make_forward
+from teacher.weights import load_teacher
+
+
+class OnlineTeacher:
+    """The frozen teacher on the inference mesh: its weights, its training-time output
+    (top-k or dense log-probs, as configured) and its dense eval logits."""
+
+    def __init__(self, cfg: Config, mesh, tokenizer, *, top_k: int | None = None):
+        mcfg = cfg.teacher.model
+        limit = vocab_limit(tokenizer, mcfg.vocab_size)  # padded ids: masked throughout
+        top_k = cfg.teacher.top_k if top_k is None else top_k
+        self.params = load_teacher(cfg, mesh)
+        self.put = NamedSharding(mesh, P())  # batches: replicated over tp
+        self._output = make_forward(
+            mcfg,
+            mesh,
+            mode="topk" if top_k else "dense",
+            temperature=cfg.distill.temperature,
+            top_k=top_k,
+            dtype=cfg.teacher.dtype,
+            vocab_limit=limit,
+        )
+        self._logits = make_forward(
+            mcfg, mesh, mode="logits", dtype=cfg.teacher.dtype, vocab_limit=limit
+        )
+
+    def output(self, batch: Batch):
+        """Dispatch the teacher's output for a host batch (not waited for)."""
+        return self._output(self.params, jax.device_put(batch, self.put))
+
+    def logits(self, batch: Batch):
+        return self._logits(self.params, jax.device_put(batch, self.put))
+
+    def eval_logits(self, batches: list[Batch]):
+        """Dense logits of each batch, dispatched one at a time as they are consumed."""
+        return (self.logits(b) for b in batches)
+
+
+class QueueSource:
+    """A source over `iterator_fn()`, whose items come from `work(next(iterator))`."""
+
+    def __init__(self, iterator_fn: Callable[[], Iterator], work: Callable, watcher=None):
+        self._iterator_fn, self._work, self._watch = iterator_fn, work, watcher
+        self._it: Iterator | None = None
+        self._queue: deque[Item] = deque()
+
+    def start(self, data_state: dict | None) -> None:
+        self._it = self._iterator_fn()
+        if data_state is not None:
+            self._it.set_state(data_state)
+        self._queue.clear()
+
+    def submit(self) -> None:
+        data_state = self._it.get_state()
+        batch, out = self._work(next(self._it))
+        if self._watch is not None:
+            self._watch.watch(out)
+        self._queue.append(Item(data_state, batch, out))
+
+    def pop(self) -> Item:
+        return self._queue.popleft()
+
+    def peek(self) -> Item:
+        return self._queue[0]
+
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    def resume_point(self) -> dict:
+        return self._queue[0].data_state if self._queue else self._it.get_state()
+
+    def figures(self, steps: int, since: float) -> dict:
+        if self._watch is None:
+            return {"teacher_ms": 0.0, "teacher_busy": 0.0}
+        return {
+            "teacher_ms": self._watch.recent_ms(steps),
+            "teacher_busy": self._watch.busy_fraction(since),
+        }
+
+    def eval_logits(self, batches: list):
+        return None
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+
+
+class OnlineSource(QueueSource):
+    """Batches from the corpus, each with the teacher's output dispatched on the inference
+    mesh (JAX's async dispatch: the teacher works while the student trains)."""
+
+    def __init__(self, cfg: Config, corpus, teacher: OnlineTeacher):
+        bsz, seed = cfg.train.batch_size, cfg.run.seed
+        super().__init__(
+            lambda: corpus.train_iterator(bsz, seed),
+            lambda batch: (batch, teacher.output(batch)),
+            ReadyWatcher("teacher"),
+        )
+        self.teacher = teacher
+
+    def eval_logits(self, batches: list):
+        return self.teacher.eval_logits(batches)
+
+
+class CacheSource(QueueSource):
+    """Offline distillation: batches and top-k teacher outputs read back from the teacher
+    cache (host arrays); no teacher on any device. Evaluation uses the stored dense eval
+    logits, or is skipped when they were too large to store."""
+
+    def __init__(self, cfg: Config):
+        super().__init__(lambda: teacher_cache.train_iterator(cfg), lambda item: item)
+        self._eval = teacher_cache.eval_logits(cfg)
+
+    def eval_logits(self, batches: list):
+        return self._eval
+
+
+class NoTeacher(QueueSource):
+    """Batches alone, for cross-entropy training (the teacher bootstrap)."""
+
+    def __init__(self, iterator_fn: Callable[[], Iterator]):
+        super().__init__(iterator_fn, lambda batch: (batch, None))
