@@ -16,8 +16,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from distill.collectives import mask_vocab
 from distill.config import DistillLossConfig
 from distill.types import TeacherOutput
+
+# A padded vocabulary id's student logit: finite, so no gradient meets logaddexp(-inf, -inf)
+# (the JSD), yet so low that its probability is exactly 0 in float32.
+PADDED_LOGIT = -1e30
 
 # Teacher tail masses below float32 resolution of the top-k sum (1 - sum(exp(top-k)) is
 # only known to about this precision) are raised to it, so its log stays finite.
@@ -57,7 +62,13 @@ def _divergence(lp: jax.Array, lq: jax.Array, cfg: DistillLossConfig) -> jax.Arr
 
 
 def _topk_buckets(
-    lq_bsv: jax.Array, zt_bsv: jax.Array, lse_bs: jax.Array, lp_bsk: jax.Array, ids_bsk: jax.Array
+    lq_bsv: jax.Array,
+    zt_bsv: jax.Array,
+    lse_bs: jax.Array,
+    lp_bsk: jax.Array,
+    ids_bsk: jax.Array,
+    *,
+    tail_is_padding: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Teacher and student log-probs over k + 1 buckets: the k teacher ids, then the tail.
 
@@ -65,21 +76,31 @@ def _topk_buckets(
     zero or below when the top-k hold all the mass). The student tail is computed exactly as
     the logsumexp of its logits outside the top-k ids rather than as 1 - sum(q_k), which
     cancels catastrophically (and has exploding gradients) when the student is confident.
+    `tail_is_padding`: the top-k already cover every live id, so the tail holds only padded
+    ids and the teacher's tail is exactly zero (log = -inf), not floored: a floored teacher
+    tail against the student's zero tail would add TAIL_FLOOR * 1e30.
     """
     lq_bsk = jnp.take_along_axis(lq_bsv, ids_bsk, axis=-1)
     in_topk = jnp.put_along_axis(
         jnp.zeros(zt_bsv.shape, bool), ids_bsk, True, axis=-1, inplace=False
     )
     lq_tail = jax.nn.logsumexp(jnp.where(in_topk, -jnp.inf, zt_bsv), axis=-1) - lse_bs
-    p_tail = -jnp.expm1(jax.nn.logsumexp(lp_bsk, axis=-1))
-    lp_tail = jnp.log(jnp.maximum(p_tail, TAIL_FLOOR))
+    if tail_is_padding:
+        lp_tail = jnp.full(lq_tail.shape, -jnp.inf, jnp.float32)
+    else:
+        p_tail = -jnp.expm1(jax.nn.logsumexp(lp_bsk, axis=-1))
+        lp_tail = jnp.log(jnp.maximum(p_tail, TAIL_FLOOR))
     lp = jnp.concatenate([lp_bsk, lp_tail[..., None]], axis=-1)
     lq = jnp.concatenate([lq_bsk, lq_tail[..., None]], axis=-1)
     return lp, lq
 
 
 def kd_divergence(
-    student_logits: jax.Array, teacher: TeacherOutput, cfg: DistillLossConfig
+    student_logits: jax.Array,
+    teacher: TeacherOutput,
+    cfg: DistillLossConfig,
+    *,
+    vocab_limit: int | None = None,
 ) -> jax.Array:
     """Per-token divergence D(p, q) [B, S] at temperature T, q = softmax(student_logits / T).
 
@@ -92,13 +113,22 @@ def kd_divergence(
     p_tail for every tail token). A teacher tail below float32 resolution (TAIL_FLOOR) is
     raised to it, so a teacher whose top-k hold all the mass gives no NaN or infinity.
     When k equals the vocabulary size there is no tail and the result is the dense one.
+
+    `vocab_limit`: ids >= it are padding of the model's vocabulary (the tokenizer has fewer
+    tokens); the student's logits there are set to PADDED_LOGIT (probability 0). A top-k
+    teacher with k >= vocab_limit then holds every live id, its tail is exactly empty, and
+    the result is the dense divergence over the live ids.
     """
+    student_logits = mask_vocab(student_logits, vocab_limit, None, fill=PADDED_LOGIT)
     zt = student_logits.astype(jnp.float32) / cfg.temperature
     lse = jax.nn.logsumexp(zt, axis=-1)
     lq = zt - lse[..., None]
     lp = jax.lax.stop_gradient(teacher.logprobs.astype(jnp.float32))
+    live = zt.shape[-1] if vocab_limit is None else min(vocab_limit, zt.shape[-1])
     if teacher.ids is not None and teacher.ids.shape[-1] < zt.shape[-1]:
-        lp, lq = _topk_buckets(lq, zt, lse, lp, teacher.ids.astype(jnp.int32))
+        ids = teacher.ids.astype(jnp.int32)
+        tail_is_padding = teacher.ids.shape[-1] >= live
+        lp, lq = _topk_buckets(lq, zt, lse, lp, ids, tail_is_padding=tail_is_padding)
     elif teacher.ids is not None:  # k == V: a permutation of the dense vocabulary
         lq = jnp.take_along_axis(lq, teacher.ids.astype(jnp.int32), axis=-1)
     elif lp.shape != lq.shape:
@@ -112,6 +142,8 @@ def kd_loss(
     targets: jax.Array,
     mask: jax.Array,
     cfg: DistillLossConfig,
+    *,
+    vocab_limit: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """loss = alpha * T^2 * KD + (1 - alpha) * CE, all float32 scalars.
 
@@ -119,8 +151,10 @@ def kd_loss(
     the T^2 factor keeps its gradient scale independent of T (Hinton et al., 2015). CE is the
     masked mean of the student's cross-entropy on `targets` at temperature 1.
     Metrics: "loss", "kd_loss" (KD without the T^2 factor), "ce_loss", "tokens" (sum(mask)).
+    `vocab_limit`: see `kd_divergence`; pass it whenever the model's vocabulary is padded.
     """
-    kd = _masked_mean(kd_divergence(student_logits, teacher, cfg), mask)
+    student_logits = mask_vocab(student_logits, vocab_limit, None, fill=PADDED_LOGIT)
+    kd = _masked_mean(kd_divergence(student_logits, teacher, cfg, vocab_limit=vocab_limit), mask)
     ce = _masked_mean(_token_ce(student_logits, targets), mask)
     loss = cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce
     tokens = jnp.sum(mask.astype(jnp.float32))
