@@ -192,11 +192,12 @@ def _flash_forward(qb, kb, vb, seg_q, seg_k, scale):
             )
             return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
-        stats = (b, n_kv, g, bq)
+        # carries made from q_i, so that under `shard_map` they vary over the same mesh
+        # axes as q (a fresh constant would not, and fori_loop needs equal carry types)
         init = (
-            jnp.full(stats, _MASK_VALUE, jnp.float32),
-            jnp.zeros(stats, jnp.float32),
-            jnp.zeros((*stats, d), jnp.float32),
+            jnp.full_like(q_i[..., 0], _MASK_VALUE, jnp.float32),
+            jnp.zeros_like(q_i[..., 0], jnp.float32),
+            jnp.zeros_like(q_i, jnp.float32),
         )
         last = ((i + 1) * bq - 1) // bk  # key blocks past this one lie above the diagonal
         m, denom, acc = lax.fori_loop(0, last + 1, key_block, init)
@@ -244,12 +245,12 @@ def _flash_bwd(scale, res, do_b):
             )
             return dq.at[i].add(dq_i), dk_j, dv_j
 
-        zeros = jnp.zeros(k_j.shape, jnp.float32)
+        zeros = jnp.zeros_like(k_j, jnp.float32)  # varying like k_j under shard_map
         first = (j * bk) // bq  # query blocks before this one lie above the diagonal
         dq, dk_j, dv_j = lax.fori_loop(first, nq, query_block, (dq, zeros, zeros))
         return dq, (dk_j.astype(kb.dtype), dv_j.astype(vb.dtype))
 
-    dq0 = jnp.zeros(qb.shape, jnp.float32)
+    dq0 = jnp.zeros_like(qb, jnp.float32)
     dq, (dkb, dvb) = lax.scan(key_block, dq0, (jnp.arange(nk), kb, vb, seg_k))
     return dq.astype(qb.dtype), dkb, dvb, None, None
 

@@ -91,3 +91,26 @@ def gather_replicated(x: jax.Array, axis: str) -> jax.Array:
     mine = jnp.arange(n) == jax.lax.axis_index(axis)  # [tp]
     slots = jnp.where(mine[:, None], x[..., None, :], jnp.zeros((), x.dtype))  # [..., tp, k]
     return jax.lax.psum(slots, axis).reshape(*x.shape[:-1], n * x.shape[-1])
+
+
+# -- the forward's output layout: whole rows per device -------------------------------------
+
+
+def rows_of_replicated(x_b: jax.Array, axis: str) -> jax.Array:
+    """This shard's 1/n of the rows (leading axis) of a value equal on every shard of
+    `axis` (the merged top-k): a local slice, nothing moves. Shard i keeps block i."""
+    n = x_b.shape[0] // jax.lax.axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(x_b, jax.lax.axis_index(axis) * n, n, axis=0)
+
+
+def vocab_to_rows(x_bsv: jax.Array, axis: str) -> jax.Array:
+    """[B, S, V/n] vocabulary shards -> [B/n, S, V] whole rows: an all-to-all over `axis`.
+    Shard i sends its vocabulary slice of row block j to shard j and keeps row block i;
+    the slices arrive in shard order, which is vocabulary order."""
+    return jax.lax.all_to_all(x_bsv, axis, split_axis=0, concat_axis=x_bsv.ndim - 1, tiled=True)
+
+
+def gather_vocab(x_bsv: jax.Array, axis: str) -> jax.Array:
+    """[B, S, V/n] vocabulary shards -> [B, S, V] on every shard of `axis` (when the rows
+    do not split n ways): an all-gather, typed replicated."""
+    return jax.lax.all_gather(x_bsv, axis, axis=x_bsv.ndim - 1, tiled=True, to="invarying")

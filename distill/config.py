@@ -42,16 +42,33 @@ class RunConfig(_Section):
 
 
 class TeacherMesh(_Section):
+    dp: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel degree of the inference mesh (dp x tp devices): the "
+        "teacher's batch split over dp groups of tp devices, its weights replicated over dp.",
+    )
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of the inference mesh.")
     devices: list[int] | None = Field(
-        None, description="Explicit device ids for the teacher; default: the first tp."
+        None,
+        description="Explicit device ids for the teacher (dp x tp of them); default: the "
+        "first dp x tp.",
     )
 
 
 class StudentMesh(_Section):
     dp: int = Field(1, ge=1, description="Data-parallel degree of the training mesh.")
+    fsdp: int = Field(
+        1,
+        ge=1,
+        description="Fully sharded data-parallel degree of the training mesh (dp x fsdp "
+        "devices): parameters, gradients and optimizer state split over fsdp (ZeRO-3), the "
+        "batch over both axes.",
+    )
     devices: list[int] | None = Field(
-        None, description="Explicit device ids for the student; default: the next dp."
+        None,
+        description="Explicit device ids for the student (dp x fsdp of them); default: the "
+        "next dp x fsdp.",
     )
 
 
@@ -79,6 +96,11 @@ class RopeScaling(_Section):
     )
 
 
+# ModelConfig keys that say how the model runs, not what its weights are: never compared
+# with a checkpoint's shape (Hugging Face config.json, a teacher's provenance record).
+RUNTIME_KEYS = ("attention",)
+
+
 class ModelConfig(_Section):
     """A Llama-style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm."""
 
@@ -93,6 +115,12 @@ class ModelConfig(_Section):
     rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling; None: plain RoPE.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share the embedding and LM head.")
+    attention: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = Field(
+        "auto",
+        description="Attention kernel. auto: cuDNN flash attention on GPU (bfloat16), splash on "
+        "TPU, blockwise (flash-style XLA) elsewhere; none of them forms the S x S scores. "
+        "reference: the plain S x S math (tests).",
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
@@ -123,9 +151,20 @@ class TeacherConfig(_Section):
         "config.yaml records which). With hf, teacher.model is read from config.json (keys set "
         "here must agree with it).",
     )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Compute dtype. auto: bfloat16 on GPU and TPU, float32 on CPU. Logits, "
+        "log-softmax, top-k and losses are float32 either way.",
+    )
     top_k: int | None = Field(
         None, ge=1, description="Send only the top-k log-probs per token; None: dense."
+    )
+    microbatch: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per teacher forward in each mesh.teacher.dp group: the group's rows "
+        "of a batch run this many at a time (peak memory bounded by one microbatch); None: all "
+        "at once.",
     )
     pretrain_steps: int = Field(
         0, ge=0, description="If the checkpoint is missing, train the teacher this long first."
@@ -138,7 +177,7 @@ class TeacherConfig(_Section):
         "it recorded is refused otherwise.",
     )
     replicas: int = Field(
-        1, ge=1, description="Teacher actors in pipeline.mode ray, each with its own tp mesh."
+        1, ge=1, description="Teacher actors in pipeline.mode ray, each with its own dp x tp mesh."
     )
     source: Literal["online", "cache"] = Field(
         "online",
@@ -171,11 +210,16 @@ class StudentModelOverrides(_Section):
     rope_scaling: RopeScaling | None = None
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
+    attention: Literal["auto", "reference", "blockwise", "cudnn", "splash"] | None = None
 
 
 class StudentConfig(_Section):
     model: StudentModelOverrides = Field(default_factory=StudentModelOverrides)
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Compute dtype. auto: bfloat16 on GPU and TPU, float32 on CPU. Logits, "
+        "log-softmax, top-k and losses are float32 either way.",
+    )
     init: Literal["random", "from_teacher"] = Field(
         "random",
         description="random: fresh weights. from_teacher: the teacher's embeddings, final norm, "
@@ -253,6 +297,19 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep.")
     metrics_lag: int = Field(2, ge=1, description="Read step n-lag's metrics at step n.")
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        description="Gradient accumulation: each device's rows of a step run as this many "
+        "microbatches, their gradients summed (float32) before one optimizer update; the loss "
+        "is the one of the whole batch. train.batch_size must divide by dp x fsdp x grad_accum.",
+    )
+    remat: Literal["none", "block", "dots"] = Field(
+        "none",
+        description="Rematerialisation of the student's blocks in the backward pass. none: keep "
+        "every activation; block: keep only each block's input, recompute the rest; dots: keep "
+        "the matmul outputs, recompute attention and elementwise ops.",
+    )
     profile: list[int] | None = Field(
         None,
         description="[first_step, steps]: write a jax.profiler trace of these training steps "
@@ -345,7 +402,7 @@ class Config(_Section):
         """The teacher layers a `from_teacher` student starts from (validated)."""
         t, s = self.teacher.model, self.student_model()
         for key in ModelConfig.model_fields:
-            if key != "n_layers" and getattr(s, key) != getattr(t, key):
+            if key not in ("n_layers", *RUNTIME_KEYS) and getattr(s, key) != getattr(t, key):
                 raise DistillError(
                     f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
                     f"{getattr(t, key)}; student.init: from_teacher keeps the teacher's width"
@@ -370,6 +427,13 @@ class Config(_Section):
                 f"[0, {t.n_layers})"
             )
         return layers
+
+    def resolve_dtypes(self, platform: str) -> None:
+        """Set `auto` compute dtypes for the platform the meshes are on: bfloat16 on
+        accelerators, float32 on CPU (where bfloat16 matmuls are emulated and slow)."""
+        for role in (self.teacher, self.student):
+            if role.dtype == "auto":
+                role.dtype = "float32" if platform == "cpu" else "bfloat16"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from distill import hf
-from distill.config import Config, error_lines
+from distill.config import RUNTIME_KEYS, Config, error_lines
 from distill.errors import DistillError
 
 
@@ -116,7 +116,8 @@ def _teacher_model_from_hf(cfg: Config) -> None:
     """Set `teacher.model` from a Hugging Face config.json; keys set by hand must agree."""
     derived = hf.read_model_config(cfg.teacher.checkpoint)
     given = cfg.teacher.model
-    for key in sorted(given.model_fields_set):
+    derived = derived.model_copy(update={k: getattr(given, k) for k in RUNTIME_KEYS})
+    for key in sorted(given.model_fields_set - set(RUNTIME_KEYS)):
         if getattr(given, key) != getattr(derived, key):
             raise DistillError(
                 f"teacher.model.{key}: {getattr(given, key)} differs from "

@@ -13,7 +13,6 @@ untied `lm_head.weight` [V, D] is distill's `lm_head` [D, V].
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -233,22 +232,6 @@ def weight_files(path: str | Path) -> dict[str, str]:
 
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
-
-
-def weight_bytes(path: str | Path, cfg: ModelConfig) -> int:
-    """Bytes of the tensors the model reads, at their stored dtypes (from headers only): what
-    the teacher holds, since a load keeps each tensor's stored dtype."""
-    from safetensors import safe_open
-
-    files, needed = weight_files(path), weight_names(cfg)
-    total = 0
-    for file in sorted(set(files[n] for n in needed)):
-        with safe_open(Path(path) / file, framework="numpy") as f:
-            for name in needed:
-                if files[name] == file:
-                    sl = f.get_slice(name)
-                    total += math.prod(sl.get_shape()) * _ITEMSIZE.get(sl.get_dtype(), 4)
-    return total
 
 
 def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:

@@ -1,9 +1,10 @@
 """Device discovery, the two-mesh split, and CPU device simulation.
 
-The inference mesh (axis `tp`) holds the teacher; the training mesh (axis `dp`) holds the
-student. They are disjoint: by default the teacher takes the first `tp` devices and the
-student the next `dp`. On a host without accelerators, `simulate_cpu_devices` must run
-before JAX initialises so that the two-mesh layout runs anywhere.
+The inference mesh (axes `dp` x `tp`) holds the teacher; the training mesh (axes `dp` x
+`fsdp`) holds the student. They are disjoint: by default the teacher takes the first
+`dp * tp` devices and the student the next `dp * fsdp`. On a host without accelerators,
+`simulate_cpu_devices` must run before JAX initialises so that the two-mesh layout runs
+anywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from distill.config import Config
 from distill.errors import DistillError
 
 TP = "tp"  # the inference mesh's tensor-parallel axis
-DP = "dp"  # the training mesh's data-parallel axis
+# The data-parallel axis of both meshes: batch rows split over it. One name serves both
+# because the meshes are separate objects and a sharding names its own mesh.
+DP = "dp"
+FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -23,7 +27,50 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 def devices_needed(cfg: Config) -> int:
     """How many devices the config asks for (disjoint teacher and student sets)."""
     explicit = (cfg.mesh.teacher.devices or []) + (cfg.mesh.student.devices or [])
-    return max([cfg.mesh.teacher.tp + cfg.mesh.student.dp] + [d + 1 for d in explicit])
+    return max([teacher_size(cfg) + student_size(cfg)] + [d + 1 for d in explicit])
+
+
+def teacher_shape(cfg: Config) -> dict[str, int]:
+    """The inference mesh's axes and sizes: {dp: ..., tp: ...} (tp innermost, so each
+    tensor-parallel group is a run of neighbouring devices)."""
+    return {DP: cfg.mesh.teacher.dp, TP: cfg.mesh.teacher.tp}
+
+
+def teacher_size(cfg: Config) -> int:
+    """Devices of the inference mesh: dp * tp."""
+    return cfg.mesh.teacher.dp * cfg.mesh.teacher.tp
+
+
+def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
+    """The inference mesh's keys for messages, `mesh.teacher.dp=2 x mesh.teacher.tp=4`
+    (dp only when it is not 1)."""
+    keys = [f"{prefix}{a}={n}" for a, n in teacher_shape(cfg).items() if a == TP or n > 1]
+    return " x ".join(keys)
+
+
+def teacher_mesh(devices: list, dp: int, tp: int):
+    """The inference mesh over `devices` (dp * tp of them, in order): axes (DP, TP)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices).reshape(dp, tp), (DP, TP))
+
+
+def student_shape(cfg: Config) -> dict[str, int]:
+    """The training mesh's axes and sizes: {dp: ..., fsdp: ...}."""
+    return {DP: cfg.mesh.student.dp, FSDP: cfg.mesh.student.fsdp}
+
+
+def student_size(cfg: Config) -> int:
+    """Devices of the training mesh: dp * fsdp."""
+    return cfg.mesh.student.dp * cfg.mesh.student.fsdp
+
+
+def _student_keys(cfg: Config, prefix: str = "mesh.student.") -> str:
+    """The training mesh's keys for messages, `mesh.student.dp=2 x mesh.student.fsdp=4`
+    (fsdp only when it is not 1)."""
+    keys = [f"{prefix}{a}={n}" for a, n in student_shape(cfg).items() if a == DP or n > 1]
+    return " x ".join(keys)
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -56,33 +103,31 @@ def check_fit(cfg: Config, n_devices: int, platform: str) -> None:
         if platform == "cpu":
             hint = " (simulated CPU devices are fixed once JAX starts)"
         raise DistillError(
-            f"mesh: teacher tp={cfg.mesh.teacher.tp} + student dp={cfg.mesh.student.dp} needs "
+            f"mesh: teacher {_teacher_keys(cfg, '')} + student {_student_keys(cfg, '')} needs "
             f"{need} devices, but only {n_devices} {platform} devices exist{hint}"
         )
     for role in ("teacher", "student"):
         r = getattr(cfg.mesh, role)
-        size = r.tp if role == "teacher" else r.dp
+        size = teacher_size(cfg) if role == "teacher" else student_size(cfg)
         if r.devices is not None and len(r.devices) != size:
-            axis = "tp" if role == "teacher" else "dp"
-            raise DistillError(
-                f"mesh.{role}.devices: {len(r.devices)} ids given but mesh.{role}.{axis}={size}"
-            )
+            keys = _teacher_keys(cfg) if role == "teacher" else _student_keys(cfg)
+            raise DistillError(f"mesh.{role}.devices: {len(r.devices)} ids given but {keys}")
     t, s = _device_ids(cfg)
     if set(t) & set(s):
         raise DistillError(f"mesh: teacher and student devices overlap: {sorted(set(t) & set(s))}")
 
 
 def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
-    tp, dp = cfg.mesh.teacher.tp, cfg.mesh.student.dp
-    t = cfg.mesh.teacher.devices or list(range(tp))
-    s = cfg.mesh.student.devices or list(range(tp, tp + dp))
+    m, n = teacher_size(cfg), student_size(cfg)
+    t = cfg.mesh.teacher.devices or list(range(m))
+    s = cfg.mesh.student.devices or list(range(m, m + n))
     return t, s
 
 
 @dataclass(frozen=True)
 class Meshes:
-    teacher: object  # jax.sharding.Mesh, axis TP
-    student: object  # jax.sharding.Mesh, axis DP
+    teacher: object  # jax.sharding.Mesh, axes (DP, TP)
+    student: object  # jax.sharding.Mesh, axes (DP, FSDP)
     platform: str
 
     def layout(self) -> dict:
@@ -92,7 +137,7 @@ class Meshes:
             devs = list(mesh.devices.flat)
             return {
                 "axis": axis,
-                "shape": {axis: len(devs)},
+                "shape": {str(a): int(n) for a, n in mesh.shape.items()},
                 "devices": [{"id": int(d.id), "kind": str(d.device_kind)} for d in devs],
             }
 
@@ -112,8 +157,10 @@ def build_meshes(cfg: Config) -> Meshes:
     check_fit(cfg, len(devices), platform)
     t, s = _device_ids(cfg)
     return Meshes(
-        teacher=Mesh(np.array([devices[i] for i in t]), (TP,)),
-        student=Mesh(np.array([devices[i] for i in s]), (DP,)),
+        teacher=teacher_mesh([devices[i] for i in t], cfg.mesh.teacher.dp, cfg.mesh.teacher.tp),
+        student=Mesh(
+            np.array([devices[i] for i in s]).reshape(*student_shape(cfg).values()), (DP, FSDP)
+        ),
         platform=platform,
     )
 

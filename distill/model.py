@@ -21,11 +21,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distill import collectives as cc
+from distill.attention import attention, resolve_backend
 from distill.config import ModelConfig, RopeScaling
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# `train.remat`: what a block keeps for the backward pass. none: everything (no recompute);
+# block: only its input (the whole block is recomputed); dots: its matmul outputs without a
+# batch dimension (the attention core and elementwise ops are recomputed).
+REMAT_POLICIES = {
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _dtype(name: str):
+    if name not in _DTYPES:  # "auto" must be resolved for the platform first
+        raise ValueError(f"compute dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
@@ -73,14 +88,6 @@ def rope(
     return (x32 * cos + rotated * sin).astype(x_bshd.dtype)
 
 
-def attention_mask(segment_ids_bs: jax.Array) -> jax.Array:
-    """[B, 1, 1, S, S] causal mask that never crosses a packed-document boundary."""
-    s = segment_ids_bs.shape[-1]
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-    same_doc = segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :]
-    return (causal & same_doc)[:, None, None, :, :]
-
-
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, hd, f = cfg.d_model, cfg.hd, cfg.d_ff
@@ -97,7 +104,7 @@ class Block(nnx.Module):
         self.hd, self.eps, self.theta = hd, cfg.norm_eps, cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling
 
-    def __call__(self, x_bsd, mask, positions_bs, tp_axis: str | None):
+    def __call__(self, x_bsd, segment_ids_bs, positions_bs, tp_axis: str | None, backend: str):
         dt = x_bsd.dtype
         b, s, _ = x_bsd.shape
         h = rms_norm(x_bsd, self.attn_norm[...], self.eps)
@@ -106,13 +113,8 @@ class Block(nnx.Module):
         v = (h @ self.wv[...].astype(dt)).reshape(b, s, -1, self.hd)
         q = rope(q, positions_bs, self.theta, self.rope_scaling)
         k = rope(k, positions_bs, self.theta, self.rope_scaling)
-        n_kv = k.shape[2]
-        q = q.reshape(b, s, n_kv, q.shape[2] // n_kv, self.hd)  # [B, S, KV, G, hd]
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask, scores / math.sqrt(self.hd), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        o = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, -1)
-        x_bsd = x_bsd + cc.psum(o @ self.wo[...].astype(dt), tp_axis)
+        o = attention(q, k, v, segment_ids_bs, backend=backend, scale=1 / math.sqrt(self.hd))
+        x_bsd = x_bsd + cc.psum(o.reshape(b, s, -1) @ self.wo[...].astype(dt), tp_axis)
 
         h = rms_norm(x_bsd, self.mlp_norm[...], self.eps)
         gate = jax.nn.silu(h @ self.w_gate[...].astype(dt))
@@ -135,19 +137,59 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
 
-    def __call__(self, tokens_bs, segment_ids_bs, positions_bs, *, tp_axis=None, dtype="float32"):
-        """Logits [B, S, V] (with `tp_axis`: this shard's [B, S, V/tp] vocabulary slice)."""
-        dt = _DTYPES[dtype]
+    def hidden(
+        self, tokens_bs, segment_ids_bs, positions_bs, *, tp_axis, dtype, remat, attention,
+        rows=None,
+    ):  # fmt: skip
+        """The final normed hidden states [B, S, D] (before the LM head). `rows`: a sharding
+        the activations are held to (the batch's, under fully sharded training), so that XLA
+        gathers each layer's weights rather than moving activations between devices."""
+        dt = _dtype(dtype)
         x = cc.embed_lookup(self.embed[...], tokens_bs, tp_axis).astype(dt)
-        mask = attention_mask(segment_ids_bs)
+        if rows is not None:
+            x = jax.lax.with_sharding_constraint(x, rows)
+        backend = resolve_backend(attention, dt, self.cfg.hd)
+
+        def block_fn(block, x):
+            return block(x, segment_ids_bs, positions_bs, tp_axis, backend)
+
+        if remat != "none":  # recompute each block in the backward pass, saving per policy
+            block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def run_layers(x, block):
-            return block(x, mask, positions_bs, tp_axis)
+            return block_fn(block, x)
 
-        x = rms_norm(run_layers(x, self.layers), self.final_norm[...], self.cfg.norm_eps)
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        return (x @ head.astype(dt)).astype(jnp.float32)
+        return rms_norm(run_layers(x, self.layers), self.final_norm[...], self.cfg.norm_eps)
+
+    def head(self) -> jax.Array:
+        """The LM head [D, V] (with `tp_axis`: this shard's [D, V/tp] vocabulary slice)."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+    def __call__(
+        self,
+        tokens_bs,
+        segment_ids_bs,
+        positions_bs,
+        *,
+        tp_axis=None,
+        dtype="float32",
+        remat="none",
+        attention="reference",
+    ):
+        """Logits [B, S, V] in float32 (with `tp_axis`: this shard's [B, S, V/tp] slice)."""
+        x = self.hidden(
+            tokens_bs, segment_ids_bs, positions_bs,
+            tp_axis=tp_axis, dtype=dtype, remat=remat, attention=attention,
+        )  # fmt: skip
+        return logits(x, self.head())
+
+
+def logits(x_bsd: jax.Array, head_dv: jax.Array) -> jax.Array:
+    """x @ head in the hidden states' dtype, accumulated and returned in float32: never
+    rounded through bfloat16 (which would bias log-probabilities and top-k)."""
+    dt = x_bsd.dtype
+    return jnp.einsum("bsd,dv->bsv", x_bsd, head_dv.astype(dt), preferred_element_type=jnp.float32)
 
 
 def init_params(cfg: ModelConfig, seed: int) -> Params:
@@ -160,7 +202,13 @@ def abstract_params(cfg: ModelConfig) -> Params:
     return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))))
 
 
-def apply(
+def _module(cfg: ModelConfig, params: Params) -> Transformer:
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def apply_hidden(
     cfg: ModelConfig,
     params: Params,
     tokens,
@@ -169,12 +217,24 @@ def apply(
     *,
     tp_axis=None,
     dtype="float32",
-) -> jax.Array:
-    """Run the model on a parameter dict (full weights, or this shard's slices under tp)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, params)
-    model = nnx.merge(graphdef, state)
-    return model(tokens, segment_ids, positions, tp_axis=tp_axis, dtype=dtype)
+    remat="none",
+    rows=None,
+) -> tuple[jax.Array, jax.Array]:
+    """(final normed hidden states [B, S, D] in the compute dtype, the LM head [D, V]): for
+    losses that form the logits a chunk at a time (`distill.vocab_loss`). `rows`: see
+    `Transformer.hidden`."""
+    module = _module(cfg, params)
+    x = module.hidden(
+        tokens, segment_ids, positions,
+        tp_axis=tp_axis, dtype=dtype, remat=remat, attention=cfg.attention, rows=rows,
+    )  # fmt: skip
+    return x, module.head()
+
+
+def apply(cfg: ModelConfig, params: Params, tokens, segment_ids, positions, **kw) -> jax.Array:
+    """Float32 logits of the model on a parameter dict (full weights, or this shard's
+    slices under tp); keywords as `apply_hidden` (tp_axis, dtype, remat, rows)."""
+    return logits(*apply_hidden(cfg, params, tokens, segment_ids, positions, **kw))
 
 
 def param_count(cfg: ModelConfig) -> int:

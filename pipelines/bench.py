@@ -18,14 +18,15 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import model
+from distill import handoff, model
 from distill.checkpoint import params_exist, save_params
 from distill.config import Config, ServerConfig
 from distill.corpus import Corpus
-from distill.mesh import DP, Meshes
+from distill.mesh import Meshes
 from distill.metrics import MetricsStore
 from distill.outputs import teacher_path
 from distill.server import start_server
@@ -33,6 +34,7 @@ from distill.tokenizers import vocab_limit
 from distill.types import TeacherOutput
 from pipelines.local import distill_local
 from student import optim, train
+from teacher import sharding as teacher_sharding
 from teacher.forward import make_forward
 from teacher.weights import load_teacher
 
@@ -55,9 +57,11 @@ def _interleaved_ms(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float
 
 
 def matmul_flops_per_s(mesh, n: int = 1024, repeats: int = 5) -> float:
-    """Peak throughput of an [dp*n, n] x [n, n] float32 matmul, rows split over the mesh."""
-    dp = mesh.shape[DP]
-    a = jax.device_put(jnp.ones((dp * n, n), jnp.float32), NamedSharding(mesh, P(DP)))
+    """Peak throughput of an [d*n, n] x [n, n] float32 matmul, rows split over the d devices
+    of the training mesh."""
+    d = mesh.size
+    rows = NamedSharding(mesh, P(mesh.axis_names))  # split over every device of the mesh
+    a = jax.device_put(jnp.ones((d * n, n), jnp.float32), rows)
     b = jax.device_put(jnp.ones((n, n), jnp.float32), NamedSharding(mesh, P()))
     mm = jax.jit(lambda a, b: a @ b)
     for _ in range(2):
@@ -68,7 +72,30 @@ def matmul_flops_per_s(mesh, n: int = 1024, repeats: int = 5) -> float:
         jax.block_until_ready(mm(a, b))
         times.append(time.perf_counter() - t)
     ms = 1e3 * min(times)  # the peak this machine reaches: a conservative MFU denominator
-    return 2.0 * dp * n * n * n / (ms / 1e3)
+    return 2.0 * d * n * n * n / (ms / 1e3)
+
+
+# Dense bfloat16 peak FLOP/s per device by device kind (vendor figures: H100/H200 SXM,
+# A100, TPU v4, v5e ("TPU v5 lite"), v5p, v6e ("TPU v6 lite")).
+BF16_PEAK = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+}
+
+
+def peak_flops_per_s(mesh) -> float:
+    """The MFU denominator of a mesh: its devices' bfloat16 peak on a known accelerator;
+    elsewhere (CPU) the float32 matmul rate measured on the same devices."""
+    devs = list(mesh.devices.flat)
+    for name, peak in BF16_PEAK.items():
+        if name in devs[0].device_kind:
+            return peak * len(devs)
+    return matmul_flops_per_s(Mesh(np.array(devs), ("d",)))
 
 
 def _teacher_params(cfg: Config, meshes: Meshes, tmp: str):
@@ -189,7 +216,7 @@ def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
     t_params = _teacher_params(cfg, meshes, tmp)
     it = corpus.train_iterator(bsz, seed=cfg.run.seed)
     host_batch = next(it)
-    t_batch = jax.device_put(host_batch, NamedSharding(meshes.teacher, P()))
+    t_batch = jax.device_put(host_batch, teacher_sharding.batch_sharding(meshes.teacher))
     s_put = train.batch_sharding(meshes.student)
     s_batch = jax.device_put(host_batch, s_put)
     k = cfg.teacher.top_k or 32
@@ -203,6 +230,7 @@ def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
             top_k=k if m == "topk" else None,
             dtype=cfg.teacher.dtype,
             vocab_limit=limit,
+            microbatch=cfg.teacher.microbatch,
         )
         for m in ("logits", "dense", "topk")
     }
@@ -216,7 +244,7 @@ def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
             repeats,
         )
     )
-    outs = {m: jax.device_put(fwd[m](t_params, t_batch), s_put) for m in ("dense", "topk")}
+    outs = {m: handoff.hop(fwd[m](t_params, t_batch), s_put) for m in ("dense", "topk")}
 
     tx = optim.make_optimizer(cfg.optim, 10**6)
     sched = optim.schedule(cfg.optim, 10**6)
@@ -324,8 +352,10 @@ def _derived(res: dict, cfg: Config, meshes: Meshes) -> None:
     tokens = cfg.train.batch_size * seq
     student_ms_ = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
     teacher_ms_ = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
-    flops = matmul_flops_per_s(meshes.student)
+    flops = peak_flops_per_s(meshes.student)
+    t_flops = peak_flops_per_s(meshes.teacher)
     train_flops_per_token = 3 * model.flops_per_token(scfg, seq)
+    fwd_flops_per_token = model.flops_per_token(cfg.teacher.model, seq)
     res.update(
         teacher_ms=teacher_ms_,
         student_ms=student_ms_,
@@ -333,6 +363,9 @@ def _derived(res: dict, cfg: Config, meshes: Meshes) -> None:
         student_tokens_per_s=tokens / (student_ms_ / 1e3),
         matmul_flops_per_s=flops,
         mfu=train_flops_per_token * tokens / (student_ms_ / 1e3) / flops,
+        teacher_tokens_per_s=tokens / (teacher_ms_ / 1e3),
+        teacher_peak_flops_per_s=t_flops,
+        teacher_mfu=fwd_flops_per_token * tokens / (teacher_ms_ / 1e3) / t_flops,
         pipeline_over_sum=res["pipeline_ms"] / (teacher_ms_ + student_ms_),
         pipeline_over_max=res["pipeline_ms"] / max(teacher_ms_, student_ms_),
         kd_over_ce_dense=res["student_kd_dense_ms"] / res["student_ce_ms"],
@@ -383,6 +416,7 @@ def format_bench(r: dict) -> str:
             ),
             f"data: {r['data_ms']:.2f} ms/batch; "
             f"matmul {r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
-            f"student MFU {100 * r['mfu']:.1f}%",
+            f"MFU: student step {100 * r['mfu']:.1f}%, teacher forward "
+            f"{100 * r['teacher_mfu']:.1f}% ({r['teacher_tokens_per_s']:.0f} tok/s)",
         ]
     )

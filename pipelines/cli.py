@@ -109,8 +109,8 @@ def cmd_validate(args: argparse.Namespace) -> None:
     meshes, corpus = run.validate(cfg)
     print(
         f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
-        f"rows; teacher tp={cfg.mesh.teacher.tp}, student dp={cfg.mesh.student.dp}, "
-        f"{meshes.platform})"
+        f"rows; teacher dp={cfg.mesh.teacher.dp} x tp={cfg.mesh.teacher.tp}, "
+        f"student dp={cfg.mesh.student.dp} x fsdp={cfg.mesh.student.fsdp}, {meshes.platform})"
     )
 
 

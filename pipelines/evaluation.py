@@ -4,15 +4,19 @@ Evaluation compares dense teacher and student logits [rows, S, V] on the held-ou
 a real vocabulary (128k ids) a whole training batch of them would not fit on a device
 (64 x 2048 x 128k float32 is 67 GB), so the same held-out rows are evaluated in chunks of
 `eval_rows` rows: the largest divisor of `train.batch_size` that is a multiple of the
-student's `dp` and keeps each student device's share of a chunk's logits under
-`EVAL_DEVICE_BYTES` (at least one row per device). Metrics are token-weighted means, so the
-chunking does not change them. Nothing here touches a device: the Ray driver uses it too.
+student's device count (dp x fsdp) and of the teacher's dp (each group runs its own rows),
+and keeps each student device's share of a chunk's logits under `EVAL_DEVICE_BYTES` (at
+least one row per device). Metrics are token-weighted means, so the chunking does not
+change them. Nothing here touches a device: the Ray driver uses it too.
 """
 
 from __future__ import annotations
 
+import math
+
 from distill.config import Config
 from distill.corpus import Corpus
+from distill.mesh import student_size
 from distill.types import Batch
 
 # The frozen teacher's eval logits are computed once and kept when they are this small.
@@ -24,10 +28,11 @@ EVAL_DEVICE_BYTES = 256 * 2**20
 
 def eval_rows(cfg: Config) -> int:
     """Rows per evaluation chunk (see the module docstring)."""
-    bsz, dp = cfg.train.batch_size, cfg.mesh.student.dp
+    bsz, n = cfg.train.batch_size, student_size(cfg)
+    step = math.lcm(n, cfg.mesh.teacher.dp)  # both divide bsz, so their lcm does
     row_bytes = cfg.train.seq_len * cfg.teacher.model.vocab_size * 4
-    divisors = [r for r in range(dp, bsz + 1, dp) if bsz % r == 0]  # dp divides bsz
-    return max((r for r in divisors if r // dp * row_bytes <= EVAL_DEVICE_BYTES), default=dp)
+    divisors = [r for r in range(step, bsz + 1, step) if bsz % r == 0]
+    return max((r for r in divisors if r // n * row_bytes <= EVAL_DEVICE_BYTES), default=step)
 
 
 def eval_batches(cfg: Config, corpus: Corpus) -> list[Batch]:

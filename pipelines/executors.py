@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 
+from distill import handoff
 from distill.checkpoint import Checkpointer
 from pipelines.timing import ReadyWatcher
 from student import train
@@ -54,8 +55,9 @@ class LocalExecutor:
         raise err  # one process: nothing to recover from
 
     def hop(self, teacher_out):
-        """The teacher output onto the training mesh, batch split over `dp`."""
-        return None if teacher_out is None else jax.device_put(teacher_out, self._split)
+        """The teacher output onto the training mesh's batch sharding: device to device
+        (`distill.handoff`), never through the host, so it never waits for the teacher."""
+        return None if teacher_out is None else handoff.hop(teacher_out, self._split)
 
     def step(self, step: int, batch, teacher_out):
         args = (teacher_out,) if self._with_teacher else ()
@@ -79,7 +81,8 @@ class LocalExecutor:
         }
 
     def evaluate(self, batches: list, teacher_logits, keep: bool) -> dict:
-        return self._evaluator(self.state.params, batches, teacher_logits, keep)
+        moved = (self.hop(t) for t in teacher_logits)  # one batch at a time, as consumed
+        return self._evaluator(self.state.params, batches, moved, keep)
 
     def save(self, step: int, data_state: dict) -> None:
         self._ckpt.save(step, self.state, data_state, force=True)

@@ -2,31 +2,81 @@
 
 from __future__ import annotations
 
-import math
-
-import jax
-
-from distill import hf, model
+from distill import model
 from distill.config import Config
-from distill.mesh import Meshes
-from student import optim
+from distill.errors import DistillError
+from distill.mesh import Meshes, student_shape, student_size
+from student import optim, sharding, train
+
+# Dense teacher outputs on a student device at once: the step's own and the next step's,
+# which the loop hops over while the step runs (`pipelines.loop`, staged).
+DENSE_BUFFERS = 2
+# The share of a device's memory they may take; a CPU device reports none: a fixed budget.
+DENSE_FRACTION = 0.25
+CPU_DEVICE_BUDGET = 4 * 2**30
+
+
+def teacher_output_bytes_per_token(cfg: Config) -> int:
+    """Bytes of teacher output per token: float32 values and int32 ids of the top-k, or the
+    float32 log-probs of the whole vocabulary."""
+    k = cfg.teacher.top_k
+    return k * 8 if k else cfg.teacher.model.vocab_size * 4
+
+
+def teacher_output_bytes_per_step(cfg: Config) -> int:
+    """Bytes crossing from the inference mesh to the training mesh per step."""
+    return teacher_output_bytes_per_token(cfg) * cfg.train.batch_size * cfg.train.seq_len
+
+
+def dense_output_bytes_per_device(cfg: Config) -> int:
+    """Dense teacher outputs held on one student device: its rows x S x V x 4 bytes, twice."""
+    rows = cfg.train.batch_size // student_size(cfg)
+    return rows * cfg.train.seq_len * cfg.teacher.model.vocab_size * 4 * DENSE_BUFFERS
+
+
+def dense_output_budget(device) -> tuple[int, str]:
+    """(bytes the dense teacher outputs may take on a device like `device`, where from)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit:
+        return CPU_DEVICE_BUDGET, f"the fixed budget of a {device.platform} device"
+    return int(limit * DENSE_FRACTION), f"{DENSE_FRACTION:.0%} of {_gib(limit)} device memory"
+
+
+def check_dense_output(cfg: Config, device) -> None:
+    """Refuse a dense teacher output too large for the student's devices (`device`: one of
+    them), in one line naming the figures and the way out."""
+    if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
+        return
+    need, (budget, where) = dense_output_bytes_per_device(cfg), dense_output_budget(device)
+    if need > budget:
+        rows = cfg.train.batch_size // student_size(cfg)
+        raise DistillError(
+            f"teacher.top_k: null sends dense teacher log-probs, {rows} rows x "
+            f"{cfg.train.seq_len} tokens x {cfg.teacher.model.vocab_size} ids x 4 B x "
+            f"{DENSE_BUFFERS} buffers = {_gib(need)} per student device, over {where} "
+            f"({_gib(budget)}); set teacher.top_k (e.g. --set teacher.top_k=64)"
+        )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def plan(cfg: Config, meshes: Meshes) -> dict:
     tcfg, scfg = cfg.teacher.model, cfg.student_model()
-    tp, dp, seq = cfg.mesh.teacher.tp, cfg.mesh.student.dp, cfg.train.seq_len
+    tp, seq = cfg.mesh.teacher.tp, cfg.train.seq_len
     t_params, s_params = model.param_count(tcfg), model.param_count(scfg)
-    # as loaded: a Hugging Face teacher keeps its stored dtypes, distill's own are float32
-    # (teacher.dtype is the compute dtype; weights are cast where they are used)
-    if cfg.teacher.is_hf():
-        t_weights = hf.weight_bytes(cfg.teacher.checkpoint, tcfg)
-    else:
-        t_weights = t_params * 4
+    # as loaded: converted once to the compute dtype (`teacher.weights.load_teacher`)
+    t_weights = t_params * (2 if cfg.teacher.dtype == "bfloat16" else 4)
+    # the student's state as the sharding table lays it out on the training mesh
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
-    opt_shapes = jax.eval_shape(tx.init, model.abstract_params(scfg))
-    opt_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt_shapes))
+    shapes = train.state_shapes(scfg, tx)
+    specs = train.state_specs(scfg, tx, cfg.mesh.student.fsdp)
+    mesh_shape = student_shape(cfg)
+    s_weights = sharding.bytes_per_device(shapes.params, specs.params, mesh_shape)
+    opt_bytes = sharding.bytes_per_device(shapes.opt_state, specs.opt_state, mesh_shape)
     k = cfg.teacher.top_k
-    cross = (k * 8) if k else tcfg.vocab_size * 4  # float32 values (+ int32 ids) per token
     return {
         "layout": meshes.layout(),
         "teacher": {
@@ -36,34 +86,38 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
         },
         "student": {
             "params": s_params,
-            "weight_bytes_per_device": s_params * 4,
+            "weight_bytes_per_device": s_weights,
             "optimizer_bytes_per_device": opt_bytes,
             "train_flops_per_token": 3 * model.flops_per_token(scfg, seq),
         },
         "tokens_per_step": cfg.train.batch_size * seq,
-        "per_device_batch": cfg.train.batch_size // dp,
+        "per_device_batch": cfg.train.batch_size // student_size(cfg),
+        "grad_accum": cfg.train.grad_accum,
         "teacher_output": f"top-{k}" if k else "dense",
-        "bytes_per_token_between_meshes": cross,
+        "bytes_per_token_between_meshes": teacher_output_bytes_per_token(cfg),
+        "teacher_output_bytes_per_step": teacher_output_bytes_per_step(cfg),
     }
 
 
 def format_plan(p: dict) -> str:
     lay, t, s = p["layout"], p["teacher"], p["student"]
     ids = lambda role: ",".join(str(d["id"]) for d in lay[role]["devices"])  # noqa: E731
+    shape = lambda role: " x ".join(f"{a}={n}" for a, n in lay[role]["shape"].items())  # noqa: E731
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    micro = f" in {p['grad_accum']} microbatches" if p["grad_accum"] > 1 else ""
     return "\n".join(
         [
-            f"devices ({lay['platform']}): teacher tp={len(lay['teacher']['devices'])} on "
-            f"[{ids('teacher')}]  |  student dp={len(lay['student']['devices'])} on "
-            f"[{ids('student')}]",
+            f"devices ({lay['platform']}): teacher {shape('teacher')} on [{ids('teacher')}]  |  "
+            f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params, {mb(t['weight_bytes_per_device'])} "
             f"weights/device, {t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward",
             f"student: {s['params'] / 1e6:.2f}M params, "
             f"{mb(s['weight_bytes_per_device'])} weights + "
             f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "
             f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step",
-            f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device; "
-            f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token "
-            "between meshes",
+            f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device"
+            f"{micro}; "
+            f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token, "
+            f"{mb(p['teacher_output_bytes_per_step'])}/step between meshes",
         ]
     )

@@ -7,6 +7,7 @@ checkpoint. Each failure is one DistillError naming the field or file.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from distill import hf, storage
@@ -16,13 +17,14 @@ from distill.corpus import Corpus
 from distill.data import load_corpus
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit
+from pipelines.plan import check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
 from teacher.sharding import check_divisible
 
 
 def check_shapes(cfg: Config) -> None:
     t, s = cfg.teacher.model, cfg.student_model()
-    tp, dp = cfg.mesh.teacher.tp, cfg.mesh.student.dp
+    tp = cfg.mesh.teacher.tp
     if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
         hf.check_checkpoint(cfg.teacher.checkpoint, t, tp)
     check_divisible(t, tp)
@@ -31,13 +33,42 @@ def check_shapes(cfg: Config) -> None:
             f"student.model.vocab_size: {s.vocab_size} differs from teacher.model.vocab_size "
             f"{t.vocab_size}; teacher and student must share one vocabulary"
         )
-    if cfg.train.batch_size % dp:
-        raise DistillError(
-            f"train.batch_size: {cfg.train.batch_size} is not divisible by mesh.student.dp={dp}"
-        )
+    check_batch_split(cfg)
+    check_teacher_split(cfg)
     if cfg.teacher.top_k is not None and cfg.teacher.top_k > t.vocab_size:
         raise DistillError(
             f"teacher.top_k: {cfg.teacher.top_k} exceeds teacher.model.vocab_size {t.vocab_size}"
+        )
+
+
+def check_batch_split(cfg: Config) -> None:
+    """Every device of the training mesh gets its own rows, `train.grad_accum` microbatches
+    of them: the batch divides by dp x fsdp x grad_accum."""
+    factors = {
+        "mesh.student.dp": cfg.mesh.student.dp,
+        "mesh.student.fsdp": cfg.mesh.student.fsdp,
+        "train.grad_accum": cfg.train.grad_accum,
+    }
+    named = {k: n for k, n in factors.items() if k == "mesh.student.dp" or n > 1}
+    need = math.prod(named.values())
+    if cfg.train.batch_size % need:
+        keys = " x ".join(f"{k}={n}" for k, n in named.items())
+        total = f" = {need}" if len(named) > 1 else ""
+        raise DistillError(
+            f"train.batch_size: {cfg.train.batch_size} is not divisible by {keys}{total}"
+        )
+
+
+def check_teacher_split(cfg: Config) -> None:
+    """Every dp group of the inference mesh gets its own rows, `teacher.microbatch` of
+    them per forward (a microbatch as large as the group's rows is all of them)."""
+    bsz, dp, micro = cfg.train.batch_size, cfg.mesh.teacher.dp, cfg.teacher.microbatch
+    if bsz % dp:
+        raise DistillError(f"train.batch_size: {bsz} is not divisible by mesh.teacher.dp={dp}")
+    if micro is not None and micro < bsz // dp and (bsz // dp) % micro:
+        raise DistillError(
+            f"teacher.microbatch: {micro} does not divide the {bsz // dp} rows of each teacher "
+            f"dp group (train.batch_size={bsz} / mesh.teacher.dp={dp})"
         )
 
 
@@ -82,13 +113,21 @@ def check_output_dir(cfg: Config) -> None:
         raise DistillError(f"run.output_dir: {out} exists and is not a directory")
 
 
+def preflight_shapes(cfg: Config) -> None:
+    """What `distill plan` needs: the config against the devices and the model shapes
+    against the meshes; no data read, no weights looked at."""
+    devices = available_devices(cfg.mesh.platform)
+    cfg.resolve_dtypes(devices[0].platform)
+    check_fit(cfg, len(devices), devices[0].platform)
+    check_shapes(cfg)
+    check_dense_output(cfg, devices[0])
+    check_mode(cfg)
+
+
 def preflight(cfg: Config) -> Corpus:
     """Validate config, devices, shapes, teacher source and data, then the teacher weights
     and the student checkpoint's teacher (`pipelines.teacher_checks`). Returns the corpus."""
-    devices = available_devices(cfg.mesh.platform)
-    check_fit(cfg, len(devices), devices[0].platform)
-    check_shapes(cfg)
-    check_mode(cfg)
+    preflight_shapes(cfg)
     check_teacher_source(cfg)
     check_output_dir(cfg)
     corpus = load_corpus(cfg.data, cfg.train.seq_len)
@@ -97,11 +136,6 @@ def preflight(cfg: Config) -> Corpus:
             f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "
             f"tokenizer's vocabulary ({corpus.tokenizer.vocab_size}, data.tokenizer="
             f"{cfg.data.tokenizer})"
-        )
-    if cfg.teacher.top_k is not None and cfg.teacher.top_k > corpus.tokenizer.vocab_size:
-        raise DistillError(
-            f"teacher.top_k: {cfg.teacher.top_k} exceeds the tokenizer's vocabulary "
-            f"({corpus.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer})"
         )
     if uses_teacher(cfg):
         check_teacher_weights(cfg, corpus)

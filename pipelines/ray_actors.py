@@ -23,7 +23,7 @@ import ray
 
 from distill.config_file import config_from_dict
 from distill.errors import DistillError
-from distill.mesh import DP, TP
+from distill.mesh import DP, TP, student_shape, teacher_shape
 from distill.tokenizers import build_tokenizer, vocab_limit
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -47,19 +47,21 @@ def device_options(n_devices: int, platform: str) -> tuple[dict, dict]:
     return {"CPU": 1}, {"num_cpus": 1, "runtime_env": {"env_vars": env}}
 
 
-def _local_mesh(n: int, axis: str, field: str):
-    """A 1-D mesh over this process's first `n` devices."""
+def _local_mesh(shape: dict[str, int], field: str):
+    """A mesh of `shape` ({axis: size}, in order) over this process's first devices."""
+    import math
+
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
-    devices = jax.devices()
+    devices, n = jax.devices(), math.prod(shape.values())
     if len(devices) < n:
         raise DistillError(
             f"{field}: the actor needs {n} devices but sees {len(devices)} "
             f"{devices[0].platform} devices"
         )
-    return Mesh(np.array(devices[:n]), (axis,))
+    return Mesh(np.array(devices[:n]).reshape(*shape.values()), tuple(shape))
 
 
 def _info(mesh, axis: str) -> dict:
@@ -71,7 +73,7 @@ def _info(mesh, axis: str) -> dict:
         "platform": devs[0].platform,
         "layout": {
             "axis": axis,
-            "shape": {axis: len(devs)},
+            "shape": {str(a): int(n) for a, n in mesh.shape.items()},
             "devices": [{"id": int(d.id), "kind": str(d.device_kind)} for d in devs],
         },
     }
@@ -79,7 +81,7 @@ def _info(mesh, axis: str) -> dict:
 
 @ray.remote
 class TeacherActor:
-    """The inference mesh (axis `tp`) and the frozen teacher on it."""
+    """The inference mesh (axes `dp` x `tp`, as in local mode) and the frozen teacher on it."""
 
     def __init__(self, cfg_tree: dict):
         import jax
@@ -87,7 +89,8 @@ class TeacherActor:
         from pipelines.sources import OnlineTeacher
 
         cfg = config_from_dict(cfg_tree)
-        self._mesh = _local_mesh(cfg.mesh.teacher.tp, TP, "mesh.teacher.tp")
+        cfg.resolve_dtypes(jax.devices()[0].platform)
+        self._mesh = _local_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
         self._teacher = OnlineTeacher(cfg, self._mesh, build_tokenizer(cfg.data))
         self._jax = jax
 
@@ -113,7 +116,8 @@ class TeacherActor:
 
 @ray.remote
 class StudentActor:
-    """The training mesh (axis `dp`): train state, train step, evaluation, checkpoints.
+    """The training mesh (axes `dp` x `fsdp`): train state, train step, evaluation,
+    checkpoints.
 
     On construction it restores the latest checkpoint of `run.output_dir` if there is one,
     so a recreated student resumes where the last checkpoint left off; `resume_point` says
@@ -128,10 +132,11 @@ class StudentActor:
         from teacher.weights import student_init_params
 
         cfg = config_from_dict(cfg_tree)
+        cfg.resolve_dtypes(jax.devices()[0].platform)
         scfg = cfg.student_model()
         limit = vocab_limit(build_tokenizer(cfg.data), scfg.vocab_size)
         self._jax = jax
-        self._mesh = _local_mesh(cfg.mesh.student.dp, DP, "mesh.student.dp")
+        self._mesh = _local_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
         self._ckpt = run_checkpointer(cfg)

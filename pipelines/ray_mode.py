@@ -47,7 +47,9 @@ def driver_view(cfg: Config) -> Config:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"platform": "cpu"})})
+    view = cfg.model_copy(deep=True)  # the actors resolve `auto` dtypes for their own devices
+    view.mesh.platform = "cpu"
+    return view
 
 
 class RayTeacherSource:

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from distill import outputs
 from distill.config import Config
 from distill.errors import DistillError
+from distill.mesh import student_size, teacher_size
 from pipelines.loop import StudentLost
 from pipelines.ray_actors import StudentActor, TeacherActor, device_options
 
@@ -68,16 +69,16 @@ class ActorPool:
         self.replicas = cfg.teacher.replicas
         self._tree = _actor_config(cfg)
         platform = _platform(cfg)
-        t_bundle, self._t_opts = device_options(cfg.mesh.teacher.tp, platform)
-        s_bundle, self._s_opts = device_options(cfg.mesh.student.dp, platform)
+        t_bundle, self._t_opts = device_options(teacher_size(cfg), platform)
+        s_bundle, self._s_opts = device_options(student_size(cfg), platform)
         self._pg = placement_group([t_bundle] * self.replicas + [s_bundle], strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(self._pg)
             raise DistillError(
                 f"ray: the cluster cannot place {self.replicas} teacher actor(s) with "
-                f"{t_bundle} and a student actor with {s_bundle} (mesh.teacher.tp, "
-                f"teacher.replicas, mesh.student.dp); it has {ray.cluster_resources()}"
+                f"{t_bundle} and a student actor with {s_bundle} (mesh.teacher.dp x tp, "
+                f"teacher.replicas, mesh.student.dp x fsdp); it has {ray.cluster_resources()}"
             )
         self.teachers: list = [None] * self.replicas
         self.student = None

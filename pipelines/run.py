@@ -12,9 +12,11 @@ from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import Meshes, build_meshes
 from distill.metrics import MetricsStore
+from distill.tokenizers import vocab_limit
+from pipelines import plan_memory
 from pipelines.bootstrap import ensure_teacher
 from pipelines.plan import format_plan, plan
-from pipelines.preflight import preflight
+from pipelines.preflight import preflight, preflight_shapes
 
 log = logging.getLogger("distill")
 
@@ -38,7 +40,24 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
         from pipelines.teacher_cache import check_cache
 
         check_cache(cfg, corpus)
-    return build_meshes(cfg), corpus
+    meshes = build_meshes(cfg)
+    if plan_memory.device_memory(meshes) is not None:  # an accelerator: will both roles fit?
+        plan_memory.check_fits(_memory(cfg, meshes, corpus.tokenizer))
+    return meshes, corpus
+
+
+def _tokenizer_if_present(cfg: Config):
+    from distill.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(cfg.data)
+    except DistillError:
+        return None
+
+
+def _memory(cfg: Config, meshes: Meshes, tokenizer) -> dict:
+    limit = vocab_limit(tokenizer, cfg.teacher.model.vocab_size) if tokenizer else None
+    return plan_memory.memory(cfg, meshes, limit)
 
 
 def _start_server(cfg: Config, store: MetricsStore):
@@ -136,6 +155,12 @@ def evaluate(cfg: Config) -> dict:
 
 
 def plan_json(cfg: Config) -> str:
-    meshes, _ = validate(cfg)
-    p = plan(cfg, meshes)
-    return format_plan(p) + "\n" + json.dumps(p)
+    """`distill plan`: the plan with both roles' compiled per-device memory. From shapes
+    alone: no data is read and no weights are loaded (the tokenizer, if its file is here,
+    only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
+    _require_ray(cfg)
+    preflight_shapes(cfg)
+    meshes = build_meshes(cfg)
+    mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
+    p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
+    return format_plan(p) + "\n" + plan_memory.format_memory(mem) + "\n" + json.dumps(p)

@@ -12,8 +12,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from distill.config import Config
 from distill.tokenizers import vocab_limit
@@ -22,19 +20,21 @@ from pipelines import teacher_cache
 from pipelines.loop import Item
 from pipelines.timing import ReadyWatcher
 from teacher.forward import make_forward
+from teacher.sharding import batch_sharding
 from teacher.weights import load_teacher
 
 
 class OnlineTeacher:
     """The frozen teacher on the inference mesh: its weights, its training-time output
-    (top-k or dense log-probs, as configured) and its dense eval logits."""
+    (top-k or dense log-probs, as configured) and its dense eval logits, each batch-major
+    with its rows split over the mesh's devices (`teacher.forward`)."""
 
     def __init__(self, cfg: Config, mesh, tokenizer, *, top_k: int | None = None):
         mcfg = cfg.teacher.model
         limit = vocab_limit(tokenizer, mcfg.vocab_size)  # padded ids: masked throughout
         top_k = cfg.teacher.top_k if top_k is None else top_k
         self.params = load_teacher(cfg, mesh)
-        self.put = NamedSharding(mesh, P())  # batches: replicated over tp
+        self.put = batch_sharding(mesh)  # batches: rows split over dp, replicated over tp
         self._output = make_forward(
             mcfg,
             mesh,
@@ -43,9 +43,15 @@ class OnlineTeacher:
             top_k=top_k,
             dtype=cfg.teacher.dtype,
             vocab_limit=limit,
+            microbatch=cfg.teacher.microbatch,
         )
         self._logits = make_forward(
-            mcfg, mesh, mode="logits", dtype=cfg.teacher.dtype, vocab_limit=limit
+            mcfg,
+            mesh,
+            mode="logits",
+            dtype=cfg.teacher.dtype,
+            vocab_limit=limit,
+            microbatch=cfg.teacher.microbatch,
         )
 
     def output(self, batch: Batch):

@@ -1,9 +1,10 @@
 """Held-out metrics of the student against the teacher's dense logits, on the training mesh.
 
 One implementation for every pipeline mode (the local loop, `distill eval`, the Ray student
-actor): per eval batch the student's logits and `distill.losses.eval_metrics` against the
-teacher's, combined as token-weighted means, so the chunking of the held-out rows into
-batches does not change the result.
+actor): per eval batch `distill.losses.eval_metrics` of the student against the teacher's
+dense logits (the student's formed a chunk of positions at a time), combined as
+token-weighted means, so the chunking of the held-out rows into batches does not change
+the result.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Iterable
 
 import jax
 
-from distill import losses
 from distill.config import Config
 from student import train
 
@@ -35,10 +35,9 @@ class StudentEval:
     logits) the moved pairs are kept for later evaluations: the teacher is frozen."""
 
     def __init__(self, cfg: Config, mesh, vocab_limit: int | None):
-        self._logits = train.make_logits_fn(
+        self._metrics = train.make_eval_fn(
             cfg.student_model(), mesh, cfg.student.dtype, vocab_limit=vocab_limit
         )
-        self._metrics = jax.jit(losses.eval_metrics)
         self._split = train.batch_sharding(mesh)
         self._kept: list | None = None
 
@@ -58,7 +57,7 @@ class StudentEval:
     def __call__(self, params, batches: list, teacher_logits: Iterable, keep: bool) -> dict:
         def per_batch():
             for sb, t_logits in self._pairs(batches, teacher_logits, keep):
-                m = self._metrics(self._logits(params, sb), t_logits, sb.targets, sb.mask)
+                m = self._metrics(params, sb, t_logits)
                 yield {k: float(v) for k, v in jax.device_get(m).items()}
 
         return token_weighted_means(per_batch())

@@ -1,12 +1,17 @@
 """The student on the training mesh: a pure train step compiled once.
 
-`(state, batch, teacher_out) -> (state, metrics)` with explicit shardings: the batch and
-the teacher output are split over `dp`, the parameters and optimizer state replicated, so
-XLA's partitioner turns the gradient of the global-batch loss into a per-device gradient
-plus an all-reduce mean over `dp` — the same numbers as one device on the whole batch. The
-state buffers are donated. `teacher_out=None` trains on hard labels only (the teacher
-bootstrap, and the CE baseline); the same step serves online and offline distillation,
-since it only sees a `TeacherOutput`, wherever it came from.
+`(state, batch, teacher_out) -> (state, metrics)` with explicit shardings from the
+student's one table (`student.sharding`): the batch and the teacher output split over
+`dp` x `fsdp` (every device its own rows), the parameters and optimizer state split over
+`fsdp` and replicated over `dp`. XLA's partitioner turns the gradient of the global-batch
+loss into per-device gradients, all-gathering each weight where it is used and
+reduce-scattering its gradient (ZeRO-3; with `fsdp` = 1, an all-reduce mean over `dp`):
+the same numbers as one device on the whole batch. With `grad_accum` > 1 each device's
+rows run as that many microbatches under `jax.lax.scan`, their token-weighted gradients
+summed in float32 before the one optimizer update. The state buffers are donated.
+`teacher_out=None` trains on hard labels only (the teacher bootstrap, and the CE
+baseline); the same step serves online and offline distillation, since it only sees a
+`TeacherOutput`, wherever it came from.
 """
 
 from __future__ import annotations
@@ -20,12 +25,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import losses, model
-from distill.collectives import mask_vocab
+from distill import model, vocab_loss
 from distill.config import Config, DistillLossConfig, ModelConfig
-from distill.mesh import DP
 from distill.types import Batch, TeacherOutput
-from student import optim
+from student import optim, sharding
 
 
 class TrainState(NamedTuple):
@@ -38,17 +41,18 @@ def init_state(
     cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh, params: dict | None = None
 ) -> TrainState:
     """Initialise parameters (or take `params`, host arrays of `cfg`'s shapes, e.g. from the
-    teacher) and the optimizer state directly in their replicated placement."""
-    replicated = NamedSharding(mesh, P())
+    teacher) and the optimizer state directly in their placement on `mesh`
+    (`state_shardings`): no device ever holds more than its share."""
+    placed = state_shardings(cfg, tx, mesh)
 
     def init(params):
         params = model.init_params(cfg, seed) if params is None else params
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     if params is not None:
-        expected = jax.eval_shape(lambda: model.init_params(cfg, 0))
-        params = jax.device_put(jax.tree.map(_host_param, expected, params), replicated)
-    return jax.jit(init, out_shardings=replicated)(params)
+        expected = model.abstract_params(cfg)
+        params = jax.device_put(jax.tree.map(_host_param, expected, params), placed.params)
+    return jax.jit(init, out_shardings=placed)(params)
 
 
 def _host_param(expected: jax.ShapeDtypeStruct, given) -> np.ndarray:
@@ -58,24 +62,39 @@ def _host_param(expected: jax.ShapeDtypeStruct, given) -> np.ndarray:
     return given
 
 
+def state_shapes(cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+    """Shapes and dtypes of a TrainState, without allocating it."""
+    params = model.abstract_params(cfg)
+    return TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(tx.init, params))
+
+
+def state_specs(cfg: ModelConfig, tx: optax.GradientTransformation, fsdp: int) -> TrainState:
+    """PartitionSpecs of a TrainState for an `fsdp`-way split: the parameters by the
+    student's table, the optimizer state like the parameters it tracks, the step replicated."""
+    shapes = state_shapes(cfg, tx)
+    params = sharding.param_specs(cfg, fsdp)
+    return TrainState(P(), params, sharding.like_params(shapes.opt_state, shapes.params, params))
+
+
+def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:
+    """NamedShardings of a TrainState on `mesh` (`state_specs` for the mesh's `fsdp`)."""
+    return sharding.named(mesh, state_specs(cfg, tx, sharding.fsdp_size(mesh)))
+
+
 def abstract_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:
-    """Shapes, dtypes and target shardings of a TrainState, for restoring onto `mesh`."""
-    replicated = NamedSharding(mesh, P())
-    shapes = jax.eval_shape(
-        lambda: TrainState(
-            jnp.zeros((), jnp.int32),
-            model.init_params(cfg, 0),
-            tx.init(model.init_params(cfg, 0)),
-        )
-    )
+    """Shapes, dtypes and target shardings of a TrainState, for restoring onto `mesh`
+    (whatever layout the checkpoint was written from)."""
     return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), shapes
+        lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+        state_shapes(cfg, tx),
+        state_shardings(cfg, tx, mesh),
     )
 
 
 def batch_sharding(mesh) -> NamedSharding:
-    """Leading (batch) axis split over `dp`; used for batches and teacher outputs alike."""
-    return NamedSharding(mesh, P(DP))
+    """Leading (batch) axis split over every device of the training mesh (`dp` x `fsdp`, or
+    a 1-D `dp` mesh); used for batches and teacher outputs alike."""
+    return NamedSharding(mesh, sharding.batch_spec(mesh))
 
 
 def make_train_step(
@@ -88,23 +107,28 @@ def make_train_step(
     dtype: str = "float32",
     with_teacher: bool = True,
     vocab_limit: int | None = None,
+    remat: str = "none",
+    grad_accum: int = 1,
 ):
     """Compile the step once for this mesh. Returns step(state, batch, teacher_out).
 
     `vocab_limit` (`distill.tokenizers.vocab_limit`): logits of padded ids >= it are masked
-    to a large finite negative, which the losses treat as zero probability."""
+    to a large finite negative, which the losses treat as zero probability. `grad_accum`:
+    microbatches per step (it must divide each device's rows)."""
     replicated = NamedSharding(mesh, P())
     split = batch_sharding(mesh)
+    placed = state_shardings(cfg, tx, mesh)
 
-    def loss_fn(params, batch: Batch, teacher_out: TeacherOutput | None):
-        logits = student_logits(cfg, params, batch, dtype, vocab_limit)
-        if teacher_out is None:
-            return losses.ce_loss(logits, batch.targets, batch.mask)
-        return losses.kd_loss(logits, teacher_out, batch.targets, batch.mask, loss_cfg)
+    loss_fn = make_loss_fn(cfg, loss_cfg, dtype, vocab_limit, remat, mesh)
 
     def step(state: TrainState, batch: Batch, teacher_out: TeacherOutput | None):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, metrics), grads = grad_fn(state.params, batch, teacher_out)
+        if grad_accum == 1:
+            (_, metrics), grads = grad_fn(state.params, batch, teacher_out)
+        else:
+            grads, metrics = _accumulate(
+                grad_fn, state.params, (batch, teacher_out), grad_accum, mesh, placed.params
+            )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, lr=lr_schedule(state.step), grad_norm=optax.tree.norm(grads))
@@ -112,13 +136,59 @@ def make_train_step(
 
     if with_teacher:
         fn = step
-        in_shardings = (replicated, split, split)
+        in_shardings = (placed, split, split)
     else:
         fn = lambda state, batch: step(state, batch, None)  # noqa: E731
-        in_shardings = (replicated, split)
+        in_shardings = (placed, split)
     return jax.jit(
-        fn, in_shardings=in_shardings, out_shardings=(replicated, replicated), donate_argnums=0
+        fn, in_shardings=in_shardings, out_shardings=(placed, replicated), donate_argnums=0
     )
+
+
+def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
+    """(gradient, metrics) of the whole batch `inputs` = (batch, teacher_out), from `n`
+    microbatches run one after another by `jax.lax.scan`.
+
+    Microbatch j takes rows j, j + n, j + 2n, ... of the batch: an equal share of every
+    device's own rows, so nothing moves between devices. Each microbatch's mean loss,
+    gradient and metrics are weighted by its share of the batch's tokens and summed in
+    float32 (the gradient accumulator laid out like the parameters), so the result is the
+    one-shot step's: losses are token means (`distill.losses`). "tokens" is a count: summed.
+    """
+    rows = NamedSharding(mesh, P(None, *sharding.batch_spec(mesh)))
+
+    def split(x):  # [B, ...] -> [n, B / n, ...]
+        if x.shape[0] % (n * mesh.size):
+            raise ValueError(
+                f"{x.shape[0]} rows do not split into {n} microbatches x {mesh.size} devices"
+            )
+        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, rows)
+
+    micro = jax.tree.map(split, inputs)
+    total = jnp.maximum(jnp.sum(inputs[0].mask.astype(jnp.float32)), 1.0)
+    first = jax.tree.map(lambda x: x[0], micro)
+    _, metric_shapes = jax.eval_shape(grad_fn, params, *first)[0]
+
+    def body(carry, mb):
+        grads_acc, metrics_acc = carry
+        (_, metrics), grads = grad_fn(params, *mb)
+        w = jnp.sum(mb[0].mask.astype(jnp.float32)) / total
+        grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        metrics = {
+            k: metrics_acc[k] + (v if k == "tokens" else w * v).astype(jnp.float32)
+            for k, v in metrics.items()
+        }
+        return (grads, metrics), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (
+        jax.lax.with_sharding_constraint(zeros, grad_shardings),
+        {k: jnp.zeros(v.shape, jnp.float32) for k, v in metric_shapes.items()},
+    )
+    (grads, metrics), _ = jax.lax.scan(body, init, micro)
+    return grads, metrics
 
 
 def distill_step_for(cfg: Config, mesh, vocab_limit: int | None = None):
@@ -133,27 +203,66 @@ def distill_step_for(cfg: Config, mesh, vocab_limit: int | None = None):
         lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         dtype=cfg.student.dtype,
         vocab_limit=vocab_limit,
+        remat=cfg.train.remat,
+        grad_accum=cfg.train.grad_accum,
     )
     return tx, step
 
 
-# A padded id's logit: finite, so no gradient meets logaddexp(-inf, -inf) (the JSD), yet so
-# low that its probability is exactly 0 in float32.
-PADDED_LOGIT = -1e30
-
-
-def student_logits(
-    cfg: ModelConfig, params, batch: Batch, dtype: str, vocab_limit: int | None
-) -> jax.Array:
-    logits = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype)
-    return mask_vocab(logits, vocab_limit, None, fill=PADDED_LOGIT)  # float32 logits
-
-
-def make_logits_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):
-    """Student logits on the training mesh, batch split over `dp` (evaluation)."""
+def make_loss_fn(
+    cfg: ModelConfig,
+    loss_cfg: DistillLossConfig | None,
+    dtype: str,
+    vocab_limit: int | None,
+    remat: str,
+    mesh,
+):
+    """loss_fn(params, batch, teacher_out) -> (loss, metrics): KD (or CE without a teacher
+    output) from the model's final hidden states, the LM head applied a chunk of positions
+    at a time (`distill.vocab_loss`), so the [B, S, V] logits are never whole. A chunk's
+    logits stay under `vocab_loss.CHUNK_BYTES` for the rows one device of `mesh` holds."""
     split = batch_sharding(mesh)
 
-    def logits(params, batch: Batch):
-        return student_logits(cfg, params, batch, dtype, vocab_limit)
+    def loss_fn(params, batch: Batch, teacher_out: TeacherOutput | None):
+        x, head = model.apply_hidden(
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions,
+            dtype=dtype, remat=remat, rows=split,
+        )  # fmt: skip
+        rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
+        kw = {
+            "vocab_limit": vocab_limit,
+            "chunk": vocab_loss.default_chunk(cfg.vocab_size, rows),
+            "compute_dtype": x.dtype,
+        }
+        if teacher_out is None:
+            return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
+        return vocab_loss.kd_loss_chunked(
+            x, head, teacher_out, batch.targets, batch.mask, loss_cfg, **kw
+        )
 
-    return jax.jit(logits, in_shardings=(NamedSharding(mesh, P()), split), out_shardings=split)
+    return loss_fn
+
+
+def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):
+    """metrics(params, batch, teacher_logits) on the training mesh, batch split over its
+    devices: `losses.eval_metrics` of the student against the teacher's dense logits, the
+    student's computed a chunk of positions at a time (never a whole [B, S, V])."""
+    split = batch_sharding(mesh)
+
+    def metrics(params, batch: Batch, teacher_logits):
+        x, head = model.apply_hidden(
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype, rows=split
+        )
+        rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
+        return vocab_loss.eval_metrics_chunked(
+            x,
+            head,
+            teacher_logits,
+            batch.targets,
+            batch.mask,
+            vocab_limit=vocab_limit,
+            chunk=vocab_loss.default_chunk(cfg.vocab_size, rows),
+            compute_dtype=x.dtype,
+        )
+
+    return jax.jit(metrics, in_shardings=(None, split, split))

@@ -1,4 +1,5 @@
-"""Load a Hugging Face Llama checkpoint straight into the teacher's tensor-parallel layout.
+"""Load a Hugging Face Llama checkpoint straight into the teacher's tensor-parallel layout
+(on a `dp` x `tp` inference mesh: split over `tp`, replicated over `dp`).
 
 Nothing is materialised whole on a host. The safetensors files are opened one at a time
 (memory-mapped: a read touches only the bytes of the slice it asks for). Each tensor
@@ -16,7 +17,8 @@ the devices the weights plus one layer's tensor (`python -m teacher.load_bench`:
 bf16 checkpoint in 0.25 GB shards, tp=4 on CPU devices: 0.29 GB mapped pages and 0.11 GB
 other memory beyond the weights at the peak). Each stored byte is read once, except that
 with fewer KV heads than `tp` each KV head is read once per shard that uses it, giving the
-layout of `teacher.sharding.expand_kv_heads`.
+layout of `teacher.sharding.expand_kv_heads`. With `dp` > 1 the dp groups' devices that hold
+the same slice get the same host array (`_once_per_index`): read once, copied dp times.
 """
 
 from __future__ import annotations
@@ -67,11 +69,13 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
                 if layer is None:  # transposed on the host, one device's slice at a time
                     layout = shape[::-1] if transposed else shape
                     read = _transposed(read) if transposed else read
-                    params[key] = jax.make_array_from_callback(layout, targets[key], read)
+                    params[key] = jax.make_array_from_callback(
+                        layout, targets[key], _once_per_index(read)
+                    )
                     continue
                 target = targets["layers"][key]
                 one = jax.make_array_from_callback(
-                    (1, *shape), _as_stored(target, transposed), _one_layer(read)
+                    (1, *shape), _as_stored(target, transposed), _once_per_index(_one_layer(read))
                 )
                 stacked = params["layers"].get(key)
                 if stacked is None:
@@ -142,6 +146,20 @@ def _reader(sl, reps: int, hd: int, dtype) -> Callable[[Index], np.ndarray]:
         return x if dtype is None else x.astype(dtype, copy=False)
 
     return read
+
+
+def _once_per_index(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.ndarray]:
+    """A callback that reads each distinct slice once: on a mesh replicated over `dp`,
+    `make_array_from_callback` asks for every slice once per dp group."""
+    seen: dict[tuple, np.ndarray] = {}
+
+    def read_once(index: Index) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)  # slices hash from 3.12 only
+        if key not in seen:
+            seen[key] = read(index)
+        return seen[key]
+
+    return read_once
 
 
 def _one_layer(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.ndarray]:

@@ -107,13 +107,13 @@ class _PeakSampler(threading.Thread):
 def load_child(path: str, tp: int) -> dict:
     """In this (fresh) process: time one load onto `tp` devices and measure memory."""
     import jax
-    from jax.sharding import Mesh
 
     from distill import hf
+    from distill.mesh import teacher_mesh
     from teacher.hf import load_hf_teacher
 
     cfg = hf.read_model_config(path)
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    mesh = teacher_mesh(jax.devices()[:tp], 1, tp)
     jax.block_until_ready(jax.device_put(np.zeros(4), jax.devices()[0]))  # runtime up
     before = _rss()
     sampler = _PeakSampler()

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from distill import model
-from distill.config import Config
+from distill.config import RUNTIME_KEYS, Config
 from distill.errors import DistillError
 from distill.prepared import data_settings
 
@@ -39,7 +39,11 @@ def record(cfg: Config, data_hash: str, tokenizer: dict) -> dict:
     t = cfg.teacher
     optim = cfg.optim.model_dump(mode="json")
     settings = {
-        **{f"teacher.model.{k}": v for k, v in t.model.model_dump(mode="json").items()},
+        **{
+            f"teacher.model.{k}": v
+            for k, v in t.model.model_dump(mode="json").items()
+            if k not in RUNTIME_KEYS
+        },
         "teacher.pretrain_steps": t.pretrain_steps,
         "teacher.pretrain_lr": t.pretrain_lr,
         **{f"optim.{k}": v for k, v in optim.items() if k != "lr"},  # lr: pretrain_lr

@@ -1,10 +1,17 @@
-"""Megatron-style tensor-parallel layout of the teacher: one PartitionSpec per weight.
+"""The teacher's layout on the inference mesh (axes `dp` x `tp`): one PartitionSpec per
+weight, and the specs of the batch going in and the outputs coming out.
 
-Column-parallel in (QKV, gate, up: output features split over `tp`), row-parallel out
-(attention output and down projections: input features split, summed by `psum`),
-vocab-parallel embedding and LM head. Layer weights carry a leading stacked-layer axis.
-When there are fewer KV heads than `tp`, each KV head is repeated so that every shard holds
-the one KV head its query heads use (`expand_kv_heads`).
+Weights, Megatron-style over `tp` and replicated over `dp`: column-parallel in (QKV, gate,
+up: output features split over `tp`), row-parallel out (attention output and down
+projections: input features split, summed by `psum`), vocab-parallel embedding and LM head.
+Layer weights carry a leading stacked-layer axis. When there are fewer KV heads than `tp`,
+each KV head is repeated so that every shard holds the one KV head its query heads use
+(`expand_kv_heads`).
+
+Activations: the batch comes in rows split over `dp` (each tensor-parallel group runs its
+own rows, replicated over its `tp` devices); outputs go out batch-major, whole rows split
+over every device of the mesh (`dp` major, `tp` minor), so that moving them to the
+student's batch sharding is a copy of each device's buffer (`distill.handoff`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.mesh import TP
+from distill.mesh import DP, TP
 
 LAYER_SPECS = {
     "attn_norm": P(None, None),
@@ -29,6 +36,22 @@ LAYER_SPECS = {
     "w_up": P(None, None, TP),
     "w_down": P(None, TP, None),  # [L, F, D]
 }
+
+
+BATCH_BS = P(DP)  # [B, S] batch fields: rows split over dp, replicated over tp
+OUT_ROWS = P((DP, TP))  # [B, S, k or V] outputs: whole rows split over every device
+OUT_ROWS_DP = P(DP)  # the same when B is not a multiple of dp * tp: replicated over tp
+
+
+def out_spec(rows: int, mesh) -> P:
+    """The outputs' spec for a batch of `rows` rows on `mesh`: split over every device when
+    the rows divide evenly, else over `dp` only."""
+    return OUT_ROWS if rows % mesh.devices.size == 0 else OUT_ROWS_DP
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Where a batch is put for the teacher forward."""
+    return NamedSharding(mesh, BATCH_BS)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -74,6 +97,8 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
 
 
 def shardings(cfg: ModelConfig, mesh) -> dict:
+    """NamedShardings of `param_specs` on `mesh` (a spec names only `tp`: replicated over
+    `dp`)."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),
         param_specs(cfg),

@@ -2,13 +2,15 @@
 
 `teacher.checkpoint` is an Orbax checkpoint written by distill (by default the bootstrap's
 `<output_dir>/teacher`) or a Hugging Face directory (`teacher.hf`). `load_teacher` reads it
-straight into the tensor-parallel layout of the inference mesh; `student_init_params` reads
+straight into the layout of the inference mesh (split over `tp`, replicated over `dp`:
+`teacher.sharding`); `student_init_params` reads
 the layers a `student.init: from_teacher` student starts from, into host memory.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,19 +24,28 @@ from teacher import sharding
 
 
 def load_teacher(cfg: Config, mesh) -> dict:
-    """Read the teacher checkpoint straight into the TP layout of the inference mesh: each
-    device reads only its own slices. A Hugging Face directory is read by `teacher.hf`."""
+    """Read the teacher checkpoint straight into the layout of the inference mesh (`dp` x
+    `tp`): each device reads only its own slices, which every dp group shares. A Hugging
+    Face directory is read by `teacher.hf`.
+
+    With `teacher.dtype: bfloat16` the weights are converted once while they are read and
+    held in bfloat16 (half the memory; the forward would cast them anyway); with float32
+    they are held in float32."""
     mcfg = cfg.teacher.model
+    held = jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32
     if cfg.teacher.is_hf():
         from teacher.hf import load_hf_teacher
 
-        return load_hf_teacher(cfg.teacher.checkpoint, mcfg, mesh)
+        return load_hf_teacher(cfg.teacher.checkpoint, mcfg, mesh, dtype=held)
     target = sharding.shardings(mcfg, mesh)
     expand = mcfg.n_kv_heads < mesh.shape[TP]
     if expand:  # stored with n_kv_heads KV heads: read those replicated, then repeat per shard
         rep = NamedSharding(mesh, P())
         target = dict(target, layers=dict(target["layers"], wk=rep, wv=rep))
-    params = load_params(teacher_path(cfg), abstract_like(model.abstract_params(mcfg), target))
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, held), model.abstract_params(mcfg)
+    )  # Orbax converts to the target dtype as it reads
+    params = load_params(teacher_path(cfg), abstract_like(shapes, target))
     return sharding.shard_params(params, mcfg, mesh) if expand else params
 
 

@@ -1,11 +1,25 @@
-"""Eight simulated CPU devices, set once before JAX is imported anywhere in the test run."""
+"""Eight simulated CPU devices, set once before JAX is imported anywhere in the test run.
+
+Compiled programs go to a persistent cache under .pytest_cache/ (git-ignored): the tests
+compile the same small programs many times in fresh `jax.jit` objects (one per CLI run,
+Ray actor or layout), and a cache hit skips XLA. Measured on tests/test_cli.py here: 280 s
+without it, 198 s with a cold cache (hits within the session), 84 s warm (a second run).
+Set JAX_COMPILATION_CACHE_DIR yourself to put it elsewhere.
+"""
 
 import os
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax-compilation-cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import random  # noqa: E402
 

@@ -31,6 +31,27 @@ CASES = [  # (--set overrides, text the one-line message must contain)
         "teacher.model.n_kv_heads: 4 must divide or be a multiple of mesh.teacher.tp=3",
     ),
     (["train.batch_size=5"], "train.batch_size: 5 is not divisible by mesh.student.dp=2"),
+    (["mesh.student.fsdp=4"], "student dp=2 x fsdp=4 needs 10 devices"),
+    (
+        ["mesh.student.fsdp=2", "train.grad_accum=2"],
+        "train.batch_size: 4 is not divisible by mesh.student.dp=2 x mesh.student.fsdp=2 x "
+        "train.grad_accum=2 = 8",
+    ),
+    (
+        ["mesh.student.fsdp=2", "mesh.student.devices=[2, 3]"],
+        "mesh.student.devices: 2 ids given but mesh.student.dp=2 x mesh.student.fsdp=2",
+    ),
+    (["mesh.teacher.dp=3"], "train.batch_size: 4 is not divisible by mesh.teacher.dp=3"),
+    (
+        ["mesh.teacher.dp=2", "train.batch_size=12", "teacher.microbatch=4"],
+        "teacher.microbatch: 4 does not divide the 6 rows of each teacher dp group",
+    ),
+    (
+        ["teacher.top_k=null", "teacher.model.vocab_size=128256", "train.seq_len=4096"],
+        "teacher.top_k: null sends dense teacher log-probs, 2 rows x 4096 tokens x 128256 ids "
+        "x 4 B x 2 buffers = 7.8 GiB per student device, over the fixed budget of a cpu device "
+        "(4.0 GiB); set teacher.top_k",
+    ),
     (["student.model.vocab_size=300"], "student.model.vocab_size"),
     (["teacher.model.vocab_size=128"], "tokenizer"),
     (["data.source=/nonexistent/corpus"], "/nonexistent/corpus"),
@@ -92,7 +113,12 @@ def test_empty_data_and_missing_config(tmp_path, capsys):
     assert "not valid YAML" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob("pipelines/*.yaml")))
+# Pipelines for real hardware name weights and data that are not here: tests/test_plan.py
+# plans them from shapes alone instead.
+REAL_SIZE = {"pipelines/llama3-8b-to-1b.yaml"}
+
+
+@pytest.mark.parametrize("path", sorted(set(glob.glob("pipelines/*.yaml")) - REAL_SIZE))
 def test_every_shipped_pipeline_validates(path):
     cfg = load_config(path)
     assert main(["validate", path]) == 0

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import yaml
 
@@ -116,7 +117,9 @@ def test_plan_and_validate(finished_run, capsys):
     assert [d["id"] for d in plan["layout"]["teacher"]["devices"]] == [0, 1]
     assert [d["id"] for d in plan["layout"]["student"]["devices"]] == [2, 3]
     assert plan["teacher"]["params"] > plan["student"]["params"] > 0
-    assert "teacher tp=2" in out
+    assert "teacher dp=1 x tp=2" in out
+    assert plan["teacher_output_bytes_per_step"] == 8 * 8 * 4 * 32  # top-8 values + ids
+    assert "MiB/step between meshes" in out
     assert main(["validate", cfg_path]) == 0
 
 
@@ -139,6 +142,26 @@ def test_resume_continues_on_the_next_batch(finished_run, tmp_path, dp):
         for key in ("loss", "kd_loss", "ce_loss", "lr"):
             assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-4), key
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 6
+
+
+def test_fsdp_student_trains_as_the_dp_student(finished_run, tmp_path, corpus_dir):
+    """The student on dp=1 x fsdp=2 (its parameters and optimizer state split over the two
+    devices) gives the dp=2 run's losses and evaluations, with the same teacher."""
+    _, first_out, _ = finished_run
+    out = tmp_path / "out"
+    cfg = tiny_config(str(corpus_dir), str(out))
+    cfg["teacher"].update(checkpoint=str(first_out / "teacher"), pretrain_steps=0)
+    fsdp = ["--set", "mesh.student.fsdp=2", "--set", "mesh.student.dp=1"]
+    assert main(["run", _write(tmp_path, cfg), *fsdp]) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["mesh"]["student"]["fsdp"] == 2
+    before, after = _train(first_out), _train(out)
+    assert [r["step"] for r in after] == [r["step"] for r in before] == [2, 4, 6]
+    for a, b in zip(before, after, strict=True):
+        for key in ("loss", "kd_loss", "ce_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
+    evals = [[r for r in _records(o) if r.get("eval")] for o in (first_out, out)]
+    for a, b in zip(*evals, strict=True):
+        assert b["student_loss"] == pytest.approx(a["student_loss"], rel=1e-4)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
@@ -177,8 +200,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
 
 
 def test_dense_teacher_outputs_and_jsd(tmp_path, corpus_dir, finished_run):
-    """Dense log-probs (sharded over the vocabulary on the inference mesh) cross to the
-    training mesh; the bootstrapped teacher of another run is reused, not retrained. With
+    """Dense log-probs (whole rows, split over the inference mesh) cross to the training
+    mesh; the bootstrapped teacher of another run is reused, not retrained. With
     `train.profile`, a jax.profiler trace of the chosen steps lands under the output dir."""
     _, first_out, _ = finished_run
     out = tmp_path / "out"
@@ -194,6 +217,31 @@ def test_dense_teacher_outputs_and_jsd(tmp_path, corpus_dir, finished_run):
     assert list((out / "profile").rglob("*.xplane.pb"))  # TensorBoard / Perfetto readable
 
 
+def test_teacher_on_dp_x_tp_in_microbatches_trains_as_the_plain_layout(
+    tmp_path, corpus_dir, finished_run
+):
+    """The teacher on mesh.teacher.dp=2 x tp=2, one row per forward (its outputs hopped from
+    4 teacher devices to 2 student devices): the same losses and held-out metrics as the
+    plain tp=2 run, from the same bootstrapped teacher."""
+    _, first_out, _ = finished_run
+    out = tmp_path / "out"
+    cfg = tiny_config(str(corpus_dir), str(out))
+    cfg["teacher"]["checkpoint"] = str(first_out / "teacher")
+    sets = ["mesh.teacher.dp=2", "mesh.teacher.tp=2", "teacher.microbatch=1"]
+    assert main(["run", _write(tmp_path, cfg), *[a for s in sets for a in ("--set", s)]]) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["mesh"]["teacher"]["dp"] == 2
+    assert not (out / "teacher").exists()
+    plain, layout = _train(first_out), _train(out)
+    assert [r["step"] for r in layout] == [r["step"] for r in plain] == [2, 4, 6]
+    for key in ("loss", "kd_loss", "ce_loss"):
+        np.testing.assert_allclose(
+            [r[key] for r in layout], [r[key] for r in plain], rtol=1e-4, atol=1e-7
+        )
+    evals = [json.loads((o / "summary.json").read_text())["final_eval"] for o in (first_out, out)]
+    for key in ("teacher_loss", "student_loss", "kl"):
+        np.testing.assert_allclose(evals[1][key], evals[0][key], rtol=1e-4)
+
+
 def test_bench_with_cache_prints_every_figure(tmp_path, corpus_dir, capsys):
     """`distill bench --cache` end to end on the tiny config: every phase, the pipelined
     loop and offline training from a freshly written teacher cache."""
@@ -202,7 +250,21 @@ def test_bench_with_cache_prints_every_figure(tmp_path, corpus_dir, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("teacher_topk_ms", "student_kd_topk_ms", "pipeline_ms", "cache_pipeline_ms"):
         assert result[key] > 0, key
+    for key in ("mfu", "teacher_mfu"):  # vs the measured float32 matmul rate on CPU
+        assert 0 < result[key] < 1.5, key
     assert result["cache_over_student"] == pytest.approx(
         result["cache_pipeline_ms"] / result["student_kd_topk_ms"], rel=1e-3
     )
     assert result["cache_bytes_per_token"] > 0
+
+
+def test_top_k_at_the_tokenizers_vocabulary(tmp_path, corpus_dir, finished_run):
+    """top_k equal to the live vocabulary of a padded model vocabulary (259 byte ids of
+    260) is the dense divergence over the live ids: finite, not the ~1e22 of a tail bucket
+    holding only padded ids."""
+    _, first_out, _ = finished_run
+    out = tmp_path / "out"
+    cfg = tiny_config(str(corpus_dir), str(out), train={"steps": 2, "log_every": 1})
+    cfg["teacher"].update(top_k=259, checkpoint=str(first_out / "teacher"), pretrain_steps=0)
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    assert all(0 < r["kd_loss"] < 10 for r in _train(out))

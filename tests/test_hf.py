@@ -13,13 +13,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from distill import hf, model  # noqa: E402
 from distill.checkpoint import Checkpointer  # noqa: E402
 from distill.config import ModelConfig  # noqa: E402
 from distill.config_file import config_from_dict  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
+from distill.mesh import teacher_mesh  # noqa: E402
 from distill.tokenizers import ByteTokenizer  # noqa: E402
 from distill.types import Batch  # noqa: E402
 from pipelines.cli import main  # noqa: E402
@@ -74,8 +75,8 @@ def _batch(vocab, b=2, s=20):
     return Batch(tokens, tokens, np.ones_like(tokens), pos, np.ones((b, s), np.float32))
 
 
-def _mesh(tp):
-    return Mesh(np.array(jax.devices()[:tp]), ("tp",))
+def _mesh(tp, dp=1):
+    return teacher_mesh(jax.devices()[: dp * tp], dp, tp)
 
 
 CASES = {  # name: (tp, save_llama kwargs)
@@ -161,12 +162,18 @@ def test_hf_dir_sets_teacher_model(hf_teacher, corpus_dir, tmp_path):
     assert not plain.teacher.is_hf()
 
 
-def test_load_teacher_dispatches_to_hf(hf_teacher, corpus_dir, tmp_path):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_load_teacher_dispatches_to_hf(hf_teacher, corpus_dir, tmp_path, dp):
+    """On a dp x tp inference mesh too: the weights replicated over dp, each dp group
+    running its own rows."""
     cfg = config_from_dict(_cfg_tree(corpus_dir, tmp_path, hf_teacher))
-    params = load_teacher(cfg, _mesh(2))
-    batch = _batch(260, b=1, s=8)
+    mesh = _mesh(2, dp)
+    params = load_teacher(cfg, mesh)
+    assert params["layers"]["wq"].sharding.spec == P(None, None, "tp")
+    assert params["layers"]["wq"].sharding.mesh.shape == {"dp": dp, "tp": 2}
+    batch = _batch(260, b=2, s=8)
     ref = _hf_logits(transformers.LlamaForCausalLM.from_pretrained(str(hf_teacher)), batch.tokens)
-    out = make_forward(cfg.teacher.model, _mesh(2), mode="logits")(params, batch)
+    out = make_forward(cfg.teacher.model, mesh, mode="logits")(params, batch)
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -298,15 +305,17 @@ def test_load_benchmark_script_runs(tmp_path):
     assert result["load_s"] > 0 and result["peak_rss_above_start_bytes"] >= 0
 
 
-@pytest.mark.parametrize("torch_dtype", [torch.float32, torch.bfloat16])
-def test_plan_counts_the_stored_dtype_of_an_hf_teacher(corpus_dir, tmp_path, capsys, torch_dtype):
-    """`distill plan`: an HF teacher's weights are held at their stored dtype, whatever
-    teacher.dtype (the compute dtype) says."""
+@pytest.mark.parametrize(
+    "torch_dtype, held", [(torch.float32, "bfloat16"), (torch.bfloat16, "float32")]
+)
+def test_plan_counts_the_teacher_weights_as_held(corpus_dir, tmp_path, capsys, torch_dtype, held):
+    """`distill plan`: an HF teacher's weights are converted once, as they are read, to
+    teacher.dtype (the compute dtype) and held so, whatever dtype they were stored in."""
     _save_llama(tmp_path / "t", torch_dtype=torch_dtype, vocab_size=260, num_attention_heads=4)
-    tree = _cfg_tree(corpus_dir, tmp_path / "out", tmp_path / "t", dtype="float32")
+    tree = _cfg_tree(corpus_dir, tmp_path / "out", tmp_path / "t", dtype=held)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(tree))
     assert main(["plan", str(path)]) == 0
     teacher = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["teacher"]
-    itemsize = 2 if torch_dtype == torch.bfloat16 else 4
+    itemsize = 2 if held == "bfloat16" else 4
     assert teacher["weight_bytes_per_device"] == teacher["params"] * itemsize // 2  # tp=2

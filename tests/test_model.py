@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from distill import model
 from distill.config import ModelConfig
+from distill.mesh import teacher_mesh
 from distill.types import Batch
 from teacher.forward import make_forward
 from teacher.sharding import shard_params
@@ -21,7 +21,7 @@ def _batch(b=2, s=12, vocab=64, seed=0):
 
 
 def _mesh(tp):
-    return Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    return teacher_mesh(jax.devices()[:tp], 1, tp)
 
 
 CASES = [  # (tp, n_heads, n_kv_heads, tie)

@@ -143,6 +143,33 @@ def test_two_teacher_replicas(ray_cluster, local_run, corpus_dir, tmp_path):
     assert _summary(out)["teacher_replicas"] == 2
 
 
+def test_teacher_actor_on_dp_x_tp_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):
+    """A teacher actor on mesh.teacher.dp=2 x tp=2 (4 devices, one row per forward): the
+    local run's losses (tp=2 alone), within float tolerance."""
+    out = tmp_path / "out"
+    mesh = {"teacher": {"dp": 2, "tp": 2}, "student": {"dp": 2}}
+    cfg = _ray_config(corpus_dir, out, local_run, mesh=mesh, teacher={"microbatch": 1})
+    assert _run(tmp_path, cfg) == 0
+    ray_records, local_records = _train(out), _train(local_run)
+    assert sorted(ray_records) == sorted(local_records) == [2, 4, 6]
+    for step, expected in local_records.items():
+        for key in KEYS:
+            assert ray_records[step][key] == pytest.approx(expected[key], rel=1e-4), (step, key)
+
+
+def test_student_actor_on_dp_x_fsdp_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):
+    """A student actor on mesh.student.dp=1 x fsdp=2 (its state split over its 2 devices):
+    the local run's losses (dp=2), within float tolerance."""
+    out = tmp_path / "out"
+    mesh = {"teacher": {"tp": 2}, "student": {"dp": 1, "fsdp": 2}}
+    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run, mesh=mesh)) == 0
+    ray_records, local_records = _train(out), _train(local_run)
+    assert sorted(ray_records) == sorted(local_records) == [2, 4, 6]
+    for step, expected in local_records.items():
+        for key in KEYS:
+            assert ray_records[step][key] == pytest.approx(expected[key], rel=1e-4), (step, key)
+
+
 def test_from_teacher_student_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):
     """`student.init: from_teacher` in the student actor: the same start, so the same losses
     as the local mode."""

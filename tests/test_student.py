@@ -61,8 +61,9 @@ def test_dp_step_matches_single_device(kind):
     for a, b in zip(h1, h4, strict=True):
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=2e-5, abs=2e-6), k
+    # Adam divides by sqrt(v): float reassociation in near-zero gradients shows at lr scale
     for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
-        np.testing.assert_allclose(x, y, atol=5e-6, rtol=1e-4)
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
     assert h1[-1]["loss"] < h1[0]["loss"]
 
 

@@ -15,6 +15,7 @@ from distill import losses, model
 from distill.config import DataConfig, DistillLossConfig, ModelConfig, OptimConfig
 from distill.data import load_corpus
 from distill.errors import DistillError
+from distill.mesh import teacher_mesh
 from distill.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from distill.types import Batch, TeacherOutput
 from pipelines.cli import main
@@ -181,7 +182,7 @@ def test_padded_vocab_is_masked_on_every_shard(tp, limit):
     cfg = ModelConfig(
         vocab_size=PADDED_VOCAB, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=48
     )
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    mesh = teacher_mesh(jax.devices()[:tp], 1, tp)
     params, batch = model.init_params(cfg, 0), _batch(vocab=limit)
     sharded = shard_params(params, cfg, mesh)
     t = 2.0
@@ -247,8 +248,8 @@ def test_padded_and_masked_equals_unpadded(loss, top_k):
     batch = _batch(b=4, vocab=limit)
     results = []
     for cfg, p, lim, t_mesh, s_mesh in (
-        (padded, params, limit, mesh("tp", [0, 1, 2, 3]), mesh("dp", [4, 5])),
-        (unpadded, trimmed, None, mesh("tp", [0]), mesh("dp", [1])),
+        (padded, params, limit, teacher_mesh(jax.devices()[:4], 1, 4), mesh("dp", [4, 5])),
+        (unpadded, trimmed, None, teacher_mesh(jax.devices()[:1], 1, 1), mesh("dp", [1])),
     ):
         mode = "topk" if top_k else "dense"
         fwd = make_forward(cfg, t_mesh, mode=mode, temperature=2.0, top_k=top_k, vocab_limit=lim)

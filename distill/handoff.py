@@ -1,0 +1,62 @@
+"""Moving batch-major arrays from one mesh to the other, device to device.
+
+`jax.device_put` of an array onto another mesh copies buffer to buffer only when each
+destination shard is exactly one source shard (the same rows); for any other pair of
+layouts it fetches the whole array to the host and places it again (JAX's slow path). The
+teacher's outputs are batch-major, whole rows split over its devices (`teacher.sharding`),
+and the student's batch sharding splits rows too, so `hop` never needs the host: when the
+row blocks match it is that plain copy; when they do not (a teacher split over more devices
+than the student, or fewer), each student shard is made on its device from copies of the
+teacher's row blocks it spans, sliced on the teacher's devices where a block reaches past it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Rows = tuple[int, int]  # [start, stop) of the leading axis
+
+
+def hop(tree, sharding):
+    """Each array of `tree` placed on `sharding` (host arrays: one host-to-device put)."""
+    return jax.tree.map(lambda x: _hop(x, sharding), tree)
+
+
+def row_blocks(index: tuple, shape: tuple[int, ...]) -> Rows | None:
+    """The rows a shard's index covers, or None if it splits any axis but the first."""
+    if any(s.indices(n)[:2] != (0, n) for s, n in zip(index[1:], shape[1:], strict=True)):
+        return None
+    return index[0].indices(shape[0])[:2]
+
+
+def _hop(x, sharding):
+    if not isinstance(x, jax.Array) or x.sharding == sharding:
+        return jax.device_put(x, sharding)
+    src: dict[Rows, jax.Array] = {}
+    for shard in x.addressable_shards:
+        rows = row_blocks(shard.index, x.shape)
+        if rows is None:  # not batch-major: JAX's own reshard (may go through the host)
+            return jax.device_put(x, sharding)
+        src.setdefault(rows, shard.data)
+    indices = sharding.addressable_devices_indices_map(x.shape)
+    dst = {device: row_blocks(index, x.shape) for device, index in indices.items()}
+    if None in dst.values():
+        return jax.device_put(x, sharding)
+    if all(rows in src for rows in dst.values()):
+        return jax.device_put(x, sharding)  # one buffer copy per destination device
+    shards = [_assemble(src, rows, device) for device, rows in dst.items()]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+
+def _assemble(src: dict[Rows, jax.Array], rows: Rows, device) -> jax.Array:
+    """Rows [a, b) on `device`: the overlapping part of each source block (sliced on its own
+    device), copied over, concatenated there."""
+    a, b = rows
+    parts = []
+    for (s0, s1), buf in sorted(src.items()):
+        lo, hi = max(a, s0), min(b, s1)
+        if lo < hi:
+            part = buf if (lo, hi) == (s0, s1) else jax.lax.slice_in_dim(buf, lo - s0, hi - s0)
+            parts.append(jax.device_put(part, device))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)

@@ -1,0 +1,129 @@
+"""Per-device memory of both roles' programs, from XLA's compile-time analysis.
+
+`distill plan` lowers and compiles the teacher forward and the student train step on the
+run's meshes from abstract shapes (`jax.ShapeDtypeStruct` with shardings): nothing is
+executed and no weights are loaded. XLA's `memory_analysis()` of an SPMD program is per
+device: arguments (weights, optimizer state, the batch), outputs, and temporaries (the
+activations kept for the backward pass, attention and loss workspaces). Peak is
+arguments + outputs + temporaries - the donated buffers that outputs reuse.
+
+On an accelerator `distill validate` and `distill run` refuse a config whose peak exceeds
+the device's memory, before any weights are loaded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from distill import model
+from distill.checkpoint import abstract_like
+from distill.config import Config
+from distill.errors import DistillError
+from distill.mesh import TP, Meshes
+from distill.types import Batch
+from student import train
+from teacher import sharding
+from teacher.forward import make_forward
+
+
+def _batch(cfg: Config, shard) -> Batch:
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    i32 = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shard)
+    return Batch(i32, i32, i32, i32, jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=shard))
+
+
+def _figures(compiled) -> dict:
+    m = compiled.memory_analysis()
+    args, out, temp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
+    return {"temp": temp, "peak": args + out + temp - m.alias_size_in_bytes}
+
+
+def _teacher(cfg: Config, mesh, vocab_limit: int | None):
+    mcfg, k = cfg.teacher.model, cfg.teacher.top_k
+    fwd = make_forward(
+        mcfg,
+        mesh,
+        mode="topk" if k else "dense",
+        temperature=cfg.distill.temperature,
+        top_k=k,
+        dtype=cfg.teacher.dtype,
+        vocab_limit=vocab_limit,
+        microbatch=cfg.teacher.microbatch,
+    )
+    held = jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32  # as loaded
+    shapes = jax.eval_shape(
+        lambda p: sharding.expand_kv_heads(p, mcfg, mesh.shape[TP]),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, held), model.abstract_params(mcfg)),
+    )
+    params = abstract_like(shapes, sharding.shardings(mcfg, mesh))
+    batch = _batch(cfg, sharding.batch_sharding(mesh))
+    lowered = fwd.lower(params, batch)
+    return lowered.compile(), jax.eval_shape(fwd, params, batch)
+
+
+def _student(cfg: Config, mesh, teacher_out, vocab_limit: int | None):
+    tx, step = train.distill_step_for(cfg, mesh, vocab_limit=vocab_limit)
+    split = train.batch_sharding(mesh)
+    out = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), teacher_out
+    )
+    state = train.abstract_state(cfg.student_model(), tx, mesh)
+    return step.lower(state, _batch(cfg, split), out).compile()
+
+
+def device_memory(meshes: Meshes) -> int | None:
+    """Bytes of memory of one device of the run's platform; None where unknown (CPU)."""
+    if meshes.platform == "cpu":
+        return None
+    stats = list(meshes.student.devices.flat)[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def memory(cfg: Config, meshes: Meshes, vocab_limit: int | None) -> dict:
+    """The plan's memory figures (bytes per device) of both roles' compiled programs."""
+    t_compiled, t_out = _teacher(cfg, meshes.teacher, vocab_limit)
+    t = _figures(t_compiled)
+    s = _figures(_student(cfg, meshes.student, t_out, vocab_limit))
+    return {
+        "teacher": {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]},
+        "student": {"step_temp_bytes_per_device": s["temp"], "peak_bytes_per_device": s["peak"]},
+        "device_memory_bytes": device_memory(meshes),
+    }
+
+
+def check_fits(mem: dict) -> None:
+    """One DistillError line when a role's compiled peak exceeds the device's memory."""
+    limit = mem["device_memory_bytes"]
+    if limit is None:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    for role, keys in (
+        ("teacher", "mesh.teacher / teacher.microbatch"),
+        ("student", "mesh.student.fsdp / train.remat / train.grad_accum"),
+    ):
+        peak = mem[role]["peak_bytes_per_device"]
+        if peak > limit:
+            raise DistillError(
+                f"{role}: the compiled program needs {gib(peak)} per device but a device has "
+                f"{gib(limit)}; spread it over more devices or lower its memory ({keys})"
+            )
+
+
+def add_to_plan(p: dict, mem: dict) -> dict:
+    """The plan with the memory figures merged into its teacher and student sections."""
+    p["teacher"].update(mem["teacher"])
+    p["student"].update(mem["student"])
+    p["device_memory_bytes"] = mem["device_memory_bytes"]
+    return p
+
+
+def format_memory(mem: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    t, s, limit = mem["teacher"], mem["student"], mem["device_memory_bytes"]
+    return (
+        f"memory per device (XLA, compiled): teacher forward {gib(t['peak_bytes_per_device'])} "
+        f"peak ({gib(t['forward_temp_bytes_per_device'])} temporaries), student step "
+        f"{gib(s['peak_bytes_per_device'])} peak ({gib(s['step_temp_bytes_per_device'])} "
+        f"temporaries); device {gib(limit) if limit else 'n/a (CPU)'}"
+    )

@@ -1,0 +1,142 @@
+"""The student's layout on the training mesh (`dp` x `fsdp`): one PartitionSpec per weight.
+
+ZeRO-3 style: every weight is split over `fsdp` along its largest dimension that `fsdp`
+divides and replicated over `dp`; gradients and the optimizer state (Adam's moments) are laid
+out like the weights they belong to. The stacked-layer axis is never split (the layer scan
+takes one whole layer per step), nor are the norms (a few kilobytes). The batch is split
+over both axes, every device its own rows. From these specs alone, as the train step's
+`jax.jit` in/out shardings, XLA's SPMD partitioner gathers each weight where it is used and
+reduce-scatters its gradient. On a mesh without an `fsdp` axis (the teacher bootstrap's 1-D
+`dp` mesh, one device) every weight is replicated: plain data parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distill import model
+from distill.config import ModelConfig
+from distill.mesh import DP, FSDP
+
+# Every weight's dimensions by name ([L, ...]: the stacked layers); read with `dim_sizes`.
+WEIGHT_DIMS = {
+    "embed": ("vocab", "d_model"),
+    "lm_head": ("d_model", "vocab"),
+    "final_norm": ("d_model",),
+    "layers": {
+        "attn_norm": ("layer", "d_model"),
+        "wq": ("layer", "d_model", "q_dim"),  # q_dim = n_heads * head_dim
+        "wk": ("layer", "d_model", "kv_dim"),  # kv_dim = n_kv_heads * head_dim
+        "wv": ("layer", "d_model", "kv_dim"),
+        "wo": ("layer", "q_dim", "d_model"),
+        "mlp_norm": ("layer", "d_model"),
+        "w_gate": ("layer", "d_model", "d_ff"),
+        "w_up": ("layer", "d_model", "d_ff"),
+        "w_down": ("layer", "d_ff", "d_model"),
+    },
+}
+NEVER_SPLIT = ("layer",)
+REPLICATED = ("attn_norm", "mlp_norm", "final_norm")
+
+
+def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The size of every dimension named in WEIGHT_DIMS, for the model `cfg`."""
+    return {
+        "layer": cfg.n_layers,
+        "vocab": cfg.vocab_size,
+        "d_model": cfg.d_model,
+        "q_dim": cfg.n_heads * cfg.hd,
+        "kv_dim": cfg.n_kv_heads * cfg.hd,
+        "d_ff": cfg.d_ff,
+    }
+
+
+def fsdp_spec(name: str, dims: tuple[str, ...], sizes: dict[str, int], fsdp: int) -> P:
+    """The spec of one weight: its largest dimension that `fsdp` divides (on a tie, the
+    later one: output features) over `fsdp`; replicated if none, or if it is a norm."""
+    splittable = [
+        (sizes[d], i) for i, d in enumerate(dims) if d not in NEVER_SPLIT and sizes[d] % fsdp == 0
+    ]
+    if fsdp == 1 or name in REPLICATED or not splittable:
+        return P()
+    _, axis = max(splittable)
+    return P(*(FSDP if i == axis else None for i in range(len(dims))))
+
+
+def param_specs(cfg: ModelConfig, fsdp: int) -> dict:
+    """A PartitionSpec per parameter of `cfg`'s model (the tree of `model.abstract_params`)
+    for an `fsdp`-way split. A parameter missing from WEIGHT_DIMS is an error, not a
+    silently replicated weight."""
+    sizes = dim_sizes(cfg)
+
+    def spec(path, leaf) -> P:
+        keys = _dict_keys(path)
+        dims = WEIGHT_DIMS
+        for k in keys:
+            dims = dims.get(k) if isinstance(dims, dict) else None
+            if dims is None:
+                raise KeyError(f"student.sharding: no WEIGHT_DIMS entry for {'/'.join(keys)}")
+        shape = tuple(sizes[d] for d in dims)
+        if shape != tuple(leaf.shape):
+            raise ValueError(f"{'/'.join(keys)}: WEIGHT_DIMS gives {shape}, model {leaf.shape}")
+        return fsdp_spec(keys[-1], dims, sizes, fsdp)
+
+    return jax.tree_util.tree_map_with_path(spec, model.abstract_params(cfg))
+
+
+def like_params(tree, params, specs: dict):
+    """Specs for a tree holding copies of the parameters `params` (shapes) laid out by
+    `specs`, e.g. an optax state, whose Adam moments are dicts keyed like the parameters:
+    a leaf whose dict-key path and shape are a parameter's gets that parameter's spec;
+    any other leaf (a step count) is replicated."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    by_path = {
+        _dict_keys(path): (tuple(p.shape), spec)
+        for (path, p), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True)
+    }
+
+    def spec(path, leaf) -> P:
+        shape, spec = by_path.get(_dict_keys(path), (None, P()))
+        return spec if shape == tuple(leaf.shape) else P()
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def _dict_keys(path) -> tuple:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def fsdp_size(mesh) -> int:
+    """The mesh's `fsdp` degree; 1 for a mesh without that axis."""
+    return dict(mesh.shape).get(FSDP, 1)
+
+
+def batch_spec(mesh) -> P:
+    """Rows split over every training axis `mesh` has (`dp`, `fsdp`): each device its own."""
+    return P(tuple(a for a in (DP, FSDP) if a in mesh.axis_names))
+
+
+def named(mesh, specs):
+    """The specs of a tree as NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def bytes_per_device(shapes, specs, axis_sizes: dict[str, int]) -> int:
+    """Bytes one device holds of the arrays `shapes` (ShapeDtypeStructs) laid out by
+    `specs` (a matching tree) on a mesh of `axis_sizes`, without a mesh or an allocation."""
+    total = 0
+    shapes_flat = jax.tree.leaves(shapes)
+    specs_flat = jax.tree.leaves(specs, is_leaf=_is_spec)
+    for x, spec in zip(shapes_flat, specs_flat, strict=True):
+        axes = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))]
+        split = math.prod(axis_sizes.get(a, 1) for a in axes if a is not None)
+        total += math.prod(x.shape) // split * x.dtype.itemsize
+    return total

@@ -1,0 +1,42 @@
+"""`distill plan`: sizes, and both roles' per-device memory from XLA's compile-time analysis."""
+
+import json
+
+import pytest
+import yaml
+
+from distill.config_file import load_config
+from pipelines.cli import main
+from tests.conftest import tiny_config
+
+
+def _plan(capsys, argv) -> dict:
+    assert main(["plan", *argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_memory_figures_are_present_and_sane(tmp_path, corpus_dir, capsys):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(str(corpus_dir), str(tmp_path / "out"))))
+    p = _plan(capsys, [str(path)])
+    t, s = p["teacher"], p["student"]
+    assert p["device_memory_bytes"] is None  # CPU: no device memory to compare with
+    assert 0 < t["forward_temp_bytes_per_device"] < t["peak_bytes_per_device"]
+    assert 0 < s["step_temp_bytes_per_device"] < s["peak_bytes_per_device"]
+    state = s["weight_bytes_per_device"] + s["optimizer_bytes_per_device"]
+    assert s["peak_bytes_per_device"] >= state  # the state is an argument of the step
+    assert not (tmp_path / "out").exists()  # planning writes nothing
+
+
+def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
+    """The shipped real-size pipeline, planned from shapes alone on simulated CPU devices
+    (no weights, no data): both roles' compiled peaks fit an 80 GB GPU."""
+    path = "pipelines/llama3-8b-to-1b.yaml"
+    cfg = load_config(path)
+    assert cfg.train.seq_len == 4096 and cfg.teacher.model.vocab_size == 128256
+    p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
+    for role in ("teacher", "student"):
+        assert p[role]["peak_bytes_per_device"] < 80e9, role
+    assert p["layout"]["teacher"]["shape"] == {"dp": 4, "tp": 1}
+    assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 4}
+    assert p["student"]["params"] == pytest.approx(1.236e9, rel=1e-3)
