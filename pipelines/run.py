@@ -14,7 +14,7 @@ from distill.mesh import Meshes, build_meshes
 from distill.metrics import MetricsStore
 from distill.tokenizers import vocab_limit
 from pipelines import plan_memory
-from pipelines.bootstrap import ensure_teacher
+from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.plan import format_plan, plan
 from pipelines.preflight import preflight, preflight_shapes
 
@@ -84,6 +84,8 @@ def run(cfg: Config) -> dict:
 
         host_cfg = driver_view(cfg)
     meshes, corpus = validate(host_cfg)
+    if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
+        check_bootstrap_fits(host_cfg)  # before anything is written
     p = plan(cfg, meshes)
     log.info("plan:\n%s", format_plan(p))
     outputs.write_config(cfg)

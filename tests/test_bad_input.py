@@ -113,12 +113,7 @@ def test_empty_data_and_missing_config(tmp_path, capsys):
     assert "not valid YAML" in capsys.readouterr().err
 
 
-# Pipelines for real hardware name weights and data that are not here: tests/test_plan.py
-# plans them from shapes alone instead.
-REAL_SIZE = {"pipelines/llama3-8b-to-1b.yaml"}
-
-
-@pytest.mark.parametrize("path", sorted(set(glob.glob("pipelines/*.yaml")) - REAL_SIZE))
+@pytest.mark.parametrize("path", sorted(glob.glob("pipelines/*.yaml")))
 def test_every_shipped_pipeline_validates(path):
     cfg = load_config(path)
     assert main(["validate", path]) == 0
@@ -146,3 +141,14 @@ def test_several_config_mistakes_are_all_printed(tmp_path, capsys):
     for key in ("teacher.modle: unknown key", "bogus: unknown key", "train.steps: "):
         assert any(key in line for line in lines), err
     assert "distill: error: config: data: required field is missing" in lines
+
+
+def test_an_8b_teacher_is_not_bootstrapped_on_this_host(tmp_path, capsys):
+    """The shipped 8B-to-1B pipeline without the teacher's weights: one line, exit 2,
+    before anything is written (not an out-of-memory crash in the bootstrap)."""
+    out = tmp_path / "out"
+    argv = ["run", "pipelines/llama3-8b-to-1b.yaml", "--set", f"run.output_dir={out}"]
+    assert main([*argv, "--set", f"teacher.checkpoint={tmp_path / 'teacher'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distill: error: teacher.checkpoint:") and "8.0B" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
