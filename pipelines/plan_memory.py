@@ -24,7 +24,7 @@ from distill.mesh import TP, Meshes
 from distill.types import Batch
 from student import train
 from teacher import sharding
-from teacher.forward import make_forward
+from teacher.forward import make_output_forward
 
 
 def _batch(cfg: Config, shard) -> Batch:
@@ -40,17 +40,8 @@ def _figures(compiled) -> dict:
 
 
 def _teacher(cfg: Config, mesh, vocab_limit: int | None):
-    mcfg, k = cfg.teacher.model, cfg.teacher.top_k
-    fwd = make_forward(
-        mcfg,
-        mesh,
-        mode="topk" if k else "dense",
-        temperature=cfg.distill.temperature,
-        top_k=k,
-        dtype=cfg.teacher.dtype,
-        vocab_limit=vocab_limit,
-        microbatch=cfg.teacher.microbatch,
-    )
+    mcfg = cfg.teacher.model
+    fwd = make_output_forward(cfg, mesh, vocab_limit)
     held = jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32  # as loaded
     shapes = jax.eval_shape(
         lambda p: sharding.expand_kv_heads(p, mcfg, mesh.shape[TP]),

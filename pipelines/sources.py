@@ -19,7 +19,7 @@ from distill.types import Batch
 from pipelines import teacher_cache
 from pipelines.loop import Item
 from pipelines.timing import ReadyWatcher
-from teacher.forward import make_forward
+from teacher.forward import make_forward, make_output_forward
 from teacher.sharding import batch_sharding
 from teacher.weights import load_teacher
 
@@ -29,22 +29,12 @@ class OnlineTeacher:
     (top-k or dense log-probs, as configured) and its dense eval logits, each batch-major
     with its rows split over the mesh's devices (`teacher.forward`)."""
 
-    def __init__(self, cfg: Config, mesh, tokenizer, *, top_k: int | None = None):
+    def __init__(self, cfg: Config, mesh, tokenizer):
         mcfg = cfg.teacher.model
         limit = vocab_limit(tokenizer, mcfg.vocab_size)  # padded ids: masked throughout
-        top_k = cfg.teacher.top_k if top_k is None else top_k
         self.params = load_teacher(cfg, mesh)
         self.put = batch_sharding(mesh)  # batches: rows split over dp, replicated over tp
-        self._output = make_forward(
-            mcfg,
-            mesh,
-            mode="topk" if top_k else "dense",
-            temperature=cfg.distill.temperature,
-            top_k=top_k,
-            dtype=cfg.teacher.dtype,
-            vocab_limit=limit,
-            microbatch=cfg.teacher.microbatch,
-        )
+        self._output = make_output_forward(cfg, mesh, limit)
         self._logits = make_forward(
             mcfg,
             mesh,

@@ -23,7 +23,7 @@ import jax
 
 from distill import collectives as cc
 from distill import model
-from distill.config import ModelConfig
+from distill.config import Config, ModelConfig
 from distill.mesh import TP
 from distill.types import Batch, TeacherOutput
 from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
@@ -114,3 +114,19 @@ def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None):
     n = rows // size
     out = jax.lax.map(fn, jax.tree.map(lambda x: x.reshape(n, size, *x.shape[1:]), batch))
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
+
+
+def make_output_forward(cfg: Config, mesh, vocab_limit: int | None):
+    """The run's training-time teacher output (top-k with `teacher.top_k`, else dense
+    log-probs), at `distill.temperature`, in `teacher.microbatch` rows at a time."""
+    k = cfg.teacher.top_k
+    return make_forward(
+        cfg.teacher.model,
+        mesh,
+        mode="topk" if k else "dense",
+        temperature=cfg.distill.temperature,
+        top_k=k,
+        dtype=cfg.teacher.dtype,
+        vocab_limit=vocab_limit,
+        microbatch=cfg.teacher.microbatch,
+    )
