@@ -83,11 +83,28 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
-    def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
+    def save(
+        self, step: int, state: Any, data_state: dict, *, force: bool = False, extra: Any = None
+    ) -> bool:
+        """`extra`: a pytree saved beside the state (e.g. the recent parameters an
+        on-policy run generates with), read back by `restore_extra`."""
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
         if self.meta is not None:
             items["meta"] = ocp.args.JsonSave(self.meta)
+        if extra is not None:
+            items["extra"] = ocp.args.StandardSave(extra)
         return self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def restore_extra(self, step: int, abstract_extra: Any) -> Any:
+        """The `extra` saved with `step`, onto the shardings of `abstract_extra`."""
+        args = ocp.args.Composite(extra=ocp.args.StandardRestore(abstract_extra))
+        try:
+            return self._mngr.restore(step, args=args).extra
+        except (KeyError, FileNotFoundError, ValueError) as e:
+            raise DistillError(
+                f"run.output_dir: checkpoint step {step} lacks what this run needs to resume "
+                f"exactly (the recent parameters of an on-policy run): {_reason(e)}"
+            ) from None
 
     def stored_meta(self, step: int | None = None) -> dict | None:
         """The `meta` saved with `step` (default the latest); None when there is none (no

@@ -269,6 +269,39 @@ class DataConfig(_Section):
     )
 
 
+class OnPolicyConfig(_Section):
+    """On-policy distillation (GKD): the student learns on its own continuations, which
+    the teacher scores token by token. prompt_len and max_new_tokens also set the
+    continuations every evaluation samples (`sample_teacher_nll`)."""
+
+    fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of batches trained on the student's own continuations (GKD's "
+        "lambda): 0 is off-policy KD on the data, 1 fully on-policy.",
+    )
+    prompt_len: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt tokens: the first prompt_len tokens of each packed row (or, with "
+        "data.prompt_field, each prompt's last ones); default min(32, train.seq_len / 4).",
+    )
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens the student generates per prompt (it stops earlier at EOS, the "
+        "end of its document); default min(64, train.seq_len + 1 - prompt_len).",
+    )
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+
+    def lengths(self, seq_len: int) -> tuple[int, int]:
+        """(prompt_len, max_new_tokens) with their defaults for rows of `seq_len` tokens."""
+        p = self.prompt_len or max(1, min(32, seq_len // 4))
+        return p, self.max_new_tokens or max(1, min(64, seq_len + 1 - p))
+
+
 class DistillLossConfig(_Section):
     loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
         "forward_kl", description="Divergence between teacher and student."
@@ -276,6 +309,7 @@ class DistillLossConfig(_Section):
     temperature: float = Field(2.0, gt=0, description="Softmax temperature T (KD scaled by T^2).")
     alpha: float = Field(0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE.")
     beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
+    on_policy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
 
 
 class OptimConfig(_Section):
@@ -332,6 +366,14 @@ class PipelineConfig(_Section):
         "each owning its devices (see the ray section).",
     )
     prefetch: int = Field(2, ge=1, description="Teacher outputs in flight at most.")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="On-policy: the continuations trained on at step n are generated with "
+        "the student's parameters after step n-1-max_staleness, so generation, teacher "
+        "scoring and training overlap; 0: strictly on-policy, no overlap. pipeline.prefetch "
+        "must not exceed max_staleness + 1.",
+    )
 
 
 class RayConfig(_Section):

@@ -104,22 +104,38 @@ class Block(nnx.Module):
         self.hd, self.eps, self.theta = hd, cfg.norm_eps, cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling
 
-    def __call__(self, x_bsd, segment_ids_bs, positions_bs, tp_axis: str | None, backend: str):
+    def qkv(self, x_bsd, positions_bs):
+        """Queries [B, S, H, hd] and keys, values [B, S, KV, hd] (local heads), RoPE applied."""
         dt = x_bsd.dtype
         b, s, _ = x_bsd.shape
         h = rms_norm(x_bsd, self.attn_norm[...], self.eps)
-        q = (h @ self.wq[...].astype(dt)).reshape(b, s, -1, self.hd)  # local heads
+        q = (h @ self.wq[...].astype(dt)).reshape(b, s, -1, self.hd)
         k = (h @ self.wk[...].astype(dt)).reshape(b, s, -1, self.hd)
         v = (h @ self.wv[...].astype(dt)).reshape(b, s, -1, self.hd)
         q = rope(q, positions_bs, self.theta, self.rope_scaling)
         k = rope(k, positions_bs, self.theta, self.rope_scaling)
-        o = attention(q, k, v, segment_ids_bs, backend=backend, scale=1 / math.sqrt(self.hd))
-        x_bsd = x_bsd + cc.psum(o.reshape(b, s, -1) @ self.wo[...].astype(dt), tp_axis)
+        return q, k, v
 
+    def finish(self, x_bsd, o_bshd, tp_axis: str | None):
+        """The block's output from its input and its attention output: the output
+        projection, the residuals and the SwiGLU MLP."""
+        dt = x_bsd.dtype
+        b, s, _ = x_bsd.shape
+        x_bsd = x_bsd + cc.psum(o_bshd.reshape(b, s, -1) @ self.wo[...].astype(dt), tp_axis)
         h = rms_norm(x_bsd, self.mlp_norm[...], self.eps)
         gate = jax.nn.silu(h @ self.w_gate[...].astype(dt))
         up = h @ self.w_up[...].astype(dt)
         return x_bsd + cc.psum((gate * up) @ self.w_down[...].astype(dt), tp_axis)
+
+    def __call__(self, x_bsd, segment_ids_bs, positions_bs, tp_axis: str | None, backend: str):
+        x, _ = self.with_kv(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend)
+        return x
+
+    def with_kv(self, x_bsd, segment_ids_bs, positions_bs, tp_axis: str | None, backend: str):
+        """(the block's output, its keys and values): a prefill fills a KV cache with them."""
+        q, k, v = self.qkv(x_bsd, positions_bs)
+        o = attention(q, k, v, segment_ids_bs, backend=backend, scale=1 / math.sqrt(self.hd))
+        return self.finish(x_bsd, o, tp_axis), (k, v)
 
 
 class Transformer(nnx.Module):

@@ -19,6 +19,16 @@ class Batch(NamedTuple):
     mask: Array  # float32 1.0 where the target is a real next token of the same document
 
 
+class Continuations(Batch):
+    """Rows of prompts and the student's own continuations (on-policy distillation,
+    `distill.decode.continuation_batch`): `mask` marks the generated targets, and the
+    student's loss on them is the divergence alone (no cross-entropy on its own samples).
+    A distinct pytree type, so a step compiled for it is compiled once, beside the one for
+    the data's rows."""
+
+    __slots__ = ()
+
+
 class TeacherOutput(NamedTuple):
     """Teacher log-probabilities at the distillation temperature T: log softmax(z / T).
 
@@ -29,3 +39,13 @@ class TeacherOutput(NamedTuple):
 
     logprobs: Array
     ids: Array | None = None
+
+
+class Prompts(NamedTuple):
+    """Prompts to continue, [B, P] each, laid out as packed rows (`distill.decode`): the
+    continuation extends each row's last document; rows shorter than P are left-padded
+    with segment id 0."""
+
+    tokens: Array  # int32
+    segment_ids: Array  # int32; 0 marks padding
+    positions: Array  # int32 position within the document

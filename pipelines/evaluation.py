@@ -52,8 +52,11 @@ class Evaluation:
     """The loop's evaluation hook: the teacher's dense eval logits from the source (kept
     when small: the teacher is frozen) against the student's, on the executor."""
 
-    def __init__(self, cfg: Config, batches: list, source, executor):
+    def __init__(self, cfg: Config, batches: list, source, executor, samples=None):
+        """`samples()`: more metrics of the student's own samples (`pipelines.on_policy`
+        .SampleScore on the current parameters), or None."""
         self._batches, self._source, self._executor = batches, source, executor
+        self._samples = samples
         self._keep = eval_cache_fits(cfg)
         self._logits = None
 
@@ -65,4 +68,5 @@ class Evaluation:
                 return None
             if self._keep:
                 logits = self._logits = list(logits)
-        return self._executor.evaluate(self._batches, logits, self._keep)
+        m = self._executor.evaluate(self._batches, logits, self._keep)
+        return m if self._samples is None else {**m, **self._samples()}

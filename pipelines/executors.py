@@ -17,6 +17,7 @@ from distill.checkpoint import Checkpointer
 from pipelines.timing import ReadyWatcher
 from student import train
 from student.evaluate import StudentEval
+from student.generate import ParamHistory
 
 
 class LocalExecutor:
@@ -38,17 +39,21 @@ class LocalExecutor:
         ckpt: Checkpointer | None = None,
         evaluator: StudentEval | None = None,
         tokens_per_step: int = 1,
+        history: ParamHistory | None = None,
     ):
         self._split = train.batch_sharding(mesh)
         self._start_fn, self._step_fn, self._with_teacher = start_fn, step_fn, with_teacher
         self._ckpt, self._evaluator = ckpt, evaluator
         self._tokens = tokens_per_step
+        self.history = history  # the recent parameters, for on-policy generation
         self._watch = ReadyWatcher("student")
         self.state = None
         self._bytes_per_token: float | None = None
 
     def start(self) -> tuple[int, dict | None]:
         self.state, data_state, start = self._start_fn()
+        if self.history is not None:
+            self.history.start(start, self.state.params, self._ckpt)
         return start, data_state
 
     def restart(self, err: BaseException):
@@ -63,6 +68,8 @@ class LocalExecutor:
         args = (teacher_out,) if self._with_teacher else ()
         self.state, metrics = self._step_fn(self.state, jax.device_put(batch, self._split), *args)
         self._watch.watch(metrics)
+        if self.history is not None:
+            self.history.record(step, self.state.params)
         if self._bytes_per_token is None and teacher_out is not None:
             nbytes = sum(x.nbytes for x in jax.tree.leaves(teacher_out))
             self._bytes_per_token = nbytes / self._tokens
@@ -85,7 +92,8 @@ class LocalExecutor:
         return self._evaluator(self.state.params, batches, moved, keep)
 
     def save(self, step: int, data_state: dict) -> None:
-        self._ckpt.save(step, self.state, data_state, force=True)
+        extra = None if self.history is None else self.history.extra(step)
+        self._ckpt.save(step, self.state, data_state, force=True, extra=extra)
 
     def finish(self) -> None:
         if self._ckpt is not None:

@@ -15,19 +15,26 @@ from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Hooks, Loop
 from pipelines.progress import distill_record
+from pipelines.on_policy import OnPolicySource, SampleScore
 from pipelines.sources import CacheSource, OnlineSource, OnlineTeacher
 from student import train
 from student.evaluate import StudentEval
+from student.generate import ParamHistory, sampler_for
 from student.state import run_checkpointer, start_student
 from teacher.weights import student_init_params
 
 
 def student_executor(cfg: Config, corpus: Corpus, mesh) -> LocalExecutor:
     """The run's student on the training mesh: its state (resumed, or initialised), its
-    compiled distillation step, its checkpoints and its side of evaluation."""
+    compiled distillation step, its checkpoints and its side of evaluation; for on-policy
+    runs, the recent parameters it generates with."""
     limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
     tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit)
     ckpt = run_checkpointer(cfg)
+    history = None
+    if cfg.distill.on_policy.fraction > 0:
+        abstract = train.abstract_state(cfg.student_model(), tx, mesh).params
+        history = ParamHistory(cfg.pipeline.max_staleness, abstract)
     return LocalExecutor(
         mesh,
         lambda: start_student(cfg, tx, mesh, ckpt, lambda: student_init_params(cfg)),
@@ -35,28 +42,45 @@ def student_executor(cfg: Config, corpus: Corpus, mesh) -> LocalExecutor:
         ckpt=ckpt,
         evaluator=StudentEval(cfg, mesh, limit),
         tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+        history=history,
     )
 
 
-def distill_hooks(cfg: Config, corpus: Corpus, source, executor, store) -> Hooks:
-    """The hooks of a distillation run (local and ray modes alike)."""
+def distill_hooks(cfg: Config, corpus: Corpus, source, executor, store, samples=None) -> Hooks:
+    """The hooks of a distillation run (local and ray modes alike); `samples`: see
+    `pipelines.evaluation.Evaluation`."""
     return Hooks(
         phase="distill",
         record=lambda step, m, figures: distill_record(step, m, **figures),
-        evaluate=Evaluation(cfg, eval_batches(cfg, corpus), source, executor),
+        evaluate=Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples),
         end_of_step=[lambda step, _: store.update(step=step, in_flight=source.in_flight())],
         profile=str(outputs.out_dir(cfg) / "profile"),
     )
 
 
+def online_sources(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, executor, mesh):
+    """(the teacher source, the evaluation's sample metrics) of a run with the teacher
+    online: on-policy when `distill.on_policy.fraction` > 0, else the data's rows."""
+    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    eval_sampler = sampler_for(cfg, mesh, corpus.tokenizer, limit, temperature=1.0)
+    score = SampleScore(cfg, eval_batches(cfg, corpus)[0], eval_sampler, teacher)
+    samples = lambda: score(executor.state.params)  # noqa: E731
+    if cfg.distill.on_policy.fraction == 0:
+        return OnlineSource(cfg, corpus, teacher), samples
+    sampler = sampler_for(cfg, mesh, corpus.tokenizer, limit)
+    return OnPolicySource(cfg, corpus, teacher, sampler, executor.history), samples
+
+
 def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     """Distil the student; returns the summary written to summary.json."""
+    executor = student_executor(cfg, corpus, meshes.student)
+    samples = None
     if cfg.teacher.source == "cache":
         source = CacheSource(cfg)
     else:
-        source = OnlineSource(cfg, corpus, OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer))
-    executor = student_executor(cfg, corpus, meshes.student)
-    hooks = distill_hooks(cfg, corpus, source, executor, store)
+        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
+        source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)
+    hooks = distill_hooks(cfg, corpus, source, executor, store, samples)
     try:
         return Loop(cfg, source, executor, store, hooks).run()
     finally:

@@ -269,6 +269,8 @@ class Loop:
                 f"eval step {step}: student {m['student_loss']:.4f} "
                 f"teacher {m['teacher_loss']:.4f} kl {m['kl']:.4f} top1 {m['top1_agreement']:.3f}"
             )
+            if "sample_teacher_nll" in m:
+                note += f" sample nll {m['sample_teacher_nll']:.4f} len {m['sample_len']:.1f}"
             progress.note(note) if progress is not None else log.info("%s", note)
         self._set_phase(self.hooks.phase)
         return m

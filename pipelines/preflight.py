@@ -17,6 +17,7 @@ from distill.corpus import Corpus
 from distill.data import load_corpus
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit
+from pipelines.on_policy import check_on_policy
 from pipelines.plan import check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
 from teacher.sharding import check_divisible
@@ -122,6 +123,7 @@ def preflight_shapes(cfg: Config) -> None:
     check_shapes(cfg)
     check_dense_output(cfg, devices[0])
     check_mode(cfg)
+    check_on_policy(cfg)
 
 
 def preflight(cfg: Config) -> Corpus:

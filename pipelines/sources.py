@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 
 from distill.config import Config
 from distill.tokenizers import vocab_limit
@@ -54,6 +55,18 @@ class OnlineTeacher:
     def eval_logits(self, batches: list[Batch]):
         """Dense logits of each batch, dispatched one at a time as they are consumed."""
         return (self.logits(b) for b in batches)
+
+    def nll(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """(the teacher's summed NLL of `batch`'s masked targets, their count), on device."""
+        batch = jax.device_put(batch, self.put)
+        return _masked_nll(self._logits(self.params, batch), batch)
+
+
+@jax.jit
+def _masked_nll(logits, batch: Batch):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
+    return -jnp.sum(target * batch.mask), jnp.sum(batch.mask)
 
 
 class QueueSource:

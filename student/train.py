@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from distill import model, vocab_loss
 from distill.config import Config, DistillLossConfig, ModelConfig
-from distill.types import Batch, TeacherOutput
+from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, sharding
 
 
@@ -236,8 +236,11 @@ def make_loss_fn(
         }
         if teacher_out is None:
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
+        cfg_here = loss_cfg
+        if isinstance(batch, Continuations):  # the student's own samples: no CE on them
+            cfg_here = loss_cfg.model_copy(update={"alpha": 1.0})
         return vocab_loss.kd_loss_chunked(
-            x, head, teacher_out, batch.targets, batch.mask, loss_cfg, **kw
+            x, head, teacher_out, batch.targets, batch.mask, cfg_here, **kw
         )
 
     return loss_fn

@@ -1,0 +1,168 @@
+"""On-policy distillation: the student's own continuations, scored by the teacher.
+
+`OnPolicySource` is a teacher source of the one loop (`pipelines.loop`). For a share
+`distill.on_policy.fraction` of the steps (GKD's lambda; which steps is a function of the
+run seed and the step, so a resume picks the same ones) it takes the first
+`distill.on_policy.prompt_len` tokens of the step's packed rows as prompts, samples
+`max_new_tokens` tokens from the student on the training mesh (`student.generate`) with
+the parameters after step n-1-`pipeline.max_staleness`, and has the teacher score the rows
+so made on the inference mesh (its usual dense or top-k output). The student's loss is
+then masked to the generated tokens (`distill.decode.continuation_batch`). The other steps
+are the data's rows, as off-policy distillation. Everything is dispatched, never waited
+for: generation for a later step runs while the student trains on an earlier one, and the
+teacher scores while the student generates or trains. Step n's sampling key is
+fold_in(key(run.seed), n): nothing to store, and a resume draws what the uninterrupted run
+drew (the parameters it draws with are in the checkpoint: `student.generate.ParamHistory`).
+
+`SampleScore` is the metric every evaluation reports: the student continues held-out
+prompts (temperature 1, a fixed key) and the teacher scores the continuations:
+`sample_teacher_nll` (the teacher's mean NLL per generated token) and `sample_len`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import jax
+import numpy as np
+
+from distill import decode
+from distill.config import Config
+from distill.corpus import Corpus
+from distill.errors import DistillError
+from distill.types import Batch
+from pipelines.sources import OnlineTeacher, QueueSource
+from pipelines.timing import ReadyWatcher
+from student.generate import ParamHistory, Sampler
+
+SAMPLE_KEY = 0x5A3E  # folded into the run seed's key for the evaluation samples
+
+
+def check_on_policy(cfg: Config) -> None:
+    """The on-policy keys against the rows and the pipeline (before any device work)."""
+    op, seq_len = cfg.distill.on_policy, cfg.train.seq_len
+    p, n = op.lengths(seq_len)
+    if p + n > seq_len + 1:
+        key = "max_new_tokens" if op.max_new_tokens else "prompt_len"
+        raise DistillError(
+            f"distill.on_policy.{key}: prompt_len {p} + max_new_tokens {n} exceed "
+            f"train.seq_len + 1 = {seq_len + 1} (a prompt and its continuation fill one row)"
+        )
+    if op.fraction == 0:
+        return
+    if cfg.teacher.source == "cache":
+        raise DistillError(
+            "distill.on_policy.fraction: on-policy distillation needs the teacher online to "
+            "score the student's continuations; teacher.source cache holds only the data's"
+        )
+    if cfg.pipeline.prefetch > cfg.pipeline.max_staleness + 1:
+        raise DistillError(
+            f"pipeline.prefetch: {cfg.pipeline.prefetch} batches in flight need parameters "
+            f"older than pipeline.max_staleness={cfg.pipeline.max_staleness} allows; set "
+            f"prefetch <= {cfg.pipeline.max_staleness + 1} or raise max_staleness"
+        )
+
+
+def is_on_policy(seed: int, step: int, fraction: float) -> bool:
+    """Whether `step` trains on the student's continuations (a pure function of both)."""
+    if fraction <= 0 or fraction >= 1:
+        return fraction >= 1
+    return bool(np.random.default_rng([seed % 2**32, step]).random() < fraction)
+
+
+class OnPolicySource(QueueSource):
+    """Batches of the corpus in data order; on the on-policy steps replaced by prompts and
+    the student's continuations, scored by the online teacher (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        corpus: Corpus,
+        teacher: OnlineTeacher,
+        sampler: Sampler,
+        history: ParamHistory,
+    ):
+        bsz, seed = cfg.train.batch_size, cfg.run.seed
+        super().__init__(
+            lambda: corpus.train_iterator(bsz, seed), self._work, ReadyWatcher("teacher")
+        )
+        self.teacher, self._sampler, self._history = teacher, sampler, history
+        op = cfg.distill.on_policy
+        self._fraction, self._seed = op.fraction, seed
+        self._prompt_len, _ = op.lengths(cfg.train.seq_len)
+        self._staleness = cfg.pipeline.max_staleness
+        self._key = jax.random.key(seed)
+        self._gen_watch = ReadyWatcher("generate")
+        self._next_step = 1
+        # (on-policy?, staleness, generated-token count on device): of the batches in
+        # flight, in order, and of the recent ones handed to the student
+        self._in_flight: deque[tuple[bool, int, jax.Array | None]] = deque()
+        self._recent: deque[tuple[bool, int, jax.Array | None]] = deque(maxlen=256)
+
+    def start(self, data_state: dict | None) -> None:
+        super().start(data_state)
+        self._in_flight.clear()
+        self._next_step = self._history.latest + 1  # the executor has started: its step
+
+    def pop(self):
+        self._recent.append(self._in_flight.popleft())
+        return super().pop()
+
+    def _work(self, batch: Batch):
+        step, self._next_step = self._next_step, self._next_step + 1
+        if not is_on_policy(self._seed, step, self._fraction):
+            self._in_flight.append((False, 0, None))
+            return batch, self.teacher.output(batch)
+        source_step = max(step - 1 - self._staleness, 0)
+        params = self._history.after(source_step)
+        prompts = decode.prompts_of(batch, self._prompt_len)
+        rows, count = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
+        self._gen_watch.watch(count)
+        self._in_flight.append((True, step - 1 - source_step, count))
+        return rows, self.teacher.output(rows)
+
+    def figures(self, steps: int, since: float) -> dict:
+        """The teacher's figures and the on-policy ones of the last `steps` batches handed
+        on: the share that were on-policy, generation ms, generated tokens/s and staleness
+        (their means)."""
+        recent = list(self._recent)[-steps:]
+        gen = [(s, c) for on, s, c in recent if on]
+        ready = [int(c) for _, c in gen if c.is_ready()]
+        gen_ms = self._gen_watch.recent_ms(max(len(gen), 1)) if gen else 0.0
+        return {
+            **super().figures(steps, since),
+            "on_policy": len(gen) / max(len(recent), 1),
+            "generate_ms": gen_ms,
+            "gen_tokens_per_s": (
+                sum(ready) / len(ready) / (gen_ms / 1e3) if ready and gen_ms > 0 else 0.0
+            ),
+            "staleness": sum(s for s, _ in gen) / len(gen) if gen else 0.0,
+            "generate_busy": self._gen_watch.busy_fraction(since),
+        }
+
+    def eval_logits(self, batches: list):
+        return self.teacher.eval_logits(batches)
+
+    def close(self) -> None:
+        super().close()
+        self._gen_watch.close()
+
+
+class SampleScore:
+    """score(params) -> {sample_teacher_nll, sample_len}: the student continues the
+    held-out `prompts` at temperature 1 with a fixed key, the teacher scores them."""
+
+    def __init__(self, cfg: Config, eval_batch: Batch, sampler: Sampler, teacher: OnlineTeacher):
+        p, _ = cfg.distill.on_policy.lengths(cfg.train.seq_len)
+        self._prompts = decode.prompts_of(eval_batch, p)
+        self._sampler, self._teacher = sampler, teacher
+        self._key = jax.random.fold_in(jax.random.key(cfg.run.seed), SAMPLE_KEY)
+
+    def __call__(self, params) -> dict:
+        rows, count = self._sampler(params, self._prompts, self._key)
+        nll, tokens = self._teacher.nll(rows)
+        n_prompts = self._prompts.tokens.shape[0]
+        return {
+            "sample_teacher_nll": float(nll) / max(float(tokens), 1.0),
+            "sample_len": float(count) / n_prompts,
+        }

@@ -1,0 +1,159 @@
+"""On-policy distillation end to end: the student's continuations scored by the teacher,
+mixed with the data's rows, pipelined with bounded staleness, resumed exactly."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+from jax.sharding import Mesh
+
+from distill import model
+from distill.config import DistillLossConfig, ModelConfig
+from distill.mesh import DP, FSDP
+from distill.types import Batch, Continuations, TeacherOutput
+from pipelines.cli import main
+from pipelines.on_policy import is_on_policy
+from student import train
+from tests.conftest import tiny_config
+
+ON_POLICY = {"on_policy": {"fraction": 0.5, "max_new_tokens": 12}, "loss": "reverse_kl"}
+
+
+def _write(tmp_path, cfg: dict, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(out):
+    return [r for r in _records(out) if r.get("phase") == "distill" and "loss" in r]
+
+
+def _evals(out):
+    return [r for r in _records(out) if r.get("eval")]
+
+
+@pytest.fixture(scope="module")
+def on_policy_run(tmp_path_factory, corpus_dir):
+    tmp = tmp_path_factory.mktemp("on_policy")
+    cfg = tiny_config(str(corpus_dir), str(tmp / "out"), distill=ON_POLICY)
+    assert main(["run", _write(tmp, cfg)]) == 0
+    return tmp / "out", cfg
+
+
+def test_on_policy_run_reports_its_figures_and_samples(on_policy_run):
+    out, cfg = on_policy_run
+    on = [s for s in range(1, 7) if is_on_policy(0, s, 0.5)]
+    assert 0 < len(on) < 6  # the seed mixes both kinds of step
+    train_records = _train(out)
+    assert [r["step"] for r in train_records] == [2, 4, 6]
+    for r in train_records:  # figures of the recent steps (read metrics_lag steps late)
+        assert 0 <= r["on_policy"] <= 1 and r["staleness"] in (0.0, 1.0)
+        assert np.isfinite(r["loss"])
+    assert any(r["on_policy"] > 0 and r["staleness"] == 1.0 for r in train_records)
+    assert any(r["generate_ms"] > 0 and r["gen_tokens_per_s"] > 0 for r in train_records)
+    evals = _evals(out)
+    assert [e["step"] for e in evals] == [0, 3, 6]
+    for e in evals:
+        assert e["sample_teacher_nll"] > 0 and 0 < e["sample_len"] <= 12
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_eval"]["sample_teacher_nll"] == evals[-1]["sample_teacher_nll"]
+
+
+def test_on_policy_resume_is_exact(on_policy_run, tmp_path):
+    """Drop the last checkpoint and rerun: steps 4-6 repeat exactly (the sampling keys are
+    the step's, the parameters step 4 generates with are in checkpoint 3)."""
+    out, cfg = on_policy_run
+    resumed = tmp_path / "out"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    (resumed / "summary.json").unlink()
+    assert (out / "checkpoints" / "3" / "extra").exists()
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(resumed)}}
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    before = {r["step"]: r for r in _train(out)}
+    after = _train(resumed)[len(before) :]
+    assert [r["step"] for r in after] == [4, 6]
+    for r in after:
+        for key in ("loss", "kd_loss", "ce_loss"):
+            assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-5), key
+    assert _evals(resumed)[-1]["sample_teacher_nll"] == pytest.approx(
+        _evals(out)[-1]["sample_teacher_nll"], rel=1e-5
+    )
+
+
+def test_fraction_zero_is_the_off_policy_run_bit_for_bit(tmp_path, corpus_dir):
+    """On-policy keys at fraction 0 (and the evaluation's sampling) change nothing trained."""
+    base = tiny_config(str(corpus_dir), str(tmp_path / "a"), train={"steps": 4})
+    keys = {"on_policy": {"fraction": 0.0, "temperature": 0.7, "max_new_tokens": 5}}
+    zero = tiny_config(str(corpus_dir), str(tmp_path / "b"), train={"steps": 4}, distill=keys)
+    assert main(["run", _write(tmp_path, base, "a.yaml")]) == 0
+    assert main(["run", _write(tmp_path, zero, "b.yaml")]) == 0
+    a, b = _train(tmp_path / "a"), _train(tmp_path / "b")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    assert "on_policy" not in a[0]
+
+
+def test_strictly_on_policy_generates_with_the_latest_parameters(tmp_path, corpus_dir):
+    """max_staleness 0 (prefetch 1): every step on-policy, staleness 0."""
+    cfg = tiny_config(
+        str(corpus_dir), str(tmp_path / "out"), train={"steps": 4},
+        distill={"on_policy": {"fraction": 1.0, "max_new_tokens": 6}},
+        pipeline={"prefetch": 1, "max_staleness": 0},
+    )  # fmt: skip
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    records = _train(tmp_path / "out")
+    assert [(r["on_policy"], r["staleness"]) for r in records] == [(1.0, 0.0)] * 2
+    for r in records:  # T^2 * KD, no CE on its own samples (the default T is 2)
+        assert r["loss"] == pytest.approx(4 * r["kd_loss"], rel=1e-6)
+
+
+def test_the_loss_on_continuations_is_the_divergence_on_generated_tokens():
+    """alpha is 1 on the student's own rows, and only masked (generated) targets count."""
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), (DP, FSDP))
+    loss_cfg = DistillLossConfig(loss="reverse_kl", temperature=1.0, alpha=0.5)
+    loss_fn = jax.jit(train.make_loss_fn(cfg, loss_cfg, "float32", None, "none", mesh))
+    params = model.init_params(cfg, 0)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32, (2, 8)).astype(np.int32)
+    mask = np.zeros((2, 8), np.float32)
+    mask[:, 4:7] = 1
+    fields = dict(
+        tokens=tokens, targets=np.roll(tokens, -1, 1), segment_ids=np.ones((2, 8), np.int32),
+        positions=np.tile(np.arange(8, dtype=np.int32), (2, 1)), mask=mask,
+    )  # fmt: skip
+    teacher = TeacherOutput(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(2, 8, 32)))), None)
+    moved = TeacherOutput(teacher.logprobs.at[:, :4].set(-np.log(32.0)), None)
+    data_loss, data_m = loss_fn(params, Batch(**fields), teacher)
+    own_loss, own_m = loss_fn(params, Continuations(**fields), teacher)
+    assert float(data_loss) == pytest.approx(0.5 * float(data_m["kd_loss"]) + 0.5 * float(data_m["ce_loss"]))
+    assert float(own_loss) == pytest.approx(float(own_m["kd_loss"]))
+    assert float(loss_fn(params, Continuations(**fields), moved)[0]) == float(own_loss)
+    grads = jax.grad(lambda p: loss_fn(p, Continuations(**fields), teacher)[0])(params)
+    assert optax.tree.norm(grads) > 0
+
+
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (["distill.on_policy.fraction=1", "pipeline.prefetch=3"], "pipeline.prefetch:"),
+        (["distill.on_policy.max_new_tokens=40"], "distill.on_policy.max_new_tokens:"),
+        (["distill.on_policy.fraction=1", "teacher.source=cache"], "distill.on_policy.fraction:"),
+    ],
+)
+def test_bad_on_policy_settings_are_one_line(tmp_path, corpus_dir, capsys, sets, key):
+    cfg = _write(tmp_path, tiny_config(str(corpus_dir), str(tmp_path / "out")))
+    assert main(["validate", cfg, *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0], err
