@@ -427,4 +427,8 @@ _STATUS_FIGURES = (
     "student_busy",
     "in_flight",
     "bytes_per_token",
+    "on_policy",
+    "generate_ms",
+    "gen_tokens_per_s",
+    "staleness",
 )

@@ -68,6 +68,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
     e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
     e.add_argument("--out", default=None, help="destination (default: OUTPUT_DIR/hf)")
+    g = sub.add_parser(
+        "generate", help="print samples from a run's latest student checkpoint (or teacher)"
+    )
+    g.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    g.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--teacher", action="store_true", help="sample from the run's teacher")
+    g.add_argument("--json", action="store_true", help="one JSON object per sample")
     d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
     d.add_argument("output_dir")
     d.add_argument("--host", default="127.0.0.1")
@@ -100,6 +111,28 @@ def cmd_export(args: argparse.Namespace) -> None:
     cfg = load_config(f"{args.output_dir}/config.yaml")
     cfg.run.output_dir = args.output_dir  # the run may have moved since
     print(json.dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    cfg = load_config(f"{args.output_dir}/config.yaml")
+    cfg.run.output_dir = args.output_dir  # the run may have moved since
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise DistillError("--max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    _prepare_devices(cfg)
+    from pipelines.generate import generate_text
+
+    samples = generate_text(
+        cfg,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        teacher=args.teacher,
+        seed=args.seed,
+    )
+    for s in samples:
+        print(json.dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n"
+              f"{s['prompt']}{s['completion']}")  # fmt: skip
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
@@ -175,6 +208,7 @@ COMMANDS = {
     "cache-teacher": cmd_cache_teacher,
     "prepare": cmd_prepare,
     "export": cmd_export,
+    "generate": cmd_generate,
     "dashboard": cmd_dashboard,
 }
 

@@ -15,7 +15,7 @@ from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Hooks, Loop
 from pipelines.progress import distill_record
-from pipelines.on_policy import OnPolicySource, SampleScore
+from pipelines.on_policy import OnPolicySource, sample_score
 from pipelines.sources import CacheSource, OnlineSource, OnlineTeacher
 from student import train
 from student.evaluate import StudentEval
@@ -61,12 +61,11 @@ def distill_hooks(cfg: Config, corpus: Corpus, source, executor, store, samples=
 def online_sources(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, executor, mesh):
     """(the teacher source, the evaluation's sample metrics) of a run with the teacher
     online: on-policy when `distill.on_policy.fraction` > 0, else the data's rows."""
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
-    eval_sampler = sampler_for(cfg, mesh, corpus.tokenizer, limit, temperature=1.0)
-    score = SampleScore(cfg, eval_batches(cfg, corpus)[0], eval_sampler, teacher)
+    score = sample_score(cfg, corpus, teacher, mesh)
     samples = lambda: score(executor.state.params)  # noqa: E731
     if cfg.distill.on_policy.fraction == 0:
         return OnlineSource(cfg, corpus, teacher), samples
+    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
     sampler = sampler_for(cfg, mesh, corpus.tokenizer, limit)
     return OnPolicySource(cfg, corpus, teacher, sampler, executor.history), samples
 

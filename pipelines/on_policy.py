@@ -30,12 +30,15 @@ from distill import decode
 from distill.config import Config
 from distill.corpus import Corpus
 from distill.errors import DistillError
+from distill.tokenizers import vocab_limit
 from distill.types import Batch
+from pipelines.evaluation import eval_batches
 from pipelines.sources import OnlineTeacher, QueueSource
 from pipelines.timing import ReadyWatcher
-from student.generate import ParamHistory, Sampler
+from student.generate import ParamHistory, Sampler, sampler_for
 
 SAMPLE_KEY = 0x5A3E  # folded into the run seed's key for the evaluation samples
+SAMPLE_KEYS = ("sample_teacher_nll", "sample_len")  # what `SampleScore` adds to an eval
 
 
 def check_on_policy(cfg: Config) -> None:
@@ -146,6 +149,14 @@ class OnPolicySource(QueueSource):
     def close(self) -> None:
         super().close()
         self._gen_watch.close()
+
+
+def sample_score(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, mesh) -> SampleScore:
+    """The run's sample metrics: the first evaluation batch's prompts, continued on the
+    training mesh `mesh` at temperature 1."""
+    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    sampler = sampler_for(cfg, mesh, corpus.tokenizer, limit, temperature=1.0)
+    return SampleScore(cfg, eval_batches(cfg, corpus)[0], sampler, teacher)
 
 
 class SampleScore:

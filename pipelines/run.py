@@ -136,6 +136,7 @@ def evaluate(cfg: Config) -> dict:
     from distill.checkpoint import has_checkpoint
     from pipelines.evaluation import eval_batches
     from pipelines.local import student_executor
+    from pipelines.on_policy import SAMPLE_KEYS, sample_score
     from pipelines.sources import OnlineTeacher
 
     meshes, corpus = validate(cfg)
@@ -148,12 +149,11 @@ def evaluate(cfg: Config) -> dict:
         teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
         batches = eval_batches(cfg, corpus)
         result = executor.evaluate(batches, teacher.eval_logits(batches), keep=False)
+        result.update(sample_score(cfg, corpus, teacher, meshes.student)(executor.state.params))
     finally:
         executor.finish()
-    return {
-        "step": step,
-        **{k: result[k] for k in ("teacher_loss", "student_loss", "kl", "top1_agreement")},
-    }
+    keys = ("teacher_loss", "student_loss", "kl", "top1_agreement", *SAMPLE_KEYS)
+    return {"step": step, **{k: result[k] for k in keys}}
 
 
 def plan_json(cfg: Config) -> str:

@@ -38,3 +38,22 @@ def start_student(
         check_pinned(cfg, ckpt.stored_meta(step), current, how)  # of the step restored
         return state, data_state, step
     return train.init_state(scfg, tx, cfg.run.seed, mesh, init_params()), None, 0
+
+
+def latest_params(cfg: Config, mesh) -> tuple[dict, int]:
+    """(the student's parameters of the run's latest checkpoint, placed on `mesh` as
+    training places them, its step); one DistillError line when there is none."""
+    from distill.checkpoint import has_checkpoint
+    from distill.errors import DistillError
+    from student import optim
+
+    where = checkpoint_dir(cfg)
+    if not has_checkpoint(where):
+        raise DistillError(f"run.output_dir: no student checkpoint in {where}")
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    ckpt = Checkpointer(where)
+    try:
+        state, _, step = ckpt.restore(train.abstract_state(cfg.student_model(), tx, mesh))
+    finally:
+        ckpt.close()
+    return state.params, step

@@ -67,7 +67,10 @@ def test_eval_prints_one_json_object(finished_run, capsys):
     capsys.readouterr()
     assert main(["eval", cfg_path]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result) == {"step", "teacher_loss", "student_loss", "kl", "top1_agreement"}
+    assert set(result) == {
+        "step", "teacher_loss", "student_loss", "kl", "top1_agreement", "sample_teacher_nll",
+        "sample_len",
+    }  # fmt: skip
     assert result["step"] == 6 and 0 <= result["top1_agreement"] <= 1
 
 

@@ -34,7 +34,7 @@ CHROMIUM_FLAGS = [
     "--hide-scrollbars",
     "--virtual-time-budget=5000",
 ]
-CHARTS = ("chart-loss", "chart-eval", "chart-tps", "chart-util")
+CHARTS = ("chart-loss", "chart-eval", "chart-samples", "chart-tps", "chart-util")
 
 pytestmark = [
     pytest.mark.browser,
@@ -88,6 +88,10 @@ def feed(store: MetricsStore, steps: int = 120, total: int = 200) -> None:
                 "student_busy": 0.9 - 0.05 * math.cos(step / 6),
                 "in_flight": 2,
                 "bytes_per_token": 256.0,
+                "on_policy": 0.5,
+                "generate_ms": 14.0,
+                "gen_tokens_per_s": 9000.0,
+                "staleness": 1.0,
                 "time": t0 + step * 0.25,
             }
         )
@@ -100,6 +104,8 @@ def feed(store: MetricsStore, steps: int = 120, total: int = 200) -> None:
                     "student_loss": 2.9 * math.exp(-step / 80) + 1.95,
                     "kl": 0.9 * math.exp(-step / 70) + 0.2,
                     "top1_agreement": 0.45 + step / 500,
+                    "sample_teacher_nll": 2.5 * math.exp(-step / 90) + 1.7,
+                    "sample_len": 48.0,
                 }
             )
             store.set_phase("checkpoint")
@@ -141,6 +147,8 @@ def test_dashboard_renders_live_run(live_server, tmp_path):
     shown = re.search(r'id="step"[^>]*>(\d+)<', dom)
     assert shown and int(shown.group(1)) == status["step"] == 120
     assert re.search(r'id="phase"[^>]*>distill<', dom)
+    assert re.search(r'id="staleness"[^>]*>1<', dom) and re.search(r'id="on-policy"[^>]*>50%<', dom)
+    assert re.search(r'id="eval-sample-len"[^>]*>48<', dom)
     assert dom.count('class="device"') == 8
     assert "do-not-show-me" not in dom
 

@@ -157,3 +157,26 @@ def test_bad_on_policy_settings_are_one_line(tmp_path, corpus_dir, capsys, sets,
     assert main(["validate", cfg, *[a for s in sets for a in ("--set", s)]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0], err
+
+
+def test_generate_prints_samples_of_the_student_and_the_teacher(on_policy_run, capsys):
+    out, _ = on_policy_run
+    args = ["generate", str(out), "--prompt", "the teacher", "--prompt", "a", "--json"]
+    assert main([*args, "--max-new-tokens", "7", "--seed", "3"]) == 0
+    first = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [s["prompt"] for s in first] == ["the teacher", "a"]
+    assert all(s["model"] == "student step 6" and 1 <= s["tokens"] <= 7 for s in first)
+    assert main([*args, "--max-new-tokens", "7", "--seed", "3"]) == 0  # same seed, same text
+    assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == first
+    assert main([*args, "--teacher", "--temperature", "0", "--max-new-tokens", "5"]) == 0
+    teacher = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(s["model"] == "teacher" for s in teacher)
+    assert main(["generate", str(out), "--prompt", "x", "--temperature", "-1"]) == 2
+
+
+def test_generate_without_a_checkpoint_is_one_line(tmp_path, corpus_dir, capsys):
+    cfg = tiny_config(str(corpus_dir), str(tmp_path))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no student checkpoint" in err[0]

@@ -118,8 +118,14 @@ class _StoreCollector:
         ("in_flight", "distill_teacher_outputs_in_flight", "Teacher outputs in flight."),
         ("bytes_per_token", "distill_bytes_per_token", "Bytes per token between meshes."),
         ("restarts", "distill_restarts", "Restarts of the run or its actors."),
+        ("on_policy", "distill_on_policy_ratio", "Share of recent steps trained on-policy."),
+        ("generate_ms", "distill_generate_ms", "Student generation ms per on-policy batch."),
+        ("gen_tokens_per_s", "distill_generated_tokens_per_second", "Generation throughput."),
+        ("staleness", "distill_staleness_steps", "Steps between sampling and training params."),
     )
-    _EVAL = ("teacher_loss", "student_loss", "kl", "top1_agreement")
+    _EVAL = (
+        "teacher_loss", "student_loss", "kl", "top1_agreement", "sample_teacher_nll", "sample_len"
+    )  # fmt: skip
 
     def __init__(self, store: MetricsStore) -> None:
         self.store = store

@@ -175,6 +175,10 @@ function renderStatus(s) {
   setText("in-flight", fmt(s.in_flight));
   setText("bottleneck", s.bottleneck || "—");
   setText("bytes-per-token", fmtSI(s.bytes_per_token));
+  setText("generate-ms", fmt(s.generate_ms, 3));
+  setText("gen-tokens-per-s", fmtSI(s.gen_tokens_per_s));
+  setText("on-policy", typeof s.on_policy === "number" ? (100 * s.on_policy).toFixed(0) + "%" : "—");
+  setText("staleness", fmt(s.staleness, 2));
 
   const ev = s.latest_eval;
   setText("eval-step", ev ? `at step ${ev.step}` : "");
@@ -183,6 +187,8 @@ function renderStatus(s) {
   setText("eval-kl", fmt(ev && ev.kl));
   setText("eval-top1", ev && ev.top1_agreement !== null
     ? (100 * ev.top1_agreement).toFixed(1) + "%" : "—");
+  setText("eval-sample-nll", fmt(ev && ev.sample_teacher_nll));
+  setText("eval-sample-len", fmt(ev && ev.sample_len, 3));
 
   const ck = s.last_checkpoint;
   setText("checkpoint-step", ck ? String(ck.step) : "—");
@@ -311,6 +317,9 @@ function drawCharts() {
   lineChart($("chart-eval"), [
     { label: "student", color: COLORS.student, points: pts(e, "student_loss"), width: 2, dots: true },
     { label: "teacher", color: COLORS.teacher, points: pts(e, "teacher_loss"), width: 2, dots: true },
+  ]);
+  lineChart($("chart-samples"), [
+    { label: "sample teacher NLL", color: COLORS.teacher, points: pts(e, "sample_teacher_nll"), width: 2, dots: true },
   ]);
   lineChart($("chart-tps"), [
     { label: "tokens/s", color: COLORS.tps, points: pts(d, "tokens_per_s"), width: 2 },
