@@ -49,6 +49,7 @@ class TeacherMesh(_Section):
         "teacher's batch split over dp groups of tp devices, its weights replicated over dp.",
     )
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of the inference mesh.")
+    hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(
         None,
         description="Explicit device ids for the teacher (dp x tp of them); default: the "
@@ -65,6 +66,7 @@ class StudentMesh(_Section):
         "devices): parameters, gradients and optimizer state split over fsdp (ZeRO-3), the "
         "batch over both axes.",
     )
+    hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(
         None,
         description="Explicit device ids for the student (dp x fsdp of them); default: the "

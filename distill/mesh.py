@@ -73,6 +73,37 @@ def _student_keys(cfg: Config, prefix: str = "mesh.student.") -> str:
     return " x ".join(keys)
 
 
+def hosts(cfg: Config, role: str) -> int:
+    """Processes of a role's group (`mesh.<role>.hosts`): one per host in pipeline.mode ray."""
+    return getattr(cfg.mesh, role).hosts
+
+
+def devices_per_host(cfg: Config, role: str) -> int:
+    """Devices each process of a role's group owns: its mesh size / `mesh.<role>.hosts`."""
+    size = teacher_size(cfg) if role == "teacher" else student_size(cfg)
+    return size // hosts(cfg, role)
+
+
+def check_hosts(cfg: Config) -> None:
+    """`mesh.<role>.hosts`: 1 in local mode (one process); in ray mode a divisor of the
+    role's mesh size, so that every process owns as many devices as the others."""
+    for role in ("teacher", "student"):
+        n = hosts(cfg, role)
+        if n == 1:
+            continue
+        if cfg.pipeline.mode != "ray":
+            raise DistillError(
+                f"mesh.{role}.hosts: {n} processes need pipeline.mode ray (local mode is one "
+                "process); set it to 1 or use pipeline.mode ray"
+            )
+        size = teacher_size(cfg) if role == "teacher" else student_size(cfg)
+        if size % n:
+            keys = _teacher_keys(cfg) if role == "teacher" else _student_keys(cfg)
+            raise DistillError(
+                f"mesh.{role}.hosts: {n} does not divide the {size} devices of {keys}"
+            )
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Ask XLA for `n` host (CPU) devices. Only effective before JAX initialises its
     backends; a device count already set in XLA_FLAGS (by a user or a test) wins. It only

@@ -16,7 +16,7 @@ from distill.config import Config
 from distill.corpus import Corpus
 from distill.data import load_corpus
 from distill.errors import DistillError
-from distill.mesh import available_devices, check_fit
+from distill.mesh import available_devices, check_fit, check_hosts
 from pipelines.on_policy import check_on_policy
 from pipelines.plan import check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
@@ -75,6 +75,7 @@ def check_teacher_split(cfg: Config) -> None:
 
 def check_mode(cfg: Config) -> None:
     """Keys that the chosen pipeline mode cannot honour."""
+    check_hosts(cfg)
     if cfg.train.profile is not None and cfg.pipeline.mode == "ray":
         raise DistillError(
             "train.profile: traces the devices of the process that runs the loop; in "

@@ -1,15 +1,21 @@
-"""The actors of `pipeline.mode: ray`: one teacher per replica and one student, each owning
-its devices.
+"""The actors of `pipeline.mode: ray`: the processes of each teacher replica's group and of
+the student's group, each process owning its host's devices.
 
 An actor process gets its devices from Ray before it imports JAX: GPUs (or TPU chips) as
 Ray resources, which Ray makes the only visible ones, or on a host without accelerators its
 own simulated CPU devices through `XLA_FLAGS` in the actor's runtime environment
-(`device_options`). Each actor builds a mesh over all of its local devices. JAX is imported
-only inside the actors' methods, never by importing this module.
+(`device_options`). An actor is built in two calls: its constructor only keeps the config,
+and `setup` makes it member `i` of its group's JAX distributed system (when the group has
+more than one process: `distill.distributed.join`, with the coordinator that process 0
+offered through `address`) and then builds the role's mesh over all of the group's
+devices. JAX is imported only inside the actors' methods, never by importing this module.
 
 Actors get the config as a plain tree and validate it themselves. What crosses between
 actors is host numpy: a `Batch` and a `TeacherOutput` (top-k, or dense for small
-vocabularies). The jitted functions are the local mode's own (`teacher.forward.make_forward`,
+vocabularies); between groups of several processes, row blocks of them (`ray_rows`): each
+teacher process sends each student process the rows of that student process's block that
+it holds, and a student process assembles its rows into the global arrays with the other
+processes'. The jitted functions are the local mode's own (`teacher.forward.make_forward`,
 `student.train.make_train_step`), so both modes compute the same numbers.
 """
 
@@ -25,6 +31,7 @@ from distill.config_file import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import DP, TP, student_shape, teacher_shape
 from distill.tokenizers import build_tokenizer, vocab_limit
+from pipelines import ray_rows
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -47,8 +54,9 @@ def device_options(n_devices: int, platform: str) -> tuple[dict, dict]:
     return {"CPU": 1}, {"num_cpus": 1, "runtime_env": {"env_vars": env}}
 
 
-def _local_mesh(shape: dict[str, int], field: str):
-    """A mesh of `shape` ({axis: size}, in order) over this process's first devices."""
+def _group_mesh(shape: dict[str, int], field: str):
+    """A mesh of `shape` ({axis: size}, in order) over the group's first devices: every
+    process's, process by process (`jax.devices()` is global in a multi-process group)."""
     import math
 
     import jax
@@ -65,12 +73,17 @@ def _local_mesh(shape: dict[str, int], field: str):
 
 
 def _info(mesh, axis: str) -> dict:
-    """Where this actor runs and which devices it owns (status API, mesh layout)."""
+    """Where this process runs, the group's mesh and the devices this process owns (status
+    API, mesh layout)."""
+    import jax
+
     devs = list(mesh.devices.flat)
     return {
         "node": ray.util.get_node_ip_address(),
         "pid": os.getpid(),
+        "process": jax.process_index(),
         "platform": devs[0].platform,
+        "local_devices": [int(d.id) for d in devs if d.process_index == jax.process_index()],
         "layout": {
             "axis": axis,
             "shape": {str(a): int(n) for a, n in mesh.shape.items()},
@@ -79,64 +92,95 @@ def _info(mesh, axis: str) -> dict:
     }
 
 
-@ray.remote
-class TeacherActor:
-    """The inference mesh (axes `dp` x `tp`, as in local mode) and the frozen teacher on it."""
+class _Member:
+    """What every process of a group does: keep the config, offer the group's coordinator
+    (process 0), join the group's JAX distributed system."""
 
     def __init__(self, cfg_tree: dict):
+        self._tree = cfg_tree
+
+    def address(self) -> str:
+        """ "ip:port" on this node, free now, for the group's coordinator (process 0)."""
+        from distill.distributed import free_port
+
+        return f"{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def _join(self, coordinator: str | None, n: int, i: int, platform: str):
+        """Join the group (n > 1), then the validated config for this process's devices."""
+        if n > 1:
+            from distill.distributed import join
+
+            join(coordinator, n, i, platform)
         import jax
 
+        cfg = config_from_dict(self._tree)
+        cfg.resolve_dtypes(jax.devices()[0].platform)
+        self._jax, self._n, self._i = jax, n, i
+        return cfg
+
+
+@ray.remote
+class TeacherActor(_Member):
+    """One process of a teacher replica's group: the inference mesh (axes `dp` x `tp`, as
+    in local mode) over the group's devices and the frozen teacher on it."""
+
+    def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
         from pipelines.sources import OnlineTeacher
 
-        cfg = config_from_dict(cfg_tree)
-        cfg.resolve_dtypes(jax.devices()[0].platform)
-        self._mesh = _local_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
+        cfg = self._join(coordinator, n, i, platform)
+        self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
         self._teacher = OnlineTeacher(cfg, self._mesh, build_tokenizer(cfg.data))
-        self._jax = jax
+        return self.info()
 
     def info(self) -> dict:
         return _info(self._mesh, TP)
 
-    def _timed(self, fn, batch):
-        """(fn's output for `batch` as host arrays, busy milliseconds)."""
-        t0 = time.perf_counter()
-        out = self._jax.device_get(fn(batch))
-        return out, 1e3 * (time.perf_counter() - t0)
-
     @ray.method(num_returns=2)
-    def forward(self, batch):
-        """(TeacherOutput of host arrays [B, S, k or V], busy milliseconds)."""
-        return self._timed(self._teacher.output, batch)
+    def forward(self, *batch_parts):
+        """(TeacherOutput of host arrays [B, S, k or V], busy milliseconds) for a batch sent
+        as one block; sent as n student blocks: (n lists of pieces, one per student process:
+        the rows of its block this process holds; busy milliseconds)."""
+        t0 = time.perf_counter()
+        out = self._teacher.output(ray_rows.join_batch(list(batch_parts)))
+        if self._n == 1 and len(batch_parts) == 1:
+            return self._jax.device_get(out), 1e3 * (time.perf_counter() - t0)
+        parts = ray_rows.teacher_parts(out, len(batch_parts))
+        return (*parts, 1e3 * (time.perf_counter() - t0))
 
     @ray.method(num_returns=2)
     def eval_logits(self, batch):
-        """(dense teacher logits [B, S, V] of an eval batch, busy milliseconds)."""
-        return self._timed(self._teacher.logits, batch)
+        """(dense teacher logits [B, S, V] of an eval batch, busy milliseconds); in a group
+        of several processes every one gathers them, process 0 returns them."""
+        t0 = time.perf_counter()
+        logits = self._teacher.logits(batch)
+        if self._n > 1:
+            from jax.experimental.multihost_utils import process_allgather
+
+            logits = process_allgather(logits, tiled=True)
+        logits = self._jax.device_get(logits) if self._i == 0 else None
+        return logits, 1e3 * (time.perf_counter() - t0)
 
 
 @ray.remote
-class StudentActor:
-    """The training mesh (axes `dp` x `fsdp`): train state, train step, evaluation,
-    checkpoints.
+class StudentActor(_Member):
+    """One process of the student's group: the training mesh (axes `dp` x `fsdp`) over the
+    group's devices, train state, train step, evaluation, checkpoints (every process writes
+    its shards, Orbax multi-host).
 
-    On construction it restores the latest checkpoint of `run.output_dir` if there is one,
-    so a recreated student resumes where the last checkpoint left off; `resume_point` says
+    `setup` restores the latest checkpoint of `run.output_dir` if there is one, so a
+    recreated student resumes where the last checkpoint left off; `resume_point` says
     where, and the driver rewinds its data iterator to match."""
 
-    def __init__(self, cfg_tree: dict):
-        import jax
-
+    def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
         from student import train
         from student.evaluate import StudentEval
         from student.state import run_checkpointer, start_student
         from teacher.weights import student_init_params
 
-        cfg = config_from_dict(cfg_tree)
-        cfg.resolve_dtypes(jax.devices()[0].platform)
+        cfg = self._join(coordinator, n, i, platform)
         scfg = cfg.student_model()
         limit = vocab_limit(build_tokenizer(cfg.data), scfg.vocab_size)
-        self._jax = jax
-        self._mesh = _local_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
+        self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
         self._ckpt = run_checkpointer(cfg)
@@ -144,8 +188,10 @@ class StudentActor:
             cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg)
         )
         self._next = self._start + 1
+        self._rows = cfg.train.batch_size
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
         self._eval = StudentEval(cfg, self._mesh, limit)
+        return self.info()
 
     def info(self) -> dict:
         return _info(self._mesh, DP)
@@ -154,24 +200,35 @@ class StudentActor:
         """(the step the state is at, the data state of its next batch; None: from the start)."""
         return self._start, self._data_state
 
-    def step(self, step_no: int, batch, teacher_out) -> dict:
+    def step(self, step_no: int, batch, *teacher_parts) -> dict:
         """Train on step `step_no`'s batch; metrics as host floats. Steps must come in order:
-        a step whose predecessor never ran (its teacher output was lost) is refused."""
+        a step whose predecessor never ran (its teacher output was lost) is refused. In a
+        group of n processes, `batch` is this process's rows and `teacher_parts` the pieces
+        of its rows from each teacher process; `bytes_per_token` counts what it received."""
         if step_no != self._next:
             raise RuntimeError(f"student step {step_no} out of order: expected {self._next}")
         jax, t0 = self._jax, time.perf_counter()
-        t_out = jax.device_put(teacher_out, self._split)
-        self._state, metrics = self._step_fn(self._state, jax.device_put(batch, self._split), t_out)
+        if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
+            t_in = teacher_parts[0]
+            nbytes = sum(x.nbytes for x in jax.tree.leaves(t_in))
+            t_out, batch = jax.device_put(t_in, self._split), jax.device_put(batch, self._split)
+        else:
+            first = self._i * self._rows // self._n
+            t_in, nbytes = ray_rows.student_rows(list(teacher_parts), first, self._rows // self._n)
+            t_out = ray_rows.global_arrays(t_in, self._split, self._rows)
+            batch = ray_rows.global_arrays(batch, self._split, self._rows)
+        self._state, metrics = self._step_fn(self._state, batch, t_out)
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self._next += 1
         m["student_ms"] = 1e3 * (time.perf_counter() - t0)
-        m["bytes_per_token"] = sum(x.nbytes for x in jax.tree.leaves(teacher_out)) / self._tokens
+        m["bytes_per_token"] = nbytes / self._tokens
         return m
 
     def evaluate(self, batches: list, teacher_logits: list, keep: bool) -> dict:
         """Held-out teacher vs student metrics, by the local mode's own `StudentEval`.
         `batches` and `teacher_logits` are lists of object refs, one per eval batch (nested
-        in lists, so Ray leaves them unresolved); they are fetched one at a time."""
+        in lists, so Ray leaves them unresolved); they are fetched one at a time, whole, by
+        every process of the group."""
         return self._eval(
             self._state.params,
             (ray.get(b) for b in batches),
@@ -180,7 +237,8 @@ class StudentActor:
         )
 
     def save(self, step: int, data_state: dict) -> None:
-        """Start an asynchronous checkpoint of the state after `step`."""
+        """Start an asynchronous checkpoint of the state after `step` (every process of the
+        group writes its own shards)."""
         self._ckpt.save(step, self._state, data_state, force=True)
 
     def wait_for_checkpoints(self) -> int | None:

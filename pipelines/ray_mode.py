@@ -1,18 +1,21 @@
-"""`pipeline.mode: ray`: teacher and student Ray actors, each owning its devices.
+"""`pipeline.mode: ray`: teacher and student groups of Ray actors, each process owning its
+host's devices (`mesh.<role>.hosts` processes per group, one JAX distributed system each).
 
 The driver (the `distill run` process, JAX on CPU only) reads batches with Grain in the
-local mode's order, puts each batch in the object store once and submits its teacher
-forward ahead, round-robin over `teacher.replicas` actors, with at most `pipeline.prefetch`
-outputs in flight. The student actor takes batches strictly in data order; its teacher
-output arrives as an object reference that Ray resolves in the student's process, so
-outputs never pass through the driver. The driver waits only on small values: a forward's
-busy time (so that a dead teacher is noticed before its output is handed on) and step
-n-lag's metrics, as the local loop does.
+local mode's order, puts each batch in the object store once (one row block per student
+process) and submits its teacher forward ahead, round-robin over `teacher.replicas` teacher
+groups, with at most `pipeline.prefetch` outputs in flight. The student group takes batches
+strictly in data order; each student process gets only its rows, and its rows of the
+teacher output arrive as object references (one per teacher process) that Ray resolves in
+that process, so outputs never pass through the driver. The driver waits only on small
+values: a forward's busy time (so that a dead teacher is noticed before its output is
+handed on) and step n-lag's metrics, as the local loop does.
 
 The loop is the local mode's own (`pipelines.loop.Loop`) with a Ray teacher source and a Ray
 student executor: the same records, evals, checkpoints (with the data state of the next
-unconsumed batch) and summary. A student that dies is recreated from the latest checkpoint
-and the loop restarts from there (`pipelines.ray_pool` has the actors and their restarts).
+unconsumed batch) and summary. A student group that loses a process is recreated from the
+latest checkpoint and the loop restarts from there (`pipelines.ray_pool` has the groups
+and their restarts).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class RayTeacherSource:
 
     def submit(self) -> None:
         data_state = self._it.get_state()
-        self._pool.submit(data_state, ray.put(next(self._it)))
+        self._pool.submit(data_state, next(self._it))
 
     def pop(self) -> Item:
         """Waits for the forward's busy time (small), so that a dead teacher is noticed and
@@ -113,13 +116,14 @@ class RayTeacherSource:
 
 
 class RayStudentExecutor:
-    """The student executor of ray mode: the student actor, fed object refs (its teacher
-    outputs are resolved in its own process, never in the driver's)."""
+    """The student executor of ray mode: the student group, fed object refs (each process's
+    rows of its teacher outputs are resolved in that process, never in the driver's)."""
 
     hops = False
 
     def __init__(self, pool: ActorPool, resume: tuple[int, dict | None]):
         self._pool, self._resume = pool, resume
+        self.tokens = pool.cfg.train.batch_size * pool.cfg.train.seq_len
         self._window: list[float] = []  # student busy ms since the last record
         self._bytes_per_token: float | None = None
 
@@ -133,7 +137,7 @@ class RayStudentExecutor:
         return teacher_out
 
     def step(self, step: int, batch, teacher_out):
-        return self._pool.student.step.remote(step, batch, teacher_out)
+        return self._pool.student_step(step, batch, teacher_out)
 
     def read(self, ref, wanted: bool) -> dict:
         """Every step's result is fetched: a dead student must be noticed."""
@@ -154,14 +158,14 @@ class RayStudentExecutor:
         }
 
     def evaluate(self, batches: list, teacher_logits: list, keep: bool) -> dict:
-        ref = self._pool.student.evaluate.remote(batches, list(teacher_logits), keep)
-        return self._pool.student_result(ref)
+        refs = self._pool.students.call("evaluate", batches, list(teacher_logits), keep)
+        return self._pool.student_result(refs)
 
     def save(self, step: int, data_state: dict) -> None:
-        self._pool.student.save.remote(step, data_state)
+        self._pool.students.call("save", step, data_state)
 
     def finish(self) -> None:
-        self._pool.student_result(self._pool.student.wait_for_checkpoints.remote())
+        self._pool.student_result(self._pool.students.call("wait_for_checkpoints"))
 
 
 def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
@@ -181,9 +185,13 @@ def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
     hooks.end_of_step.append(publish)
     hooks.after_dispatch.append(lambda step: after_step(step, pool) if after_step else None)
     summary = Loop(cfg, source, executor, store, hooks).run()
+    per_token = summary.get("bytes_per_token")
     return {
         **summary,
+        # teacher rows crossing from the teacher groups to the student group, per step
+        "bytes_per_step": None if per_token is None else per_token * executor.tokens,
         "teacher_replicas": pool.replicas,
+        "hosts": {"teacher": pool.teachers[0].hosts, "student": pool.students.hosts},
         "actor_restarts": dict(pool.restarts),
         "student_resumed_from": list(pool.resumed_from),
     }
@@ -200,7 +208,8 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
         if owned and cfg.ray.address:
             ray.init(address=cfg.ray.address)
         elif owned:
-            cpus = max(os.cpu_count() or 1, cfg.teacher.replicas + 1)
+            processes = cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
+            cpus = max(os.cpu_count() or 1, processes)
             ray.init(num_cpus=cpus, include_dashboard=False)
     pool = None
     try:

@@ -1,11 +1,14 @@
-"""The driver's side of the ray-mode actors: placement, teacher work, restarts, status.
+"""The driver's side of the ray-mode groups: placement, teacher work, restarts, status.
 
-All actors live in one placement group, one bundle per actor (`ray_actors.device_options`),
-packed onto as few nodes as fit; a recreated actor takes its predecessor's bundle. Teacher
-work is submitted round-robin over the replicas and tracked in `in_flight`, in data order.
-A teacher replica that dies is recreated and its in-flight batches are submitted again (the
-teacher is deterministic, so nothing downstream changes); a student that dies is recreated
-and restores the latest checkpoint. Both are bounded by `ray.max_*_restarts`.
+Each teacher replica and the student is a group of processes (`ray_groups.Group`, one
+process unless `mesh.<role>.hosts` says more), each in its placement-group bundle; a
+recreated group takes its predecessor's bundles. Teacher work is submitted round-robin over
+the replicas and tracked in `in_flight`, in data order; every process of a replica's group
+runs every forward, and each sends each student process only its rows (`ray_rows`). A
+teacher group that loses a process is recreated and its in-flight batches are submitted
+again (the teacher is deterministic, so nothing downstream changes); a student group that
+loses one is recreated and restores the latest checkpoint. Both are bounded by
+`ray.max_*_restarts`.
 """
 
 from __future__ import annotations
@@ -17,29 +20,28 @@ from typing import NamedTuple
 
 import ray
 from ray.exceptions import RayActorError, RayError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
 from distill import outputs
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import student_size, teacher_size
+from distill.mesh import devices_per_host, hosts
+from pipelines import ray_rows
 from pipelines.loop import StudentLost
 from pipelines.ray_actors import StudentActor, TeacherActor, device_options
+from pipelines.ray_groups import Group, get_all, place
 
 log = logging.getLogger("distill")
-
-PLACEMENT_TIMEOUT_S = 120.0
 
 
 class Pending(NamedTuple):
     """A batch whose teacher forward was submitted."""
 
     data_state: dict  # iterator state *before* this batch: where a resume restarts
-    batch: ray.ObjectRef  # Batch of host arrays, shared by the teacher and the student
+    batch: list  # Batch row blocks (refs), one per student process; the teacher joins them
     replica: int
-    out: ray.ObjectRef  # TeacherOutput, resolved only in the student's process
-    busy_ms: ray.ObjectRef  # small; ready (or failed) together with `out`
+    out: list  # per student process, the refs of its rows from each teacher process
+    busy_ms: list  # per teacher process, small; ready (or failed) together with `out`
 
 
 def _actor_config(cfg: Config) -> dict:
@@ -62,30 +64,27 @@ def _platform(cfg: Config) -> str:
 
 
 class ActorPool:
-    """`teacher.replicas` teacher actors and one student actor, and their bookkeeping."""
+    """`teacher.replicas` teacher groups and one student group, and their bookkeeping."""
 
     def __init__(self, cfg: Config, store):
         self.cfg, self.store = cfg, store
         self.replicas = cfg.teacher.replicas
-        self._tree = _actor_config(cfg)
-        platform = _platform(cfg)
-        t_bundle, self._t_opts = device_options(teacher_size(cfg), platform)
-        s_bundle, self._s_opts = device_options(student_size(cfg), platform)
-        self._pg = placement_group([t_bundle] * self.replicas + [s_bundle], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            remove_placement_group(self._pg)
-            raise DistillError(
-                f"ray: the cluster cannot place {self.replicas} teacher actor(s) with "
-                f"{t_bundle} and a student actor with {s_bundle} (mesh.teacher.dp x tp, "
-                f"teacher.replicas, mesh.student.dp x fsdp); it has {ray.cluster_resources()}"
-            )
-        self.teachers: list = [None] * self.replicas
-        self.student = None
-        self.info: dict[str, dict] = {}  # actor name -> node, pid, platform, layout
+        tree, platform = _actor_config(cfg), _platform(cfg)
+        t_bundle, t_opts = device_options(devices_per_host(cfg, "teacher"), platform)
+        s_bundle, s_opts = device_options(devices_per_host(cfg, "student"), platform)
+        t_hosts, self.student_hosts = hosts(cfg, "teacher"), hosts(cfg, "student")
+        self._pgs, where = place(
+            [(t_hosts, t_bundle)] * self.replicas + [(self.student_hosts, s_bundle)]
+        )
+        self.teachers = [
+            Group("teacher", TeacherActor, tree, t_opts, where[r], platform)
+            for r in range(self.replicas)
+        ]
+        self.students = Group("student", StudentActor, tree, s_opts, where[-1], platform)
+        self.info: dict[str, dict] = {}  # group name -> process 0's info and every process's
         self.restarts = {"teacher": 0, "student": 0}
         self.resumed_from: list[int] = []  # checkpoint steps a recreated student restored
-        self.busy: dict[str, float] = {}  # actor name -> busy fraction (set by the loop)
+        self.busy: dict[str, float] = {}  # group name -> busy fraction (set by the loop)
         self.in_flight: deque[Pending] = deque()
         self.student_queued = 0  # steps submitted whose metrics were not read yet
         self._replica_restarts = [0] * self.replicas
@@ -97,31 +96,28 @@ class ActorPool:
                 self.replicas,
             )
 
+    @property
+    def student(self):
+        """Process 0 of the student group (its results stand for the group's)."""
+        return self.students.members[0]
+
     # -- lifecycle ------------------------------------------------------------------------
 
-    def _placed(self, index: int, opts: dict) -> dict:
-        strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index)
-        return {**opts, "scheduling_strategy": strategy}
-
-    def _new_teacher(self, r: int) -> None:
-        opts = self._placed(r, self._t_opts)
-        self.teachers[r] = TeacherActor.options(**opts).remote(self._tree)
-
-    def _new_student(self) -> None:
-        opts = self._placed(self.replicas, self._s_opts)
-        self.student = StudentActor.options(**opts).remote(self._tree)
+    def _record(self, name: str, group: Group) -> None:
+        self.info[name] = {**group.info[0], "hosts": group.hosts, "processes": group.info}
 
     def _student_ready(self) -> tuple[int, dict | None]:
-        self.info["student"] = _started(self.student, "student")
+        self._record("student", self.students)
         return ray.get(self.student.resume_point.remote())
 
     def start(self) -> tuple[int, dict | None]:
-        """Start every actor at once; returns the student's (step, data state) to resume at."""
-        for r in range(self.replicas):
-            self._new_teacher(r)
-        self._new_student()
-        for r, actor in enumerate(self.teachers):
-            self.info[f"teacher-{r}"] = _started(actor, "teacher")
+        """Start every group at once; returns the student's (step, data state) to resume at."""
+        for group in [*self.teachers, self.students]:
+            group.launch()
+        for r, group in enumerate(self.teachers):
+            group.ready()
+            self._record(f"teacher-{r}", group)
+        self.students.ready()
         resume = self._student_ready()
         self.publish()
         return resume
@@ -137,13 +133,13 @@ class ActorPool:
                 f"{self._checkpoint_note()}"
             )
         log.warning("teacher replica %d died (%s); restarting it", r, _first_line(err))
-        self._replace(f"teacher-{r}", self.teachers[r])
-        self._new_teacher(r)
-        self.info[f"teacher-{r}"] = _started(self.teachers[r], "teacher")
+        self._down(f"teacher-{r}", self.teachers[r])
+        self.teachers[r].start()
+        self._record(f"teacher-{r}", self.teachers[r])
         self.publish()
 
     def restart_student(self, err: BaseException) -> tuple[int, dict | None]:
-        """Recreate the student; returns the checkpoint (step, data state) it restored."""
+        """Recreate the student group; returns the checkpoint (step, data state) it restored."""
         self.restarts["student"] += 1
         limit = self.cfg.ray.max_student_restarts
         if self.restarts["student"] > limit:
@@ -152,91 +148,129 @@ class ActorPool:
                 f"times (limit {limit}); last: {_first_line(err)}"
             ) from None
         log.warning("student actor died (%s); restarting it from its checkpoint", _first_line(err))
-        self._replace("student", self.student)
-        self._new_student()
+        self._down("student", self.students)
+        self.students.start()
         start, data_state = self._student_ready()
         self.resumed_from.append(start)
         log.info("student resumed from checkpoint step %d", start)
         self.publish()
         return start, data_state
 
-    def _replace(self, name: str, actor) -> None:
-        ray.kill(actor, no_restart=True)  # if only unreachable, make sure it is gone
+    def _down(self, name: str, group: Group) -> None:
+        group.kill()  # every process: a JAX distributed system cannot lose a member
         self.info.pop(name, None)
         self.publish()
 
+    def wait_for_checkpoints(self, timeout: float | None = None) -> int | None:
+        """Block until every checkpoint the student group started is written (on every
+        process); the latest step on disk."""
+        return get_all(self.students.call("wait_for_checkpoints"), timeout=timeout)[0]
+
     def _checkpoint_note(self) -> str:
         try:
-            latest = ray.get(self.student.wait_for_checkpoints.remote(), timeout=300)
+            latest = self.wait_for_checkpoints(timeout=300)
         except (RayError, TimeoutError):
             latest = None
         where = outputs.checkpoint_dir(self.cfg)
         return f"Latest checkpoint: step {latest} in {where}" if latest else "No checkpoint yet."
 
     def shutdown(self) -> None:
-        for actor in [*self.teachers, self.student]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        remove_placement_group(self._pg)
+        for group in [*self.teachers, self.students]:
+            group.kill()
+        for pg in self._pgs:
+            remove_placement_group(pg)
 
     # -- teacher work ---------------------------------------------------------------------
 
-    def submit(self, data_state: dict, batch: ray.ObjectRef) -> None:
-        """Queue a teacher forward for `batch` on the next replica, round-robin."""
+    def submit(self, data_state: dict, batch) -> None:
+        """Queue a teacher forward for the host `batch` on the next replica, round-robin.
+        The batch goes into the object store once, as one row block per student process."""
         r, self._rr = self._rr % self.replicas, self._rr + 1
-        self.in_flight.append(self._forward(data_state, batch, r))
+        blocks = (
+            [batch] if self.student_hosts == 1 else ray_rows.split_batch(batch, self.student_hosts)
+        )
+        self.in_flight.append(self._forward(data_state, [ray.put(b) for b in blocks], r))
 
-    def _forward(self, data_state: dict, batch: ray.ObjectRef, r: int) -> Pending:
-        out, busy_ms = self.teachers[r].forward.remote(batch)
-        return Pending(data_state, batch, r, out, busy_ms)
+    def _forward(self, data_state: dict, batch: list, r: int) -> Pending:
+        """Every process of replica r's group runs the forward; process q's result p is its
+        rows of student process p's block (one part, the whole output, when both groups
+        are one process)."""
+        n = self.student_hosts
+        calls = self.teachers[r].call("forward", *batch, num_returns=None if n == 1 else n + 1)
+        out = [[refs[p] for refs in calls] for p in range(n)]
+        return Pending(data_state, batch, r, out, [refs[-1] for refs in calls])
 
     def next_output(self) -> tuple[Pending, float]:
         """Pop the oldest in-flight batch once its teacher output exists; with it, the
-        forward's busy milliseconds. A dead teacher is recreated and that replica's whole
-        share of `in_flight` resubmitted, as often as `ray.max_teacher_restarts` allows."""
+        forward's busy milliseconds (its slowest process's). A teacher group that lost a
+        process is recreated and that replica's whole share of `in_flight` resubmitted, as
+        often as `ray.max_teacher_restarts` allows."""
         while True:
             head = self.in_flight[0]
             try:
-                busy_ms = ray.get(head.busy_ms)
+                busy_ms = max(get_all(head.busy_ms))
                 return self.in_flight.popleft(), busy_ms
             except RayActorError as e:
-                self.restart_teacher(head.replica, e)
-                redo = [
-                    self._forward(p.data_state, p.batch, p.replica)
-                    if p.replica == head.replica
-                    else p
-                    for p in self.in_flight
-                ]
-                self.in_flight = deque(redo)
+                self._redo(head.replica, e)
+            except RayError as e:
+                if self.teachers[head.replica].hosts == 1 or self.teachers[head.replica].alive():
+                    raise
+                self._redo(head.replica, e)
+
+    def _redo(self, r: int, err: Exception) -> None:
+        self.restart_teacher(r, err)
+        self.in_flight = deque(
+            self._forward(p.data_state, p.batch, p.replica) if p.replica == r else p
+            for p in self.in_flight
+        )
 
     def eval_teacher_logits(self, batches: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """Dense teacher logits of each eval batch, spread over the replicas."""
+        """Dense teacher logits of each eval batch, spread over the replicas (process 0 of
+        a replica's group returns them)."""
         while True:
             calls = [
-                self.teachers[i % self.replicas].eval_logits.remote(b)
+                self.teachers[i % self.replicas].call("eval_logits", b)
                 for i, b in enumerate(batches)
             ]
             try:
-                ray.get([busy_ms for _, busy_ms in calls])
-                return [logits for logits, _ in calls]
-            except RayActorError as e:
-                dead = [i for i, a in enumerate(self.teachers) if not _alive(a)]
+                get_all([busy_ms for call in calls for _, busy_ms in call])
+                return [call[0][0] for call in calls]
+            except RayError as e:
+                dead = [r for r, group in enumerate(self.teachers) if not group.alive()]
+                if not dead and not isinstance(e, RayActorError):
+                    raise
                 for r in dead or [0]:
                     self.restart_teacher(r, e)
 
-    # -- status ---------------------------------------------------------------------------
+    # -- the student group ----------------------------------------------------------------
 
-    def student_result(self, ref):
-        """ray.get on a student result. The actor's death, or a lost input (which shows as
-        a dependency's actor error), raises StudentLost; an error in its code propagates."""
+    def student_step(self, step: int, batch: list, teacher_out: list) -> list:
+        """Student process p trains on its rows: batch block p and its teacher pieces."""
+        return [
+            actor.step.remote(step, batch[p], *teacher_out[p])
+            for p, actor in enumerate(self.students.members)
+        ]
+
+    def student_result(self, refs: list) -> dict:
+        """The results of a call on every student process, process 0's standing for the
+        group's, with `student_ms` the slowest process's and `bytes_per_token` summed (what
+        every process received). A process's death, or a lost input (which shows as a
+        dependency's actor error), raises StudentLost; an error in its code propagates."""
         try:
-            return ray.get(ref)
+            results = get_all(refs)
         except RayActorError as e:
             raise StudentLost() from e
         except RayError as e:
-            if isinstance(getattr(e, "cause", None), RayActorError):
+            if isinstance(getattr(e, "cause", None), RayActorError) or not self.students.alive():
                 raise StudentLost() from e
             raise
+        first = results[0]
+        if isinstance(first, dict) and "student_ms" in first:
+            first = dict(first, student_ms=max(m["student_ms"] for m in results))
+            first["bytes_per_token"] = sum(m["bytes_per_token"] for m in results)
+        return first
+
+    # -- status ---------------------------------------------------------------------------
 
     def layout(self) -> dict:
         """The mesh layout the dashboard draws: replica 0's inference mesh, the training mesh."""
@@ -246,62 +280,43 @@ class ActorPool:
             "teacher": teacher["layout"],
             "student": self.info["student"]["layout"],
             "teacher_replicas": self.replicas,
+            "teacher_hosts": self.teachers[0].hosts,
+            "student_hosts": self.students.hosts,
         }
 
     def publish(self) -> None:
-        """Each actor's role, node, devices, liveness, restarts, queued work and busy
-        fraction, for /api/status and the dashboard."""
+        """Each group's role, hosts (processes), nodes, devices (per process), liveness,
+        restarts, queued work and busy fraction, for /api/status and the dashboard."""
         rows = [
             self._row(
                 "teacher",
                 f"teacher-{r}",
+                self.teachers[r],
                 self._replica_restarts[r],
                 sum(p.replica == r for p in self.in_flight),
             )
             for r in range(self.replicas)
         ]
-        rows.append(self._row("student", "student", self.restarts["student"], self.student_queued))
+        student = (
+            "student",
+            "student",
+            self.students,
+            self.restarts["student"],
+            self.student_queued,
+        )
+        rows.append(self._row(*student))
         self.store.update(actors=rows, restarts=sum(self.restarts.values()))
 
-    def _row(self, role: str, name: str, restarts: int, queued: int) -> dict:
-        info = self.info.get(name, {})
-        devices = None
-        if info:
-            ids = ",".join(str(d["id"]) for d in info["layout"]["devices"])
-            devices = f"{info['platform']}:{ids}"
+    def _row(self, role: str, name: str, group: Group, restarts: int, queued: int) -> dict:
+        where = group.row() if name in self.info else {**group.row(), "alive": False}
         return {
             "role": role,
             "name": name,
-            "node": info.get("node"),
-            "devices": devices,
-            "alive": bool(info),
+            **where,
             "restarts": restarts,
             "queued": queued,
             "busy": self.busy.get(name),
         }
-
-
-def _alive(actor) -> bool:
-    try:
-        ray.get(actor.info.remote(), timeout=60)
-        return True
-    except (RayError, TimeoutError):
-        return False
-
-
-def _started(actor, role: str) -> dict:
-    """Wait for a new actor's constructor; a failure there is reported as one line."""
-    try:
-        return ray.get(actor.info.remote())
-    except RayError as e:
-        raise DistillError(f"ray: the {role} actor failed to start: {_cause(e)}") from None
-
-
-def _cause(err: BaseException) -> str:
-    """The last line naming an exception in a Ray error's text (the root cause)."""
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    named = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))]
-    return (named or lines or [type(err).__name__])[-1]
 
 
 def _first_line(err: BaseException) -> str:

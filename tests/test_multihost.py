@@ -1,0 +1,234 @@
+"""Role groups across processes (`mesh.<role>.hosts`) on a real local Ray cluster: a teacher
+group of 2 processes x 2 CPU devices (tp = 4 across both) and a student group of 2
+processes x 2 CPU devices (dp = 4 across both), each its own JAX distributed system with
+gloo collectives, give the local mode's losses (tp = 4, dp = 4); a killed process takes its
+group down and the group is recreated; a full stop resumes exactly. Every ray run distils
+from the teacher the local baseline bootstrapped."""
+
+import contextlib
+import json
+import os
+import signal
+import warnings
+
+import pytest
+import yaml
+
+from pipelines.cli import main
+from tests.conftest import tiny_config
+
+ray = pytest.importorskip("ray")
+ray_mode = pytest.importorskip("pipelines.ray_mode")
+
+KEYS = ("loss", "kd_loss", "ce_loss", "lr")
+MESH = {"teacher": {"tp": 4}, "student": {"dp": 4}}
+GROUPS = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 2}}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    with warnings.catch_warnings():  # fork+exec of Ray's processes, safe with JAX loaded
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _run(tmp_path, cfg: dict) -> int:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return main(["run", str(path)])
+
+
+def _train(out) -> dict[int, dict]:
+    """The last training record of each step (a resumed run logs some steps twice)."""
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if r.get("phase") == "distill" and "loss" in r}
+
+
+def _summary(out) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, corpus_dir):
+    """Local mode, teacher tp=4 and student dp=4 on 8 devices of one process."""
+    tmp = tmp_path_factory.mktemp("local")
+    out = tmp / "out"
+    assert _run(tmp, tiny_config(str(corpus_dir), str(out), mesh=MESH)) == 0
+    return out
+
+
+def _groups_config(corpus_dir, out, local_out, **sections) -> dict:
+    cfg = tiny_config(
+        str(corpus_dir),
+        str(out),
+        pipeline={"mode": "ray"},
+        mesh=GROUPS,
+        teacher={"checkpoint": str(local_out / "teacher")},
+    )
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def _assert_same_losses(out, local_out) -> None:
+    """The local run's losses within float tolerance: the reductions across processes
+    (gloo) may sum in another order than one process's."""
+    ray_records, local_records = _train(out), _train(local_out)
+    assert sorted(ray_records) == sorted(local_records) == [2, 4, 6]
+    for step, expected in local_records.items():
+        for key in KEYS:
+            assert ray_records[step][key] == pytest.approx(expected[key], rel=1e-4), (step, key)
+    final, local_final = _summary(out)["final_eval"], _summary(local_out)["final_eval"]
+    assert final["student_loss"] == pytest.approx(local_final["student_loss"], rel=1e-4)
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["mesh.teacher.hosts=2"], "mesh.teacher.hosts: 2 processes need pipeline.mode ray"),
+        (["mesh.student.hosts=2"], "mesh.student.hosts: 2 processes need pipeline.mode ray"),
+        (
+            ["pipeline.mode=ray", "mesh.teacher.hosts=3"],
+            "mesh.teacher.hosts: 3 does not divide the 2 devices of mesh.teacher.tp=2",
+        ),
+    ],
+)
+def test_bad_hosts_are_one_line(corpus_dir, tmp_path, capsys, overrides, expected):
+    """Local mode is one process; a group's devices split evenly over its processes."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(str(corpus_dir), str(tmp_path / "out"))))
+    args = [a for o in overrides for a in ("--set", o)]
+    for command in ("validate", "run"):
+        assert main([command, str(cfg), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"distill: error: {expected}"), err
+
+
+def test_rows_between_groups_cover_each_student_block():
+    """Teacher output row blocks as a 2-process teacher holds them go to 2 student blocks."""
+    import numpy as np
+
+    from distill.types import Batch, TeacherOutput
+    from pipelines import ray_rows
+
+    batch = Batch(*(np.arange(8 * 3).reshape(8, 3) + i for i in range(5)))
+    blocks = ray_rows.split_batch(batch, 2)
+    assert [b.tokens.shape for b in blocks] == [(4, 3), (4, 3)]
+    assert (ray_rows.join_batch(blocks).mask == batch.mask).all()
+    out = TeacherOutput(np.arange(8 * 2, dtype=np.float32).reshape(8, 2), None)
+    pieces = [
+        [(0, TeacherOutput(out.logprobs[0:3], None))],
+        [(3, TeacherOutput(out.logprobs[3:4], None))],
+    ]
+    rows, nbytes = ray_rows.student_rows(pieces, 0, 4)
+    assert (rows.logprobs == out.logprobs[:4]).all() and nbytes == 4 * 2 * 4
+    with pytest.raises(RuntimeError, match="do not cover"):
+        ray_rows.student_rows(pieces[:1], 0, 4)
+
+
+def test_teacher_parts_send_each_row_once():
+    """A teacher output replicated over tp (rows split over dp only) goes to 4 student
+    blocks, each row once, from the devices' own buffers."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from distill.types import TeacherOutput
+    from pipelines import ray_rows
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+    values = np.arange(8 * 3 * 2, dtype=np.float32).reshape(8, 3, 2)
+    split = NamedSharding(mesh, P("dp"))
+    out = TeacherOutput(
+        jax.device_put(values, split), jax.device_put(values.astype(np.int32), split)
+    )
+    parts = ray_rows.teacher_parts(out, 4)
+    for p, part in enumerate(parts):
+        rows, nbytes = ray_rows.student_rows([part], 2 * p, 2)
+        assert (rows.logprobs == values[2 * p : 2 * p + 2]).all() and nbytes == 2 * 6 * 8
+        assert (rows.ids == values[2 * p : 2 * p + 2]).all()
+
+
+@pytest.mark.ray
+def test_groups_match_local(ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch):
+    statuses = []
+    monkeypatch.setattr(
+        ray_mode, "after_step", lambda step, pool: statuses.append(pool.store.status())
+    )
+    out = tmp_path / "out"
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    records, summary = _train(out), _summary(out)
+    assert records[6]["bytes_per_token"] == 8 * 8  # each row once: top-8 float32 + int32 ids
+    assert summary["bytes_per_step"] == 8 * 8 * 4 * 32
+    assert summary["hosts"] == {"teacher": 2, "student": 2}
+    assert summary["completed"] and summary["actor_restarts"] == {"teacher": 0, "student": 0}
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert ckpts == ["3", "6"]
+    rows = statuses[-1]["actors"]
+    assert [(a["role"], a["hosts"]) for a in rows] == [("teacher", 2), ("student", 2)]
+    for a in rows:
+        assert a["alive"] and a["node"] and a["devices"] == "cpu:0,1;2048,2049"
+
+
+@pytest.mark.ray
+def test_killed_teacher_process_recreates_its_group(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    def kill_teacher(step, pool):
+        if step == 2:
+            _kill(pool.info["teacher-0"]["processes"][1]["pid"])
+
+    monkeypatch.setattr(ray_mode, "after_step", kill_teacher)
+    out = tmp_path / "out"
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_killed_student_process_resumes_its_group(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    def kill_student(step, pool):
+        if step == 5 and not pool.resumed_from:
+            assert pool.wait_for_checkpoints() == 3
+            _kill(pool.info["student"]["processes"][1]["pid"])
+
+    monkeypatch.setattr(ray_mode, "after_step", kill_student)
+    out = tmp_path / "out"
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    summary = _summary(out)
+    assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
+    assert summary["student_resumed_from"] == [3]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_resume_after_full_stop_is_exact(ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch):
+    """A run stopped after step 3 (a stop request: a checkpoint, then exit) and run again
+    continues from it, every process restoring its shards: the same losses."""
+
+    def stop(step, pool):
+        if step == 3:
+            pool.store.request_stop()
+
+    monkeypatch.setattr(ray_mode, "after_step", stop)
+    out = tmp_path / "out"
+    cfg = _groups_config(corpus_dir, out, local_run)
+    assert _run(tmp_path, cfg) == 0
+    assert not _summary(out)["completed"] and _summary(out)["steps"] == 3
+    monkeypatch.setattr(ray_mode, "after_step", None)
+    assert _run(tmp_path, cfg) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["completed"]
