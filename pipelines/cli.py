@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
     )
     sub.choices["bench"].add_argument(
+        "--on-policy",
+        action="store_true",
+        help="also time generation, scoring and the on-policy step (always when "
+        "distill.on_policy.fraction > 0)",
+    )
+    sub.choices["bench"].add_argument(
         "--cache",
         action="store_true",
         help="also write a teacher cache and time offline training from it",
@@ -174,7 +180,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
         ray_mode=args.ray,
         cache_mode=args.cache,
     )
-    print(format_bench(result))
+    text = format_bench(result)
+    if args.on_policy or cfg.distill.on_policy.fraction > 0:
+        from pipelines.bench_on_policy import bench_on_policy, format_on_policy
+
+        result.update(bench_on_policy(cfg, corpus, meshes, repeats=args.repeats))
+        text += "\n" + format_on_policy(result)
+    print(text)
     print(json.dumps(result))
 
 

@@ -14,8 +14,8 @@ from distill.tokenizers import vocab_limit
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Hooks, Loop
-from pipelines.progress import distill_record
 from pipelines.on_policy import OnPolicySource, sample_score
+from pipelines.progress import distill_record
 from pipelines.sources import CacheSource, OnlineSource, OnlineTeacher
 from student import train
 from student.evaluate import StudentEval

@@ -55,7 +55,9 @@ def test_greedy_decoding_equals_the_full_forward(attention):
     params = model.init_params(cfg, 0)
     prompts = _prompts()
     tokens, valid = jax.jit(
-        lambda p, pr: decode.generate(cfg, p, pr, jax.random.key(0), max_new_tokens=5, temperature=0)
+        lambda p, pr: decode.generate(
+            cfg, p, pr, jax.random.key(0), max_new_tokens=5, temperature=0
+        )
     )(params, prompts)
     np.testing.assert_array_equal(np.asarray(tokens), _greedy_without_cache(params, prompts, 5))
     assert bool(jnp.all(valid))
@@ -85,7 +87,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_a_row_stops_at_a_stop_id_and_its_rest_is_padding():
     params = model.init_params(CFG, 0)
     prompts = _prompts()
-    free, _ = decode.generate(CFG, params, prompts, jax.random.key(0), max_new_tokens=6, temperature=0)
+    free, _ = decode.generate(
+        CFG, params, prompts, jax.random.key(0), max_new_tokens=6, temperature=0
+    )
     stop = int(free[0, 2])  # row 0's third token becomes a stop id
     tokens, valid = decode.generate(
         CFG, params, prompts, jax.random.key(0), max_new_tokens=6, temperature=0, stop_ids=(stop,)

@@ -137,7 +137,9 @@ def test_the_loss_on_continuations_is_the_divergence_on_generated_tokens():
     moved = TeacherOutput(teacher.logprobs.at[:, :4].set(-np.log(32.0)), None)
     data_loss, data_m = loss_fn(params, Batch(**fields), teacher)
     own_loss, own_m = loss_fn(params, Continuations(**fields), teacher)
-    assert float(data_loss) == pytest.approx(0.5 * float(data_m["kd_loss"]) + 0.5 * float(data_m["ce_loss"]))
+    assert float(data_loss) == pytest.approx(
+        0.5 * float(data_m["kd_loss"]) + 0.5 * float(data_m["ce_loss"])
+    )
     assert float(own_loss) == pytest.approx(float(own_m["kd_loss"]))
     assert float(loss_fn(params, Continuations(**fields), moved)[0]) == float(own_loss)
     grads = jax.grad(lambda p: loss_fn(p, Continuations(**fields), teacher)[0])(params)
