@@ -160,6 +160,12 @@ class TeacherActor(_Member):
         logits = self._jax.device_get(logits) if self._i == 0 else None
         return logits, 1e3 * (time.perf_counter() - t0)
 
+    def nll(self, *row_blocks) -> tuple[float, float]:
+        """(the teacher's summed NLL of the masked targets of the rows the student group
+        sampled, sent as one block per student process; their count)."""
+        nll, tokens = self._teacher.nll(ray_rows.join_batch(list(row_blocks)))
+        return float(nll), float(tokens)
+
 
 @ray.remote
 class StudentActor(_Member):
@@ -179,7 +185,8 @@ class StudentActor(_Member):
 
         cfg = self._join(coordinator, n, i, platform)
         scfg = cfg.student_model()
-        limit = vocab_limit(build_tokenizer(cfg.data), scfg.vocab_size)
+        tokenizer = build_tokenizer(cfg.data)
+        limit = vocab_limit(tokenizer, scfg.vocab_size)
         self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
@@ -191,7 +198,54 @@ class StudentActor(_Member):
         self._rows = cfg.train.batch_size
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
         self._eval = StudentEval(cfg, self._mesh, limit)
+        self._setup_sampling(cfg, tx, tokenizer, limit)
         return self.info()
+
+    def _setup_sampling(self, cfg, tx, tokenizer, limit) -> None:
+        """The samplers (on-policy, and the evaluation's at temperature 1) and, for an
+        on-policy run, the recent parameters it generates with (restored with the state)."""
+        from student import train
+        from student.generate import ParamHistory, sampler_for
+
+        self._history = None
+        if cfg.distill.on_policy.fraction > 0:
+            abstract = train.abstract_state(cfg.student_model(), tx, self._mesh).params
+            self._history = ParamHistory(cfg.pipeline.max_staleness, abstract)
+            self._history.start(self._start, self._state.params, self._ckpt)
+            self._sampler = sampler_for(cfg, self._mesh, tokenizer, limit)
+        self._eval_sampler = sampler_for(cfg, self._mesh, tokenizer, limit, temperature=1.0)
+        self._prompt_len, _ = cfg.distill.on_policy.lengths(cfg.train.seq_len)
+        self._key = self._jax.random.key(cfg.run.seed)
+
+    def _sample(self, sampler, params, batch, key):
+        """(this process's rows of the continuations of its rows' prompts as host arrays,
+        {"tokens": the group's generated tokens, "ms": generation time})."""
+        from distill import decode
+
+        t0 = time.perf_counter()
+        prompts = decode.prompts_of(batch, self._prompt_len)
+        if self._n > 1:
+            prompts = ray_rows.global_arrays(prompts, self._split, self._rows)
+        rows, count = sampler(params, prompts, key)
+        rows = ray_rows.local_rows(rows)
+        return rows, {"tokens": int(count), "ms": 1e3 * (time.perf_counter() - t0)}
+
+    @ray.method(num_returns=2)
+    def generate(self, step_no: int, source_step: int, batch):
+        """(this process's rows of step `step_no`'s on-policy rows, generation figures): the
+        prompts of its rows of the data's batch continued with the parameters after
+        `source_step`, with the step's key (as `pipelines.on_policy.OnPolicySource`)."""
+        key = self._jax.random.fold_in(self._key, step_no)
+        return self._sample(self._sampler, self._history.after(source_step), batch, key)
+
+    @ray.method(num_returns=2)
+    def sample_eval(self, batch):
+        """(this process's rows of the evaluation's samples, generation figures): the current
+        parameters, temperature 1, the fixed key of `pipelines.on_policy.SampleScore`."""
+        from pipelines.on_policy import SAMPLE_KEY
+
+        key = self._jax.random.fold_in(self._key, SAMPLE_KEY)
+        return self._sample(self._eval_sampler, self._state.params, batch, key)
 
     def info(self) -> dict:
         return _info(self._mesh, DP)
@@ -218,6 +272,8 @@ class StudentActor(_Member):
             t_out = ray_rows.global_arrays(t_in, self._split, self._rows)
             batch = ray_rows.global_arrays(batch, self._split, self._rows)
         self._state, metrics = self._step_fn(self._state, batch, t_out)
+        if self._history is not None:
+            self._history.record(step_no, self._state.params)
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self._next += 1
         m["student_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -239,7 +295,8 @@ class StudentActor(_Member):
     def save(self, step: int, data_state: dict) -> None:
         """Start an asynchronous checkpoint of the state after `step` (every process of the
         group writes its own shards)."""
-        self._ckpt.save(step, self._state, data_state, force=True)
+        extra = None if self._history is None else self._history.extra(step)
+        self._ckpt.save(step, self._state, data_state, force=True, extra=extra)
 
     def wait_for_checkpoints(self) -> int | None:
         """Block until every started checkpoint is written; the latest step on disk."""

@@ -34,6 +34,7 @@ from distill.corpus import Corpus
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop
+from pipelines.on_policy import is_on_policy
 from pipelines.ray_pool import ActorPool
 
 log = logging.getLogger("distill")
@@ -64,20 +65,37 @@ class RayTeacherSource:
         self._it = None
         # (when handed on, replica, busy ms) of recent forwards, as `ReadyWatcher` keeps them
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
+        self._next_step = 1
+        # (on-policy?, staleness) of the batches in flight, and of recent ones handed on
+        self._kinds: deque[tuple[bool, int]] = deque()
+        self._recent_kinds: deque[tuple[bool, int]] = deque(maxlen=256)
 
     def start(self, data_state: dict | None) -> None:
         self._it = self._corpus.train_iterator(self._cfg.train.batch_size, seed=self._cfg.run.seed)
         if data_state is not None:
             self._it.set_state(data_state)
         self._pool.in_flight.clear()
+        self._kinds.clear()
+        self._next_step = self._pool.student_start + 1
 
     def submit(self) -> None:
-        data_state = self._it.get_state()
-        self._pool.submit(data_state, next(self._it))
+        """The next batch's teacher work; on an on-policy step (as `pipelines.on_policy`
+        picks them) first the student group's continuations of its prompts."""
+        data_state, batch = self._it.get_state(), next(self._it)
+        step, self._next_step = self._next_step, self._next_step + 1
+        op, staleness = self._cfg.distill.on_policy, self._cfg.pipeline.max_staleness
+        if is_on_policy(self._cfg.run.seed, step, op.fraction):
+            source_step = max(step - 1 - staleness, 0)
+            self._pool.submit_on_policy(data_state, batch, step, source_step)
+            self._kinds.append((True, step - 1 - source_step))
+        else:
+            self._pool.submit(data_state, batch)
+            self._kinds.append((False, 0))
 
     def pop(self) -> Item:
         """Waits for the forward's busy time (small), so that a dead teacher is noticed and
         its work redone before its output is handed to the student."""
+        self._recent_kinds.append(self._kinds.popleft())
         p, busy_ms = self._pool.next_output()
         self._recent.append((time.perf_counter(), p.replica, busy_ms))
         return Item(p.data_state, p.batch, p.out, p.replica)
@@ -106,6 +124,26 @@ class RayTeacherSource:
         return {
             "teacher_ms": sum(ms for _, _, ms in last) / max(len(last), 1),
             "teacher_busy": min(1.0, t_ms / 1e3 / elapsed / self._pool.replicas),
+            **self._on_policy_figures(steps),
+        }
+
+    def _on_policy_figures(self, steps: int) -> dict:
+        """The on-policy figures of `pipelines.on_policy.OnPolicySource.figures`, from the
+        student group's generation figures that are ready (never waited for)."""
+        if self._cfg.distill.on_policy.fraction == 0:
+            return {}
+        kinds = list(self._recent_kinds)[-steps:]
+        gen = [s for on, s in kinds if on]
+        refs = list(self._pool.generated)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        figs = [f for f in ray.get(ready)][-max(len(gen), 1) :] if ready else []
+        ms = sum(f["ms"] for f in figs) / len(figs) if figs else 0.0
+        tokens = sum(f["tokens"] for f in figs) / len(figs) if figs else 0.0
+        return {
+            "on_policy": len(gen) / max(len(kinds), 1),
+            "generate_ms": ms,
+            "gen_tokens_per_s": tokens / (ms / 1e3) if ms > 0 else 0.0,
+            "staleness": sum(gen) / len(gen) if gen else 0.0,
         }
 
     def eval_logits(self, batches: list) -> list:
@@ -174,9 +212,9 @@ def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
     source = RayTeacherSource(cfg, corpus, pool)
     executor = RayStudentExecutor(pool, resume)
     hooks = distill_hooks(cfg, corpus, source, executor, store)
-    hooks.evaluate = Evaluation(
-        cfg, [ray.put(b) for b in eval_batches(cfg, corpus)], source, executor
-    )
+    batches = eval_batches(cfg, corpus)
+    samples = lambda: pool.sample_eval(batches[0])  # noqa: E731
+    hooks.evaluate = Evaluation(cfg, [ray.put(b) for b in batches], source, executor, samples)
 
     def publish(step: int, queued: int) -> None:
         pool.student_queued = queued

@@ -86,6 +86,7 @@ class ActorPool:
         self.resumed_from: list[int] = []  # checkpoint steps a recreated student restored
         self.busy: dict[str, float] = {}  # group name -> busy fraction (set by the loop)
         self.in_flight: deque[Pending] = deque()
+        self.generated: deque = deque(maxlen=64)  # refs of recent generation figures
         self.student_queued = 0  # steps submitted whose metrics were not read yet
         self._replica_restarts = [0] * self.replicas
         self._rr = 0
@@ -108,7 +109,8 @@ class ActorPool:
 
     def _student_ready(self) -> tuple[int, dict | None]:
         self._record("student", self.students)
-        return ray.get(self.student.resume_point.remote())
+        self.student_start, data_state = ray.get(self.student.resume_point.remote())
+        return self.student_start, data_state
 
     def start(self) -> tuple[int, dict | None]:
         """Start every group at once; returns the student's (step, data state) to resume at."""
@@ -190,6 +192,36 @@ class ActorPool:
             [batch] if self.student_hosts == 1 else ray_rows.split_batch(batch, self.student_hosts)
         )
         self.in_flight.append(self._forward(data_state, [ray.put(b) for b in blocks], r))
+
+    def submit_on_policy(self, data_state: dict, batch, step: int, source_step: int) -> None:
+        """Queue on-policy step `step`: every student process continues the prompts of its
+        rows of `batch` with the parameters after `source_step` (queued after the steps
+        already submitted to it), and the next replica scores the rows so made, which go
+        from each student process to the teacher group and back as object refs."""
+        r, self._rr = self._rr % self.replicas, self._rr + 1
+        n = self.student_hosts
+        blocks = [batch] if n == 1 else ray_rows.split_batch(batch, n)
+        calls = [
+            actor.generate.remote(step, source_step, blocks[p])
+            for p, actor in enumerate(self.students.members)
+        ]
+        self.generated.append(calls[0][1])  # process 0's figures stand for the group's
+        self.in_flight.append(self._forward(data_state, [rows for rows, _ in calls], r))
+
+    def sample_eval(self, batch) -> dict:
+        """The evaluation's sample metrics (`pipelines.on_policy.SampleScore`): the student
+        group continues the prompts of `batch`, replica 0 scores the continuations."""
+        n = self.student_hosts
+        blocks = [batch] if n == 1 else ray_rows.split_batch(batch, n)
+        calls = [
+            actor.sample_eval.remote(blocks[p]) for p, actor in enumerate(self.students.members)
+        ]
+        count = self.student_result([c for _, c in calls])["tokens"]
+        nll, tokens = get_all(self.teachers[0].call("nll", *[rows for rows, _ in calls]))[0]
+        return {
+            "sample_teacher_nll": nll / max(tokens, 1.0),
+            "sample_len": count / batch.tokens.shape[0],
+        }
 
     def _forward(self, data_state: dict, batch: list, r: int) -> Pending:
         """Every process of replica r's group runs the forward; process q's result p is its

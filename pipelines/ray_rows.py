@@ -88,6 +88,18 @@ def student_rows(parts: list[list[Piece]], first: int, rows: int) -> tuple[Teach
     return joined, sum(x.nbytes for o in outs for x in o if x is not None)
 
 
+def local_rows(tree):
+    """This process's rows of each leaf of a tree of batch-split global arrays, as host
+    arrays (its contiguous block; the whole arrays in a group of one process)."""
+    import jax
+
+    def one(arr):
+        blocks = sorted(_owned_rows(arr).items())
+        return np.concatenate([rows for _, rows in blocks])
+
+    return jax.tree.map(one, tree)
+
+
 def global_arrays(tree, sharding, rows: int):
     """Global arrays of `rows` rows on `sharding` from this process's block of each leaf."""
     import jax

@@ -182,3 +182,27 @@ def test_generate_without_a_checkpoint_is_one_line(tmp_path, corpus_dir, capsys)
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no student checkpoint" in err[0]
+
+
+@pytest.mark.ray
+def test_ray_mode_matches_local_on_policy(on_policy_run, tmp_path):
+    """The same on-policy run in ray mode (the student actor samples, the teacher actor
+    scores its rows) gives the local run's losses and sample metrics."""
+    out, cfg = on_policy_run
+    ray_out = tmp_path / "out"
+    cfg = {
+        **cfg,
+        "run": {**cfg["run"], "output_dir": str(ray_out)},
+        "pipeline": {"mode": "ray"},
+        "teacher": {**cfg["teacher"], "checkpoint": str(out / "teacher")},
+    }
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    local, ray_records = _train(out), _train(ray_out)
+    assert [r["step"] for r in ray_records] == [r["step"] for r in local]
+    for a, b in zip(local, ray_records, strict=True):
+        for key in ("loss", "kd_loss", "ce_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    assert any(r["on_policy"] > 0 and r["generate_ms"] > 0 for r in ray_records)
+    for a, b in zip(_evals(out), _evals(ray_out), strict=True):
+        assert b["sample_teacher_nll"] == pytest.approx(a["sample_teacher_nll"], rel=1e-5)
+        assert b["sample_len"] == a["sample_len"]
