@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from distill.errors import DistillError
+from distill.errors import DistillError, error_lines
 
 
 class _Section(BaseModel):
@@ -252,6 +252,11 @@ class DataConfig(_Section):
     text_field: str = Field(
         "text", description="The text field of JSONL records and the text column of Parquet."
     )
+    prompt_field: str | None = Field(
+        None,
+        description="On-policy prompts: this field of the JSONL records / column of the Parquet "
+        "files of data.source; None: the first distill.on_policy.prompt_len tokens of rows.",
+    )
     tokenizer: str = Field(
         "bytes",
         description="'bytes' (built-in byte-level), or a path to a Hugging Face tokenizer.json "
@@ -481,20 +486,3 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-def error_lines(err: ValidationError, prefix: str = "") -> list[str]:
-    """One `config: key.path: message` line per validation error, in the schema's order."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        path = ".".join(p for p in (prefix, loc) if p)
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
-        line = f"config: {path}: {msg}" if path else f"config: {msg}"
-        if line not in lines:
-            lines.append(line)
-    return lines

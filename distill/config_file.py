@@ -15,8 +15,8 @@ import yaml
 from pydantic import ValidationError
 
 from distill import hf
-from distill.config import RUNTIME_KEYS, Config, error_lines
-from distill.errors import DistillError
+from distill.config import RUNTIME_KEYS, Config
+from distill.errors import DistillError, error_lines
 
 
 def _parse_value(text: str) -> Any:

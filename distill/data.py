@@ -161,9 +161,9 @@ def _file_docs(path: Path, cfg: DataConfig, get_vocab):
         yield text
 
 
-def _parquet_texts(path: Path, field: str):
-    """The ``field`` column of a Parquet file, one record batch at a time (no other column is
-    read). Null texts are skipped, like empty ones."""
+def _parquet_texts(path: Path, field: str, key: str = "data.text_field"):
+    """The ``field`` column (config key ``key``) of a Parquet file, one record batch at a time
+    (no other column is read). Null texts are skipped, like empty ones."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -181,13 +181,13 @@ def _parquet_texts(path: Path, field: str):
     schema = pf.schema_arrow
     if schema.get_field_index(field) < 0:
         raise DistillError(
-            f"data.source: {path} has no column '{field}' (data.text_field); its columns:"
+            f"data.source: {path} has no column '{field}' ({key}); its columns:"
             f" {', '.join(schema.names)}"
         )
     kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DistillError(
-            f"data.source: {path} column '{field}' (data.text_field) holds {kind}, not strings"
+            f"data.source: {path} column '{field}' ({key}) holds {kind}, not strings"
         )
     for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[field]):
         yield from (t for t in batch.column(0).to_pylist() if t)

@@ -30,8 +30,9 @@ from distill import decode
 from distill.config import Config
 from distill.corpus import Corpus
 from distill.errors import DistillError
+from distill.prompts import PromptSet, prompt_set
 from distill.tokenizers import vocab_limit
-from distill.types import Batch
+from distill.types import Batch, Prompts
 from pipelines.evaluation import eval_batches
 from pipelines.sources import OnlineTeacher, QueueSource
 from pipelines.timing import ReadyWatcher
@@ -66,6 +67,14 @@ def check_on_policy(cfg: Config) -> None:
         )
 
 
+def step_prompts(prompts: PromptSet | None, batch: Batch, step: int, prompt_len: int) -> Prompts:
+    """Step `step`'s prompts: from `data.prompt_field` when set, else the first
+    `prompt_len` tokens of the step's rows."""
+    if prompts is not None:
+        return prompts.batch(step, batch.tokens.shape[0])
+    return decode.prompts_of(batch, prompt_len)
+
+
 def is_on_policy(seed: int, step: int, fraction: float) -> bool:
     """Whether `step` trains on the student's continuations (a pure function of both)."""
     if fraction <= 0 or fraction >= 1:
@@ -93,6 +102,7 @@ class OnPolicySource(QueueSource):
         op = cfg.distill.on_policy
         self._fraction, self._seed = op.fraction, seed
         self._prompt_len, _ = op.lengths(cfg.train.seq_len)
+        self._prompts = prompt_set(cfg, corpus.tokenizer)  # None: the rows' first tokens
         self._staleness = cfg.pipeline.max_staleness
         self._key = jax.random.key(seed)
         self._gen_watch = ReadyWatcher("generate")
@@ -118,7 +128,7 @@ class OnPolicySource(QueueSource):
             return batch, self.teacher.output(batch)
         source_step = max(step - 1 - self._staleness, 0)
         params = self._history.after(source_step)
-        prompts = decode.prompts_of(batch, self._prompt_len)
+        prompts = step_prompts(self._prompts, batch, step, self._prompt_len)
         rows, count = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
         self._gen_watch.watch(count)
         self._in_flight.append((True, step - 1 - source_step, count))

@@ -17,6 +17,7 @@ from distill.corpus import Corpus
 from distill.data import load_corpus
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit, check_hosts
+from distill.prompts import load_prompts
 from pipelines.on_policy import check_on_policy
 from pipelines.plan import check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
@@ -140,6 +141,8 @@ def preflight(cfg: Config) -> Corpus:
             f"tokenizer's vocabulary ({corpus.tokenizer.vocab_size}, data.tokenizer="
             f"{cfg.data.tokenizer})"
         )
+    if cfg.distill.on_policy.fraction > 0 and cfg.data.prompt_field is not None:
+        load_prompts(cfg.data)  # the field is there, in JSONL or Parquet records
     if uses_teacher(cfg):
         check_teacher_weights(cfg, corpus)
     check_student_pin(cfg)

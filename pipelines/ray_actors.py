@@ -214,16 +214,12 @@ class StudentActor(_Member):
             self._history.start(self._start, self._state.params, self._ckpt)
             self._sampler = sampler_for(cfg, self._mesh, tokenizer, limit)
         self._eval_sampler = sampler_for(cfg, self._mesh, tokenizer, limit, temperature=1.0)
-        self._prompt_len, _ = cfg.distill.on_policy.lengths(cfg.train.seq_len)
         self._key = self._jax.random.key(cfg.run.seed)
 
-    def _sample(self, sampler, params, batch, key):
-        """(this process's rows of the continuations of its rows' prompts as host arrays,
-        {"tokens": the group's generated tokens, "ms": generation time})."""
-        from distill import decode
-
+    def _sample(self, sampler, params, prompts, key):
+        """(this process's rows of the continuations of its rows of the prompts as host
+        arrays, {"tokens": the group's generated tokens, "ms": generation time})."""
         t0 = time.perf_counter()
-        prompts = decode.prompts_of(batch, self._prompt_len)
         if self._n > 1:
             prompts = ray_rows.global_arrays(prompts, self._split, self._rows)
         rows, count = sampler(params, prompts, key)
@@ -231,21 +227,21 @@ class StudentActor(_Member):
         return rows, {"tokens": int(count), "ms": 1e3 * (time.perf_counter() - t0)}
 
     @ray.method(num_returns=2)
-    def generate(self, step_no: int, source_step: int, batch):
-        """(this process's rows of step `step_no`'s on-policy rows, generation figures): the
-        prompts of its rows of the data's batch continued with the parameters after
-        `source_step`, with the step's key (as `pipelines.on_policy.OnPolicySource`)."""
+    def generate(self, step_no: int, source_step: int, prompts):
+        """(this process's rows of step `step_no`'s on-policy rows, generation figures): its
+        rows of the step's prompts continued with the parameters after `source_step`, with
+        the step's key (as `pipelines.on_policy.OnPolicySource`)."""
         key = self._jax.random.fold_in(self._key, step_no)
-        return self._sample(self._sampler, self._history.after(source_step), batch, key)
+        return self._sample(self._sampler, self._history.after(source_step), prompts, key)
 
     @ray.method(num_returns=2)
-    def sample_eval(self, batch):
+    def sample_eval(self, prompts):
         """(this process's rows of the evaluation's samples, generation figures): the current
         parameters, temperature 1, the fixed key of `pipelines.on_policy.SampleScore`."""
         from pipelines.on_policy import SAMPLE_KEY
 
         key = self._jax.random.fold_in(self._key, SAMPLE_KEY)
-        return self._sample(self._eval_sampler, self._state.params, batch, key)
+        return self._sample(self._eval_sampler, self._state.params, prompts, key)
 
     def info(self) -> dict:
         return _info(self._mesh, DP)

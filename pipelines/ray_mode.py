@@ -29,12 +29,14 @@ from collections.abc import Callable
 
 import ray
 
+from distill import decode
 from distill.config import Config
 from distill.corpus import Corpus
+from distill.prompts import prompt_set
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop
-from pipelines.on_policy import is_on_policy
+from pipelines.on_policy import is_on_policy, step_prompts
 from pipelines.ray_pool import ActorPool
 
 log = logging.getLogger("distill")
@@ -66,6 +68,7 @@ class RayTeacherSource:
         # (when handed on, replica, busy ms) of recent forwards, as `ReadyWatcher` keeps them
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._next_step = 1
+        self._prompts = prompt_set(cfg, corpus.tokenizer)  # None: the rows' first tokens
         # (on-policy?, staleness) of the batches in flight, and of recent ones handed on
         self._kinds: deque[tuple[bool, int]] = deque()
         self._recent_kinds: deque[tuple[bool, int]] = deque(maxlen=256)
@@ -86,7 +89,8 @@ class RayTeacherSource:
         op, staleness = self._cfg.distill.on_policy, self._cfg.pipeline.max_staleness
         if is_on_policy(self._cfg.run.seed, step, op.fraction):
             source_step = max(step - 1 - staleness, 0)
-            self._pool.submit_on_policy(data_state, batch, step, source_step)
+            prompts = step_prompts(self._prompts, batch, step, op.lengths(batch.tokens.shape[1])[0])
+            self._pool.submit_on_policy(data_state, prompts, step, source_step)
             self._kinds.append((True, step - 1 - source_step))
         else:
             self._pool.submit(data_state, batch)
@@ -213,7 +217,8 @@ def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
     executor = RayStudentExecutor(pool, resume)
     hooks = distill_hooks(cfg, corpus, source, executor, store)
     batches = eval_batches(cfg, corpus)
-    samples = lambda: pool.sample_eval(batches[0])  # noqa: E731
+    prompts = decode.prompts_of(batches[0], cfg.distill.on_policy.lengths(cfg.train.seq_len)[0])
+    samples = lambda: pool.sample_eval(prompts)  # noqa: E731
     hooks.evaluate = Evaluation(cfg, [ray.put(b) for b in batches], source, executor, samples)
 
     def publish(step: int, queued: int) -> None:

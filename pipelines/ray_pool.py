@@ -193,14 +193,14 @@ class ActorPool:
         )
         self.in_flight.append(self._forward(data_state, [ray.put(b) for b in blocks], r))
 
-    def submit_on_policy(self, data_state: dict, batch, step: int, source_step: int) -> None:
-        """Queue on-policy step `step`: every student process continues the prompts of its
-        rows of `batch` with the parameters after `source_step` (queued after the steps
-        already submitted to it), and the next replica scores the rows so made, which go
-        from each student process to the teacher group and back as object refs."""
+    def submit_on_policy(self, data_state: dict, prompts, step: int, source_step: int) -> None:
+        """Queue on-policy step `step`: every student process continues its rows of
+        `prompts` with the parameters after `source_step` (queued after the steps already
+        submitted to it), and the next replica scores the rows so made, which go from each
+        student process to the teacher group and back as object refs."""
         r, self._rr = self._rr % self.replicas, self._rr + 1
         n = self.student_hosts
-        blocks = [batch] if n == 1 else ray_rows.split_batch(batch, n)
+        blocks = [prompts] if n == 1 else ray_rows.split_batch(prompts, n)
         calls = [
             actor.generate.remote(step, source_step, blocks[p])
             for p, actor in enumerate(self.students.members)
@@ -208,11 +208,11 @@ class ActorPool:
         self.generated.append(calls[0][1])  # process 0's figures stand for the group's
         self.in_flight.append(self._forward(data_state, [rows for rows, _ in calls], r))
 
-    def sample_eval(self, batch) -> dict:
+    def sample_eval(self, prompts) -> dict:
         """The evaluation's sample metrics (`pipelines.on_policy.SampleScore`): the student
-        group continues the prompts of `batch`, replica 0 scores the continuations."""
+        group continues `prompts`, replica 0 scores the continuations."""
         n = self.student_hosts
-        blocks = [batch] if n == 1 else ray_rows.split_batch(batch, n)
+        blocks = [prompts] if n == 1 else ray_rows.split_batch(prompts, n)
         calls = [
             actor.sample_eval.remote(blocks[p]) for p, actor in enumerate(self.students.members)
         ]
@@ -220,7 +220,7 @@ class ActorPool:
         nll, tokens = get_all(self.teachers[0].call("nll", *[rows for rows, _ in calls]))[0]
         return {
             "sample_teacher_nll": nll / max(tokens, 1.0),
-            "sample_len": count / batch.tokens.shape[0],
+            "sample_len": count / prompts.tokens.shape[0],
         }
 
     def _forward(self, data_state: dict, batch: list, r: int) -> Pending:

@@ -20,10 +20,11 @@ from distill.types import Batch, TeacherOutput
 Piece = tuple[int, TeacherOutput]  # (first global row, host rows of a teacher output)
 
 
-def split_batch(batch: Batch, n: int) -> list[Batch]:
-    """The `n` row blocks of a host batch, one per student process, in process order."""
+def split_batch(batch, n: int) -> list:
+    """The `n` row blocks of a host batch (or prompts), one per student process, in process
+    order."""
     rows = batch.tokens.shape[0] // n
-    return [Batch(*(f[p * rows : (p + 1) * rows] for f in batch)) for p in range(n)]
+    return [type(batch)(*(f[p * rows : (p + 1) * rows] for f in batch)) for p in range(n)]
 
 
 def join_batch(parts: list[Batch]) -> Batch:

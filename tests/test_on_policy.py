@@ -206,3 +206,41 @@ def test_ray_mode_matches_local_on_policy(on_policy_run, tmp_path):
     for a, b in zip(_evals(out), _evals(ray_out), strict=True):
         assert b["sample_teacher_nll"] == pytest.approx(a["sample_teacher_nll"], rel=1e-5)
         assert b["sample_len"] == a["sample_len"]
+
+
+def test_prompts_from_a_field_are_cut_to_their_end_and_left_padded(tmp_path):
+    from distill.config import DataConfig
+    from distill.prompts import PromptSet, load_prompts
+    from distill.tokenizers import ByteTokenizer
+
+    rows = [{"text": "body", "prompt": p} for p in ("ab", "abcdefgh", "xyz")]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    texts = load_prompts(DataConfig(source=str(tmp_path), prompt_field="prompt"))
+    assert texts == ["ab", "abcdefgh", "xyz"]
+    ps = PromptSet(texts, ByteTokenizer(), prompt_len=5, seed=0)
+    tok = ByteTokenizer()
+    np.testing.assert_array_equal(ps.tokens[0], [0, 0, tok.bos_id, *tok.encode("ab")])
+    np.testing.assert_array_equal(ps.segment_ids[0], [0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(ps.tokens[1], tok.encode("defgh"))  # the end is kept
+    np.testing.assert_array_equal(ps.positions[1], [4, 5, 6, 7, 8])
+    a, b = ps.batch(2, 2), ps.batch(2, 2)
+    np.testing.assert_array_equal(a.tokens, b.tokens)  # a function of the step
+    both = np.concatenate([ps.batch(1, 2).tokens, ps.batch(2, 2).tokens])[:3]
+    assert sorted(map(tuple, both)) == sorted(map(tuple, ps.tokens))  # one pass covers all
+    with pytest.raises(Exception, match="data.prompt_field"):
+        load_prompts(DataConfig(source=str(tmp_path), prompt_field="missing"))
+
+
+def test_on_policy_run_on_prompts_from_a_field(tmp_path, corpus_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = (corpus_dir / "doc00.txt").read_text().splitlines()
+    records = [{"text": line, "prompt": " ".join(line.split()[:3])} for line in lines]
+    (data / "d.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    cfg = tiny_config(
+        str(data), str(tmp_path / "out"), train={"steps": 2, "eval_every": 2},
+        data={"include": ["*.jsonl"], "prompt_field": "prompt"},
+        distill={"on_policy": {"fraction": 1.0, "max_new_tokens": 6}},
+    )  # fmt: skip
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    assert [r["on_policy"] for r in _train(tmp_path / "out")] == [1.0]
