@@ -300,6 +300,12 @@ class OnPolicyConfig(_Section):
         description="Tokens the student generates per prompt (it stops earlier at EOS, the "
         "end of its document); default min(64, train.seq_len + 1 - prompt_len).",
     )
+    start_step: int = Field(
+        0,
+        ge=0,
+        description="Steps up to this one are all off-policy (the student first learns on the "
+        "data, as GKD starts from a trained student); fraction applies after it.",
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
 

@@ -75,10 +75,11 @@ def step_prompts(prompts: PromptSet | None, batch: Batch, step: int, prompt_len:
     return decode.prompts_of(batch, prompt_len)
 
 
-def is_on_policy(seed: int, step: int, fraction: float) -> bool:
-    """Whether `step` trains on the student's continuations (a pure function of both)."""
-    if fraction <= 0 or fraction >= 1:
-        return fraction >= 1
+def is_on_policy(seed: int, step: int, fraction: float, start_step: int = 0) -> bool:
+    """Whether `step` trains on the student's continuations: never up to `start_step`, then
+    with probability `fraction` (a pure function of the arguments)."""
+    if step <= start_step or fraction <= 0 or fraction >= 1:
+        return step > start_step and fraction >= 1
     return bool(np.random.default_rng([seed % 2**32, step]).random() < fraction)
 
 
@@ -100,7 +101,7 @@ class OnPolicySource(QueueSource):
         )
         self.teacher, self._sampler, self._history = teacher, sampler, history
         op = cfg.distill.on_policy
-        self._fraction, self._seed = op.fraction, seed
+        self._fraction, self._seed, self._start_step = op.fraction, seed, op.start_step
         self._prompt_len, _ = op.lengths(cfg.train.seq_len)
         self._prompts = prompt_set(cfg, corpus.tokenizer)  # None: the rows' first tokens
         self._staleness = cfg.pipeline.max_staleness
@@ -123,7 +124,7 @@ class OnPolicySource(QueueSource):
 
     def _work(self, batch: Batch):
         step, self._next_step = self._next_step, self._next_step + 1
-        if not is_on_policy(self._seed, step, self._fraction):
+        if not is_on_policy(self._seed, step, self._fraction, self._start_step):
             self._in_flight.append((False, 0, None))
             return batch, self.teacher.output(batch)
         source_step = max(step - 1 - self._staleness, 0)

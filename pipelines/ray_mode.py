@@ -87,7 +87,7 @@ class RayTeacherSource:
         data_state, batch = self._it.get_state(), next(self._it)
         step, self._next_step = self._next_step, self._next_step + 1
         op, staleness = self._cfg.distill.on_policy, self._cfg.pipeline.max_staleness
-        if is_on_policy(self._cfg.run.seed, step, op.fraction):
+        if is_on_policy(self._cfg.run.seed, step, op.fraction, op.start_step):
             source_step = max(step - 1 - staleness, 0)
             prompts = step_prompts(self._prompts, batch, step, op.lengths(batch.tokens.shape[1])[0])
             self._pool.submit_on_policy(data_state, prompts, step, source_step)

@@ -104,6 +104,14 @@ def test_fraction_zero_is_the_off_policy_run_bit_for_bit(tmp_path, corpus_dir):
     assert "on_policy" not in a[0]
 
 
+def test_which_steps_are_on_policy():
+    assert [is_on_policy(0, s, 1.0, start_step=3) for s in range(1, 6)] == [False] * 3 + [True] * 2
+    assert not any(is_on_policy(0, s, 0.0) for s in range(1, 50))
+    mixed = [is_on_policy(0, s, 0.5, start_step=10) for s in range(1, 400)]
+    assert not any(mixed[:10]) and 0.4 < sum(mixed[10:]) / 389 < 0.6
+    assert mixed == [is_on_policy(0, s, 0.5, start_step=10) for s in range(1, 400)]
+
+
 def test_strictly_on_policy_generates_with_the_latest_parameters(tmp_path, corpus_dir):
     """max_staleness 0 (prefetch 1): every step on-policy, staleness 0."""
     cfg = tiny_config(
