@@ -108,15 +108,21 @@ def decode_step(
 
 
 def sample(logits_bv, key, *, temperature: float, top_p: float, vocab_limit: int | None):
-    """Token ids [B]: greedy at temperature 0, else from softmax(logits / temperature)
-    restricted to the smallest set of top ids whose probability reaches `top_p`. Padded ids
-    (>= vocab_limit) are never drawn."""
+    """(token ids [B], their float32 log-probabilities under softmax(logits / temperature)
+    (softmax(logits) when greedy), before any top-p cut): greedy at temperature 0, else
+    drawn from softmax(logits / temperature) restricted to the smallest set of top ids whose
+    probability reaches `top_p`. Padded ids (>= vocab_limit) are never drawn."""
     if vocab_limit is not None and vocab_limit < logits_bv.shape[-1]:
         live = jnp.arange(logits_bv.shape[-1]) < vocab_limit
         logits_bv = jnp.where(live, logits_bv, -jnp.inf)
-    if temperature == 0:
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    z = logits_bv / temperature
+    z = logits_bv / (temperature or 1.0)
+    logp_bv = jax.nn.log_softmax(z, axis=-1)
+    tok = jnp.argmax(z, axis=-1) if temperature == 0 else _draw(z, key, top_p)
+    tok = tok.astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_bv, tok[:, None], axis=-1)[:, 0]
+
+
+def _draw(z, key, top_p: float):
     if top_p < 1.0:
         desc = -jnp.sort(-z, axis=-1)
         probs = jax.nn.softmax(desc, axis=-1)
@@ -124,7 +130,7 @@ def sample(logits_bv, key, *, temperature: float, top_p: float, vocab_limit: int
         kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1
         cutoff = jnp.take_along_axis(desc, kept - 1, axis=-1)
         z = jnp.where(z >= cutoff, z, -jnp.inf)
-    return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, z, axis=-1)
 
 
 def generate(
@@ -140,8 +146,9 @@ def generate(
     vocab_limit: int | None = None,
     dtype: str = "float32",
     rows=None,
-) -> tuple[jax.Array, jax.Array]:
-    """(continuation ids [B, N] int32, valid [B, N] bool) of N = `max_new_tokens` tokens per
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(continuation ids [B, N] int32, valid [B, N] bool, their log-probabilities [B, N]
+    float32 under the sampling distribution, see `sample`) of N = `max_new_tokens` tokens per
     row. Token t of every row is drawn with `jax.random.fold_in(key, t)`. A row whose last
     prompt token is already a stop id continues with nothing."""
     p, n = prompts.tokens.shape[1], max_new_tokens
@@ -152,7 +159,7 @@ def generate(
 
     def body(carry, t):
         logits, cache, done = carry
-        tok = sample(
+        tok, logp = sample(
             logits, jax.random.fold_in(key, t),
             temperature=temperature, top_p=top_p, vocab_limit=vocab_limit,
         )  # fmt: skip
@@ -162,10 +169,10 @@ def generate(
         logits, cache = decode_step(
             cfg, params, tok, last_pos + 1 + t, p + t, real, cache, dtype=dtype, rows=rows
         )
-        return (logits, cache, done), (tok, real)
+        return (logits, cache, done), (tok, real, jnp.where(real, logp, 0.0))
 
-    _, (tokens, valid) = jax.lax.scan(body, (logits, cache, done), jnp.arange(n))
-    return tokens.T, valid.T
+    _, (tokens, valid, logp) = jax.lax.scan(body, (logits, cache, done), jnp.arange(n))
+    return tokens.T, valid.T, logp.T
 
 
 def continuation_batch(prompts: Prompts, tokens_bn, valid_bn, seq_len: int) -> Continuations:

@@ -60,7 +60,8 @@ def _parts_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
     tx = optim.make_optimizer(cfg.optim, 10**6)
     box = [train.init_state(scfg, tx, cfg.run.seed, meshes.student)]
     key = jax.random.key(cfg.run.seed)
-    rows, count = sampler(box[0].params, prompts, key)
+    rows, stats = sampler(box[0].params, prompts, key)
+    count = stats["tokens"]
     score = make_output_forward(cfg, meshes.teacher, limit)
     t_put = batch_sharding(meshes.teacher)
     t_out = jax.device_put(

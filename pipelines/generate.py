@@ -74,7 +74,7 @@ def generate_text(
         )
     )  # fmt: skip
     prompts = jax.tree.map(jnp.asarray, _prompts(tokenizer, texts))
-    tokens, valid = jax.device_get(run(params, prompts, jax.random.key(seed)))
+    tokens, valid, _ = jax.device_get(run(params, prompts, jax.random.key(seed)))
     out = []
     for text, ids, ok in zip(texts, tokens, valid, strict=True):
         ids = [int(i) for i in ids[ok]]

@@ -39,7 +39,7 @@ from pipelines.timing import ReadyWatcher
 from student.generate import ParamHistory, Sampler, sampler_for
 
 SAMPLE_KEY = 0x5A3E  # folded into the run seed's key for the evaluation samples
-SAMPLE_KEYS = ("sample_teacher_nll", "sample_len")  # what `SampleScore` adds to an eval
+SAMPLE_KEYS = ("sample_teacher_nll", "sample_student_nll", "sample_kl", "sample_len")
 
 
 def check_on_policy(cfg: Config) -> None:
@@ -130,9 +130,9 @@ class OnPolicySource(QueueSource):
         source_step = max(step - 1 - self._staleness, 0)
         params = self._history.after(source_step)
         prompts = step_prompts(self._prompts, batch, step, self._prompt_len)
-        rows, count = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
-        self._gen_watch.watch(count)
-        self._in_flight.append((True, step - 1 - source_step, count))
+        rows, stats = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
+        self._gen_watch.watch(stats["tokens"])
+        self._in_flight.append((True, step - 1 - source_step, stats["tokens"]))
         return rows, self.teacher.output(rows)
 
     def figures(self, steps: int, since: float) -> dict:
@@ -181,10 +181,22 @@ class SampleScore:
         self._key = jax.random.fold_in(jax.random.key(cfg.run.seed), SAMPLE_KEY)
 
     def __call__(self, params) -> dict:
-        rows, count = self._sampler(params, self._prompts, self._key)
-        nll, tokens = self._teacher.nll(rows)
-        n_prompts = self._prompts.tokens.shape[0]
-        return {
-            "sample_teacher_nll": float(nll) / max(float(tokens), 1.0),
-            "sample_len": float(count) / n_prompts,
-        }
+        rows, stats = self._sampler(params, self._prompts, self._key)
+        nll, _ = self._teacher.nll(rows)
+        return sample_metrics(
+            float(nll), -float(stats["logp"]), int(stats["tokens"]), self._prompts.tokens.shape[0]
+        )
+
+
+def sample_metrics(teacher_nll: float, student_nll: float, tokens: int, prompts: int) -> dict:
+    """The evaluation's sample metrics from sums over the generated tokens: the teacher's
+    and the student's mean NLL per token, their difference (a Monte Carlo estimate of
+    KL(student || teacher) per token along the student's own samples: 0 for samples exactly
+    as the teacher would draw them) and the mean continuation length."""
+    t, s = teacher_nll / max(tokens, 1), student_nll / max(tokens, 1)
+    return {
+        "sample_teacher_nll": t,
+        "sample_student_nll": s,
+        "sample_kl": t - s,
+        "sample_len": tokens / prompts,
+    }

@@ -10,9 +10,12 @@ more than one process: `distill.distributed.join`, with the coordinator that pro
 offered through `address`) and then builds the role's mesh over all of the group's
 devices. JAX is imported only inside the actors' methods, never by importing this module.
 
-Actors get the config as a plain tree and validate it themselves. What crosses between
-actors is host numpy: a `Batch` and a `TeacherOutput` (top-k, or dense for small
-vocabularies); between groups of several processes, row blocks of them (`ray_rows`): each
+Actors get the config as a plain tree and validate it themselves, and load the corpus
+themselves: for a step the driver sends only its data state (`{"next_index": n}`), and each
+process reads the rows of global batch n it needs (`ray_rows.BatchReader`): a student
+process its block, a teacher process the rows its devices hold. What crosses between
+actors is host numpy: a `TeacherOutput` (top-k, or dense for small vocabularies) and the
+on-policy rows; between groups of several processes, row blocks of them (`ray_rows`): each
 teacher process sends each student process the rows of that student process's block that
 it holds, and a student process assembles its rows into the global arrays with the other
 processes'. The jitted functions are the local mode's own (`teacher.forward.make_forward`,
@@ -30,28 +33,38 @@ import ray
 from distill.config_file import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import DP, TP, student_shape, teacher_shape
-from distill.tokenizers import build_tokenizer, vocab_limit
+from distill.tokenizers import vocab_limit
 from pipelines import ray_rows
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def device_options(n_devices: int, platform: str) -> tuple[dict, dict]:
-    """(placement-group bundle, actor options) giving an actor `n_devices` of `platform`.
+# The custom Ray resource a node offers (`ray start --resources '{"teacher_host": 1}'`, a
+# KubeRay worker group's rayStartParams) to host one process of that role's group.
+HOST_RESOURCES = {"teacher": "teacher_host", "student": "student_host"}
+
+
+def device_options(n_devices: int, platform: str, host: str | None = None) -> tuple[dict, dict]:
+    """(placement-group bundle, actor options) giving an actor `n_devices` of `platform`,
+    and one unit of the custom resource `host` when given (the role's nodes: see
+    `HOST_RESOURCES`; a cluster without it, such as the local one, places anywhere).
 
     gpu/tpu: Ray resources, so the actor lands on a node that has them and sees only its
     own (JAX picks its platform itself, whatever the driver's environment pins). cpu: one
     CPU slot, and `n_devices` simulated host devices set in the actor's environment before
     its JAX starts (the driver's other XLA flags are kept)."""
     auto = {"runtime_env": {"env_vars": {"JAX_PLATFORMS": ""}}}
+    mine = {host: 1} if host else {}
     if platform == "gpu":
-        return {"CPU": 1, "GPU": n_devices}, {"num_cpus": 1, "num_gpus": n_devices, **auto}
+        opts = {"num_cpus": 1, "num_gpus": n_devices, "resources": mine, **auto}
+        return {"CPU": 1, "GPU": n_devices, **mine}, opts
     if platform == "tpu":
-        opts = {"num_cpus": 1, "resources": {"TPU": n_devices}, **auto}
-        return {"CPU": 1, "TPU": n_devices}, opts
+        opts = {"num_cpus": 1, "resources": {"TPU": n_devices, **mine}, **auto}
+        return {"CPU": 1, "TPU": n_devices, **mine}, opts
     flags = re.sub(_COUNT_FLAG + r"=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
     env = {"XLA_FLAGS": " ".join([*flags, f"{_COUNT_FLAG}={n_devices}"]), "JAX_PLATFORMS": "cpu"}
-    return {"CPU": 1}, {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+    opts = {"num_cpus": 1, "resources": mine, "runtime_env": {"env_vars": env}}
+    return {"CPU": 1, **mine}, opts
 
 
 def _group_mesh(shape: dict[str, int], field: str):
@@ -99,6 +112,12 @@ class _Member:
     def __init__(self, cfg_tree: dict):
         self._tree = cfg_tree
 
+    def tpu_worker(self) -> int | None:
+        """This host's worker index in its TPU slice (`TPU_WORKER_ID`, which GKE sets on
+        each host of a multi-host slice), None elsewhere."""
+        worker = os.environ.get("TPU_WORKER_ID")
+        return int(worker) if worker not in (None, "") else None
+
     def address(self) -> str:
         """ "ip:port" on this node, free now, for the group's coordinator (process 0)."""
         from distill.distributed import free_port
@@ -118,6 +137,16 @@ class _Member:
         self._jax, self._n, self._i = jax, n, i
         return cfg
 
+    def _load_data(self, cfg):
+        """This process's own copy of the corpus (rows read by index, from
+        `data.prepared_dir` on demand when set); its tokenizer."""
+        from distill.data import load_corpus
+
+        corpus = load_corpus(cfg.data, cfg.train.seq_len)
+        self._reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
+        self._data_check = ray_rows.data_check(self._reader)
+        return corpus.tokenizer
+
 
 @ray.remote
 class TeacherActor(_Member):
@@ -129,22 +158,30 @@ class TeacherActor(_Member):
 
         cfg = self._join(coordinator, n, i, platform)
         self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
-        self._teacher = OnlineTeacher(cfg, self._mesh, build_tokenizer(cfg.data))
+        tokenizer = self._load_data(cfg)
+        self._teacher = OnlineTeacher(cfg, self._mesh, tokenizer)
         return self.info()
 
     def info(self) -> dict:
-        return _info(self._mesh, TP)
+        return {**_info(self._mesh, TP), "data": self._data_check}
 
     @ray.method(num_returns=2)
-    def forward(self, *batch_parts):
-        """(TeacherOutput of host arrays [B, S, k or V], busy milliseconds) for a batch sent
-        as one block; sent as n student blocks: (n lists of pieces, one per student process:
-        the rows of its block this process holds; busy milliseconds)."""
+    def forward(self, n: int, *batch):
+        """The teacher output for `n` student processes. `batch` is the step's data state
+        (this process reads the rows its devices hold) or, on an on-policy step, the rows
+        the n student processes made, one block each. Returns (TeacherOutput of host arrays
+        [B, S, k or V], busy milliseconds) when both groups are one process; else (n lists
+        of pieces, one per student process: the rows of its block this process holds; busy
+        milliseconds)."""
         t0 = time.perf_counter()
-        out = self._teacher.output(ray_rows.join_batch(list(batch_parts)))
-        if self._n == 1 and len(batch_parts) == 1:
+        if isinstance(batch[0], dict):
+            rows = ray_rows.global_batch(self._reader, batch[0], self._teacher.put)
+        else:
+            rows = ray_rows.join_batch(list(batch))
+        out = self._teacher.output(rows)
+        if self._n == 1 and n == 1:
             return self._jax.device_get(out), 1e3 * (time.perf_counter() - t0)
-        parts = ray_rows.teacher_parts(out, len(batch_parts))
+        parts = ray_rows.teacher_parts(out, n)
         return (*parts, 1e3 * (time.perf_counter() - t0))
 
     @ray.method(num_returns=2)
@@ -175,7 +212,7 @@ class StudentActor(_Member):
 
     `setup` restores the latest checkpoint of `run.output_dir` if there is one, so a
     recreated student resumes where the last checkpoint left off; `resume_point` says
-    where, and the driver rewinds its data iterator to match."""
+    where, and the driver's data position starts there."""
 
     def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
         from student import train
@@ -185,7 +222,8 @@ class StudentActor(_Member):
 
         cfg = self._join(coordinator, n, i, platform)
         scfg = cfg.student_model()
-        tokenizer = build_tokenizer(cfg.data)
+        tokenizer = self._load_data(cfg)
+        self._block = ray_rows.block(cfg.train.batch_size, n, i)
         limit = vocab_limit(tokenizer, scfg.vocab_size)
         self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
@@ -204,11 +242,14 @@ class StudentActor(_Member):
     def _setup_sampling(self, cfg, tx, tokenizer, limit) -> None:
         """The samplers (on-policy, and the evaluation's at temperature 1) and, for an
         on-policy run, the recent parameters it generates with (restored with the state)."""
+        from distill.prompts import prompt_set
         from student import train
         from student.generate import ParamHistory, sampler_for
 
-        self._history = None
+        self._history, self._prompt_set = None, None
+        self._prompt_len = cfg.distill.on_policy.lengths(cfg.train.seq_len)[0]
         if cfg.distill.on_policy.fraction > 0:
+            self._prompt_set = prompt_set(cfg, tokenizer)  # None: the rows' first tokens
             abstract = train.abstract_state(cfg.student_model(), tx, self._mesh).params
             self._history = ParamHistory(cfg.pipeline.max_staleness, abstract)
             self._history.start(self._start, self._state.params, self._ckpt)
@@ -222,16 +263,30 @@ class StudentActor(_Member):
         t0 = time.perf_counter()
         if self._n > 1:
             prompts = ray_rows.global_arrays(prompts, self._split, self._rows)
-        rows, count = sampler(params, prompts, key)
-        rows = ray_rows.local_rows(rows)
-        return rows, {"tokens": int(count), "ms": 1e3 * (time.perf_counter() - t0)}
+        rows, stats = sampler(params, prompts, key)
+        rows, stats = ray_rows.local_rows(rows), self._jax.device_get(stats)
+        ms = 1e3 * (time.perf_counter() - t0)
+        return rows, {"tokens": int(stats["tokens"]), "logp": float(stats["logp"]), "ms": ms}
+
+    def _prompts(self, step_no: int, data_state: dict):
+        """This process's rows of step `step_no`'s prompts (`pipelines.on_policy.step_prompts`):
+        of the `data.prompt_field` prompts when set, else the first tokens of its rows."""
+        from distill.decode import prompts_of
+
+        lo, hi = self._block
+        if self._prompt_set is not None:
+            whole = self._prompt_set.batch(step_no, self._rows)
+            return type(whole)(*(f[lo:hi] for f in whole))
+        return prompts_of(self._reader.rows(data_state, lo, hi), self._prompt_len)
 
     @ray.method(num_returns=2)
-    def generate(self, step_no: int, source_step: int, prompts):
+    def generate(self, step_no: int, source_step: int, data_state: dict):
         """(this process's rows of step `step_no`'s on-policy rows, generation figures): its
-        rows of the step's prompts continued with the parameters after `source_step`, with
-        the step's key (as `pipelines.on_policy.OnPolicySource`)."""
+        rows of the step's prompts (the batch at `data_state`) continued with the
+        parameters after `source_step`, with the step's key (as
+        `pipelines.on_policy.OnPolicySource`)."""
         key = self._jax.random.fold_in(self._key, step_no)
+        prompts = self._prompts(step_no, data_state)
         return self._sample(self._sampler, self._history.after(source_step), prompts, key)
 
     @ray.method(num_returns=2)
@@ -244,7 +299,7 @@ class StudentActor(_Member):
         return self._sample(self._eval_sampler, self._state.params, prompts, key)
 
     def info(self) -> dict:
-        return _info(self._mesh, DP)
+        return {**_info(self._mesh, DP), "data": self._data_check}
 
     def resume_point(self) -> tuple[int, dict | None]:
         """(the step the state is at, the data state of its next batch; None: from the start)."""
@@ -252,12 +307,16 @@ class StudentActor(_Member):
 
     def step(self, step_no: int, batch, *teacher_parts) -> dict:
         """Train on step `step_no`'s batch; metrics as host floats. Steps must come in order:
-        a step whose predecessor never ran (its teacher output was lost) is refused. In a
-        group of n processes, `batch` is this process's rows and `teacher_parts` the pieces
-        of its rows from each teacher process; `bytes_per_token` counts what it received."""
+        a step whose predecessor never ran (its teacher output was lost) is refused. `batch`
+        is the step's data state (this process reads its block of rows) or, on an on-policy
+        step, the rows this process generated; in a group of n processes `teacher_parts`
+        are the pieces of its rows from each teacher process. `bytes_per_token` counts the
+        teacher rows it received."""
         if step_no != self._next:
             raise RuntimeError(f"student step {step_no} out of order: expected {self._next}")
         jax, t0 = self._jax, time.perf_counter()
+        if isinstance(batch, dict):
+            batch = self._reader.rows(batch, *self._block)
         if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
             t_in = teacher_parts[0]
             nbytes = sum(x.nbytes for x in jax.tree.leaves(t_in))

@@ -13,7 +13,11 @@ reports a dead member as soon as it is known.
 Placement (`place`): groups of one process share one placement group packed onto as few
 nodes as fit (as before groups existed); a group of several processes gets a placement
 group of its own, one bundle per process, STRICT_SPREAD when the cluster has a node for
-each, else SPREAD (on one machine, every process on the one node).
+each, else SPREAD (on one machine, every process on the one node). On a cluster whose
+nodes offer a role's custom resource (`teacher_host`, `student_host`: a KubeRay worker group
+per role), every bundle asks for one unit of it, so a role's processes land on its own
+nodes. On a multi-host TPU slice the members are ordered by the slice's worker index, which
+JAX's process index must match.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class Group:
         self._setup = []
         try:
             coordinator = None
+            if self.hosts > 1 and self._platform == "tpu":
+                self.members = self._by_tpu_worker()
             if self.hosts > 1:
                 coordinator = ray.get(self.members[0].address.remote())
         except RayError as e:
@@ -110,6 +116,19 @@ class Group:
             m.setup.remote(coordinator, self.hosts, i, self._platform)
             for i, m in enumerate(self.members)
         ]
+
+    def _by_tpu_worker(self) -> list:
+        """The members in their TPU slice's worker order: on a multi-host slice, JAX process
+        i must run on the slice's worker i, and the group must be the whole slice."""
+        workers = ray.get([m.tpu_worker.remote() for m in self.members])
+        if sorted(w for w in workers if w is not None) != list(range(self.hosts)):
+            self.kill()
+            raise DistillError(
+                f"mesh.{self.role}.hosts: the {self.role} group's {self.hosts} processes run on "
+                f"TPU workers {workers}; a group must be one whole multi-host slice, one process "
+                "on each of its hosts"
+            )
+        return [m for _, m in sorted(zip(workers, self.members, strict=True), key=lambda x: x[0])]
 
     def ready(self) -> list[dict]:
         """Wait for every member's setup; a failure there is reported as one line."""

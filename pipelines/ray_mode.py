@@ -1,13 +1,17 @@
 """`pipeline.mode: ray`: teacher and student groups of Ray actors, each process owning its
 host's devices (`mesh.<role>.hosts` processes per group, one JAX distributed system each).
 
-The driver (the `distill run` process, JAX on CPU only) reads batches with Grain in the
-local mode's order, puts each batch in the object store once (one row block per student
-process) and submits its teacher forward ahead, round-robin over `teacher.replicas` teacher
-groups, with at most `pipeline.prefetch` outputs in flight. The student group takes batches
-strictly in data order; each student process gets only its rows, and its rows of the
-teacher output arrive as object references (one per teacher process) that Ray resolves in
-that process, so outputs never pass through the driver. The driver waits only on small
+The driver (the `distill run` process, JAX on CPU only) reads no training rows: it counts
+the data position (`{"next_index": n}`, the Grain iterator state of local mode) and submits
+each step's teacher forward ahead with only that state, round-robin over `teacher.replicas`
+teacher groups, with at most `pipeline.prefetch` outputs in flight. Every process reads its
+own rows of batch n from its own copy of the corpus (`ray_rows.BatchReader`), so the data
+does not pass through the driver either. The student group takes batches strictly in data
+order; each student process reads only its rows, and its rows of the teacher output arrive
+as object references (one per teacher process) that Ray resolves in that process, so
+outputs never pass through the driver. The one data state the student checkpoints is every
+process's: a resume on any host count restarts every process at that batch (the global
+batch is the same; only its split over the processes differs). The driver waits only on small
 values: a forward's busy time (so that a dead teacher is noticed before its output is
 handed on) and step n-lag's metrics, as the local loop does.
 
@@ -32,11 +36,11 @@ import ray
 from distill import decode
 from distill.config import Config
 from distill.corpus import Corpus
-from distill.prompts import prompt_set
+from pipelines import ray_rows
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop
-from pipelines.on_policy import is_on_policy, step_prompts
+from pipelines.on_policy import is_on_policy
 from pipelines.ray_pool import ActorPool
 
 log = logging.getLogger("distill")
@@ -59,24 +63,23 @@ def driver_view(cfg: Config) -> Config:
 
 
 class RayTeacherSource:
-    """The teacher source of ray mode: the driver reads batches with Grain, puts each in the
-    object store once and submits its forward to the pool's replicas, round-robin."""
+    """The teacher source of ray mode: the driver counts the data position and submits each
+    batch's forward to the pool's replicas, round-robin, by its data state alone (every
+    process reads its rows of the batch itself)."""
 
-    def __init__(self, cfg: Config, corpus: Corpus, pool: ActorPool):
-        self._cfg, self._corpus, self._pool = cfg, corpus, pool
-        self._it = None
+    def __init__(self, cfg: Config, pool: ActorPool):
+        self._cfg, self._pool = cfg, pool
+        self._next_index = 0  # the data position: the next batch's index
         # (when handed on, replica, busy ms) of recent forwards, as `ReadyWatcher` keeps them
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._next_step = 1
-        self._prompts = prompt_set(cfg, corpus.tokenizer)  # None: the rows' first tokens
         # (on-policy?, staleness) of the batches in flight, and of recent ones handed on
         self._kinds: deque[tuple[bool, int]] = deque()
         self._recent_kinds: deque[tuple[bool, int]] = deque(maxlen=256)
 
     def start(self, data_state: dict | None) -> None:
-        self._it = self._corpus.train_iterator(self._cfg.train.batch_size, seed=self._cfg.run.seed)
-        if data_state is not None:
-            self._it.set_state(data_state)
+        """Start at `data_state` (a `Corpus.train_iterator` state; None: the first batch)."""
+        self._next_index = 0 if data_state is None else int(data_state["next_index"])
         self._pool.in_flight.clear()
         self._kinds.clear()
         self._next_step = self._pool.student_start + 1
@@ -84,16 +87,16 @@ class RayTeacherSource:
     def submit(self) -> None:
         """The next batch's teacher work; on an on-policy step (as `pipelines.on_policy`
         picks them) first the student group's continuations of its prompts."""
-        data_state, batch = self._it.get_state(), next(self._it)
+        data_state = {"next_index": self._next_index}
+        self._next_index += 1
         step, self._next_step = self._next_step, self._next_step + 1
         op, staleness = self._cfg.distill.on_policy, self._cfg.pipeline.max_staleness
         if is_on_policy(self._cfg.run.seed, step, op.fraction, op.start_step):
             source_step = max(step - 1 - staleness, 0)
-            prompts = step_prompts(self._prompts, batch, step, op.lengths(batch.tokens.shape[1])[0])
-            self._pool.submit_on_policy(data_state, prompts, step, source_step)
+            self._pool.submit_on_policy(data_state, step, source_step)
             self._kinds.append((True, step - 1 - source_step))
         else:
-            self._pool.submit(data_state, batch)
+            self._pool.submit(data_state)
             self._kinds.append((False, 0))
 
     def pop(self) -> Item:
@@ -113,7 +116,7 @@ class RayTeacherSource:
 
     def resume_point(self) -> dict:
         in_flight = self._pool.in_flight
-        return in_flight[0].data_state if in_flight else self._it.get_state()
+        return in_flight[0].data_state if in_flight else {"next_index": self._next_index}
 
     def figures(self, steps: int, since: float) -> dict:
         """Mean busy ms of the last `steps` forwards; busy fractions since `since`, per
@@ -213,7 +216,7 @@ class RayStudentExecutor:
 def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
     resume = pool.start()
     store.set_mesh(pool.layout())
-    source = RayTeacherSource(cfg, corpus, pool)
+    source = RayTeacherSource(cfg, pool)
     executor = RayStudentExecutor(pool, resume)
     hooks = distill_hooks(cfg, corpus, source, executor, store)
     batches = eval_batches(cfg, corpus)
@@ -256,7 +259,8 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
             ray.init(num_cpus=cpus, include_dashboard=False)
     pool = None
     try:
-        pool = ActorPool(cfg, store)
+        reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
+        pool = ActorPool(cfg, store, ray_rows.data_check(reader))
         return _run(cfg, corpus, store, pool)
     finally:
         if pool is not None:

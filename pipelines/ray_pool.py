@@ -3,8 +3,10 @@
 Each teacher replica and the student is a group of processes (`ray_groups.Group`, one
 process unless `mesh.<role>.hosts` says more), each in its placement-group bundle; a
 recreated group takes its predecessor's bundles. Teacher work is submitted round-robin over
-the replicas and tracked in `in_flight`, in data order; every process of a replica's group
-runs every forward, and each sends each student process only its rows (`ray_rows`). A
+the replicas and tracked in `in_flight`, in data order. The driver sends every process only
+the step's data state (a small dict): each reads its rows of the step's batch itself; every
+process of a replica's group runs every forward, and each sends each student process only
+its rows of the output (`ray_rows`). A
 teacher group that loses a process is recreated and its in-flight batches are submitted
 again (the teacher is deterministic, so nothing downstream changes); a student group that
 loses one is recreated and restores the latest checkpoint. Both are bounded by
@@ -28,7 +30,8 @@ from distill.errors import DistillError
 from distill.mesh import devices_per_host, hosts
 from pipelines import ray_rows
 from pipelines.loop import StudentLost
-from pipelines.ray_actors import StudentActor, TeacherActor, device_options
+from pipelines.on_policy import sample_metrics
+from pipelines.ray_actors import HOST_RESOURCES, StudentActor, TeacherActor, device_options
 from pipelines.ray_groups import Group, get_all, place
 
 log = logging.getLogger("distill")
@@ -38,7 +41,9 @@ class Pending(NamedTuple):
     """A batch whose teacher forward was submitted."""
 
     data_state: dict  # iterator state *before* this batch: where a resume restarts
-    batch: list  # Batch row blocks (refs), one per student process; the teacher joins them
+    # the data state again (every process reads its rows of that batch) or, on an on-policy
+    # step, refs of the rows each student process made, one per process
+    batch: dict | list
     replica: int
     out: list  # per student process, the refs of its rows from each teacher process
     busy_ms: list  # per teacher process, small; ready (or failed) together with `out`
@@ -48,11 +53,18 @@ def _actor_config(cfg: Config) -> dict:
     """The config tree for the actors, local paths made absolute (their cwd may differ)."""
 
     def absolute(path: str | None) -> str | None:
-        return path if path is None or "://" in path else os.path.abspath(path)
+        if path is None or "://" in path or path.startswith(("{", "~")):
+            return path  # a URI, `{stdlib}/...`, `~/...`: the same from any cwd
+        return os.path.abspath(path)
 
     tree = cfg.model_dump(mode="json")
     tree["run"]["output_dir"] = absolute(cfg.run.output_dir)
     tree["teacher"]["checkpoint"] = absolute(cfg.teacher.checkpoint)
+    # every process reads its own rows of the data
+    data = tree["data"]
+    data["source"], data["prepared_dir"] = absolute(data["source"]), absolute(data["prepared_dir"])
+    if data["tokenizer"] != "bytes":
+        data["tokenizer"] = absolute(data["tokenizer"])
     return tree
 
 
@@ -63,15 +75,28 @@ def _platform(cfg: Config) -> str:
     return "gpu" if resources.get("GPU") else "tpu" if resources.get("TPU") else "cpu"
 
 
+def _host_resource(role: str) -> str | None:
+    """The custom resource marking the nodes of `role` (`ray_actors.HOST_RESOURCES`) when
+    the cluster has it (a pod per role's worker group); None: any node will do."""
+    name = HOST_RESOURCES[role]
+    return name if ray.cluster_resources().get(name) else None
+
+
 class ActorPool:
     """`teacher.replicas` teacher groups and one student group, and their bookkeeping."""
 
-    def __init__(self, cfg: Config, store):
-        self.cfg, self.store = cfg, store
+    def __init__(self, cfg: Config, store, data_check: str | None = None):
+        """`data_check`: the driver's `ray_rows.data_check` of the corpus; every process
+        must read the same rows (checked as each group starts)."""
+        self.cfg, self.store, self._data_check = cfg, store, data_check
         self.replicas = cfg.teacher.replicas
         tree, platform = _actor_config(cfg), _platform(cfg)
-        t_bundle, t_opts = device_options(devices_per_host(cfg, "teacher"), platform)
-        s_bundle, s_opts = device_options(devices_per_host(cfg, "student"), platform)
+        t_bundle, t_opts = device_options(
+            devices_per_host(cfg, "teacher"), platform, _host_resource("teacher")
+        )
+        s_bundle, s_opts = device_options(
+            devices_per_host(cfg, "student"), platform, _host_resource("student")
+        )
         t_hosts, self.student_hosts = hosts(cfg, "teacher"), hosts(cfg, "student")
         self._pgs, where = place(
             [(t_hosts, t_bundle)] * self.replicas + [(self.student_hosts, s_bundle)]
@@ -106,6 +131,13 @@ class ActorPool:
 
     def _record(self, name: str, group: Group) -> None:
         self.info[name] = {**group.info[0], "hosts": group.hosts, "processes": group.info}
+        for process in group.info:
+            if self._data_check is not None and process["data"] != self._data_check:
+                raise DistillError(
+                    f"data.source: process {process['process']} of {name} on {process['node']} "
+                    f"reads other rows ({process['data']}) than the driver ({self._data_check}); "
+                    "every host must see the same corpus (data.source or data.prepared_dir)"
+                )
 
     def _student_ready(self) -> tuple[int, dict | None]:
         self._record("student", self.students)
@@ -184,26 +216,21 @@ class ActorPool:
 
     # -- teacher work ---------------------------------------------------------------------
 
-    def submit(self, data_state: dict, batch) -> None:
-        """Queue a teacher forward for the host `batch` on the next replica, round-robin.
-        The batch goes into the object store once, as one row block per student process."""
+    def submit(self, data_state: dict) -> None:
+        """Queue a teacher forward for the batch at `data_state` on the next replica,
+        round-robin. Only the data state is sent: every process reads its own rows."""
         r, self._rr = self._rr % self.replicas, self._rr + 1
-        blocks = (
-            [batch] if self.student_hosts == 1 else ray_rows.split_batch(batch, self.student_hosts)
-        )
-        self.in_flight.append(self._forward(data_state, [ray.put(b) for b in blocks], r))
+        self.in_flight.append(self._forward(data_state, data_state, r))
 
-    def submit_on_policy(self, data_state: dict, prompts, step: int, source_step: int) -> None:
-        """Queue on-policy step `step`: every student process continues its rows of
-        `prompts` with the parameters after `source_step` (queued after the steps already
-        submitted to it), and the next replica scores the rows so made, which go from each
-        student process to the teacher group and back as object refs."""
+    def submit_on_policy(self, data_state: dict, step: int, source_step: int) -> None:
+        """Queue on-policy step `step`: every student process continues its rows of the
+        step's prompts (made from the batch at `data_state`, or `data.prompt_field`) with
+        the parameters after `source_step` (queued after the steps already submitted to
+        it), and the next replica scores the rows so made, which go from each student
+        process to the teacher group and back as object refs."""
         r, self._rr = self._rr % self.replicas, self._rr + 1
-        n = self.student_hosts
-        blocks = [prompts] if n == 1 else ray_rows.split_batch(prompts, n)
         calls = [
-            actor.generate.remote(step, source_step, blocks[p])
-            for p, actor in enumerate(self.students.members)
+            actor.generate.remote(step, source_step, data_state) for actor in self.students.members
         ]
         self.generated.append(calls[0][1])  # process 0's figures stand for the group's
         self.in_flight.append(self._forward(data_state, [rows for rows, _ in calls], r))
@@ -216,19 +243,29 @@ class ActorPool:
         calls = [
             actor.sample_eval.remote(blocks[p]) for p, actor in enumerate(self.students.members)
         ]
-        count = self.student_result([c for _, c in calls])["tokens"]
-        nll, tokens = get_all(self.teachers[0].call("nll", *[rows for rows, _ in calls]))[0]
-        return {
-            "sample_teacher_nll": nll / max(tokens, 1.0),
-            "sample_len": count / prompts.tokens.shape[0],
-        }
+        stats = self.student_result([c for _, c in calls])
+        rows = [rows for rows, _ in calls]
+        nll, _ = self._on_teacher(0, lambda group: get_all(group.call("nll", *rows))[0])
+        return sample_metrics(nll, -stats["logp"], stats["tokens"], prompts.tokens.shape[0])
 
-    def _forward(self, data_state: dict, batch: list, r: int) -> Pending:
-        """Every process of replica r's group runs the forward; process q's result p is its
-        rows of student process p's block (one part, the whole output, when both groups
-        are one process)."""
+    def _on_teacher(self, r: int, call):
+        """call(replica r's group); a group that lost a process is recreated and the call
+        made again, as often as `ray.max_teacher_restarts` allows."""
+        while True:
+            try:
+                return call(self.teachers[r])
+            except RayError as e:
+                if not isinstance(e, RayActorError) and self.teachers[r].alive():
+                    raise
+                self.restart_teacher(r, e)
+
+    def _forward(self, data_state: dict, batch: dict | list, r: int) -> Pending:
+        """Every process of replica r's group runs the forward on `batch` (`Pending.batch`);
+        process q's result p is its rows of student process p's block (one part, the whole
+        output, when both groups are one process)."""
         n = self.student_hosts
-        calls = self.teachers[r].call("forward", *batch, num_returns=None if n == 1 else n + 1)
+        parts = batch if isinstance(batch, list) else [batch]
+        calls = self.teachers[r].call("forward", n, *parts, num_returns=None if n == 1 else n + 1)
         out = [[refs[p] for refs in calls] for p in range(n)]
         return Pending(data_state, batch, r, out, [refs[-1] for refs in calls])
 
@@ -276,10 +313,11 @@ class ActorPool:
 
     # -- the student group ----------------------------------------------------------------
 
-    def student_step(self, step: int, batch: list, teacher_out: list) -> list:
-        """Student process p trains on its rows: batch block p and its teacher pieces."""
+    def student_step(self, step: int, batch: dict | list, teacher_out: list) -> list:
+        """Student process p trains on its rows (`Pending.batch`: it reads them at the data
+        state, or takes the rows it made) and its teacher pieces."""
         return [
-            actor.step.remote(step, batch[p], *teacher_out[p])
+            actor.step.remote(step, batch[p] if isinstance(batch, list) else batch, *teacher_out[p])
             for p, actor in enumerate(self.students.members)
         ]
 

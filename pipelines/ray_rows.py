@@ -1,23 +1,90 @@
-"""Row blocks between the process groups of `pipeline.mode: ray`.
+"""Row blocks between the process groups of `pipeline.mode: ray`, and the rows each process
+reads for itself.
+
+Data per host: the corpus is deterministic and addressable by batch index
+(`distill.corpus.Corpus.train_dataset`), so the driver sends every process only the step's
+data state, `{"next_index": n}` (its iterator state before batch n), and each process reads
+the rows of global batch n it needs from its own copy of the corpus (`BatchReader`; with
+`data.prepared_dir`, from disk on demand). The data state is the same for every process of
+both groups, so the one state the student checkpoints is every process's data position.
 
 A batch and its teacher output are batch-major, so every hand-off between groups is by
 rows. The training mesh splits the rows over its devices in order, and a group's devices
 are numbered process by process, so student process `p` of `n` holds the contiguous block
-of rows `[p * B / n, (p + 1) * B / n)`: the driver sends it only that block of every batch
-(`split_batch`), and every teacher process sends it only the rows of that block which the
-teacher process holds (`teacher_parts`), each row by exactly one teacher process (the
-lowest-numbered holder when the teacher's output is replicated over some devices). A
-student process joins what it receives (`student_rows`) and assembles global arrays from
-every process's rows (`global_arrays`). Nothing here goes through the driver but the batch.
+of rows `[p * B / n, (p + 1) * B / n)` (`block`): it reads only those rows, and every
+teacher process sends it only the rows of that block which the teacher process holds
+(`teacher_parts`), each row by exactly one teacher process (the lowest-numbered holder when
+the teacher's output is replicated over some devices). A teacher process reads the rows its
+devices hold (`global_batch`). A student process joins what it receives (`student_rows`)
+and assembles global arrays from every process's rows (`global_arrays`). On-policy rows
+are made by the student processes and sent to the teacher group as row blocks
+(`join_batch`). Nothing here goes through the driver.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
+from distill.corpus import Corpus
 from distill.types import Batch, TeacherOutput
 
 Piece = tuple[int, TeacherOutput]  # (first global row, host rows of a teacher output)
+
+
+class BatchReader:
+    """Rows of the run's global batches by data state: what `Corpus.train_iterator` would
+    yield after `set_state(state)`, any block of its rows, read without the others."""
+
+    def __init__(self, corpus: Corpus, batch_size: int, seed: int):
+        self._corpus, self.batch_size, self.seq_len = corpus, batch_size, corpus.train.seq_len
+        # the dataset before its rows are gathered: batch n's row ids
+        self._ids = corpus.train_dataset(batch_size, seed).parents[0]
+        self.train_rows = corpus.train_rows
+
+    def rows(self, data_state: dict, lo: int = 0, hi: int | None = None) -> Batch:
+        """Rows `[lo, hi)` (default: all) of the batch at `data_state`, [hi - lo, S] each."""
+        ids = self._ids[data_state["next_index"]]
+        return self._corpus.train.gather(ids[lo : self.batch_size if hi is None else hi])
+
+
+def data_check(reader: BatchReader) -> str:
+    """A short identity of the rows a process reads: its train rows and a checksum of its
+    first batch. Every process of both groups must read the driver's rows (the same files
+    mounted on every host): the driver compares them."""
+    first = reader.rows({"next_index": 0})
+    digest = hashlib.sha256(first.tokens.tobytes() + first.mask.tobytes()).hexdigest()
+    return f"{reader.train_rows} rows, batch 0 {digest[:12]}"
+
+
+def block(batch_size: int, n: int, p: int) -> tuple[int, int]:
+    """The rows `[lo, hi)` of a global batch that student process `p` of `n` holds."""
+    rows = batch_size // n
+    return p * rows, (p + 1) * rows
+
+
+def global_batch(reader: BatchReader, data_state: dict, sharding) -> Batch:
+    """The batch at `data_state` as global arrays on `sharding` (rows split over some of its
+    axes), this process reading only the rows its own devices hold."""
+    import jax
+
+    shape = (reader.batch_size, reader.seq_len)
+    spans = [
+        idx[0].indices(shape[0])[:2]
+        for idx in sharding.addressable_devices_indices_map(shape).values()
+    ]
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    local = reader.rows(data_state, lo, hi)
+
+    def one(x):
+        def piece(index):
+            a, b = index[0].indices(shape[0])[:2]
+            return x[a - lo : b - lo]
+
+        return jax.make_array_from_callback(shape, sharding, piece)
+
+    return Batch(*(one(x) for x in local))
 
 
 def split_batch(batch, n: int) -> list:

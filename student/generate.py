@@ -32,8 +32,9 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
 
 
 class Sampler:
-    """sample(params, prompts, key) -> (Batch [B, seq_len] of prompts and continuations,
-    generated token count): dispatched, not waited for."""
+    """sample(params, prompts, key) -> (rows [B, seq_len] of prompts and continuations,
+    {"tokens": generated token count, "logp": the summed log-probabilities of the generated
+    tokens under the sampling distribution}, on device): dispatched, not waited for."""
 
     def __init__(
         self,
@@ -50,14 +51,14 @@ class Sampler:
     ):
         split = train.batch_sharding(mesh)
 
-        def run(params, prompts: Prompts, key) -> tuple[Batch, jax.Array]:
-            tokens, valid = decode.generate(
+        def run(params, prompts: Prompts, key) -> tuple[Batch, dict]:
+            tokens, valid, logp = decode.generate(
                 cfg, params, prompts, key,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                 stop_ids=stop, vocab_limit=vocab_limit, dtype=dtype, rows=split,
             )  # fmt: skip
             batch = decode.continuation_batch(prompts, tokens, valid, seq_len)
-            return batch, jnp.sum(valid.astype(jnp.int32))
+            return batch, {"tokens": jnp.sum(valid.astype(jnp.int32)), "logp": jnp.sum(logp)}
 
         self.put = split
         self._run = jax.jit(

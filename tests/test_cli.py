@@ -69,7 +69,7 @@ def test_eval_prints_one_json_object(finished_run, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == {
         "step", "teacher_loss", "student_loss", "kl", "top1_agreement", "sample_teacher_nll",
-        "sample_len",
+        "sample_student_nll", "sample_kl", "sample_len",
     }  # fmt: skip
     assert result["step"] == 6 and 0 <= result["top1_agreement"] <= 1
 

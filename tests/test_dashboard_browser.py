@@ -105,6 +105,8 @@ def feed(store: MetricsStore, steps: int = 120, total: int = 200) -> None:
                     "kl": 0.9 * math.exp(-step / 70) + 0.2,
                     "top1_agreement": 0.45 + step / 500,
                     "sample_teacher_nll": 2.5 * math.exp(-step / 90) + 1.7,
+                    "sample_student_nll": 1.5,
+                    "sample_kl": 2.5 * math.exp(-step / 90) + 0.2,
                     "sample_len": 48.0,
                 }
             )

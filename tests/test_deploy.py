@@ -2,7 +2,9 @@
 
 Default run: every YAML under deploy/ parses; kinds, apiVersions, images, commands, config
 mounts, ports, probes and accelerator resources agree with each other, with the Dockerfile
-and with the CLI's config schema. Slow: deploy/container_smoke.sh builds the cpu image with
+and with the CLI's config schema; each RayJob has one worker group per role whose pods
+hold that role's processes (one per pod, dp x tp / hosts devices each, marked by the
+role's custom Ray resource). Slow: deploy/container_smoke.sh builds the cpu image with
 buildah and runs a short pipeline in it.
 """
 
@@ -29,6 +31,8 @@ DEPLOY = ROOT / "deploy"
 DOCKERFILE = ROOT / "Dockerfile"
 GPU = DEPLOY / "gpu" / "rayjob.yaml"
 TPU = DEPLOY / "tpu" / "jobset.yaml"
+TPU_RAY = DEPLOY / "tpu" / "rayjob.yaml"
+ACCELERATOR_RESOURCE = {"gpu": "nvidia.com/gpu", "tpu": "google.com/tpu"}
 SERVER_PORT = 8080
 HEALTHZ = f"http://127.0.0.1:{SERVER_PORT}/healthz"
 
@@ -125,7 +129,7 @@ class _Launch:
             d["metadata"]["name"] for d in self.docs if d["kind"] == "PersistentVolumeClaim"
         }
         self.service = _one(self.docs, "Service")
-        if path == GPU:
+        if any(d["kind"] == "RayJob" for d in self.docs):
             job = _one(self.docs, "RayJob")
             self.argv = shlex.split(job["spec"]["entrypoint"])
             # the driver runs on the head pod
@@ -164,8 +168,21 @@ class _Launch:
         (p,) = [p for p in self.container["ports"] if p.get("name") == name_or_number]
         return p["containerPort"]
 
+    def platform(self) -> str:
+        """The accelerator of the manifest's image tag: gpu (cuda12) or tpu."""
+        return "gpu" if self.container["image"].endswith(":cuda12") else "tpu"
 
-LAUNCHES = {"gpu": GPU, "tpu": TPU}
+    def config(self, tmp_path: Path):
+        """The ConfigMap's config with the command line's overrides, as the CLI loads it."""
+        from distill.config_file import load_config
+
+        cfg_file = tmp_path / "config.yaml"
+        cfg_file.write_text(self.config_text())
+        return load_config(cfg_file, [f"{k}={v}" for k, v in self.sets.items()])
+
+
+LAUNCHES = {"gpu": GPU, "tpu": TPU, "tpu-ray": TPU_RAY}
+RAYJOBS = {"gpu": GPU, "tpu-ray": TPU_RAY}
 
 
 @pytest.fixture(scope="module", params=sorted(LAUNCHES))
@@ -178,7 +195,7 @@ def launch(request) -> _Launch:
 
 def test_every_yaml_under_deploy_parses_into_k8s_objects():
     files = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
-    assert GPU in files and TPU in files
+    assert GPU in files and TPU in files and TPU_RAY in files
     for f in files:
         docs = _docs(f)
         assert docs, f"{f}: no documents"
@@ -202,6 +219,12 @@ def test_kinds_and_api_versions():
             "JobSet": "jobset.x-k8s.io/v1alpha2",
             "Service": "v1",
         },
+        TPU_RAY: {
+            "ConfigMap": "v1",
+            "ServiceAccount": "v1",
+            "RayJob": "ray.io/v1",
+            "Service": "v1",
+        },
     }
     for path, kinds in want.items():
         got = {d["kind"]: d["apiVersion"] for d in _docs(path)}
@@ -211,7 +234,7 @@ def test_kinds_and_api_versions():
 def test_images_are_one_repository_tagged_by_accelerator():
     accelerators = set(_image_requirements().ACCELERATORS)
     repos = set()
-    for path, tag in ((GPU, "cuda12"), (TPU, "tpu")):
+    for path, tag in ((GPU, "cuda12"), (TPU, "tpu"), (TPU_RAY, "tpu")):
         assert tag in accelerators
         for doc in _docs(path):
             for image in _walk(doc, "image"):
@@ -267,22 +290,19 @@ def test_output_dir_is_on_a_persistent_volume_or_in_a_bucket(launch):
 
 
 def test_configmap_config_is_valid_for_the_cli(launch, tmp_path):
-    from distill.config_file import load_config
-    from distill.errors import DistillError
+    """The config validates as `distill validate` checks it before touching devices or data:
+    the schema, the model shapes against the meshes, the mode (hosts), on-policy keys."""
+    from pipelines.on_policy import check_on_policy
+    from pipelines.preflight import check_mode, check_shapes
 
-    cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(launch.config_text())
-    overrides = [f"{k}={v}" for k, v in launch.sets.items()]
-    try:
-        cfg = load_config(cfg_file, overrides)
-    except DistillError as e:
-        if launch.sets.get("pipeline.mode") == "ray" and "pipeline.mode" in str(e):
-            pytest.skip(f"the config schema has no ray mode yet: {e}")
-        raise
+    cfg = launch.config(tmp_path)
+    check_shapes(cfg)
+    check_mode(cfg)
+    check_on_policy(cfg)
     assert cfg.server.host == "0.0.0.0"
     assert cfg.server.port == SERVER_PORT
     assert cfg.server.enabled
-    assert cfg.mesh.platform == ("gpu" if launch.job["kind"] == "RayJob" else "tpu")
+    assert cfg.mesh.platform == launch.platform()
 
 
 def test_ports_service_and_dockerfile_agree(launch):
@@ -324,26 +344,54 @@ def test_pods_run_as_the_image_user(launch):
         assert sc["runAsNonRoot"] is True and sc["runAsUser"] == uid and sc["fsGroup"] == uid
 
 
-def test_gpu_workers_have_gpus_for_both_actors():
-    launch = _Launch(GPU)
+def _host_resources(group: dict) -> dict:
+    """The custom Ray resources a worker group's pods offer (`ray start --resources`, whose
+    value KubeRay passes through a shell: a quoted JSON object)."""
+    value = group.get("rayStartParams", {}).get("resources")
+    return json.loads(shlex.split(value)[0]) if value else {}
+
+
+@pytest.mark.parametrize("name", sorted(RAYJOBS))
+def test_ray_worker_groups_hold_each_role_group(name, tmp_path):
+    """One worker group per role, its pods marked by the role's custom Ray resource (what
+    the actors' placement asks for); one process per pod, each pod holding the devices of
+    one process (mesh size / hosts); as many pods as the role has processes. A TPU group is
+    whole multi-host slices: numOfHosts = hosts, chips per host x hosts = the topology."""
+    pytest.importorskip("ray")
+    from distill.mesh import devices_per_host, hosts
+    from pipelines.ray_actors import HOST_RESOURCES
+
+    launch = _Launch(RAYJOBS[name])
+    cfg = launch.config(tmp_path)
     spec = launch.job["spec"]["rayClusterSpec"]
-    assert "nvidia.com/gpu" not in json.dumps(launch.container.get("resources", {}))
-    cfg = yaml.safe_load(launch.config_text())
-    tp, dp = cfg["mesh"]["teacher"]["tp"], cfg["mesh"]["student"]["dp"]
-    per_worker, total = [], 0
-    for group in spec["workerGroupSpecs"]:
+    accelerator = ACCELERATOR_RESOURCE[launch.platform()]
+    assert accelerator not in json.dumps(launch.container.get("resources", {}))
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # the driver only
+    for role, resource in HOST_RESOURCES.items():
+        (group,) = [g for g in spec["workerGroupSpecs"] if resource in _host_resources(g)]
+        assert _host_resources(group) == {resource: 1}, "one process of the role per pod"
         (c,) = group["template"]["spec"]["containers"]
-        gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
-        assert gpus >= 1 and int(c["resources"]["requests"]["nvidia.com/gpu"]) == gpus
-        per_worker.append(gpus)
-        total += gpus * group["replicas"]
+        per_pod = int(c["resources"]["limits"][accelerator])
+        assert int(c["resources"]["requests"][accelerator]) == per_pod
+        assert per_pod == devices_per_host(cfg, role), (role, per_pod)
+        per_replica = group.get("numOfHosts", 1)
+        groups = cfg.teacher.replicas if role == "teacher" else 1
+        assert group["replicas"] * per_replica == hosts(cfg, role) * groups, role
+        assert group["minReplicas"] == group["replicas"] == group["maxReplicas"]
+        if launch.platform() == "tpu":
+            assert per_replica == hosts(cfg, role), "a TPU group is one whole slice"
+            topology = group["template"]["spec"]["nodeSelector"]
+            chips = math.prod(
+                int(n) for n in topology["cloud.google.com/gke-tpu-topology"].split("x")
+            )
+            assert chips == per_pod * per_replica
         # KubeRay's default probes need wget, which the image lacks
         assert "exec" in c["readinessProbe"] and "exec" in c["livenessProbe"]
-    # the teacher and the student actor each need their devices on one worker
-    assert max(per_worker) >= max(tp, dp) and total >= tp + dp
 
 
-def test_tpu_slice_selectors_and_chips_match_the_mesh():
+def test_tpu_slice_selectors_and_chips_match_the_mesh(tmp_path):
+    """The JobSet runs local mode: one process on one single-host slice, both meshes on
+    its chips (multi-host slices run in tpu/rayjob.yaml)."""
     launch = _Launch(TPU)
     spec = launch.pod["spec"]
     sel = spec["nodeSelector"]
@@ -355,9 +403,10 @@ def test_tpu_slice_selectors_and_chips_match_the_mesh():
     (rjob,) = launch.job["spec"]["replicatedJobs"]
     hosts = rjob["template"]["spec"]["parallelism"]
     assert per_host * hosts == chips == rjob["template"]["spec"]["completions"] * per_host
-    cfg = yaml.safe_load(launch.config_text())
-    assert cfg["mesh"]["teacher"]["tp"] + cfg["mesh"]["student"]["dp"] <= per_host
-    assert hosts == 1, "the pipeline is single-host: see deploy/README.md, Multi-host"
+    cfg = launch.config(tmp_path)
+    assert cfg.pipeline.mode == "local" and hosts == 1
+    assert cfg.mesh.teacher.hosts == cfg.mesh.student.hosts == 1
+    assert cfg.mesh.teacher.tp * cfg.mesh.teacher.dp + cfg.mesh.student.dp <= per_host
 
 
 # ------------------------------------------------ the RayJob head's liveness probe, executed
@@ -543,9 +592,14 @@ def test_readme_walks_from_build_to_dashboard():
         "docker build --build-arg ACCELERATOR=tpu",
         "kubectl port-forward svc/distill-gpu-dashboard",
         "kubectl port-forward svc/distill-tpu-dashboard",
+        "kubectl port-forward svc/distill-tpu-ray-dashboard",
+        "deploy/tpu/rayjob.yaml",
+        "numOfHosts",
+        "teacher_host",
+        "student_host",
         "container_smoke.sh",
         "container.sh",
-        "jax.distributed.initialize()",
+        "jax.distributed.initialize",
     ):
         assert needed in text, needed
 

@@ -54,7 +54,7 @@ def test_greedy_decoding_equals_the_full_forward(attention):
     cfg = CFG.model_copy(update={"attention": attention})
     params = model.init_params(cfg, 0)
     prompts = _prompts()
-    tokens, valid = jax.jit(
+    tokens, valid, _ = jax.jit(
         lambda p, pr: decode.generate(
             cfg, p, pr, jax.random.key(0), max_new_tokens=5, temperature=0
         )
@@ -78,7 +78,7 @@ def test_sampling_is_a_function_of_the_key_and_never_draws_padded_ids():
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    draws = jax.vmap(
+    draws, _ = jax.vmap(
         lambda k: decode.sample(logits, k, temperature=1.0, top_p=0.7, vocab_limit=None)
     )(jax.random.split(jax.random.key(0), 400))
     assert set(np.unique(np.asarray(draws))) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
@@ -87,11 +87,11 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_a_row_stops_at_a_stop_id_and_its_rest_is_padding():
     params = model.init_params(CFG, 0)
     prompts = _prompts()
-    free, _ = decode.generate(
+    free, _, _ = decode.generate(
         CFG, params, prompts, jax.random.key(0), max_new_tokens=6, temperature=0
     )
     stop = int(free[0, 2])  # row 0's third token becomes a stop id
-    tokens, valid = decode.generate(
+    tokens, valid, _ = decode.generate(
         CFG, params, prompts, jax.random.key(0), max_new_tokens=6, temperature=0, stop_ids=(stop,)
     )
     first = int(np.argmax(np.asarray(tokens[0]) == stop))
@@ -130,11 +130,29 @@ def test_sampler_on_the_training_mesh_equals_one_device():
     tx = optax.sgd(0.1)
     placed = jax.device_put(params, train.state_shardings(cfg, tx, four).params)
     key = jax.random.key(7)
-    ref, n_ref = Sampler(cfg, one, **kw)(params, prompts, key)
-    got, n_got = Sampler(cfg, four, **kw)(placed, prompts, key)
-    assert int(n_ref) == int(n_got)
+    ref, s_ref = Sampler(cfg, one, **kw)(params, prompts, key)
+    got, s_got = Sampler(cfg, four, **kw)(placed, prompts, key)
+    assert int(s_ref["tokens"]) == int(s_got["tokens"])
+    assert float(s_got["logp"]) == pytest.approx(float(s_ref["logp"]), rel=1e-5)
     for a, b in zip(ref, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sample_log_probs_are_the_models_own_on_the_continuation_rows():
+    """The summed log-probabilities the sampler returns (temperature 1) equal those of the
+    full forward on the rows it made, at the generated targets: the student's own NLL of
+    its samples, which the evaluation's sample_kl subtracts from the teacher's."""
+    params = model.init_params(CFG, 2)
+    tokens, valid, logp = decode.generate(
+        CFG, params, _prompts(), jax.random.key(5), max_new_tokens=7, temperature=1.0,
+        vocab_limit=60,
+    )  # fmt: skip
+    rows = decode.continuation_batch(_prompts(), tokens, valid, seq_len=14)
+    logits = model.apply(CFG, params, rows.tokens, rows.segment_ids, rows.positions)
+    logits = jnp.where(jnp.arange(64) < 60, logits, -jnp.inf)
+    full = jnp.take_along_axis(jax.nn.log_softmax(logits), rows.targets[..., None], -1)[..., 0]
+    expected = jnp.sum(jnp.where(rows.mask > 0, full, 0.0))  # prompt ids may be padded ids
+    assert float(jnp.sum(logp)) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_param_history_keeps_the_recent_steps():

@@ -29,7 +29,10 @@ GROUPS = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 2}}
 def ray_cluster():
     with warnings.catch_warnings():  # fork+exec of Ray's processes, safe with JAX loaded
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # the roles' host resources, as a KubeRay worker group per role offers them (here all
+        # on the one node): the groups' placement asks for them
+        hosts = {"teacher_host": 2, "student_host": 2}
+        ray.init(num_cpus=4, resources=hosts, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -157,12 +160,63 @@ def test_teacher_parts_send_each_row_once():
         assert (rows.ids == values[2 * p : 2 * p + 2]).all()
 
 
+def _corpus(corpus_dir):
+    from distill.config_file import config_from_dict
+    from distill.data import load_corpus
+
+    cfg = config_from_dict(tiny_config(str(corpus_dir), "unused"))
+    return cfg, load_corpus(cfg.data, cfg.train.seq_len)
+
+
+def test_each_process_reads_its_rows_of_the_iterators_batch(corpus_dir):
+    """Read by data state, any block of a batch is those rows of the batch the driver's
+    Grain iterator yields at that state, on any host count (the data per host)."""
+    import numpy as np
+
+    from pipelines import ray_rows
+
+    cfg, corpus = _corpus(corpus_dir)
+    reader = ray_rows.BatchReader(corpus, 4, cfg.run.seed)
+    it = corpus.train_iterator(4, cfg.run.seed)
+    for _ in range(3 * corpus.train_rows // 4):  # past an epoch: reshuffled
+        state, batch = it.get_state(), next(it)
+        for hosts in (1, 2, 4):
+            blocks = [reader.rows(state, *ray_rows.block(4, hosts, p)) for p in range(hosts)]
+            for field, *parts in zip(batch, *blocks, strict=True):
+                np.testing.assert_array_equal(np.concatenate(parts), field)
+    other = ray_rows.BatchReader(corpus, 4, cfg.run.seed + 1)
+    assert ray_rows.data_check(other) != ray_rows.data_check(reader)
+
+
+def test_teacher_process_batch_is_the_global_batch(corpus_dir):
+    """`global_batch` (what a teacher process puts on its mesh, reading only the rows of its
+    devices) is the batch the iterator yields, on a dp x tp mesh."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pipelines import ray_rows
+
+    cfg, corpus = _corpus(corpus_dir)
+    reader = ray_rows.BatchReader(corpus, 4, cfg.run.seed)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+    state = {"next_index": 5}
+    batch = ray_rows.global_batch(reader, state, NamedSharding(mesh, P("dp")))
+    for got, want in zip(batch, reader.rows(state), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.ray
 def test_groups_match_local(ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch):
-    statuses = []
-    monkeypatch.setattr(
-        ray_mode, "after_step", lambda step, pool: statuses.append(pool.store.status())
-    )
+    statuses, free_hosts = [], []
+
+    def record(step, pool):
+        statuses.append(pool.store.status())
+        free_hosts.append(ray.available_resources().get("student_host", 0))
+
+    monkeypatch.setattr(ray_mode, "after_step", record)
     out = tmp_path / "out"
     assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
     _assert_same_losses(out, local_run)
@@ -173,6 +227,7 @@ def test_groups_match_local(ray_cluster, local_run, corpus_dir, tmp_path, monkey
     assert summary["completed"] and summary["actor_restarts"] == {"teacher": 0, "student": 0}
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == ["3", "6"]
+    assert free_hosts[-1] == 0  # both student processes hold a student_host
     rows = statuses[-1]["actors"]
     assert [(a["role"], a["hosts"]) for a in rows] == [("teacher", 2), ("student", 2)]
     for a in rows:
@@ -232,3 +287,29 @@ def test_resume_after_full_stop_is_exact(ray_cluster, local_run, corpus_dir, tmp
     assert _run(tmp_path, cfg) == 0
     _assert_same_losses(out, local_run)
     assert _summary(out)["completed"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_resume_on_another_host_count_is_exact(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    """A run of 2 student processes stopped after step 3 resumes on 1 process of 4 devices
+    (the same dp): the checkpoint's one data position is every process's, the global batch
+    is the same and only its split differs, and the parameters restore onto the new layout:
+    the same losses."""
+
+    def stop(step, pool):
+        if step == 3:
+            pool.store.request_stop()
+
+    monkeypatch.setattr(ray_mode, "after_step", stop)
+    out = tmp_path / "out"
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    assert _summary(out)["steps"] == 3
+    monkeypatch.setattr(ray_mode, "after_step", None)
+    cfg = _groups_config(corpus_dir, out, local_run)
+    cfg["mesh"] = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 1}}
+    assert _run(tmp_path, cfg) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["completed"] and _summary(out)["hosts"]["student"] == 1

@@ -65,6 +65,8 @@ def test_on_policy_run_reports_its_figures_and_samples(on_policy_run):
     assert [e["step"] for e in evals] == [0, 3, 6]
     for e in evals:
         assert e["sample_teacher_nll"] > 0 and 0 < e["sample_len"] <= 12
+        kl = e["sample_teacher_nll"] - e["sample_student_nll"]
+        assert e["sample_kl"] == pytest.approx(kl)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval"]["sample_teacher_nll"] == evals[-1]["sample_teacher_nll"]
 
@@ -212,7 +214,8 @@ def test_ray_mode_matches_local_on_policy(on_policy_run, tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
     assert any(r["on_policy"] > 0 and r["generate_ms"] > 0 for r in ray_records)
     for a, b in zip(_evals(out), _evals(ray_out), strict=True):
-        assert b["sample_teacher_nll"] == pytest.approx(a["sample_teacher_nll"], rel=1e-5)
+        for key in ("sample_teacher_nll", "sample_student_nll", "sample_kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
         assert b["sample_len"] == a["sample_len"]
 
 

@@ -215,3 +215,10 @@ def test_device_options_give_each_actor_its_devices(monkeypatch):
     bundle, opts = device_options(4, "gpu")
     assert bundle == {"CPU": 1, "GPU": 4} and opts["num_gpus"] == 4
     assert opts["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": ""}  # no CPU pin leaks in
+    # on a node of the role's worker group: one unit of its host resource per process
+    bundle, opts = device_options(8, "gpu", "student_host")
+    assert bundle == {"CPU": 1, "GPU": 8, "student_host": 1}
+    assert opts["resources"] == {"student_host": 1}
+    bundle, opts = device_options(4, "tpu", "teacher_host")
+    assert bundle == {"CPU": 1, "TPU": 4, "teacher_host": 1}
+    assert opts["resources"] == {"TPU": 4, "teacher_host": 1}

@@ -124,7 +124,8 @@ class _StoreCollector:
         ("staleness", "distill_staleness_steps", "Steps between sampling and training params."),
     )
     _EVAL = (
-        "teacher_loss", "student_loss", "kl", "top1_agreement", "sample_teacher_nll", "sample_len"
+        "teacher_loss", "student_loss", "kl", "top1_agreement", "sample_teacher_nll",
+        "sample_student_nll", "sample_kl", "sample_len",
     )  # fmt: skip
 
     def __init__(self, store: MetricsStore) -> None:

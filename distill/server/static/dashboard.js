@@ -188,6 +188,7 @@ function renderStatus(s) {
   setText("eval-top1", ev && ev.top1_agreement !== null
     ? (100 * ev.top1_agreement).toFixed(1) + "%" : "—");
   setText("eval-sample-nll", fmt(ev && ev.sample_teacher_nll));
+  setText("eval-sample-kl", fmt(ev && ev.sample_kl));
   setText("eval-sample-len", fmt(ev && ev.sample_len, 3));
 
   const ck = s.last_checkpoint;
@@ -319,7 +320,8 @@ function drawCharts() {
     { label: "teacher", color: COLORS.teacher, points: pts(e, "teacher_loss"), width: 2, dots: true },
   ]);
   lineChart($("chart-samples"), [
-    { label: "sample teacher NLL", color: COLORS.teacher, points: pts(e, "sample_teacher_nll"), width: 2, dots: true },
+    { label: "teacher NLL", color: COLORS.teacher, points: pts(e, "sample_teacher_nll"), width: 2, dots: true },
+    { label: "KL", color: COLORS.student, points: pts(e, "sample_kl"), width: 2, dots: true },
   ]);
   lineChart($("chart-tps"), [
     { label: "tokens/s", color: COLORS.tps, points: pts(d, "tokens_per_s"), width: 2 },
