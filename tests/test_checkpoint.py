@@ -3,6 +3,7 @@ TrainState, the newest one damaged the way disks and copies damage files. The re
 the previous checkpoint exactly, warns in one line, sets the damaged step aside unchanged,
 and retention never deletes the last readable checkpoint."""
 
+import functools
 import logging
 from pathlib import Path
 
@@ -24,8 +25,10 @@ def _mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]), ("dp",))
 
 
+@functools.cache
 def _state(seed: int) -> train.TrainState:
-    """A distinct state per step: parameters initialised from the step as the seed."""
+    """A distinct state per step: parameters initialised from the step as the seed (made
+    once per seed: each init traces its own program; the arrays are immutable)."""
     return train.init_state(CFG, TX, seed, _mesh())
 
 

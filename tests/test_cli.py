@@ -1,5 +1,7 @@
 """The CLI end to end on a tiny config: run, outputs, eval, plan, exact resume, bad input."""
 
+import contextlib
+import io
 import json
 import shutil
 
@@ -26,12 +28,10 @@ def _train(out):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, corpus_dir):
-    tmp = tmp_path_factory.mktemp("run")
-    out = tmp / "out"
-    cfg_path = _write(tmp, tiny_config(str(corpus_dir), str(out)))
-    assert main(["run", cfg_path]) == 0
-    return tmp, out, cfg_path
+def finished_run(tiny_run):
+    """The session's tiny run (tests/conftest.py: `tiny_run`), which this file's first test
+    checks end to end; the others read it or reuse its bootstrapped teacher."""
+    return tiny_run.tmp, tiny_run.out, tiny_run.cfg_path
 
 
 def test_run_writes_every_output(finished_run):
@@ -62,11 +62,18 @@ def test_run_writes_every_output(finished_run):
     assert (out / "teacher").is_dir()  # the bootstrapped teacher, reused by later runs
 
 
-def test_eval_prints_one_json_object(finished_run, capsys):
+@pytest.fixture(scope="module")
+def whole_eval(finished_run):
+    """`distill eval` of the finished run with the default memory budget: whole batches."""
     _, _, cfg_path = finished_run
-    capsys.readouterr()
-    assert main(["eval", cfg_path]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["eval", cfg_path]) == 0
+    return json.loads(printed.getvalue().strip().splitlines()[-1])
+
+
+def test_eval_prints_one_json_object(whole_eval):
+    result = whole_eval
     assert set(result) == {
         "step", "teacher_loss", "student_loss", "kl", "top1_agreement", "sample_teacher_nll",
         "sample_student_nll", "sample_kl", "sample_len",
@@ -74,25 +81,24 @@ def test_eval_prints_one_json_object(finished_run, capsys):
     assert result["step"] == 6 and 0 <= result["top1_agreement"] <= 1
 
 
-def test_eval_in_chunks_gives_the_same_metrics(finished_run, capsys, monkeypatch):
+def test_eval_in_chunks_gives_the_same_metrics(finished_run, whole_eval, capsys, monkeypatch):
     """Evaluation split into chunks of `dp` rows (what a large vocabulary gets) gives the
-    metrics of whole-batch evaluation: the same rows, token-weighted."""
+    metrics of whole-batch evaluation (`whole_eval`, the default budget): the same rows,
+    token-weighted."""
     from distill.config_file import load_config
     from pipelines import evaluation
 
     _, _, cfg_path = finished_run
     cfg = load_config(cfg_path)
-    assert evaluation.eval_rows(cfg) == cfg.train.batch_size
-    results = []
-    for budget in (evaluation.EVAL_DEVICE_BYTES, 1):
-        monkeypatch.setattr(evaluation, "EVAL_DEVICE_BYTES", budget)
-        capsys.readouterr()
-        assert main(["eval", cfg_path]) == 0
-        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert evaluation.eval_rows(cfg) == cfg.train.batch_size  # what `whole_eval` ran
+    monkeypatch.setattr(evaluation, "EVAL_DEVICE_BYTES", 1)
+    capsys.readouterr()
+    assert main(["eval", cfg_path]) == 0
+    chunked = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert evaluation.eval_rows(cfg) == cfg.mesh.student.dp < cfg.train.batch_size
-    whole, chunked = results
+    assert chunked["step"] == whole_eval["step"] == 6
     for key in ("teacher_loss", "student_loss", "kl", "top1_agreement"):
-        assert chunked[key] == pytest.approx(whole[key], rel=1e-5), key
+        assert chunked[key] == pytest.approx(whole_eval[key], rel=1e-5), key
 
 
 def test_eval_rows_for_a_large_vocabulary():
@@ -126,9 +132,12 @@ def test_plan_and_validate(finished_run, capsys):
     assert main(["validate", cfg_path]) == 0
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_resume_continues_on_the_next_batch(finished_run, tmp_path, dp):
-    """Drop the last checkpoint and rerun: steps 4-6 repeat exactly, on the same or another dp."""
+def test_resume_continues_on_the_next_batch(finished_run, tmp_path):
+    """Drop the last checkpoint and rerun on another dp (4, the run had 2): steps 4-6 repeat
+    exactly. (A resume on the same layout: tests/test_cloud_paths.py's
+    test_resume_from_the_bucket_repeats_the_steps_exactly, through the same checkpoint code,
+    and tests/test_teacher_cache.py's test_cache_mode_resumes_from_a_checkpoint.)"""
+    dp = 4
     _, out, _ = finished_run
     resumed = tmp_path / "out"
     shutil.copytree(out, resumed)
@@ -167,7 +176,10 @@ def test_fsdp_student_trains_as_the_dp_student(finished_run, tmp_path, corpus_di
         assert b["student_loss"] == pytest.approx(a["student_loss"], rel=1e-4)
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
+def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir, finished_run):
+    """SIGTERM to `distill run` in its own process, once it trains (on the finished run's
+    teacher, so the process does not bootstrap one first): a checkpoint of the last step,
+    exit 0, an incomplete summary."""
     import signal
     import subprocess
     import sys
@@ -179,6 +191,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir):
         str(out),
         train={"steps": 100000, "log_every": 1, "checkpoint_every": 100000},
     )
+    cfg["teacher"]["checkpoint"] = str(finished_run[1] / "teacher")
     path = _write(tmp_path, cfg)
     env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen(

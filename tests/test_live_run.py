@@ -99,24 +99,25 @@ def test_status_api_and_dashboard_during_a_real_run(tmp_path, corpus_dir, monkey
         pytest.skip("chromium not installed: the browser half of this test did not run")
 
 
-def test_post_stop_saves_and_ends_a_real_run(tmp_path, corpus_dir):
-    """POST /api/stop with the bearer token: the loop saves a checkpoint and returns early."""
+def test_post_stop_saves_and_ends_a_real_run(tmp_path, corpus_dir, tiny_run):
+    """POST /api/stop with the bearer token: the loop saves a checkpoint and returns early.
+    (With the session's `tiny_run` teacher: no bootstrap before the distillation.)"""
     port = _free_port()
     base = f"http://127.0.0.1:{port}/"
     out = tmp_path / "out"
-    cfg = config_from_dict(
-        tiny_config(
-            str(corpus_dir),
-            str(out),
-            server={"enabled": True, "port": port, "token": "s3cret"},
-            train={
-                "steps": 100000,
-                "log_every": 1,
-                "eval_every": 100000,
-                "checkpoint_every": 100000,
-            },
-        )
+    tree = tiny_config(
+        str(corpus_dir),
+        str(out),
+        server={"enabled": True, "port": port, "token": "s3cret"},
+        train={
+            "steps": 100000,
+            "log_every": 1,
+            "eval_every": 100000,
+            "checkpoint_every": 100000,
+        },
     )
+    tree["teacher"]["checkpoint"] = str(tiny_run.out / "teacher")
+    cfg = config_from_dict(tree)
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(run(cfg)), daemon=True)
     worker.start()

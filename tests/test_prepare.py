@@ -169,11 +169,13 @@ def test_prepare_refuses_what_it_should_not_write(tmp_path, corpus_dir):
     ]
 
 
-def test_cli_prepare_then_run(tmp_path, corpus_dir, capsys):
+def test_cli_prepare_then_run(tmp_path, corpus_dir, capsys, tiny_run):
+    """validate refuses an unprepared corpus; prepare, then a run reads the prepared rows (its
+    teacher the session's `tiny_run` one, taken as it is: no bootstrap first)."""
     out = tmp_path / "out"
     cfg = tiny_config(str(corpus_dir), str(out), data={"prepared_dir": str(tmp_path / "prep")})
     cfg["train"]["steps"] = 3
-    cfg["teacher"]["pretrain_steps"] = 2
+    cfg["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["validate", str(path)]) == 2  # not prepared yet

@@ -18,13 +18,11 @@ from distill.config_file import config_from_dict
 from distill.errors import DistillError
 from distill.metrics import MetricsStore
 from distill.tracking import TensorBoardSink, metric_sinks, start_wandb
-from pipelines.cli import main
-from tests.conftest import tiny_config
+from tests.conftest import HAS_WANDB, tiny_config
 from tests.test_cloud_paths import gcs  # noqa: F401 (the GCS emulator fixture)
 
 TRAIN = ("loss", "kd_loss", "ce_loss", "lr", "grad_norm", "tokens_per_s")
 EVAL = ("student_loss", "teacher_loss", "kl", "top1_agreement")
-HAS_WANDB = importlib.util.find_spec("wandb") is not None
 
 
 def _train(step: int, phase: str = "distill") -> dict:
@@ -243,21 +241,11 @@ def test_wandb_offline_logs_the_same_scalars(tmp_path, corpus_dir, wandb_offline
         assert len(_series(rows, f"train/{k}")) == 3, k
 
 
-def test_tiny_run_through_the_cli(tmp_path, corpus_dir, monkeypatch):
-    """One real run: TensorBoard always, and W&B offline where wandb is installed."""
-    out = tmp_path / "out"
-    tree = tiny_config(str(corpus_dir), str(out))
-    if HAS_WANDB:
-        monkeypatch.setenv("WANDB_MODE", "offline")
-        monkeypatch.setenv("WANDB_SILENT", "true")
-        monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-        monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
-        monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
-        tree["wandb"] = {"enabled": True, "mode": "offline", "project": "tiny"}
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    assert main(["run", str(path)]) == 0
-
+def test_tiny_run_through_the_cli(tiny_run):
+    """One real run (the session's `tiny_run`, tests/conftest.py): TensorBoard always, and
+    W&B offline where wandb is installed."""
+    out = tiny_run.out
+    assert yaml.safe_load(Path(tiny_run.cfg_path).read_text())["wandb"]["enabled"] is HAS_WANDB
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("phase") == "distill" and "loss" in r]
     evals = [r for r in records if r.get("eval")]
