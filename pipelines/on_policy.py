@@ -171,8 +171,8 @@ def sample_score(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, mesh) -> S
 
 
 class SampleScore:
-    """score(params) -> {sample_teacher_nll, sample_len}: the student continues the
-    held-out `prompts` at temperature 1 with a fixed key, the teacher scores them."""
+    """score(params) -> `sample_metrics`: the student continues the held-out prompts at
+    temperature 1 with a fixed key, the teacher scores the continuations."""
 
     def __init__(self, cfg: Config, eval_batch: Batch, sampler: Sampler, teacher: OnlineTeacher):
         p, _ = cfg.distill.on_policy.lengths(cfg.train.seq_len)
