@@ -255,15 +255,20 @@ def test_export_round_trip(tmp_path, overrides):
 
 
 def test_run_with_hf_teacher_then_export(hf_teacher, corpus_dir, tmp_path, capsys):
-    """`distill run` with an HF teacher, then `distill export`: transformers loads the student
-    and gives the logits of distill's student checkpoint."""
+    """`distill run` on-policy with an HF teacher (it scores the student's samples), then
+    `distill export`: transformers loads the student and gives the logits of distill's
+    student checkpoint."""
     out = tmp_path / "out"
     tree = _cfg_tree(corpus_dir, out, hf_teacher)
-    tree["train"].update(steps=2, eval_every=2, checkpoint_every=2)
+    tree["train"].update(steps=2, eval_every=2, checkpoint_every=2, log_every=2)
+    tree.setdefault("distill", {})["on_policy"] = {"fraction": 1.0, "max_new_tokens": 4}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(tree))
     assert main(["run", str(path)]) == 0
     assert not (out / "teacher").exists()  # nothing bootstrapped: the HF weights were used
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["on_policy"] for r in lines if r.get("phase") == "distill" and "loss" in r] == [1.0]
+    assert all(r["sample_kl"] == r["sample_kl"] for r in lines if r.get("eval"))  # not NaN
     capsys.readouterr()
 
     assert main(["export", str(out), "--format", "hf"]) == 0
