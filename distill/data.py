@@ -145,6 +145,11 @@ def _file_docs(path: Path, cfg: DataConfig, get_vocab):
     if fmt == "text":
         yield data.decode("utf-8", errors="replace")
         return
+    yield from _jsonl_texts(path, data, cfg.text_field, "data.text_field")
+
+
+def _jsonl_texts(path: Path, data: bytes, field: str, key: str):
+    """The string ``field`` (config key ``key``) of every JSONL record of ``data``."""
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
@@ -152,13 +157,24 @@ def _file_docs(path: Path, cfg: DataConfig, get_vocab):
             record = json.loads(line)
         except ValueError:
             raise DistillError(f"data.source: {path} line {lineno}: not valid JSON") from None
-        text = record.get(cfg.text_field) if isinstance(record, dict) else None
+        text = record.get(field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise DistillError(
-                f"data.source: {path} line {lineno}: no string field"
-                f" '{cfg.text_field}' (data.text_field)"
+                f"data.source: {path} line {lineno}: no string field '{field}' ({key})"
             )
         yield text
+
+
+def record_texts(path: Path, cfg: DataConfig, field: str, key: str):
+    """The string ``field`` (config key ``key``) of a JSONL or Parquet file's records;
+    any other format is one DistillError naming ``key``."""
+    fmt = _format(path, cfg)
+    if fmt == "parquet":
+        yield from _parquet_texts(path, field, key)
+    elif fmt == "jsonl":
+        yield from _jsonl_texts(path, path.read_bytes(), field, key)
+    else:
+        raise DistillError(f"{key}: needs JSONL or Parquet records; {path} is {fmt}")
 
 
 def _parquet_texts(path: Path, field: str, key: str = "data.text_field"):

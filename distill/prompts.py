@@ -10,48 +10,20 @@ order shuffled by the run seed, cycling: a function of the step, so a resume tak
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 from distill.config import DataConfig
-from distill.data import _format, _parquet_texts, resolve_paths
+from distill.data import record_texts, resolve_paths
 from distill.errors import DistillError
 from distill.tokenizers import Tokenizer
 from distill.types import Prompts
-
-
-def _jsonl_prompts(path: Path, field: str):
-    for lineno, line in enumerate(path.read_bytes().split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise DistillError(f"data.source: {path} line {lineno}: not valid JSON") from None
-        text = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise DistillError(
-                f"data.prompt_field: {path} line {lineno}: no string field '{field}'"
-            )
-        if text:
-            yield text
 
 
 def load_prompts(cfg: DataConfig) -> list[str]:
     """The non-empty `data.prompt_field` strings of data.source, in sorted path order."""
     field, prompts = cfg.prompt_field, []
     for path in resolve_paths(cfg):
-        fmt = _format(path, cfg)
-        if fmt == "parquet":
-            prompts.extend(_parquet_texts(path, field, key="data.prompt_field"))
-        elif fmt == "jsonl":
-            prompts.extend(_jsonl_prompts(path, field))
-        else:
-            raise DistillError(
-                f"data.prompt_field: prompts come from JSONL or Parquet records; {path} is {fmt}"
-            )
+        prompts.extend(t for t in record_texts(path, cfg, field, "data.prompt_field") if t)
     if not prompts:
         raise DistillError(f"data.prompt_field: no record of '{cfg.source}' has a '{field}'")
     return prompts
