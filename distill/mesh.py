@@ -73,6 +73,13 @@ def _student_keys(cfg: Config, prefix: str = "mesh.student.") -> str:
     return " x ".join(keys)
 
 
+def _role_mesh(cfg: Config, role: str) -> tuple[int, str]:
+    """(devices of the role's mesh, its keys for messages); role: teacher or student."""
+    if role == "teacher":
+        return teacher_size(cfg), _teacher_keys(cfg)
+    return student_size(cfg), _student_keys(cfg)
+
+
 def hosts(cfg: Config, role: str) -> int:
     """Processes of a role's group (`mesh.<role>.hosts`): one per host in pipeline.mode ray."""
     return getattr(cfg.mesh, role).hosts
@@ -80,8 +87,7 @@ def hosts(cfg: Config, role: str) -> int:
 
 def devices_per_host(cfg: Config, role: str) -> int:
     """Devices each process of a role's group owns: its mesh size / `mesh.<role>.hosts`."""
-    size = teacher_size(cfg) if role == "teacher" else student_size(cfg)
-    return size // hosts(cfg, role)
+    return _role_mesh(cfg, role)[0] // hosts(cfg, role)
 
 
 def check_hosts(cfg: Config) -> None:
@@ -96,9 +102,8 @@ def check_hosts(cfg: Config) -> None:
                 f"mesh.{role}.hosts: {n} processes need pipeline.mode ray (local mode is one "
                 "process); set it to 1 or use pipeline.mode ray"
             )
-        size = teacher_size(cfg) if role == "teacher" else student_size(cfg)
+        size, keys = _role_mesh(cfg, role)
         if size % n:
-            keys = _teacher_keys(cfg) if role == "teacher" else _student_keys(cfg)
             raise DistillError(
                 f"mesh.{role}.hosts: {n} does not divide the {size} devices of {keys}"
             )
@@ -139,9 +144,8 @@ def check_fit(cfg: Config, n_devices: int, platform: str) -> None:
         )
     for role in ("teacher", "student"):
         r = getattr(cfg.mesh, role)
-        size = teacher_size(cfg) if role == "teacher" else student_size(cfg)
+        size, keys = _role_mesh(cfg, role)
         if r.devices is not None and len(r.devices) != size:
-            keys = _teacher_keys(cfg) if role == "teacher" else _student_keys(cfg)
             raise DistillError(f"mesh.{role}.devices: {len(r.devices)} ids given but {keys}")
     t, s = _device_ids(cfg)
     if set(t) & set(s):
