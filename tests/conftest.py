@@ -28,8 +28,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 gc.set_threshold(10_000, 50, 100)
 
+import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import random  # noqa: E402
+import signal  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
@@ -125,3 +128,41 @@ def tiny_run(tmp_path_factory, corpus_dir) -> TinyRun:
         cfg_path.write_text(yaml.safe_dump(run_tree))
         assert main(["run", str(cfg_path)]) == 0
     return TinyRun(tmp, out, str(cfg_path), tree)
+
+
+# -- what the end-to-end tests read back -------------------------------------------------
+
+
+def write_config(tmp_path, cfg: dict, name: str = "cfg.yaml") -> str:
+    """Write a config tree as YAML under `tmp_path`; its path."""
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def read_records(out) -> list[dict]:
+    """Every line of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_train(out) -> list[dict]:
+    """The run's distillation training records, in order."""
+    return [r for r in read_records(out) if r.get("phase") == "distill" and "loss" in r]
+
+
+def read_evals(out) -> list[dict]:
+    return [r for r in read_records(out) if r.get("eval")]
+
+
+def train_by_step(out) -> dict[int, dict]:
+    """The last training record of each step (a resumed run logs some steps twice)."""
+    return {r["step"]: r for r in read_train(out)}
+
+
+def read_summary(out) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def kill_process(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.kill(pid, signal.SIGKILL)

@@ -10,21 +10,10 @@ import pytest
 import yaml
 
 from pipelines.cli import main
+from tests.conftest import read_records as _records
+from tests.conftest import read_train as _train
 from tests.conftest import tiny_config
-
-
-def _write(tmp_path, cfg: dict, name="cfg.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _train(out):
-    return [r for r in _records(out) if r.get("phase") == "distill" and "loss" in r]
+from tests.conftest import write_config as _write
 
 
 @pytest.fixture(scope="module")

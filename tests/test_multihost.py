@@ -5,17 +5,16 @@ gloo collectives, give the local mode's losses (tp = 4, dp = 4); a killed proces
 group down and the group is recreated; a full stop resumes exactly. Every ray run distils
 from the teacher the local baseline bootstrapped."""
 
-import contextlib
-import json
-import os
-import signal
 import warnings
 
 import pytest
 import yaml
 
 from pipelines.cli import main
-from tests.conftest import tiny_config
+from tests.conftest import kill_process as _kill
+from tests.conftest import read_summary as _summary
+from tests.conftest import tiny_config, write_config
+from tests.conftest import train_by_step as _train
 
 ray = pytest.importorskip("ray")
 ray_mode = pytest.importorskip("pipelines.ray_mode")
@@ -38,19 +37,7 @@ def ray_cluster():
 
 
 def _run(tmp_path, cfg: dict) -> int:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return main(["run", str(path)])
-
-
-def _train(out) -> dict[int, dict]:
-    """The last training record of each step (a resumed run logs some steps twice)."""
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines if r.get("phase") == "distill" and "loss" in r}
-
-
-def _summary(out) -> dict:
-    return json.loads((out / "summary.json").read_text())
+    return main(["run", write_config(tmp_path, cfg)])
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +72,6 @@ def _assert_same_losses(out, local_out) -> None:
             assert ray_records[step][key] == pytest.approx(expected[key], rel=1e-4), (step, key)
     final, local_final = _summary(out)["final_eval"], _summary(local_out)["final_eval"]
     assert final["student_loss"] == pytest.approx(local_final["student_loss"], rel=1e-4)
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(

@@ -19,27 +19,12 @@ from distill.types import Batch, Continuations, TeacherOutput
 from pipelines.cli import main
 from pipelines.on_policy import is_on_policy
 from student import train
+from tests.conftest import read_evals as _evals
+from tests.conftest import read_train as _train
 from tests.conftest import tiny_config
+from tests.conftest import write_config as _write
 
 ON_POLICY = {"on_policy": {"fraction": 0.5, "max_new_tokens": 12}, "loss": "reverse_kl"}
-
-
-def _write(tmp_path, cfg: dict, name="cfg.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _train(out):
-    return [r for r in _records(out) if r.get("phase") == "distill" and "loss" in r]
-
-
-def _evals(out):
-    return [r for r in _records(out) if r.get("eval")]
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,15 @@
 teacher replicas. One cluster serves the whole module; every run uses the teacher that the
 local baseline run bootstrapped, so all runs distil from the same weights."""
 
-import contextlib
-import json
-import os
-import signal
 import warnings
 
 import pytest
-import yaml
 
 from pipelines.cli import main
-from tests.conftest import tiny_config
+from tests.conftest import kill_process as _kill
+from tests.conftest import read_summary as _summary
+from tests.conftest import tiny_config, write_config
+from tests.conftest import train_by_step as _train
 
 ray = pytest.importorskip("ray")
 ray_mode = pytest.importorskip("pipelines.ray_mode")
@@ -32,19 +30,7 @@ def ray_cluster():
 
 
 def _run(tmp_path, cfg: dict) -> int:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return main(["run", str(path)])
-
-
-def _train(out) -> dict[int, dict]:
-    """The last training record of each step (a resumed run logs some steps twice)."""
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines if r.get("phase") == "distill" and "loss" in r}
-
-
-def _summary(out) -> dict:
-    return json.loads((out / "summary.json").read_text())
+    return main(["run", write_config(tmp_path, cfg)])
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +61,6 @@ def _assert_same_losses(out, local_out) -> None:
             assert ray_records[step][key] == pytest.approx(expected[key], rel=1e-5), (step, key)
     final, local_final = _summary(out)["final_eval"], _summary(local_out)["final_eval"]
     assert final["student_loss"] == pytest.approx(local_final["student_loss"], rel=1e-5)
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.kill(pid, signal.SIGKILL)
 
 
 def test_ray_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):

@@ -4,25 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pipelines.cli import main
-
-
-def _write(tmp_path, cfg: dict, name="cfg.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
-
-
-def _train(out):
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r.get("phase") == "distill" and "loss" in r]
-
-
-def _evals(out):
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r.get("eval")]
+from tests.conftest import read_evals as _evals
+from tests.conftest import read_train as _train
+from tests.conftest import write_config as _write
 
 
 def _last_json(capsys) -> dict:
