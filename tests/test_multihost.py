@@ -1,8 +1,9 @@
 """Role groups across processes (`mesh.<role>.hosts`) on a real local Ray cluster: a teacher
 group of 2 processes x 2 CPU devices (tp = 4 across both) and a student group of 2
 processes x 2 CPU devices (dp = 4 across both), each its own JAX distributed system with
-gloo collectives, give the local mode's losses (tp = 4, dp = 4); a killed process takes its
-group down and the group is recreated; a full stop resumes exactly. Every ray run distils
+gloo collectives, give the local mode's losses and sample metrics (tp = 4, dp = 4; half
+the steps on-policy); a killed process takes its group down and the group is recreated; a
+full stop resumes exactly. Every ray run distils
 from the teacher the local baseline bootstrapped."""
 
 import warnings
@@ -20,8 +21,12 @@ ray = pytest.importorskip("ray")
 ray_mode = pytest.importorskip("pipelines.ray_mode")
 
 KEYS = ("loss", "kd_loss", "ce_loss", "lr")
+SAMPLE_KEYS = ("sample_teacher_nll", "sample_student_nll", "sample_len")
 MESH = {"teacher": {"tp": 4}, "student": {"dp": 4}}
 GROUPS = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 2}}
+# half the steps on-policy: the student group samples its rows of the prompts with the
+# parameters of two steps back (kept by every process), the teacher group scores them
+ON_POLICY = {"on_policy": {"fraction": 0.5, "max_new_tokens": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def local_run(tmp_path_factory, corpus_dir):
     """Local mode, teacher tp=4 and student dp=4 on 8 devices of one process."""
     tmp = tmp_path_factory.mktemp("local")
     out = tmp / "out"
-    assert _run(tmp, tiny_config(str(corpus_dir), str(out), mesh=MESH)) == 0
+    assert _run(tmp, tiny_config(str(corpus_dir), str(out), mesh=MESH, distill=ON_POLICY)) == 0
     return out
 
 
@@ -56,6 +61,7 @@ def _groups_config(corpus_dir, out, local_out, **sections) -> dict:
         pipeline={"mode": "ray"},
         mesh=GROUPS,
         teacher={"checkpoint": str(local_out / "teacher")},
+        distill=ON_POLICY,
     )
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
@@ -70,8 +76,10 @@ def _assert_same_losses(out, local_out) -> None:
     for step, expected in local_records.items():
         for key in KEYS:
             assert ray_records[step][key] == pytest.approx(expected[key], rel=1e-4), (step, key)
+    assert any(r["on_policy"] > 0 for r in ray_records.values())
     final, local_final = _summary(out)["final_eval"], _summary(local_out)["final_eval"]
-    assert final["student_loss"] == pytest.approx(local_final["student_loss"], rel=1e-4)
+    for key in ("student_loss", *SAMPLE_KEYS):
+        assert final[key] == pytest.approx(local_final[key], rel=1e-4), key
 
 
 @pytest.mark.parametrize(
