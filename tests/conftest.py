@@ -19,12 +19,11 @@ both. Tests compare programs compiled alike, so their references are unaffected.
 
 The README's command runs two pytest-xdist workers (`-n 2`, with `--dist loadgroup` from
 pyproject.toml): every `ray` test is in one group, run first on one worker, so no two local
-Ray clusters share the machine at once, while the other worker takes the other tests one
-at a time (a module-scoped fixture may then run on both workers: cheaper than the idle
-time of whole modules as units). With a cold cache the same three files took 87 s on two
-workers; warm, 35 s. The workers share the compilation cache: an entry read while the
-other worker writes it fails its decompression, which JAX answers with a warning and a
-compile.
+Ray clusters share the machine at once, while the other worker takes the other modules,
+each a group of its own (its module-scoped fixtures run once). With a cold cache the same
+three files took 87 s on two workers; warm, 35 s. The workers share the compilation cache:
+an entry read while the other worker writes it fails its decompression, which JAX answers
+with a warning and a compile.
 """
 
 import gc
@@ -74,10 +73,11 @@ def corpus_dir(tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """The `ray` tests are one xdist group, first (see the module docstring)."""
+    """xdist groups (see the module docstring): the `ray` tests one group, first; every
+    other module its own."""
     for item in items:
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        group = "ray" if item.get_closest_marker("ray") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("ray") is None)  # stable
 
 

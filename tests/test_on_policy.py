@@ -180,9 +180,12 @@ def test_generate_without_a_checkpoint_is_one_line(tmp_path, corpus_dir, capsys)
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_ray_mode_matches_local_on_policy(on_policy_run, tmp_path):
     """The same on-policy run in ray mode (the student actor samples, the teacher actor
-    scores its rows) gives the local run's losses and sample metrics."""
+    scores its rows) gives the local run's losses and sample metrics. Slow: the default run
+    covers ray-mode on-policy steps with groups of 2 processes (tests/test_multihost.py);
+    this is the one-process case."""
     out, cfg = on_policy_run
     ray_out = tmp_path / "out"
     cfg = {
