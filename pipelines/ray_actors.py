@@ -34,6 +34,7 @@ from distill.config_file import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import DP, TP, student_shape, teacher_shape
 from distill.tokenizers import vocab_limit
+from distill.types import Batch, TeacherOutput
 from pipelines import ray_rows
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -184,18 +185,18 @@ class TeacherActor(_Member):
         parts = ray_rows.teacher_parts(out, n)
         return (*parts, 1e3 * (time.perf_counter() - t0))
 
-    @ray.method(num_returns=2)
-    def eval_logits(self, batch):
-        """(dense teacher logits [B, S, V] of an eval batch, busy milliseconds); in a group
-        of several processes every one gathers them, process 0 returns them."""
+    def eval_logits(self, n: int, batch):
+        """The dense teacher logits [B, S, V] of an eval chunk for `n` student processes,
+        as `forward` returns its output: (host logits, busy ms) when both groups are one
+        process, else (n lists of pieces: the rows of each student process's block this
+        process holds, busy ms). Nothing is gathered: each row leaves once, from a
+        process that holds it, for the student process that evaluates it."""
         t0 = time.perf_counter()
         logits = self._teacher.logits(batch)
-        if self._n > 1:
-            from jax.experimental.multihost_utils import process_allgather
-
-            logits = process_allgather(logits, tiled=True)
-        logits = self._jax.device_get(logits) if self._i == 0 else None
-        return logits, 1e3 * (time.perf_counter() - t0)
+        if self._n == 1 and n == 1:
+            return self._jax.device_get(logits), 1e3 * (time.perf_counter() - t0)
+        parts = ray_rows.teacher_parts(TeacherOutput(logits, None), n)
+        return (*parts, 1e3 * (time.perf_counter() - t0))
 
     def nll(self, *row_blocks) -> tuple[float, float]:
         """(the teacher's summed NLL of the masked targets of the rows the student group
@@ -335,17 +336,18 @@ class StudentActor(_Member):
         m["bytes_per_token"] = nbytes / self._tokens
         return m
 
-    def evaluate(self, batches: list, teacher_logits: list, keep: bool) -> dict:
-        """Held-out teacher vs student metrics, by the local mode's own `StudentEval`.
-        `batches` and `teacher_logits` are lists of object refs, one per eval batch (nested
-        in lists, so Ray leaves them unresolved); they are fetched one at a time, whole, by
-        every process of the group."""
-        return self._eval(
-            self._state.params,
-            (ray.get(b) for b in batches),
-            (ray.get(t) for t in teacher_logits),
-            keep,
-        )
+    def evaluate(self, batch, *teacher_parts) -> dict:
+        """Held-out teacher vs student metrics of one eval chunk (with its token count), by
+        the local mode's own `StudentEval`: `batch` is the whole chunk (token ids), and
+        `teacher_parts` as `step`'s: this process's rows of the teacher's dense logits."""
+        if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
+            return self._eval.one(self._state.params, batch, teacher_parts[0])
+        rows = batch.tokens.shape[0]
+        lo, hi = ray_rows.block(rows, self._n, self._i)
+        t_in, _ = ray_rows.student_rows(list(teacher_parts), lo, hi - lo)
+        logits = ray_rows.global_arrays(t_in.logprobs, self._split, rows)
+        mine = ray_rows.global_arrays(Batch(*(x[lo:hi] for x in batch)), self._split, rows)
+        return self._eval.one(self._state.params, mine, logits)
 
     def save(self, step: int, data_state: dict) -> None:
         """Start an asynchronous checkpoint of the state after `step` (every process of the

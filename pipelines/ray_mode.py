@@ -42,6 +42,7 @@ from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop
 from pipelines.on_policy import is_on_policy
 from pipelines.ray_pool import ActorPool
+from student.evaluate import token_weighted_means
 
 log = logging.getLogger("distill")
 
@@ -153,7 +154,7 @@ class RayTeacherSource:
             "staleness": sum(gen) / len(gen) if gen else 0.0,
         }
 
-    def eval_logits(self, batches: list) -> list:
+    def eval_logits(self, batches: list):
         return self._pool.eval_teacher_logits(batches)
 
     def close(self) -> None:
@@ -202,9 +203,17 @@ class RayStudentExecutor:
             "bytes_per_token": self._bytes_per_token,
         }
 
-    def evaluate(self, batches: list, teacher_logits: list, keep: bool) -> dict:
-        refs = self._pool.students.call("evaluate", batches, list(teacher_logits), keep)
-        return self._pool.student_result(refs)
+    def evaluate(self, batches: list, teacher_logits, keep: bool) -> dict:
+        """Chunk by chunk: each student process gets the chunk's token ids and only its rows
+        of the teacher's logits (`keep` is the driver's: kept chunks are its refs)."""
+        members = self._pool.students.members
+        per_chunk = (
+            self._pool.student_result(
+                [a.evaluate.remote(batch, *out[p]) for p, a in enumerate(members)]
+            )
+            for batch, out in zip(batches, teacher_logits, strict=True)
+        )
+        return token_weighted_means(per_chunk)
 
     def save(self, step: int, data_state: dict) -> None:
         self._pool.students.call("save", step, data_state)

@@ -293,23 +293,33 @@ class ActorPool:
             for p in self.in_flight
         )
 
-    def eval_teacher_logits(self, batches: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """Dense teacher logits of each eval batch, spread over the replicas (process 0 of
-        a replica's group returns them)."""
-        while True:
-            calls = [
-                self.teachers[i % self.replicas].call("eval_logits", b)
-                for i, b in enumerate(batches)
-            ]
-            try:
-                get_all([busy_ms for call in calls for _, busy_ms in call])
-                return [call[0][0] for call in calls]
-            except RayError as e:
-                dead = [r for r, group in enumerate(self.teachers) if not group.alive()]
-                if not dead and not isinstance(e, RayActorError):
-                    raise
-                for r in dead or [0]:
+    def eval_teacher_logits(self, batches: list[ray.ObjectRef]):
+        """Per eval chunk, for each student process the refs of its rows of the teacher's
+        dense logits (one per teacher process; `TeacherActor.eval_logits`), as they are
+        consumed: the next chunk's forward (on the next replica) overlaps this chunk's
+        evaluation, and no more than those two chunks exist. A teacher group that dies is
+        recreated and its chunks recomputed."""
+        n, replicas = self.student_hosts, self.replicas
+
+        def submit(i: int) -> list:
+            return self.teachers[i % replicas].call("eval_logits", n, batches[i], num_returns=n + 1)
+
+        calls = {0: submit(0)} if batches else {}
+        for i in range(len(batches)):
+            if i + 1 < len(batches):
+                calls[i + 1] = submit(i + 1)
+            while True:
+                try:
+                    get_all([refs[-1] for refs in calls[i]])
+                    break
+                except RayError as e:
+                    r = i % replicas
+                    if not isinstance(e, RayActorError) and self.teachers[r].alive():
+                        raise
                     self.restart_teacher(r, e)
+                    calls = {j: submit(j) if j % replicas == r else c for j, c in calls.items()}
+            out = calls.pop(i)
+            yield [[refs[p] for refs in out] for p in range(n)]
 
     # -- the student group ----------------------------------------------------------------
 

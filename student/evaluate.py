@@ -55,9 +55,16 @@ class StudentEval:
             self._kept = kept
 
     def __call__(self, params, batches: list, teacher_logits: Iterable, keep: bool) -> dict:
-        def per_batch():
-            for sb, t_logits in self._pairs(batches, teacher_logits, keep):
-                m = self._metrics(params, sb, t_logits)
-                yield {k: float(v) for k, v in jax.device_get(m).items()}
+        pairs = self._pairs(batches, teacher_logits, keep)
+        return token_weighted_means(self._host(params, *pair) for pair in pairs)
 
-        return token_weighted_means(per_batch())
+    def one(self, params, batch, teacher_logits) -> dict:
+        """One batch's metrics with its token count (`token_weighted_means` combines them);
+        the arrays are host arrays or already on the training mesh."""
+        return self._host(
+            params, jax.device_put(batch, self._split), jax.device_put(teacher_logits, self._split)
+        )
+
+    def _host(self, params, batch, teacher_logits) -> dict:
+        m = self._metrics(params, batch, teacher_logits)
+        return {k: float(v) for k, v in jax.device_get(m).items()}

@@ -27,6 +27,9 @@ GROUPS = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 2}}
 # half the steps on-policy: the student group samples its rows of the prompts with the
 # parameters of two steps back (kept by every process), the teacher group scores them
 ON_POLICY = {"on_policy": {"fraction": 0.5, "max_new_tokens": 8}}
+# two eval chunks: the second's teacher forward overlaps the first's evaluation, and each
+# student process receives only its rows of the teacher's logits
+DATA = {"eval_batches": 2}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,8 @@ def local_run(tmp_path_factory, corpus_dir):
     """Local mode, teacher tp=4 and student dp=4 on 8 devices of one process."""
     tmp = tmp_path_factory.mktemp("local")
     out = tmp / "out"
-    assert _run(tmp, tiny_config(str(corpus_dir), str(out), mesh=MESH, distill=ON_POLICY)) == 0
+    cfg = tiny_config(str(corpus_dir), str(out), mesh=MESH, distill=ON_POLICY, data=DATA)
+    assert _run(tmp, cfg) == 0
     return out
 
 
@@ -62,6 +66,7 @@ def _groups_config(corpus_dir, out, local_out, **sections) -> dict:
         mesh=GROUPS,
         teacher={"checkpoint": str(local_out / "teacher")},
         distill=ON_POLICY,
+        data=DATA,
     )
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
