@@ -201,11 +201,23 @@ def bench(
     http_requests: int = 0,
     ray_mode: bool = False,
     cache_mode: bool = False,
+    torch_mode: bool = False,
 ) -> dict:
     """Every figure of `distill bench`; what it writes (a random teacher when none is
-    configured, the loops' checkpoints, a teacher cache) goes to a temporary directory."""
+    configured, the loops' checkpoints, a teacher cache) goes to a temporary directory.
+    `torch_mode`: also time the plain PyTorch + transformers KD loop on the same shapes
+    (`pipelines.bench_torch`)."""
+    if torch_mode:
+        from pipelines.bench_torch import modules, torch_kd_bench
+
+        modules()  # missing torch fails now, not after the distill figures
     with tempfile.TemporaryDirectory(prefix="distill-bench-") as tmp:
-        return _bench(cfg, corpus, meshes, tmp, repeats, http_requests, ray_mode, cache_mode)
+        res = _bench(cfg, corpus, meshes, tmp, repeats, http_requests, ray_mode, cache_mode)
+    if torch_mode:
+        torch_res = torch_kd_bench(cfg, repeats)
+        torch_res["distill_over_torch"] = res["tokens_per_s"] / torch_res["torch_tokens_per_s"]
+        res.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in torch_res.items()})
+    return res
 
 
 def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: int):
@@ -412,6 +424,16 @@ def format_bench(r: dict) -> str:
                     f"({r['cache_over_student']:.2f}x the student-alone top-k step)"
                 ]
                 if "cache_over_student" in r
+                else []
+            ),
+            *(
+                [
+                    f"plain PyTorch {r['torch_version']} + transformers KD step (dense, "
+                    f"{r['torch_threads']} threads): {r['torch_step_ms']:.1f} ms, "
+                    f"{r['torch_tokens_per_s']:.0f} tok/s; distill's pipelined step "
+                    f"{r['distill_over_torch']:.2f}x its tokens/s"
+                ]
+                if "distill_over_torch" in r
                 else []
             ),
             f"data: {r['data_ms']:.2f} ms/batch; "

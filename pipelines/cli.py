@@ -70,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write a teacher cache and time offline training from it",
     )
+    sub.choices["bench"].add_argument(
+        "--torch",
+        action="store_true",
+        help="also time a plain PyTorch + transformers KD loop on the same shapes (needs .[hf])",
+    )
     e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
     e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
     e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
@@ -179,6 +184,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         http_requests=args.http,
         ray_mode=args.ray,
         cache_mode=args.cache,
+        torch_mode=args.torch,
     )
     text = format_bench(result)
     if args.on_policy or cfg.distill.on_policy.fraction > 0:
