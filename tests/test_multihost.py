@@ -38,8 +38,8 @@ def ray_cluster():
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
         # the roles' host resources, as a KubeRay worker group per role offers them (here all
         # on the one node): the groups' placement asks for them
-        hosts = {"teacher_host": 2, "student_host": 2}
-        ray.init(num_cpus=4, resources=hosts, include_dashboard=False, log_to_driver=False)
+        hosts = {"teacher_host": 4, "student_host": 2}  # up to 2 teacher groups of 2
+        ray.init(num_cpus=6, resources=hosts, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -246,13 +246,46 @@ def test_killed_teacher_process_recreates_its_group(
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_killed_student_process_resumes_its_group(
+def test_killed_coordinator_process_recreates_its_group(
     ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    """Process 0 of a group runs its JAX coordinator: killing it takes the group down like
+    any member's death (the others are stopped, not left waiting on it)."""
+
+    def kill_teacher(step, pool):
+        if step == 2:
+            _kill(pool.info["teacher-0"]["processes"][0]["pid"])
+
+    monkeypatch.setattr(ray_mode, "after_step", kill_teacher)
+    out = tmp_path / "out"
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_teacher_groups(ray_cluster, local_run, corpus_dir, tmp_path):
+    """teacher.replicas=2, each a whole group of 2 processes (4 teacher processes): the
+    batches alternate between the groups, the same losses."""
+    out = tmp_path / "out"
+    cfg = _groups_config(corpus_dir, out, local_run, teacher={"replicas": 2})
+    assert _run(tmp_path, cfg) == 0
+    _assert_same_losses(out, local_run)
+    summary = _summary(out)
+    assert summary["teacher_replicas"] == 2 and summary["hosts"]["teacher"] == 2
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("process", [1, 0])  # 0: the group's coordinator
+def test_killed_student_process_resumes_its_group(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch, process
 ):
     def kill_student(step, pool):
         if step == 5 and not pool.resumed_from:
             assert pool.wait_for_checkpoints() == 3
-            _kill(pool.info["student"]["processes"][1]["pid"])
+            _kill(pool.info["student"]["processes"][process]["pid"])
 
     monkeypatch.setattr(ray_mode, "after_step", kill_student)
     out = tmp_path / "out"
