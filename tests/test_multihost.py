@@ -265,6 +265,29 @@ def test_killed_coordinator_process_recreates_its_group(
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_teacher_process_lost_at_evaluation_recreates_its_group(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    """A teacher process killed as the first evaluation asks for the teacher's logits: the
+    group is recreated and the chunks recomputed, the same losses and metrics."""
+    from pipelines.ray_pool import ActorPool
+
+    plain = ActorPool.eval_teacher_logits
+
+    def kill_then_evaluate(pool, batches):
+        if not pool.restarts["teacher"]:
+            _kill(pool.info["teacher-0"]["processes"][1]["pid"])
+        yield from plain(pool, batches)
+
+    monkeypatch.setattr(ActorPool, "eval_teacher_logits", kill_then_evaluate)
+    out = tmp_path / "out"
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_two_teacher_groups(ray_cluster, local_run, corpus_dir, tmp_path):
     """teacher.replicas=2, each a whole group of 2 processes (4 teacher processes): the
     batches alternate between the groups, the same losses."""
