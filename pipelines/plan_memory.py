@@ -5,13 +5,17 @@ run's meshes from abstract shapes (`jax.ShapeDtypeStruct` with shardings): nothi
 executed and no weights are loaded. XLA's `memory_analysis()` of an SPMD program is per
 device: arguments (weights, optimizer state, the batch), outputs, and temporaries (the
 activations kept for the backward pass, attention and loss workspaces). Peak is
-arguments + outputs + temporaries - the donated buffers that outputs reuse.
+arguments + outputs + temporaries - the donated buffers that outputs reuse. With on-policy
+steps the student's peak also covers its sampler (compiled the same way) and the recent
+parameters kept for it (`_on_policy`).
 
 On an accelerator `distill validate` and `distill run` refuse a config whose peak exceeds
 the device's memory, before any weights are loaded.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +25,9 @@ from distill.checkpoint import abstract_like
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import TP, Meshes
-from distill.types import Batch
+from distill.types import Batch, Prompts
 from student import train
+from student.generate import Sampler
 from teacher import sharding
 from teacher.forward import make_output_forward
 
@@ -63,6 +68,42 @@ def _student(cfg: Config, mesh, teacher_out, vocab_limit: int | None):
     return step.lower(state, _batch(cfg, split), out).compile()
 
 
+def _per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded abstract arrays."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def _on_policy(cfg: Config, mesh, step_peak: int, vocab_limit: int | None) -> dict:
+    """The student's figures with on-policy generation (`distill.on_policy.fraction` > 0):
+    the sampler's compiled temporaries (the KV cache, the sampling workspace), the copies
+    of recent parameters `pipeline.max_staleness` keeps (`student.generate.ParamHistory`),
+    and the peak: the larger of the step's and the generation's (whose arguments hold the
+    parameters, while the optimizer state stays resident), plus those copies."""
+    op, scfg = cfg.distill.on_policy, cfg.student_model()
+    tx, _ = train.distill_step_for(cfg, mesh, vocab_limit=vocab_limit)
+    state = train.abstract_state(scfg, tx, mesh)
+    prompt_len, new_tokens = op.lengths(cfg.train.seq_len)
+    sampler = Sampler(
+        scfg, mesh, seq_len=cfg.train.seq_len, max_new_tokens=new_tokens,
+        temperature=op.temperature, top_p=op.top_p, stop=(0,), vocab_limit=vocab_limit,
+        dtype=cfg.student.dtype,
+    )  # fmt: skip
+    i32 = jax.ShapeDtypeStruct((cfg.train.batch_size, prompt_len), jnp.int32, sharding=sampler.put)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    gen = _figures(sampler.compiled(state.params, Prompts(i32, i32, i32), key))
+    params = _per_device_bytes(state.params)
+    staleness = cfg.pipeline.max_staleness
+    history = (staleness + 1) * params if staleness else 0
+    resident = _per_device_bytes(state) - params  # the optimizer state while sampling
+    return {
+        "generate_temp_bytes_per_device": gen["temp"],
+        "param_history_bytes_per_device": history,
+        "peak_bytes_per_device": max(step_peak, gen["peak"] + resident) + history,
+    }
+
+
 def device_memory(meshes: Meshes) -> int | None:
     """Bytes of memory of one device of the run's platform; None where unknown (CPU)."""
     if meshes.platform == "cpu":
@@ -76,9 +117,12 @@ def memory(cfg: Config, meshes: Meshes, vocab_limit: int | None) -> dict:
     t_compiled, t_out = _teacher(cfg, meshes.teacher, vocab_limit)
     t = _figures(t_compiled)
     s = _figures(_student(cfg, meshes.student, t_out, vocab_limit))
+    student = {"step_temp_bytes_per_device": s["temp"], "peak_bytes_per_device": s["peak"]}
+    if cfg.distill.on_policy.fraction > 0:
+        student.update(_on_policy(cfg, meshes.student, s["peak"], vocab_limit))
     return {
         "teacher": {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]},
-        "student": {"step_temp_bytes_per_device": s["temp"], "peak_bytes_per_device": s["peak"]},
+        "student": student,
         "device_memory_bytes": device_memory(meshes),
     }
 
@@ -112,9 +156,15 @@ def add_to_plan(p: dict, mem: dict) -> dict:
 def format_memory(mem: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     t, s, limit = mem["teacher"], mem["student"], mem["device_memory_bytes"]
+    on_policy = (
+        f", {gib(s['generate_temp_bytes_per_device'])} in on-policy generation, "
+        f"{gib(s['param_history_bytes_per_device'])} of recent parameters"
+        if "generate_temp_bytes_per_device" in s
+        else ""
+    )
     return (
         f"memory per device (XLA, compiled): teacher forward {gib(t['peak_bytes_per_device'])} "
-        f"peak ({gib(t['forward_temp_bytes_per_device'])} temporaries), student step "
+        f"peak ({gib(t['forward_temp_bytes_per_device'])} temporaries), student "
         f"{gib(s['peak_bytes_per_device'])} peak ({gib(s['step_temp_bytes_per_device'])} "
-        f"temporaries); device {gib(limit) if limit else 'n/a (CPU)'}"
+        f"step temporaries{on_policy}); device {gib(limit) if limit else 'n/a (CPU)'}"
     )

@@ -70,6 +70,10 @@ class Sampler:
     def __call__(self, params, prompts: Prompts, key):
         return self._run(params, jax.device_put(prompts, self.put), key)
 
+    def compiled(self, params, prompts: Prompts, key):
+        """The program compiled for abstract arguments (`distill plan`'s memory figures)."""
+        return self._run.lower(params, prompts, key).compile()
+
 
 def sampler_for(cfg: Config, mesh, tokenizer, vocab_limit: int | None, *, temperature=None):
     """The run's sampler: `distill.on_policy` lengths, temperature (or `temperature`) and

@@ -27,6 +27,14 @@ def test_memory_figures_are_present_and_sane(tmp_path, corpus_dir, capsys):
     assert s["peak_bytes_per_device"] >= state  # the state is an argument of the step
     assert not (tmp_path / "out").exists()  # planning writes nothing
 
+    # on-policy: the sampler's temporaries and two kept parameter copies (staleness 1)
+    p = _plan(capsys, [str(path), "--set", "distill.on_policy.fraction=0.5"])
+    on = p["student"]
+    assert on["generate_temp_bytes_per_device"] > 0
+    assert on["param_history_bytes_per_device"] == 2 * s["weight_bytes_per_device"]
+    peak = s["peak_bytes_per_device"] + on["param_history_bytes_per_device"]
+    assert on["peak_bytes_per_device"] >= peak
+
 
 def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     """The shipped real-size pipeline, planned from shapes alone on simulated CPU devices
