@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from distill.config_file import load_config
+from distill.errors import DistillError
 from pipelines.cli import main
+from pipelines.plan_memory import check_fits
 from tests.conftest import tiny_config
 
 
@@ -48,3 +50,18 @@ def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     assert p["layout"]["teacher"]["shape"] == {"dp": 4, "tp": 1}
     assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 4}
     assert p["student"]["params"] == pytest.approx(1.236e9, rel=1e-3)
+
+
+def test_a_role_over_the_device_memory_is_one_line_naming_its_keys():
+    """As `validate` and `run` refuse on an accelerator (no device here: the figures given)."""
+    role = {"peak_bytes_per_device": 3 * 2**30}
+    mem = {"teacher": {"peak_bytes_per_device": 2**30}, "student": role}
+    check_fits({**mem, "device_memory_bytes": None})  # CPU: nothing to compare with
+    check_fits({**mem, "device_memory_bytes": 4 * 2**30})
+    with pytest.raises(DistillError) as e:
+        check_fits({**mem, "device_memory_bytes": 2 * 2**30})
+    assert str(e.value).startswith("student: the compiled program needs 3.0 GiB per device")
+    assert "train.remat" in str(e.value) and "max_staleness" not in str(e.value)
+    on_policy = {**mem, "student": {**role, "param_history_bytes_per_device": 2**20}}
+    with pytest.raises(DistillError, match="pipeline.max_staleness / distill.on_policy"):
+        check_fits({**on_policy, "device_memory_bytes": 2 * 2**30})
