@@ -229,38 +229,31 @@ def test_groups_match_local(ray_cluster, local_run, corpus_dir, tmp_path, monkey
         assert a["alive"] and a["node"] and a["devices"] == "cpu:0,1;2048,2049"
 
 
+def _run_matching_local(tmp_path, corpus_dir, local_run) -> dict:
+    """Run the groups' config; its losses are the local run's. The run's summary."""
+    out = tmp_path / "out"
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    _assert_same_losses(out, local_run)
+    return _summary(out)
+
+
 @pytest.mark.ray
+@pytest.mark.parametrize(
+    # process 0 runs the group's JAX coordinator: killing it takes the group down like any
+    # member's death (the others are stopped, not left waiting on it)
+    "process",
+    [1, pytest.param(0, marks=pytest.mark.slow)],
+)
 def test_killed_teacher_process_recreates_its_group(
-    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch, process
 ):
     def kill_teacher(step, pool):
         if step == 2:
-            _kill(pool.info["teacher-0"]["processes"][1]["pid"])
+            _kill(pool.info["teacher-0"]["processes"][process]["pid"])
 
     monkeypatch.setattr(ray_mode, "after_step", kill_teacher)
-    out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
-    _assert_same_losses(out, local_run)
-    assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_killed_coordinator_process_recreates_its_group(
-    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
-):
-    """Process 0 of a group runs its JAX coordinator: killing it takes the group down like
-    any member's death (the others are stopped, not left waiting on it)."""
-
-    def kill_teacher(step, pool):
-        if step == 2:
-            _kill(pool.info["teacher-0"]["processes"][0]["pid"])
-
-    monkeypatch.setattr(ray_mode, "after_step", kill_teacher)
-    out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
-    _assert_same_losses(out, local_run)
-    assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
+    summary = _run_matching_local(tmp_path, corpus_dir, local_run)
+    assert summary["actor_restarts"] == {"teacher": 1, "student": 0}
 
 
 @pytest.mark.ray
@@ -280,10 +273,8 @@ def test_teacher_process_lost_at_evaluation_recreates_its_group(
         yield from plain(pool, batches)
 
     monkeypatch.setattr(ActorPool, "eval_teacher_logits", kill_then_evaluate)
-    out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
-    _assert_same_losses(out, local_run)
-    assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
+    summary = _run_matching_local(tmp_path, corpus_dir, local_run)
+    assert summary["actor_restarts"] == {"teacher": 1, "student": 0}
 
 
 @pytest.mark.ray
@@ -311,10 +302,7 @@ def test_killed_student_process_resumes_its_group(
             _kill(pool.info["student"]["processes"][process]["pid"])
 
     monkeypatch.setattr(ray_mode, "after_step", kill_student)
-    out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
-    _assert_same_losses(out, local_run)
-    summary = _summary(out)
+    summary = _run_matching_local(tmp_path, corpus_dir, local_run)
     assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
     assert summary["student_resumed_from"] == [3]
 
