@@ -15,8 +15,6 @@ the device's memory, before any weights are loaded.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +24,7 @@ from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import TP, Meshes
 from distill.types import Batch, Prompts
+from student import sharding as student_sharding
 from student import train
 from student.generate import Sampler
 from teacher import sharding
@@ -65,25 +64,22 @@ def _student(cfg: Config, mesh, teacher_out, vocab_limit: int | None):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), teacher_out
     )
     state = train.abstract_state(cfg.student_model(), tx, mesh)
-    return step.lower(state, _batch(cfg, split), out).compile()
+    return step.lower(state, _batch(cfg, split), out).compile(), state
 
 
-def _per_device_bytes(tree) -> int:
+def _per_device_bytes(tree, mesh) -> int:
     """Bytes one device holds of a tree of sharded abstract arrays."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
-    )
+    specs = jax.tree.map(lambda x: x.sharding.spec, tree)
+    return student_sharding.bytes_per_device(tree, specs, dict(mesh.shape))
 
 
-def _on_policy(cfg: Config, mesh, step_peak: int, vocab_limit: int | None) -> dict:
+def _on_policy(cfg: Config, mesh, state, step_peak: int, vocab_limit: int | None) -> dict:
     """The student's figures with on-policy generation (`distill.on_policy.fraction` > 0):
     the sampler's compiled temporaries (the KV cache, the sampling workspace), the copies
     of recent parameters `pipeline.max_staleness` keeps (`student.generate.ParamHistory`),
     and the peak: the larger of the step's and the generation's (whose arguments hold the
     parameters, while the optimizer state stays resident), plus those copies."""
     op, scfg = cfg.distill.on_policy, cfg.student_model()
-    tx, _ = train.distill_step_for(cfg, mesh, vocab_limit=vocab_limit)
-    state = train.abstract_state(scfg, tx, mesh)
     prompt_len, new_tokens = op.lengths(cfg.train.seq_len)
     sampler = Sampler(
         scfg, mesh, seq_len=cfg.train.seq_len, max_new_tokens=new_tokens,
@@ -93,10 +89,10 @@ def _on_policy(cfg: Config, mesh, step_peak: int, vocab_limit: int | None) -> di
     i32 = jax.ShapeDtypeStruct((cfg.train.batch_size, prompt_len), jnp.int32, sharding=sampler.put)
     key = jax.eval_shape(lambda: jax.random.key(0))
     gen = _figures(sampler.compiled(state.params, Prompts(i32, i32, i32), key))
-    params = _per_device_bytes(state.params)
+    params = _per_device_bytes(state.params, mesh)
     staleness = cfg.pipeline.max_staleness
     history = (staleness + 1) * params if staleness else 0
-    resident = _per_device_bytes(state) - params  # the optimizer state while sampling
+    resident = _per_device_bytes(state, mesh) - params  # the optimizer state while sampling
     return {
         "generate_temp_bytes_per_device": gen["temp"],
         "param_history_bytes_per_device": history,
@@ -116,10 +112,11 @@ def memory(cfg: Config, meshes: Meshes, vocab_limit: int | None) -> dict:
     """The plan's memory figures (bytes per device) of both roles' compiled programs."""
     t_compiled, t_out = _teacher(cfg, meshes.teacher, vocab_limit)
     t = _figures(t_compiled)
-    s = _figures(_student(cfg, meshes.student, t_out, vocab_limit))
+    s_compiled, state = _student(cfg, meshes.student, t_out, vocab_limit)
+    s = _figures(s_compiled)
     student = {"step_temp_bytes_per_device": s["temp"], "peak_bytes_per_device": s["peak"]}
     if cfg.distill.on_policy.fraction > 0:
-        student.update(_on_policy(cfg, meshes.student, s["peak"], vocab_limit))
+        student.update(_on_policy(cfg, meshes.student, state, s["peak"], vocab_limit))
     return {
         "teacher": {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]},
         "student": student,
