@@ -7,7 +7,10 @@ fails with "Malformed StorageGeneration" once it reads an object back); this add
 the object's own metadata. It also lacks the ``moveTo`` object method gcsfs renames with
 (a bootstrapped teacher is written to ``<path>.partial``, then renamed into place): answered
 501, gcsfs retries it with backoff for about 35 s before falling back to copy and delete;
-this serves it as a copy then a delete, answering the new object as GCS does. Not emulated:
+this serves it as a copy then a delete, answering the new object as GCS does. Its multipart
+uploads (what gcsfs sends a small file as) are parsed with the ``email`` package, which drops
+a content's last byte when that byte is ``\r`` (one upload in 256 of random bytes, such as
+an event file ending in a CRC): this splits them on the boundary itself. Not emulated:
 ``ifGenerationMatch`` preconditions (what keeps concurrent writers from overwriting each
 other), which one writer never trips.
 
@@ -16,6 +19,7 @@ other), which one writer never trips.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -52,6 +56,8 @@ def main(port: int, bucket: str) -> None:
 
     objects.download = download  # before `server` builds its routing table from it
     from gcp_storage_emulator import server as emulator
+
+    emulator._read_data = _exact_multipart(emulator)
     from gcp_storage_emulator.server import create_server
 
     # matched before the generic object path, which has no POST (the 501 above)
@@ -68,6 +74,30 @@ def main(port: int, bucket: str) -> None:
     print(f"gcs emulator on 127.0.0.1:{port}, bucket {bucket}", flush=True)
     while True:
         time.sleep(3600)
+
+
+def _exact_multipart(emulator):
+    """The emulator's body reader, with multipart/related uploads split byte for byte."""
+    plain_read = emulator._read_data
+
+    def read_data(handler, query):
+        content_type = handler.headers.get("Content-Type") or ""
+        if not content_type.startswith("multipart/related"):
+            return plain_read(handler, query)
+        boundary = re.search(r'boundary="?([^";]+)"?', content_type).group(1).encode()
+        raw = emulator._decode_raw_data(emulator._read_raw_data(handler), handler)
+        # --B NL headers NL NL body NL --B ... NL --B--, NL being CRLF or (gcsfs) LF
+        nl = b"\r\n" if raw.startswith(b"--" + boundary + b"\r\n") else b"\n"
+        _, *parts, _ = (nl + raw).split(nl + b"--" + boundary)
+        (meta_head, meta), (data_head, data) = (p.removeprefix(nl).split(nl + nl, 1) for p in parts)
+        kind = re.search(rb"(?im)^content-type:\s*([^;\r\n]+)", data_head)
+        return {
+            "meta": json.loads(meta),
+            "content": data,
+            "content-type": kind.group(1).decode().strip() if kind else "text/plain",
+        }
+
+    return read_data
 
 
 if __name__ == "__main__":
