@@ -9,6 +9,8 @@ anywhere.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ DP = "dp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+log = logging.getLogger(__name__)
 
 
 def devices_needed(cfg: Config) -> int:
@@ -49,11 +53,69 @@ def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
 
 
 def teacher_mesh(devices: list, dp: int, tp: int):
-    """The inference mesh over `devices` (dp * tp of them, in order): axes (DP, TP)."""
-    import numpy as np
+    """The inference mesh over `devices` (dp * tp of them): axes (DP, TP), laid out by
+    `device_grid`."""
     from jax.sharding import Mesh
 
-    return Mesh(np.array(devices).reshape(dp, tp), (DP, TP))
+    return Mesh(device_grid(devices, (dp, tp)), (DP, TP))
+
+
+def student_mesh(devices: list, dp: int, fsdp: int):
+    """The training mesh over `devices` (dp * fsdp of them): axes (DP, FSDP), laid out by
+    `device_grid`."""
+    from jax.sharding import Mesh
+
+    return Mesh(device_grid(devices, (dp, fsdp)), (DP, FSDP))
+
+
+def device_grid(devices: list, shape: tuple[int, ...]):
+    """`devices` as an array of `shape` (axes ordered outer to inner, the innermost the one
+    that communicates most: tp, fsdp), laid out by topology.
+
+    One process's devices are laid out by `jax.experimental.mesh_utils` (a TPU host's chips
+    on its torus, GPUs by id; CPU devices keep their order). A group of several processes
+    (hosts) is split by `granule_split`: the outer axes cross the network between hosts
+    first, and each host's devices are laid out as one process's are. The result is always
+    process-major: each process's devices are consecutive in the mesh's flat order, in
+    process order, so that process p of n holds rows block p of a batch split over every
+    axis (`pipelines.ray_rows`). Where a layout cannot keep that, or a TPU subset of a
+    host forms no box on the torus, the devices keep their order (process by process)."""
+    import numpy as np
+    from jax.experimental import mesh_utils
+
+    processes = len({d.process_index for d in devices})
+    try:
+        if processes == 1:
+            if devices[0].platform == "cpu":
+                return np.array(devices).reshape(shape)
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        outer, inner = granule_split(shape, processes)
+        grid = mesh_utils.create_hybrid_device_mesh(
+            inner, outer, devices, process_is_granule=True, allow_split_physical_axes=True
+        )
+        flat = [d.process_index for d in grid.flat]
+        if flat != sorted(flat):
+            raise ValueError(f"{processes} hosts would not hold consecutive devices")
+        return grid
+    except (ValueError, NotImplementedError, AssertionError) as e:
+        log.warning("mesh %s: kept the devices' order (no topology layout: %s)", shape, e)
+        ordered = sorted(devices, key=lambda d: d.process_index)  # stable: order kept within
+        return np.array(ordered).reshape(shape)
+
+
+def granule_split(shape: tuple[int, ...], granules: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(across granules, within each) for a mesh of `shape` over `granules` equal groups of
+    devices (hosts): the outer axes take as much of the split as they divide, so data
+    parallelism crosses the slow network first and tensor or fully-sharded parallelism
+    last. ValueError when the axes cannot split that way."""
+    outer, left = [], granules
+    for n in shape:
+        k = math.gcd(n, left)
+        outer.append(k)
+        left //= k
+    if left != 1:
+        raise ValueError(f"{granules} hosts do not split the axes {shape}")
+    return tuple(outer), tuple(n // k for n, k in zip(shape, outer, strict=True))
 
 
 def student_shape(cfg: Config) -> dict[str, int]:
@@ -184,18 +246,13 @@ class Meshes:
 
 
 def build_meshes(cfg: Config) -> Meshes:
-    import numpy as np
-    from jax.sharding import Mesh
-
     devices = available_devices(cfg.mesh.platform)
     platform = devices[0].platform
     check_fit(cfg, len(devices), platform)
     t, s = _device_ids(cfg)
     return Meshes(
         teacher=teacher_mesh([devices[i] for i in t], cfg.mesh.teacher.dp, cfg.mesh.teacher.tp),
-        student=Mesh(
-            np.array([devices[i] for i in s]).reshape(*student_shape(cfg).values()), (DP, FSDP)
-        ),
+        student=student_mesh([devices[i] for i in s], cfg.mesh.student.dp, cfg.mesh.student.fsdp),
         platform=platform,
     )
 

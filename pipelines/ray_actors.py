@@ -32,7 +32,7 @@ import ray
 
 from distill.config_file import config_from_dict
 from distill.errors import DistillError
-from distill.mesh import DP, TP, student_shape, teacher_shape
+from distill.mesh import DP, TP, device_grid, student_shape, teacher_shape
 from distill.tokenizers import vocab_limit
 from distill.types import Batch, TeacherOutput
 from pipelines import ray_rows
@@ -70,11 +70,11 @@ def device_options(n_devices: int, platform: str, host: str | None = None) -> tu
 
 def _group_mesh(shape: dict[str, int], field: str):
     """A mesh of `shape` ({axis: size}, in order) over the group's first devices: every
-    process's, process by process (`jax.devices()` is global in a multi-process group)."""
+    process's (`jax.devices()` is global in a multi-process group), laid out by topology
+    across the hosts (`distill.mesh.device_grid`)."""
     import math
 
     import jax
-    import numpy as np
     from jax.sharding import Mesh
 
     devices, n = jax.devices(), math.prod(shape.values())
@@ -83,7 +83,7 @@ def _group_mesh(shape: dict[str, int], field: str):
             f"{field}: the actor needs {n} devices but sees {len(devices)} "
             f"{devices[0].platform} devices"
         )
-    return Mesh(np.array(devices[:n]).reshape(*shape.values()), tuple(shape))
+    return Mesh(device_grid(devices[:n], tuple(shape.values())), tuple(shape))
 
 
 def _info(mesh, axis: str) -> dict:

@@ -9,8 +9,9 @@ the rows of global batch n it needs from its own copy of the corpus (`BatchReade
 both groups, so the one state the student checkpoints is every process's data position.
 
 A batch and its teacher output are batch-major, so every hand-off between groups is by
-rows. The training mesh splits the rows over its devices in order, and a group's devices
-are numbered process by process, so student process `p` of `n` holds the contiguous block
+rows. The training mesh splits the rows over its devices in order, and a group's mesh
+holds each process's devices consecutively, in process order (`distill.mesh.device_grid`),
+so student process `p` of `n` holds the contiguous block
 of rows `[p * B / n, (p + 1) * B / n)` (`block`): it reads only those rows, and every
 teacher process sends it only the rows of that block which the teacher process holds
 (`teacher_parts`), each row by exactly one teacher process (the lowest-numbered holder when

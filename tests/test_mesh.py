@@ -1,0 +1,114 @@
+"""Mesh layout by topology (`distill.mesh.device_grid`), on stand-in devices: the layout
+only reads a device's platform, kind, process, slice, id and TPU coordinates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from distill.mesh import device_grid, granule_split
+
+
+@dataclass(frozen=True)
+class Dev:
+    id: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+    coords: tuple[int, int, int] = (0, 0, 0)
+    core_on_chip: int = 0
+    slice_index: int = 0
+
+
+def ids(grid) -> list[list[int]]:
+    return [[d.id for d in row] for row in grid]
+
+
+@pytest.mark.parametrize(
+    "shape, granules, split",
+    [
+        ((4, 1), 2, ((2, 1), (2, 1))),  # student dp=4 over 2 hosts: dp crosses them
+        ((1, 4), 2, ((1, 2), (1, 2))),  # teacher tp=4 over 2 hosts: tp must cross
+        ((2, 4), 2, ((2, 1), (1, 4))),  # dp=2 x tp=4 on 2 hosts: each tp group on one host
+        ((2, 4), 4, ((2, 2), (1, 2))),
+        ((6, 2), 4, ((2, 2), (3, 1))),
+    ],
+)
+def test_the_outer_axes_cross_hosts_first(shape, granules, split):
+    assert granule_split(shape, granules) == split
+
+
+def test_axes_that_cannot_split_over_the_hosts_are_refused():
+    with pytest.raises(ValueError, match="3 hosts do not split the axes"):
+        granule_split((2, 4), 3)
+
+
+def test_cpu_devices_keep_their_order_grouped_by_process():
+    """No topology on CPU: one process keeps the order given; several are grouped by
+    process, in process order (what the multi-process tests' meshes get)."""
+    one = [Dev(i, 0) for i in (3, 1, 2, 0)]
+    assert ids(device_grid(one, (2, 2))) == [[3, 1], [2, 0]]
+    two = [Dev(2, 1), Dev(3, 1), Dev(0, 0), Dev(1, 0)]
+    assert ids(device_grid(two, (1, 4))) == [[0, 1, 2, 3]]
+    assert ids(device_grid(two, (4, 1))) == [[0], [1], [2], [3]]
+
+
+def test_gpu_hosts_keep_tensor_parallel_groups_on_one_host():
+    """2 hosts x 4 GPUs: the inner axis stays on a host's NVLink where it fits, and the
+    devices of a host are ordered by id."""
+    gpus = [Dev(i, i // 4, "gpu", "NVIDIA H100") for i in (4, 5, 6, 7, 3, 2, 1, 0)]
+    assert ids(device_grid(gpus, (2, 4))) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    fsdp = device_grid(gpus, (4, 2))  # student dp=4 x fsdp=2: each fsdp pair on one host
+    assert all(len({d.process_index for d in row}) == 1 for row in fsdp)
+    assert ids(device_grid(gpus, (1, 8))) == [[0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def _v5e_slice(hosts_x: int, hosts_y: int) -> list[Dev]:
+    """A TPU v5e slice of (2 hosts_x) x (2 hosts_y) chips, each host a 2 x 2 block, listed
+    process by process as `jax.devices()` does."""
+    devs = []
+    for host in range(hosts_x * hosts_y):
+        hx, hy = host % hosts_x, host // hosts_x
+        for j in range(4):
+            x, y = 2 * hx + j % 2, 2 * hy + j // 2
+            devs.append(Dev(len(devs), host, "tpu", "TPU v5 lite", (x, y, 0)))
+    return devs
+
+
+def test_one_tpu_host_is_laid_out_by_jax_topology_rules():
+    """v5e-8 (2 x 4 chips, one host): the layout is `mesh_utils`' (for a v5e tray, its
+    known ring order), not the order `jax.devices()` lists the chips in."""
+    from jax.experimental import mesh_utils
+
+    chips = [Dev(i, 0, "tpu", "TPU v5 lite", (i % 2, i // 2, 0)) for i in range(8)]
+    grid = device_grid(chips, (2, 4))
+    expected = mesh_utils.create_device_mesh((2, 4), chips, allow_split_physical_axes=True)
+    assert ids(grid) == ids(expected)
+    assert ids(grid) != [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_multi_host_tpu_slice_keeps_each_host_together():
+    """v5e 4x4 (4 hosts of 2 x 2): tp=4 on each host's chips, dp across the hosts; every
+    layout of several hosts is process-major (what the row hand-off relies on)."""
+    chips = _v5e_slice(2, 2)
+    grid = device_grid(chips[::-1], (4, 4))
+    assert [{d.process_index for d in row} for row in grid] == [{0}, {1}, {2}, {3}]
+    student = device_grid(chips, (2, 8))  # dp=2 x fsdp=8: fsdp crosses two hosts
+    flat = [d.process_index for d in student.flat]
+    assert flat == sorted(flat)
+
+
+def test_a_layout_that_would_split_hosts_keeps_process_order(caplog):
+    """dp=6 x fsdp=2 on 4 hosts of 3: the split would interleave hosts in the flat order."""
+    devs = [Dev(i, i // 3) for i in range(12)]
+    assert ids(device_grid(devs[::-1], (6, 2))) == [
+        [2, 1], [0, 5], [4, 3], [8, 7], [6, 11], [10, 9]
+    ]  # fmt: skip
+    assert "kept the devices' order" in caplog.text
+
+
+def test_a_part_of_a_torus_that_is_no_box_keeps_the_given_order(caplog):
+    chips = _v5e_slice(1, 1)[:3]  # 3 chips of a 2 x 2: a hole
+    assert ids(device_grid(chips, (1, 3))) == [[0, 1, 2]]
+    assert "kept the devices' order" in caplog.text
