@@ -266,6 +266,7 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
             processes = cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
             cpus = max(os.cpu_count() or 1, processes)
             ray.init(num_cpus=cpus, include_dashboard=False)
+    _warn_raw_corpus(cfg)
     pool = None
     try:
         reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
@@ -276,3 +277,16 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
             pool.shutdown()
         if owned:
             ray.shutdown()
+
+
+def _warn_raw_corpus(cfg: Config) -> None:
+    """Every actor process reads the corpus itself: from `data.source`, each tokenises all
+    of it and holds its tokens in memory. Say so once when that is more than two copies."""
+    processes = cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
+    if cfg.data.prepared_dir is None and processes > 2:
+        log.warning(
+            "data.prepared_dir is not set: each of the %d actor processes tokenises "
+            "data.source itself and holds all its tokens; for a large corpus run `distill "
+            "prepare` once and set data.prepared_dir (every process then reads only its rows)",
+            processes,
+        )
