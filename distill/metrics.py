@@ -179,15 +179,16 @@ class MetricsStore:
             self._write({"event": "done", "summary": self._summary})
 
     def close(self) -> None:
-        """Close metrics.jsonl, writing what a bucket has not got yet, then the sinks (the
-        store stays readable)."""
+        """Close metrics.jsonl, writing what a bucket has not got yet, then the sinks, told
+        whether the run failed (the store stays readable)."""
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
             sinks, self._sinks = self._sinks, []
+            failed = self._phase == "failed"
         for sink in sinks:  # outside the lock: a sink may upload files or finish a W&B run
-            sink.close()
+            sink.close(failed=failed)
 
     # -- control: set by HTTP handlers, polled by the loop -----------------------------------
 

@@ -58,7 +58,7 @@ class Sink(Protocol):
 
     def eval(self, rec: Mapping[str, Any]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 
 class Point(NamedTuple):
@@ -85,7 +85,7 @@ def to_point(rec: Mapping[str, Any], *, is_eval: bool = False) -> Point:
 
 class _Queued:
     """A sink that writes on its own daemon thread: `_write(points)` every `interval_s`
-    seconds when there is something new, then `_finish()` at close."""
+    seconds when there is something new, then `_finish(failed)` at close."""
 
     def __init__(self, name: str, interval_s: float) -> None:
         self.name = name
@@ -104,14 +104,15 @@ class _Queued:
         if not self._closing.is_set():
             self._queue.append((rec, True))
 
-    def close(self) -> None:
-        """Write the rest and release what the sink holds; later calls do nothing."""
+    def close(self, failed: bool = False) -> None:
+        """Write the rest and release what the sink holds (`failed`: the run ended in an
+        error); later calls do nothing."""
         if self._closing.is_set():
             return
         self._closing.set()
         self._thread.join()
         self._drain()
-        self._guard(self._finish)
+        self._guard(self._finish, failed)
 
     def _loop(self) -> None:
         while not self._closing.wait(self._interval):
@@ -140,7 +141,7 @@ class _Queued:
     def _write(self, points: list[Point]) -> None:
         raise NotImplementedError
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool) -> None:
         """Flush and close what the sink writes to."""
 
 
@@ -187,7 +188,7 @@ class TensorBoardSink(_Queued):
         self._uploaded_at = time.monotonic()
         storage.upload_dir(self._local, self.logdir)
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool) -> None:
         for writer in self._writers.values():
             writer.close()
         if self._remote:
@@ -216,8 +217,8 @@ class WandbSink(_Queued):
         for p in points:
             self.run.log({**p.values, f"{p.family}/step": p.step})
 
-    def _finish(self) -> None:
-        self.run.finish()
+    def _finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a failed run shows as failed in W&B
 
 
 def start_wandb(cfg: Config) -> WandbSink:

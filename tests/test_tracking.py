@@ -241,6 +241,20 @@ def test_wandb_offline_logs_the_same_scalars(tmp_path, corpus_dir, wandb_offline
         assert len(_series(rows, f"train/{k}")) == 3, k
 
 
+def test_a_failed_run_ends_failed_in_wandb(tmp_path, corpus_dir, wandb_offline):
+    """The store's failure reaches W&B as the run's exit code (W&B shows it failed)."""
+    out = tmp_path / "run"
+    tree = tiny_config(str(corpus_dir), str(out), wandb={"enabled": True, "project": "t"})
+    store = MetricsStore("r", 6, {}, sinks=[start_wandb(config_from_dict(tree))])
+    _feed(store, steps=(2,))
+    store.fail("RuntimeError: boom")
+    store.close()
+    assert _series(_wandb_history(out), "train/loss") == [(2, 2.0)]
+    (path,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    (exit_record,) = [r.exit for r in _wandb_records(path.read_bytes()) if r.HasField("exit")]
+    assert exit_record.exit_code == 1
+
+
 def test_tiny_run_through_the_cli(tiny_run):
     """One real run (the session's `tiny_run`, tests/conftest.py): TensorBoard always, and
     W&B offline where wandb is installed."""
