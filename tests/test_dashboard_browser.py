@@ -43,7 +43,7 @@ pytestmark = [
 
 CONFIG = {
     "run": {"name": "tiny-kd", "output_dir": "runs/tiny-kd", "seed": 0},
-    "mesh": {"teacher": {"tp": 4}, "student": {"dp": 4}, "platform": "cpu"},
+    "mesh": {"teacher": {"dp": 2, "tp": 2}, "student": {"dp": 4}, "platform": "cpu"},
     "teacher": {"model": {"d_model": 256, "n_layers": 4, "n_heads": 8}, "top_k": 32},
     "student": {"model": {"d_model": 128, "n_layers": 2}},
     "distill": {"loss": "forward_kl", "temperature": 2.0, "alpha": 0.5},
@@ -57,8 +57,8 @@ def mesh_layout() -> dict:
         return [{"id": i, "kind": "cpu"} for i in ids]
 
     return {
-        "teacher": {"axis": "tp", "shape": {"tp": 4}, "devices": devices(range(4))},
-        "student": {"axis": "dp", "shape": {"dp": 4}, "devices": devices(range(4, 8))},
+        "teacher": {"axis": "tp", "shape": {"dp": 2, "tp": 2}, "devices": devices(range(4))},
+        "student": {"axis": "dp", "shape": {"dp": 4, "fsdp": 1}, "devices": devices(range(4, 8))},
         "platform": "cpu",
     }
 
@@ -152,6 +152,8 @@ def test_dashboard_renders_live_run(live_server, tmp_path):
     assert re.search(r'id="staleness"[^>]*>1<', dom) and re.search(r'id="on-policy"[^>]*>50%<', dom)
     assert re.search(r'id="eval-sample-len"[^>]*>48<', dom)
     assert dom.count('class="device"') == 8
+    labels = re.findall(r'class="device"[^>]*><b>([^<]*)</b>', dom)  # mesh coordinates
+    assert labels == ["dp0 tp0", "dp0 tp1", "dp1 tp0", "dp1 tp1", "dp0", "dp1", "dp2", "dp3"]
     assert "do-not-show-me" not in dom
 
 

@@ -240,9 +240,10 @@ function renderMesh(s) {
       el.className = "device";
       el.dataset.role = role;
       el.id = `device-${d.id}`;
-      el.title = `${role} ${m.axis}${idx} on device ${d.id} (${d.kind || "?"})`;
+      const at = meshCoords(m, idx);
+      el.title = `${role} ${at} on device ${d.id} (${d.kind || "?"})`;
       el.innerHTML = `<b></b><span></span><br><span></span>`;
-      el.children[0].textContent = `${m.axis || "?"}${idx}`;
+      el.children[0].textContent = at;
       el.children[1].textContent = `device ${d.id}`;
       el.children[3].textContent = d.kind || "?";
       devs.appendChild(el);
@@ -250,6 +251,21 @@ function renderMesh(s) {
     group.appendChild(devs);
     box.appendChild(group);
   });
+}
+
+// A device's place in its mesh from its flat (row-major) index: "dp1 tp0", naming the axes
+// longer than 1 (the role's main axis alone when every axis is 1).
+function meshCoords(m, idx) {
+  const axes = Object.entries(m.shape || {});
+  if (!axes.length) return `${m.axis || "?"}${idx}`;
+  const at = [];
+  let rest = idx;
+  for (let i = axes.length - 1; i >= 0; i--) {
+    const [name, n] = axes[i];
+    if (n > 1) at.unshift(`${name}${rest % n}`);
+    rest = Math.floor(rest / n);
+  }
+  return at.length ? at.join(" ") : `${m.axis || "?"}0`;
 }
 
 function linkBox(s) {
