@@ -39,7 +39,12 @@ import jax.numpy as jnp
 from jax import lax
 
 BACKENDS = ("auto", "reference", "blockwise", "cudnn", "splash")
-DEFAULT_BLOCK = 512
+DEFAULT_BLOCK = 512  # splash's tiles, and blockwise's on accelerators
+# Blockwise on CPU: small tiles keep each step's [B, KV, G, bq, bk] scores in cache. At
+# B=16, 4 heads, S=256 the forward and backward took 15 and 44 ms with 64-row tiles
+# against 17-34 and 71-73 ms with one 256-row tile; at S=1024, 64 was as fast as 256 and
+# half the time of 512.
+CPU_BLOCK = 64
 # Finite, so an all-masked block gives exp(0) (then zeroed) rather than exp(-inf + inf) = NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -52,8 +57,8 @@ def attention(
     *,
     backend: str = "auto",
     scale: float | None = None,
-    block_q: int = DEFAULT_BLOCK,
-    block_kv: int = DEFAULT_BLOCK,
+    block_q: int | None = None,
+    block_kv: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Attention output [B, S, H, hd] in the dtype of `q_bshd`.
@@ -61,7 +66,8 @@ def attention(
     q_bshd [B, S, H, hd] (RoPE applied), k_bskd / v_bskd [B, S, KV, hd] with H % KV == 0,
     segment_ids_bs [B, S] int. `scale` defaults to 1 / sqrt(hd). `block_q` / `block_kv` are
     the blockwise and splash tile sizes (clipped to S; S is padded up to a multiple of
-    them). `interpret` runs splash in Pallas interpret mode (required off TPU).
+    them; default `DEFAULT_BLOCK`, or `CPU_BLOCK` for blockwise on CPU). `interpret` runs
+    splash in Pallas interpret mode (required off TPU).
     """
     _check_shapes(q_bshd, k_bskd, v_bskd, segment_ids_bs)
     if scale is None:
@@ -71,10 +77,15 @@ def attention(
     if backend == "reference":
         return _reference(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale)
     if backend == "blockwise":
-        return _blockwise(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, block_q, block_kv)
+        default = CPU_BLOCK if jax.default_backend() == "cpu" else DEFAULT_BLOCK
+        bq = default if block_q is None else block_q
+        bk = default if block_kv is None else block_kv
+        return _blockwise(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, bq, bk)
     if backend == "cudnn":
         return _cudnn(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale)
-    return _splash(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, block_q, block_kv, interpret)
+    bq = DEFAULT_BLOCK if block_q is None else block_q
+    bk = DEFAULT_BLOCK if block_kv is None else block_kv
+    return _splash(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, bq, bk, interpret)
 
 
 def resolve_backend(backend: str, dtype, head_dim: int) -> str:
