@@ -20,12 +20,14 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from distill import collectives as cc
 from distill import model
 from distill.config import Config, ModelConfig
 from distill.mesh import TP
 from distill.types import Batch, TeacherOutput
+from distill.vocab_loss import default_chunk
 from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits"]
@@ -62,10 +64,15 @@ def make_forward(
 
     def outputs(params, batch: Batch):
         """What `mode` returns for some rows: top-k replicated over `tp`, else
-        vocabulary-sharded [b, S, V/tp]."""
-        logits = model.apply(
+        vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at a time."""
+        x, head = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP, dtype=dtype
-        )  # [b, S, V/tp]
+        )  # [b, S, D], [D, V/tp]
+        chunk = default_chunk(head.shape[-1], x.shape[0])
+        return by_positions(lambda x_c: head_outputs(x_c, head), x, chunk)
+
+    def head_outputs(x, head):
+        logits = model.logits(x, head)  # [b, c, V/tp], float32
         if vocab_limit is not None and vocab_limit < cfg.vocab_size:
             logits = cc.mask_vocab(logits, vocab_limit, TP)
         if mode == "logits":
@@ -102,6 +109,33 @@ def make_forward(
         return sharded(params, batch)
 
     return jax.jit(run)
+
+
+def by_positions(fn: Callable, x_bsd: jax.Array, chunk: int):
+    """fn over runs of `chunk` positions of the hidden states x [b, S, D], each output leaf
+    [b, chunk, ...] written into its place in [b, S, ...]: one chunk's logits live at a
+    time (`distill.vocab_loss.default_chunk` sizes them), never the [b, S, V/tp] ones. The
+    last chunk is shifted back to end at S, so it rewrites a few positions with equal
+    values rather than padding."""
+    s = x_bsd.shape[1]
+    if chunk >= s:
+        return fn(x_bsd)
+    first = fn(x_bsd[:, :chunk])
+
+    def place(out, piece, start):
+        return jax.tree.map(
+            lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, start, axis=1), out, piece
+        )
+
+    def whole(p):  # zeros [b, S, ...] varying over the mesh axes as `p` does (shard_map)
+        return jnp.broadcast_to(jnp.zeros_like(p[:, :1]), (p.shape[0], s, *p.shape[2:]))
+
+    def body(i, out):
+        start = jnp.minimum(i * chunk, s - chunk)
+        return place(out, fn(jax.lax.dynamic_slice_in_dim(x_bsd, start, chunk, axis=1)), start)
+
+    out = place(jax.tree.map(whole, first), first, 0)
+    return jax.lax.fori_loop(1, -(-s // chunk), body, out)
 
 
 def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None):

@@ -96,3 +96,51 @@ def test_microbatches_bound_the_forward_memory(params):
         return fwd.lower(sharded, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(1) < temp_bytes(None) / 2
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4)])
+def test_positions_in_chunks_match_single_device(params, monkeypatch, dp, tp):
+    """The logits formed 5 positions at a time (12 = 5 + 5 + a last chunk shifted back to
+    end at 12), on a vocabulary padded past the tokenizer's: equal to the whole-sequence
+    single-device teacher in every mode."""
+    import teacher.forward as forward
+
+    monkeypatch.setattr(forward, "default_chunk", lambda vocab, rows: 5)
+    limit = 50
+    mesh = teacher_mesh(jax.devices()[: dp * tp], dp, tp)
+    sharded = shard_params(params, CFG, mesh)
+    batch = jax.device_put(_batch(8), batch_sharding(mesh))
+    ref = _batch(8)
+    logits = np.array(model.apply(CFG, params, ref.tokens, ref.segment_ids, ref.positions))
+    logits[..., limit:] = -np.inf
+    logprobs = np.asarray(jax.nn.log_softmax(logits / T))
+    values, ids = jax.lax.top_k(logprobs, K)
+
+    kw = {"temperature": T, "vocab_limit": limit}
+    got = make_forward(CFG, mesh, mode="logits", vocab_limit=limit)(sharded, batch)
+    np.testing.assert_allclose(np.asarray(got), logits, atol=2e-5, rtol=1e-5)
+    dense = make_forward(CFG, mesh, mode="dense", **kw)(sharded, batch)
+    np.testing.assert_allclose(np.asarray(dense.logprobs), logprobs, atol=2e-5)
+    topk = make_forward(CFG, mesh, mode="topk", top_k=K, **kw)(sharded, batch)
+    np.testing.assert_allclose(np.asarray(topk.logprobs), np.asarray(values), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(topk.ids), np.asarray(ids))
+
+
+def test_chunks_bound_the_top_k_memory(monkeypatch):
+    """The top-k forward never holds the [rows, S, V] logits: with 32-position chunks of a
+    4,096-id vocabulary its temporaries are smaller than the whole-sequence forward's by
+    more than a copy of them."""
+    import teacher.forward as forward
+
+    cfg = CFG.model_copy(update={"vocab_size": 4096})
+    mesh = teacher_mesh(jax.devices()[:1], 1, 1)
+    sharded = shard_params(model.init_params(cfg, 0), cfg, mesh)
+    batch = jax.device_put(_batch(2, s=256), batch_sharding(mesh))
+
+    def temp_bytes(chunk):
+        monkeypatch.setattr(forward, "default_chunk", lambda vocab, rows: chunk)
+        fwd = make_forward(cfg, mesh, mode="topk", top_k=K)
+        return fwd.lower(sharded, batch).compile().memory_analysis().temp_size_in_bytes
+
+    whole = 2 * 256 * 4096 * 4  # one float32 copy of the logits
+    assert temp_bytes(256) - temp_bytes(32) >= whole  # (the rest: attention's S x S)
