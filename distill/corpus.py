@@ -128,12 +128,16 @@ class Corpus:
         """Infinite MapDataset of Batch [batch_size, S]: row order shuffled by ``seed``,
         reshuffled every epoch (grain folds the epoch into the shuffle seed); the batch
         index is the whole state, so any batch is addressable directly."""
+        return self.train_row_ids(batch_size, seed).map(self.train.gather)
+
+    def train_row_ids(self, batch_size: int, seed: int) -> grain.MapDataset:
+        """The row ids [batch_size] of each batch of ``train_dataset``, without reading the
+        rows (a process that needs only some rows of a batch reads those)."""
         return (
             grain.MapDataset.range(self.train_rows)
             .shuffle(seed=_shuffle_seed(seed))
             .repeat(None)
             .batch(batch_size, drop_remainder=True)
-            .map(self.train.gather)
         )
 
     def train_iterator(self, batch_size: int, seed: int) -> grain.DatasetIterator:

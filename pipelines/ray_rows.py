@@ -40,8 +40,7 @@ class BatchReader:
 
     def __init__(self, corpus: Corpus, batch_size: int, seed: int):
         self._corpus, self.batch_size, self.seq_len = corpus, batch_size, corpus.train.seq_len
-        # the dataset before its rows are gathered: batch n's row ids
-        self._ids = corpus.train_dataset(batch_size, seed).parents[0]
+        self._ids = corpus.train_row_ids(batch_size, seed)  # batch n's row ids
         self.train_rows = corpus.train_rows
 
     def rows(self, data_state: dict, lo: int = 0, hi: int | None = None) -> Batch:
