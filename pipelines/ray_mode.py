@@ -258,15 +258,15 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
     Joins `ray.address` if set (or the Ray instance this process already runs), else starts
     a local cluster for the run and stops it at the end."""
     owned = not ray.is_initialized()
+    processes = actor_processes(cfg)
     with warnings.catch_warnings():  # Ray starts its processes with fork+exec, which is safe
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
         if owned and cfg.ray.address:
             ray.init(address=cfg.ray.address)
         elif owned:
-            processes = cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
             cpus = max(os.cpu_count() or 1, processes)
             ray.init(num_cpus=cpus, include_dashboard=False)
-    _warn_raw_corpus(cfg)
+    _warn_raw_corpus(cfg, processes)
     pool = None
     try:
         reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
@@ -279,10 +279,14 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
             ray.shutdown()
 
 
-def _warn_raw_corpus(cfg: Config) -> None:
+def actor_processes(cfg: Config) -> int:
+    """The run's actor processes: every teacher replica's group and the student's."""
+    return cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
+
+
+def _warn_raw_corpus(cfg: Config, processes: int) -> None:
     """Every actor process reads the corpus itself: from `data.source`, each tokenises all
     of it and holds its tokens in memory. Say so once when that is more than two copies."""
-    processes = cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
     if cfg.data.prepared_dir is None and processes > 2:
         log.warning(
             "data.prepared_dir is not set: each of the %d actor processes tokenises "

@@ -89,7 +89,7 @@ def _exact_multipart(emulator):
         # --B NL headers NL NL body NL --B ... NL --B--, NL being CRLF or (gcsfs) LF
         nl = b"\r\n" if raw.startswith(b"--" + boundary + b"\r\n") else b"\n"
         _, *parts, _ = (nl + raw).split(nl + b"--" + boundary)
-        (meta_head, meta), (data_head, data) = (p.removeprefix(nl).split(nl + nl, 1) for p in parts)
+        (_, meta), (data_head, data) = (p.removeprefix(nl).split(nl + nl, 1) for p in parts)
         kind = re.search(rb"(?im)^content-type:\s*([^;\r\n]+)", data_head)
         return {
             "meta": json.loads(meta),

@@ -207,18 +207,21 @@ def test_a_raw_corpus_read_by_many_processes_is_worth_a_warning(tmp_path, caplog
     """Every actor process tokenises data.source itself: the driver says so, and points at
     distill prepare, once more than two processes would."""
     from distill.config_file import config_from_dict
-    from pipelines.ray_mode import _warn_raw_corpus
+    from pipelines.ray_mode import _warn_raw_corpus, actor_processes
+
+    def _warn(cfg):
+        _warn_raw_corpus(cfg, actor_processes(cfg))
 
     mesh = {"teacher": {"tp": 2, "hosts": 2}, "student": {"dp": 2, "hosts": 2}}
     tree = tiny_config(str(tmp_path), str(tmp_path / "out"), mesh=mesh)
     tree["pipeline"] = {"mode": "ray"}
-    _warn_raw_corpus(config_from_dict(tree))
+    _warn(config_from_dict(tree))
     assert "each of the 4 actor processes tokenises data.source itself" in caplog.text
     caplog.clear()
     tree["data"]["prepared_dir"] = str(tmp_path / "prepared")
-    _warn_raw_corpus(config_from_dict(tree))
+    _warn(config_from_dict(tree))
     tree["data"]["prepared_dir"], tree["mesh"] = None, MESH  # one process per role
-    _warn_raw_corpus(config_from_dict(tree))
+    _warn(config_from_dict(tree))
     assert caplog.text == ""
 
 
