@@ -257,6 +257,22 @@ def build_meshes(cfg: Config) -> Meshes:
     )
 
 
+def role_mesh(cfg: Config, role: str):
+    """One role's mesh alone, over the first of this host's devices (`distill bench
+    --role`: a role measured on a host too small for both)."""
+    devices = available_devices(cfg.mesh.platform)
+    size, keys = _role_mesh(cfg, role)
+    if size > len(devices):
+        raise DistillError(
+            f"mesh.{role}: {keys} needs {size} devices, but only {len(devices)} "
+            f"{devices[0].platform} devices exist"
+        )
+    r = getattr(cfg.mesh, role)
+    if role == "teacher":
+        return teacher_mesh(devices[:size], r.dp, r.tp)
+    return student_mesh(devices[:size], r.dp, r.fsdp)
+
+
 def all_devices_mesh(cfg: Config, axis: str = DP):
     """One data-parallel mesh over every device both roles use (teacher bootstrap)."""
     import numpy as np

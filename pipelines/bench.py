@@ -33,7 +33,7 @@ from distill.server import start_server
 from distill.tokenizers import vocab_limit
 from distill.types import TeacherOutput
 from pipelines.local import distill_local
-from student import optim, train
+from student import train
 from teacher import sharding as teacher_sharding
 from teacher.forward import make_forward
 from teacher.weights import load_teacher
@@ -223,74 +223,17 @@ def bench(
 def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: int):
     """Each phase alone: the teacher forward (plain, dense, top-k), the student step (CE,
     KD dense, KD top-k) and a Grain batch. Returns (figures, a host batch, top-k used)."""
-    tcfg, scfg = cfg.teacher.model, cfg.student_model()
     bsz = cfg.train.batch_size
     t_params = _teacher_params(cfg, meshes, tmp)
     it = corpus.train_iterator(bsz, seed=cfg.run.seed)
     host_batch = next(it)
     t_batch = jax.device_put(host_batch, teacher_sharding.batch_sharding(meshes.teacher))
     s_put = train.batch_sharding(meshes.student)
-    s_batch = jax.device_put(host_batch, s_put)
-    k = cfg.teacher.top_k or 32
-    limit = vocab_limit(corpus.tokenizer, tcfg.vocab_size)
-    fwd = {
-        m: make_forward(
-            tcfg,
-            meshes.teacher,
-            mode=m,
-            temperature=cfg.distill.temperature,
-            top_k=k if m == "topk" else None,
-            dtype=cfg.teacher.dtype,
-            vocab_limit=limit,
-            microbatch=cfg.teacher.microbatch,
-        )
-        for m in ("logits", "dense", "topk")
-    }
-    res: dict[str, float] = {}
-    res.update(
-        _interleaved_ms(
-            {
-                f"teacher_{name}_ms": (lambda m=m: fwd[m](t_params, t_batch))
-                for name, m in (("plain", "logits"), ("dense", "dense"), ("topk", "topk"))
-            },
-            repeats,
-        )
-    )
+    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    res, fwd = teacher_phases_ms(cfg, meshes.teacher, t_params, t_batch, limit, repeats)
     outs = {m: handoff.hop(fwd[m](t_params, t_batch), s_put) for m in ("dense", "topk")}
-
-    tx = optim.make_optimizer(cfg.optim, 10**6)
-    sched = optim.schedule(cfg.optim, 10**6)
-
-    def student_step(teacher_out: TeacherOutput | None):
-        step = train.make_train_step(
-            scfg,
-            tx,
-            meshes.student,
-            loss_cfg=cfg.distill,
-            lr_schedule=sched,
-            dtype=cfg.student.dtype,
-            with_teacher=teacher_out is not None,
-            vocab_limit=limit,
-        )
-        box = [train.init_state(scfg, tx, 0, meshes.student)]
-        extra = () if teacher_out is None else (teacher_out,)
-
-        def one():
-            box[0], metrics = step(box[0], s_batch, *extra)
-            return metrics
-
-        return one
-
-    res.update(
-        _interleaved_ms(
-            {
-                "student_ce_ms": student_step(None),
-                "student_kd_dense_ms": student_step(outs["dense"]),
-                "student_kd_topk_ms": student_step(outs["topk"]),
-            },
-            repeats,
-        )
-    )
+    s_batch = jax.device_put(host_batch, s_put)
+    res.update(student_phases_ms(cfg, meshes.student, s_batch, outs, limit, repeats))
 
     data_times = []
     for _ in range(repeats * 5):
@@ -299,7 +242,61 @@ def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
         data_times.append(time.perf_counter() - t)
     res["data_ms"] = 1e3 * statistics.median(data_times)
 
-    return res, host_batch, k
+    return res, host_batch, bench_top_k(cfg)
+
+
+def bench_top_k(cfg: Config) -> int:
+    """The k of the top-k figures: `teacher.top_k`, or 32 for a dense run."""
+    return cfg.teacher.top_k or 32
+
+
+def teacher_phases_ms(cfg: Config, mesh, params, batch, limit, repeats: int):
+    """The teacher forward alone on `mesh`, as runs build it (`teacher.dtype`,
+    `teacher.microbatch`): plain logits, dense log-probs and top-k. Returns (figures, the
+    forwards by mode)."""
+    fwd = {
+        m: make_forward(
+            cfg.teacher.model,
+            mesh,
+            mode=m,
+            temperature=cfg.distill.temperature,
+            top_k=bench_top_k(cfg) if m == "topk" else None,
+            dtype=cfg.teacher.dtype,
+            vocab_limit=limit,
+            microbatch=cfg.teacher.microbatch,
+        )
+        for m in ("logits", "dense", "topk")
+    }
+    res = _interleaved_ms(
+        {
+            f"teacher_{name}_ms": (lambda m=m: fwd[m](params, batch))
+            for name, m in (("plain", "logits"), ("dense", "dense"), ("topk", "topk"))
+        },
+        repeats,
+    )
+    return res, fwd
+
+
+def student_phases_ms(cfg: Config, mesh, batch, outs: dict, limit, repeats: int) -> dict:
+    """The student step alone on `mesh`, as runs build it (`train.remat`,
+    `train.grad_accum`, `student.dtype`): cross-entropy, and KD from each teacher output
+    of `outs` ({"dense", "topk"} or a part of it, placed in the student's batch sharding)."""
+    scfg = cfg.student_model()
+
+    def student_step(teacher_out: TeacherOutput | None):
+        tx, step = train.distill_step_for(cfg, mesh, limit, with_teacher=teacher_out is not None)
+        box = [train.init_state(scfg, tx, 0, mesh)]
+        extra = () if teacher_out is None else (teacher_out,)
+
+        def one():
+            box[0], metrics = step(box[0], batch, *extra)
+            return metrics
+
+        return one
+
+    steps = {"student_ce_ms": student_step(None)}
+    steps.update({f"student_kd_{kind}_ms": student_step(out) for kind, out in outs.items()})
+    return _interleaved_ms(steps, repeats)
 
 
 def _bench(
@@ -360,32 +357,52 @@ def _loop_ms(
 
 def _derived(res: dict, cfg: Config, meshes: Meshes) -> None:
     """Ratios, tokens/s and MFU from the measured figures."""
-    scfg, seq = cfg.student_model(), cfg.train.seq_len
-    tokens = cfg.train.batch_size * seq
-    student_ms_ = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
-    teacher_ms_ = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
-    flops = peak_flops_per_s(meshes.student)
-    t_flops = peak_flops_per_s(meshes.teacher)
-    train_flops_per_token = 3 * model.flops_per_token(scfg, seq)
-    fwd_flops_per_token = model.flops_per_token(cfg.teacher.model, seq)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    res.update(teacher_figures(res, cfg, meshes.teacher))
+    res.update(student_figures(res, cfg, meshes.student))
+    t, s = res["teacher_ms"], res["student_ms"]
     res.update(
-        teacher_ms=teacher_ms_,
-        student_ms=student_ms_,
         tokens_per_s=tokens / (res["pipeline_ms"] / 1e3),
-        student_tokens_per_s=tokens / (student_ms_ / 1e3),
-        matmul_flops_per_s=flops,
-        mfu=train_flops_per_token * tokens / (student_ms_ / 1e3) / flops,
-        teacher_tokens_per_s=tokens / (teacher_ms_ / 1e3),
-        teacher_peak_flops_per_s=t_flops,
-        teacher_mfu=fwd_flops_per_token * tokens / (teacher_ms_ / 1e3) / t_flops,
-        pipeline_over_sum=res["pipeline_ms"] / (teacher_ms_ + student_ms_),
-        pipeline_over_max=res["pipeline_ms"] / max(teacher_ms_, student_ms_),
-        kd_over_ce_dense=res["student_kd_dense_ms"] / res["student_ce_ms"],
-        kd_over_ce_topk=res["student_kd_topk_ms"] / res["student_ce_ms"],
-        topk_over_plain_teacher=res["teacher_topk_ms"] / res["teacher_plain_ms"],
+        pipeline_over_sum=res["pipeline_ms"] / (t + s),
+        pipeline_over_max=res["pipeline_ms"] / max(t, s),
         platform=meshes.platform,
         tokens_per_step=tokens,
     )
+
+
+def teacher_figures(res: dict, cfg: Config, mesh) -> dict:
+    """The teacher's configured output time, tokens/s and MFU (forward FLOPs) on `mesh`."""
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    ms = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
+    peak = peak_flops_per_s(mesh)
+    flops = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len) * tokens
+    return {
+        "teacher_ms": ms,
+        "teacher_tokens_per_s": tokens / (ms / 1e3),
+        "teacher_peak_flops_per_s": peak,
+        "teacher_mfu": flops / (ms / 1e3) / peak,
+        "topk_over_plain_teacher": res["teacher_topk_ms"] / res["teacher_plain_ms"],
+    }
+
+
+def student_figures(res: dict, cfg: Config, mesh) -> dict:
+    """The student step's time with the configured teacher output, tokens/s and MFU
+    (3 x forward FLOPs) on `mesh`."""
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    ms = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
+    peak = peak_flops_per_s(mesh)
+    flops = 3 * model.flops_per_token(cfg.student_model(), cfg.train.seq_len) * tokens
+    return {
+        "student_ms": ms,
+        "student_tokens_per_s": tokens / (ms / 1e3),
+        "matmul_flops_per_s": peak,
+        "mfu": flops / (ms / 1e3) / peak,
+        **{
+            f"kd_over_ce_{kind}": res[f"student_kd_{kind}_ms"] / res["student_ce_ms"]
+            for kind in ("dense", "topk")
+            if f"student_kd_{kind}_ms" in res
+        },
+    }
 
 
 def format_bench(r: dict) -> str:

@@ -40,40 +40,12 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY.PATH=VALUE",
             help="override a config field (repeatable), e.g. --set train.steps=50",
         )
-    sub.choices["bench"].add_argument(
-        "--repeats", type=int, default=10, help="timed repeats per measurement (median)"
-    )
-    sub.choices["bench"].add_argument(
-        "--http",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also time the loop while a second process sends N status/metrics requests",
-    )
+    _bench_arguments(sub.choices["bench"])
     sub.choices["cache-teacher"].add_argument(
         "--batches-per-shard", type=int, default=64, metavar="N", help="records per shard"
     )
     sub.choices["prepare"].add_argument(
         "--rows-per-shard", type=int, default=None, metavar="N", help="rows per shard"
-    )
-    sub.choices["bench"].add_argument(
-        "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
-    )
-    sub.choices["bench"].add_argument(
-        "--on-policy",
-        action="store_true",
-        help="also time generation, scoring and the on-policy step (always when "
-        "distill.on_policy.fraction > 0)",
-    )
-    sub.choices["bench"].add_argument(
-        "--cache",
-        action="store_true",
-        help="also write a teacher cache and time offline training from it",
-    )
-    sub.choices["bench"].add_argument(
-        "--torch",
-        action="store_true",
-        help="also time a plain PyTorch + transformers KD loop on the same shapes (needs .[hf])",
     )
     e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
     e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
@@ -95,6 +67,43 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=8080)
     return p
+
+
+def _bench_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--repeats", type=int, default=10, help="timed repeats per measurement (median)")
+    b.add_argument(
+        "--http",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the loop while a second process sends N status/metrics requests",
+    )
+    b.add_argument(
+        "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
+    )
+    b.add_argument(
+        "--on-policy",
+        action="store_true",
+        help="also time generation, scoring and the on-policy step (always when "
+        "distill.on_policy.fraction > 0)",
+    )
+    b.add_argument(
+        "--cache",
+        action="store_true",
+        help="also write a teacher cache and time offline training from it",
+    )
+    b.add_argument(
+        "--role",
+        choices=["teacher", "student"],
+        default=None,
+        help="time one role alone on this host's first devices (its configured mesh; random "
+        "weights and teacher outputs): for a host too small for both, such as one GPU",
+    )
+    b.add_argument(
+        "--torch",
+        action="store_true",
+        help="also time a plain PyTorch + transformers KD loop on the same shapes (needs .[hf])",
+    )
 
 
 def _prepare_devices(cfg: Config) -> None:
@@ -175,6 +184,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from pipelines.bench import bench, format_bench
 
     cfg = _config(args)
+    if args.role:
+        _bench_role(cfg, args)
+        return
     meshes, corpus = run.validate(cfg)
     result = bench(
         cfg,
@@ -193,6 +205,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result.update(bench_on_policy(cfg, corpus, meshes, repeats=args.repeats))
         text += "\n" + format_on_policy(result)
     print(text)
+    print(json.dumps(result))
+
+
+def _bench_role(cfg, args: argparse.Namespace) -> None:
+    from pipelines.bench_role import bench_role, format_role
+
+    both = [f"--{n}" for n in ("ray", "cache", "torch", "on_policy", "http") if getattr(args, n)]
+    if both:
+        raise DistillError(
+            f"--role: times one role alone; {', '.join(both).replace('_', '-')} needs both"
+        )
+    result = bench_role(cfg, args.role, repeats=args.repeats)
+    print(format_role(result))
     print(json.dumps(result))
 
 

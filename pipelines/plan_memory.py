@@ -100,28 +100,40 @@ def _on_policy(cfg: Config, mesh, state, step_peak: int, vocab_limit: int | None
     }
 
 
-def device_memory(meshes: Meshes) -> int | None:
-    """Bytes of memory of one device of the run's platform; None where unknown (CPU)."""
-    if meshes.platform == "cpu":
+def device_memory(mesh) -> int | None:
+    """Bytes of memory of one device of `mesh`; None where unknown (CPU)."""
+    device = list(mesh.devices.flat)[0]
+    if device.platform == "cpu":
         return None
-    stats = list(meshes.student.devices.flat)[0].memory_stats() or {}
-    return stats.get("bytes_limit")
+    return (device.memory_stats() or {}).get("bytes_limit")
 
 
 def memory(cfg: Config, meshes: Meshes, vocab_limit: int | None) -> dict:
     """The plan's memory figures (bytes per device) of both roles' compiled programs."""
-    t_compiled, t_out = _teacher(cfg, meshes.teacher, vocab_limit)
-    t = _figures(t_compiled)
-    s_compiled, state = _student(cfg, meshes.student, t_out, vocab_limit)
-    s = _figures(s_compiled)
+    teacher, t_out = teacher_memory(cfg, meshes.teacher, vocab_limit)
+    return {
+        "teacher": teacher,
+        "student": student_memory(cfg, meshes.student, t_out, vocab_limit),
+        "device_memory_bytes": device_memory(meshes.student),
+    }
+
+
+def teacher_memory(cfg: Config, mesh, vocab_limit: int | None) -> tuple[dict, object]:
+    """(the teacher forward's figures on `mesh`, the abstract output it hands on)."""
+    compiled, out = _teacher(cfg, mesh, vocab_limit)
+    t = _figures(compiled)
+    return {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]}, out
+
+
+def student_memory(cfg: Config, mesh, teacher_out, vocab_limit: int | None) -> dict:
+    """The student step's figures on `mesh`, given the teacher output's abstract shapes
+    (and the on-policy sampler's, with on-policy steps)."""
+    compiled, state = _student(cfg, mesh, teacher_out, vocab_limit)
+    s = _figures(compiled)
     student = {"step_temp_bytes_per_device": s["temp"], "peak_bytes_per_device": s["peak"]}
     if cfg.distill.on_policy.fraction > 0:
-        student.update(_on_policy(cfg, meshes.student, state, s["peak"], vocab_limit))
-    return {
-        "teacher": {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]},
-        "student": student,
-        "device_memory_bytes": device_memory(meshes),
-    }
+        student.update(_on_policy(cfg, mesh, state, s["peak"], vocab_limit))
+    return student
 
 
 def check_fits(mem: dict) -> None:
@@ -131,9 +143,11 @@ def check_fits(mem: dict) -> None:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     student = "mesh.student.fsdp / train.remat / train.grad_accum"
-    if "param_history_bytes_per_device" in mem["student"]:  # on-policy steps
+    if "param_history_bytes_per_device" in mem.get("student", {}):  # on-policy steps
         student += " / pipeline.max_staleness / distill.on_policy"
     for role, keys in (("teacher", "mesh.teacher / teacher.microbatch"), ("student", student)):
+        if role not in mem:  # one role alone (`distill bench --role`)
+            continue
         peak = mem[role]["peak_bytes_per_device"]
         if peak > limit:
             raise DistillError(

@@ -134,6 +134,28 @@ def preflight(cfg: Config) -> Corpus:
     preflight_shapes(cfg)
     check_teacher_source(cfg)
     check_output_dir(cfg)
+    corpus = _corpus(cfg)
+    if cfg.distill.on_policy.fraction > 0 and cfg.data.prompt_field is not None:
+        load_prompts(cfg.data)  # the field is there, in JSONL or Parquet records
+    if uses_teacher(cfg):
+        check_teacher_weights(cfg, corpus)
+    check_student_pin(cfg)
+    return corpus
+
+
+def preflight_role(cfg: Config, role: str) -> Corpus:
+    """What `distill bench --role` needs: the config's shapes and the data; the role's mesh
+    against the devices is checked as it is made (`distill.mesh.role_mesh`), the other
+    role's not at all, and no weights or outputs are looked at. Returns the corpus."""
+    devices = available_devices(cfg.mesh.platform)
+    cfg.resolve_dtypes(devices[0].platform)
+    check_shapes(cfg)
+    if role == "student":
+        check_dense_output(cfg, devices[0])
+    return _corpus(cfg)
+
+
+def _corpus(cfg: Config) -> Corpus:
     corpus = load_corpus(cfg.data, cfg.train.seq_len)
     if corpus.tokenizer.vocab_size > cfg.teacher.model.vocab_size:
         raise DistillError(
@@ -141,9 +163,4 @@ def preflight(cfg: Config) -> Corpus:
             f"tokenizer's vocabulary ({corpus.tokenizer.vocab_size}, data.tokenizer="
             f"{cfg.data.tokenizer})"
         )
-    if cfg.distill.on_policy.fraction > 0 and cfg.data.prompt_field is not None:
-        load_prompts(cfg.data)  # the field is there, in JSONL or Parquet records
-    if uses_teacher(cfg):
-        check_teacher_weights(cfg, corpus)
-    check_student_pin(cfg)
     return corpus

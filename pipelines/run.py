@@ -41,7 +41,7 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
 
         check_cache(cfg, corpus)
     meshes = build_meshes(cfg)
-    if plan_memory.device_memory(meshes) is not None:  # an accelerator: will both roles fit?
+    if plan_memory.device_memory(meshes.student) is not None:  # an accelerator: do both fit?
         plan_memory.check_fits(_memory(cfg, meshes, corpus.tokenizer))
     return meshes, corpus
 

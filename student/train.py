@@ -191,9 +191,12 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
     return grads, metrics
 
 
-def distill_step_for(cfg: Config, mesh, vocab_limit: int | None = None):
+def distill_step_for(
+    cfg: Config, mesh, vocab_limit: int | None = None, *, with_teacher: bool = True
+):
     """The run's optimizer and compiled distillation step, as every pipeline mode builds
-    them from the config: (tx, step(state, batch, teacher_out))."""
+    them from the config: (tx, step(state, batch, teacher_out)); without a teacher, the
+    cross-entropy step(state, batch)."""
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     step = make_train_step(
         cfg.student_model(),
@@ -202,6 +205,7 @@ def distill_step_for(cfg: Config, mesh, vocab_limit: int | None = None):
         loss_cfg=cfg.distill,
         lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         dtype=cfg.student.dtype,
+        with_teacher=with_teacher,
         vocab_limit=vocab_limit,
         remat=cfg.train.remat,
         grad_accum=cfg.train.grad_accum,

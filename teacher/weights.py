@@ -3,8 +3,9 @@
 `teacher.checkpoint` is an Orbax checkpoint written by distill (by default the bootstrap's
 `<output_dir>/teacher`) or a Hugging Face directory (`teacher.hf`). `load_teacher` reads it
 straight into the layout of the inference mesh (split over `tp`, replicated over `dp`:
-`teacher.sharding`); `student_init_params` reads
-the layers a `student.init: from_teacher` student starts from, into host memory.
+`teacher.sharding`); `random_teacher` makes random weights in that layout (benchmarks);
+`student_init_params` reads the layers a `student.init: from_teacher` student starts from,
+into host memory.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def load_teacher(cfg: Config, mesh) -> dict:
     )  # Orbax converts to the target dtype as it reads
     params = load_params(teacher_path(cfg), abstract_like(shapes, target))
     return sharding.shard_params(params, mcfg, mesh) if expand else params
+
+
+def random_teacher(cfg: Config, mesh) -> dict:
+    """Random weights of the configured teacher's shape, made on `mesh` in the layout and
+    dtype `load_teacher` gives (`distill bench --role teacher`: speed does not care what
+    the weights are). No host ever holds them."""
+    mcfg = cfg.teacher.model
+    held = jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32
+
+    def init() -> dict:
+        params = jax.tree.map(lambda x: x.astype(held), model.init_params(mcfg, cfg.run.seed))
+        return sharding.expand_kv_heads(params, mcfg, mesh.shape[TP])
+
+    return jax.jit(init, out_shardings=sharding.shardings(mcfg, mesh))()
 
 
 def student_init_params(cfg: Config) -> dict | None:

@@ -1,0 +1,96 @@
+"""`distill bench --role`: one role alone on the host's first devices, on a config whose two
+meshes together would not fit (teacher tp=4 + student dp=4 x fsdp=2 on 8 devices)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distill.config_file import config_from_dict
+from distill.mesh import role_mesh
+from pipelines.bench_role import random_outputs
+from pipelines.cli import main
+from tests.conftest import tiny_config, write_config
+
+TOO_BIG_FOR_BOTH = {"teacher": {"tp": 4}, "student": {"dp": 4, "fsdp": 2}}
+
+
+def _bench(tmp_path, corpus_dir, capsys, *args, **sections):
+    sections = {"mesh": TOO_BIG_FOR_BOTH, **sections}
+    sections["train"] = {"batch_size": 8, **sections.get("train", {})}
+    cfg = tiny_config(str(corpus_dir), str(tmp_path / "out"), **sections)
+    code = main(["bench", write_config(tmp_path, cfg), "--repeats", "2", *args])
+    out = capsys.readouterr()
+    return code, out
+
+
+def test_a_run_of_this_layout_is_refused(tmp_path, corpus_dir, capsys):
+    code, out = _bench(tmp_path, corpus_dir, capsys)
+    assert code == 2 and "needs 12 devices, but only 8" in out.err
+
+
+@pytest.mark.parametrize("role", ["teacher", "student"])
+def test_one_role_alone(tmp_path, corpus_dir, capsys, role):
+    """Each variant timed, tokens/s, MFU against the measured matmul rate, the compiled
+    memory; nothing written (random weights, no bootstrap)."""
+    code, out = _bench(tmp_path, corpus_dir, capsys, "--role", role)
+    assert code == 0, out.err
+    text, result = out.out.strip().splitlines(), json.loads(out.out.strip().splitlines()[-1])
+    assert result["role"] == role
+    if role == "teacher":
+        assert result["mesh"] == {"dp": 1, "tp": 4}
+        keys = ("teacher_plain_ms", "teacher_dense_ms", "teacher_topk_ms", "teacher_ms")
+        mfu, mem = result["teacher_mfu"], result["teacher_forward_temp_bytes_per_device"]
+    else:
+        assert result["mesh"] == {"dp": 4, "fsdp": 2}
+        keys = ("student_ce_ms", "student_kd_dense_ms", "student_kd_topk_ms", "student_ms")
+        mfu, mem = result["mfu"], result["student_step_temp_bytes_per_device"]
+    assert all(result[k] > 0 for k in keys)
+    assert result[f"{role}_tokens_per_s"] == pytest.approx(
+        result["tokens_per_step"] / (result[f"{role}_ms"] / 1e3), rel=1e-3
+    )
+    assert 0 < mfu < 1.5 and mem > 0
+    assert text[0].startswith(f"{role} alone on")
+    assert not (tmp_path / "out").exists()
+
+
+def test_student_alone_honours_grad_accum_and_remat(tmp_path, corpus_dir, capsys):
+    train = {"batch_size": 16, "grad_accum": 2, "remat": "block"}
+    code, out = _bench(tmp_path, corpus_dir, capsys, "--role", "student", train=train)
+    assert code == 0, out.err
+    assert json.loads(out.out.strip().splitlines()[-1])["student_ms"] > 0
+
+
+def test_role_with_a_two_role_option_is_one_line(tmp_path, corpus_dir, capsys):
+    code, out = _bench(tmp_path, corpus_dir, capsys, "--role", "teacher", "--cache")
+    assert code == 2 and "--role" in out.err and "--cache" in out.err
+
+
+def test_a_role_too_big_for_the_host_is_one_line(tmp_path, corpus_dir, capsys):
+    mesh = {"teacher": {"dp": 4, "tp": 4}, "student": {"dp": 4}}
+    code, out = _bench(tmp_path, corpus_dir, capsys, "--role", "teacher", mesh=mesh)
+    assert code == 2 and "mesh.teacher:" in out.err and "needs 16 devices" in out.err
+
+
+def test_random_outputs_are_teacher_shaped(corpus_dir, tmp_path):
+    """Dense log-probs normalised over the live ids (padded ids -inf, as the teacher gives
+    them), and their exact top-k, on the student's batch sharding."""
+    cfg = config_from_dict(
+        tiny_config(
+            str(corpus_dir), str(tmp_path / "out"), mesh=TOO_BIG_FOR_BOTH, train={"batch_size": 8}
+        )
+    )
+    mesh = role_mesh(cfg, "student")
+    outs = random_outputs(cfg, mesh, limit=259)
+    dense = np.asarray(outs["dense"].logprobs)
+    b, s, v = cfg.train.batch_size, cfg.train.seq_len, cfg.teacher.model.vocab_size
+    assert dense.shape == (b, s, v) and np.all(np.isneginf(dense[..., 259:]))
+    np.testing.assert_allclose(np.exp(dense[..., :259]).sum(-1), 1.0, rtol=1e-5)
+    top, ids = np.asarray(outs["topk"].logprobs), np.asarray(outs["topk"].ids)
+    assert top.shape == ids.shape == (b, s, cfg.teacher.top_k) and ids.max() < 259
+    np.testing.assert_array_equal(np.take_along_axis(dense, ids, -1), top)
+    np.testing.assert_array_equal(top, -np.sort(-dense, -1)[..., : cfg.teacher.top_k])
+    assert outs["topk"].ids.sharding.is_equivalent_to(outs["dense"].logprobs.sharding, 3)
+    assert len(jax.tree.leaves(outs)) == 3 and outs["dense"].logprobs.dtype == jnp.float32
