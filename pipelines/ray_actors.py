@@ -291,12 +291,13 @@ class StudentActor(_Member):
         return self._sample(self._sampler, self._history.after(source_step), prompts, key)
 
     @ray.method(num_returns=2)
-    def sample_eval(self, prompts):
-        """(this process's rows of the evaluation's samples, generation figures): the current
-        parameters, temperature 1, the fixed key of `pipelines.on_policy.SampleScore`."""
-        from pipelines.on_policy import SAMPLE_KEY
+    def sample_eval(self, prompts, chunk: int):
+        """(this process's rows of the evaluation's samples of chunk `chunk`, generation
+        figures): the current parameters, temperature 1, the chunk's fixed key
+        (`pipelines.on_policy.eval_sample_key`)."""
+        from pipelines.on_policy import eval_sample_key
 
-        key = self._jax.random.fold_in(self._key, SAMPLE_KEY)
+        key = eval_sample_key(self._key, chunk)
         return self._sample(self._eval_sampler, self._state.params, prompts, key)
 
     def info(self) -> dict:

@@ -33,14 +33,13 @@ from collections.abc import Callable
 
 import ray
 
-from distill import decode
 from distill.config import Config
 from distill.corpus import Corpus
 from pipelines import ray_rows
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop
-from pipelines.on_policy import is_on_policy
+from pipelines.on_policy import eval_prompts, is_on_policy
 from pipelines.ray_pool import ActorPool
 from student.evaluate import token_weighted_means
 
@@ -229,7 +228,7 @@ def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
     executor = RayStudentExecutor(pool, resume)
     hooks = distill_hooks(cfg, corpus, source, executor, store)
     batches = eval_batches(cfg, corpus)
-    prompts = decode.prompts_of(batches[0], cfg.distill.on_policy.lengths(cfg.train.seq_len)[0])
+    prompts = eval_prompts(cfg, batches)
     samples = lambda: pool.sample_eval(prompts)  # noqa: E731
     hooks.evaluate = Evaluation(cfg, [ray.put(b) for b in batches], source, executor, samples)
 

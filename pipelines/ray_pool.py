@@ -235,18 +235,27 @@ class ActorPool:
         self.generated.append(calls[0][1])  # process 0's figures stand for the group's
         self.in_flight.append(self._forward(data_state, [rows for rows, _ in calls], r))
 
-    def sample_eval(self, prompts) -> dict:
-        """The evaluation's sample metrics (`pipelines.on_policy.SampleScore`): the student
-        group continues `prompts`, replica 0 scores the continuations."""
+    def sample_eval(self, chunks: list) -> dict:
+        """The evaluation's sample metrics (`pipelines.on_policy.SampleScore`) over every
+        chunk of prompts in `chunks`."""
+        sums = [self._sample_chunk(prompts, i) for i, prompts in enumerate(chunks)]
+        nll, logp, tokens = (sum(column) for column in zip(*sums, strict=True))
+        return sample_metrics(nll, -logp, tokens, sum(p.tokens.shape[0] for p in chunks))
+
+    def _sample_chunk(self, prompts, chunk: int) -> tuple[float, float, int]:
+        """(the teacher's summed NLL, the student's summed log-probability, the tokens) of
+        the evaluation's samples of chunk `chunk`: the student group continues `prompts`,
+        replica 0 scores the continuations."""
         n = self.student_hosts
         blocks = [prompts] if n == 1 else ray_rows.split_batch(prompts, n)
         calls = [
-            actor.sample_eval.remote(blocks[p]) for p, actor in enumerate(self.students.members)
+            actor.sample_eval.remote(blocks[p], chunk)
+            for p, actor in enumerate(self.students.members)
         ]
         stats = self.student_result([c for _, c in calls])
         rows = [rows for rows, _ in calls]
         nll, _ = self._on_teacher(0, lambda group: get_all(group.call("nll", *rows))[0])
-        return sample_metrics(nll, -stats["logp"], stats["tokens"], prompts.tokens.shape[0])
+        return nll, stats["logp"], stats["tokens"]
 
     def _on_teacher(self, r: int, call):
         """call(replica r's group); a group that lost a process is recreated and the call
