@@ -68,10 +68,11 @@ def device_options(n_devices: int, platform: str, host: str | None = None) -> tu
     return {"CPU": 1, **mine}, opts
 
 
-def _group_mesh(shape: dict[str, int], field: str):
+def _group_mesh(shape: dict[str, int], field: str, *, process_major: bool):
     """A mesh of `shape` ({axis: size}, in order) over the group's first devices: every
     process's (`jax.devices()` is global in a multi-process group), laid out by topology
-    across the hosts (`distill.mesh.device_grid`)."""
+    across the hosts (`distill.mesh.device_grid`; `process_major` for the student, whose
+    processes each hold a block of rows)."""
     import math
 
     import jax
@@ -83,7 +84,8 @@ def _group_mesh(shape: dict[str, int], field: str):
             f"{field}: the actor needs {n} devices but sees {len(devices)} "
             f"{devices[0].platform} devices"
         )
-    return Mesh(device_grid(devices[:n], tuple(shape.values())), tuple(shape))
+    grid = device_grid(devices[:n], tuple(shape.values()), process_major=process_major)
+    return Mesh(grid, tuple(shape))
 
 
 def _info(mesh, axis: str) -> dict:
@@ -158,7 +160,7 @@ class TeacherActor(_Member):
         from pipelines.sources import OnlineTeacher
 
         cfg = self._join(coordinator, n, i, platform)
-        self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
+        self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp", process_major=False)
         tokenizer = self._load_data(cfg)
         self._teacher = OnlineTeacher(cfg, self._mesh, tokenizer)
         return self.info()
@@ -226,7 +228,7 @@ class StudentActor(_Member):
         tokenizer = self._load_data(cfg)
         self._block = ray_rows.block(cfg.train.batch_size, n, i)
         limit = vocab_limit(tokenizer, scfg.vocab_size)
-        self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
+        self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp", process_major=True)
         self._split = train.batch_sharding(self._mesh)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
         self._ckpt = run_checkpointer(cfg)

@@ -58,7 +58,9 @@ def test_gpu_hosts_keep_tensor_parallel_groups_on_one_host():
     """2 hosts x 4 GPUs: the inner axis stays on a host's NVLink where it fits, and the
     devices of a host are ordered by id."""
     gpus = [Dev(i, i // 4, "gpu", "NVIDIA H100") for i in (4, 5, 6, 7, 3, 2, 1, 0)]
-    assert ids(device_grid(gpus, (2, 4))) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for process_major in (True, False):  # the teacher's GPU hosts are split by host too
+        grid = device_grid(gpus, (2, 4), process_major=process_major)
+        assert ids(grid) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     fsdp = device_grid(gpus, (4, 2))  # student dp=4 x fsdp=2: each fsdp pair on one host
     assert all(len({d.process_index for d in row}) == 1 for row in fsdp)
     assert ids(device_grid(gpus, (1, 8))) == [[0, 1, 2, 3, 4, 5, 6, 7]]
@@ -97,6 +99,30 @@ def test_a_multi_host_tpu_slice_keeps_each_host_together():
     student = device_grid(chips, (2, 8))  # dp=2 x fsdp=8: fsdp crosses two hosts
     flat = [d.process_index for d in student.flat]
     assert flat == sorted(flat)
+
+
+def _hops(row) -> list[int]:
+    """Chip-to-chip distances on the torus between neighbours of a ring over `row`."""
+    xy = [d.coords[:2] for d in row]
+    return [abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in zip(xy, xy[1:] + xy[:1], strict=True)]
+
+
+def test_a_teacher_over_a_tpu_slice_is_one_torus():
+    """The teacher (`process_major=False`) on a v5e 4x4 of 4 hosts: tp=16 is one ring of
+    neighbouring chips, as `mesh_utils` lays out the whole slice; split host by host it
+    would jump between hosts (hops of 3 to 6 chips)."""
+    from jax.experimental import mesh_utils
+
+    chips = _v5e_slice(2, 2)
+    ring = device_grid(chips[::-1], (1, 16), process_major=False)
+    assert _hops(ring[0]) == [1] * 16
+    whole = mesh_utils.create_device_mesh((4, 4), chips, allow_split_physical_axes=True)
+    assert ids(device_grid(chips, (4, 4), process_major=False)) == ids(whole)
+    assert max(_hops(device_grid(chips, (1, 16))[0])) > 2  # host by host, the student's
+    two_slices = [Dev(d.id + 16 * s, d.process_index + 4 * s, "tpu", d.device_kind, d.coords,
+                      slice_index=s) for s in (0, 1) for d in chips]  # fmt: skip
+    grid = device_grid(two_slices, (2, 16), process_major=False)  # dp across the slices
+    assert [{d.slice_index for d in row} for row in grid] == [{0}, {1}]
 
 
 def test_a_layout_that_would_split_hosts_keeps_process_order(caplog):
