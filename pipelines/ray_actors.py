@@ -262,10 +262,13 @@ class StudentActor(_Member):
 
     def _sample(self, sampler, params, prompts, key):
         """(this process's rows of the continuations of its rows of the prompts as host
-        arrays, {"tokens": the group's generated tokens, "ms": generation time})."""
+        arrays, {"tokens": the group's generated tokens, "ms": generation time}). Every
+        process holds an equal block: a step's prompts, or an evaluation chunk's (which may
+        have fewer rows than a batch)."""
         t0 = time.perf_counter()
         if self._n > 1:
-            prompts = ray_rows.global_arrays(prompts, self._split, self._rows)
+            rows = prompts.tokens.shape[0] * self._n
+            prompts = ray_rows.global_arrays(prompts, self._split, rows)
         rows, stats = sampler(params, prompts, key)
         rows, stats = ray_rows.local_rows(rows), self._jax.device_get(stats)
         ms = 1e3 * (time.perf_counter() - t0)

@@ -300,6 +300,30 @@ def test_teacher_process_lost_at_evaluation_recreates_its_group(
 
 
 @pytest.mark.ray
+def test_eval_chunks_smaller_than_a_batch(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    """8-row batches evaluated in 4-row chunks (as a real vocabulary's logits are; here a
+    tiny per-device budget forces it): each of 2 student processes samples its rows of
+    every chunk, and the evaluation is local mode's."""
+    monkeypatch.setattr("pipelines.evaluation.EVAL_DEVICE_BYTES", 1)
+    teacher = {"checkpoint": str(local_run / "teacher"), "pretrain_steps": 0}
+    train = {"batch_size": 8, "steps": 2, "eval_every": 2, "log_every": 1, "checkpoint_every": 2}
+    outs = {"local": tmp_path / "local", "ray": tmp_path / "ray"}
+    groups = {"teacher": {"tp": 4}, "student": {"dp": 4, "hosts": 2}}
+    for mode, mesh in (("local", MESH), ("ray", groups)):
+        cfg = tiny_config(
+            str(corpus_dir), str(outs[mode]), mesh=mesh, teacher=teacher, train=train,
+            data=DATA, pipeline={"mode": mode},
+        )  # fmt: skip
+        assert _run(tmp_path, cfg) == 0
+    local, grouped = (_summary(o)["final_eval"] for o in outs.values())
+    for key in ("student_loss", "kl", *SAMPLE_KEYS):
+        assert grouped[key] == pytest.approx(local[key], rel=1e-4), key
+    assert local["sample_len"] > 0
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 def test_two_teacher_groups(ray_cluster, local_run, corpus_dir, tmp_path):
     """teacher.replicas=2, each a whole group of 2 processes (4 teacher processes): the
