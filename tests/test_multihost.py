@@ -305,12 +305,12 @@ def test_eval_chunks_smaller_than_a_batch(
 ):
     """8-row batches evaluated in 4-row chunks (as a real vocabulary's logits are; here a
     tiny per-device budget forces it): each of 2 student processes samples its rows of
-    every chunk, and the evaluation is local mode's."""
+    every chunk, a teacher group of 2 scores them, and the evaluation is local mode's."""
     monkeypatch.setattr("pipelines.evaluation.EVAL_DEVICE_BYTES", 1)
     teacher = {"checkpoint": str(local_run / "teacher"), "pretrain_steps": 0}
     train = {"batch_size": 8, "steps": 2, "eval_every": 2, "log_every": 1, "checkpoint_every": 2}
     outs = {"local": tmp_path / "local", "ray": tmp_path / "ray"}
-    groups = {"teacher": {"tp": 4}, "student": {"dp": 4, "hosts": 2}}
+    groups = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 2}}
     for mode, mesh in (("local", MESH), ("ray", groups)):
         cfg = tiny_config(
             str(corpus_dir), str(outs[mode]), mesh=mesh, teacher=teacher, train=train,
