@@ -69,8 +69,10 @@ class TeacherSource(Protocol):
     def resume_point(self) -> dict:
         """The data state of the oldest unconsumed batch."""
 
-    def figures(self, steps: int, since: float) -> dict:
-        """teacher_ms (mean per batch of the last `steps`) and teacher_busy (since `since`)."""
+    def figures(self, steps: int, since: float, step: int) -> dict:
+        """teacher_ms (mean per batch of the last `steps`) and teacher_busy (since `since`);
+        figures of the logged steps themselves (step - steps, step] where a source has them
+        (the on-policy share)."""
 
     def eval_logits(self, batches: list) -> Any:
         """Dense teacher logits of each eval batch (an iterable), or None: no evaluation."""
@@ -243,7 +245,7 @@ class Loop:
                 "tokens_per_s": (step - state.last_log_step)
                 * self.tokens_per_step
                 / max(now - state.last_log_t, 1e-9),
-                **self.source.figures(n, state.last_log_t),
+                **self.source.figures(n, state.last_log_t, step),
                 **self.executor.figures(n, state.last_log_t),
                 "in_flight": self.source.in_flight(),
             }

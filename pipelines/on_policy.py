@@ -84,6 +84,18 @@ def is_on_policy(seed: int, step: int, fraction: float, start_step: int = 0) -> 
     return bool(np.random.default_rng([seed % 2**32, step]).random() < fraction)
 
 
+def schedule_figures(cfg: Config, steps: range) -> dict:
+    """The on-policy share of `steps` and their mean staleness (the parameters a step
+    samples with are min(max_staleness, step - 1) steps old), from the schedule: exactly
+    the logged steps', whichever batches are in flight ahead of them."""
+    op, staleness = cfg.distill.on_policy, cfg.pipeline.max_staleness
+    on = [s for s in steps if is_on_policy(cfg.run.seed, s, op.fraction, op.start_step)]
+    return {
+        "on_policy": len(on) / max(len(steps), 1),
+        "staleness": sum(min(staleness, s - 1) for s in on) / len(on) if on else 0.0,
+    }
+
+
 class OnPolicySource(QueueSource):
     """Batches of the corpus in data order; on the on-policy steps replaced by prompts and
     the student's continuations, scored by the online teacher (module docstring)."""
@@ -101,7 +113,7 @@ class OnPolicySource(QueueSource):
             lambda: corpus.train_iterator(bsz, seed), self._work, ReadyWatcher("teacher")
         )
         self.teacher, self._sampler, self._history = teacher, sampler, history
-        op = cfg.distill.on_policy
+        self._cfg, op = cfg, cfg.distill.on_policy
         self._fraction, self._seed, self._start_step = op.fraction, seed, op.start_step
         self._prompt_len, _ = op.lengths(cfg.train.seq_len)
         self._prompts = prompt_set(cfg, corpus.tokenizer)  # None: the rows' first tokens
@@ -109,10 +121,10 @@ class OnPolicySource(QueueSource):
         self._key = jax.random.key(seed)
         self._gen_watch = ReadyWatcher("generate")
         self._next_step = 1
-        # (on-policy?, staleness, generated-token count on device): of the batches in
-        # flight, in order, and of the recent ones handed to the student
-        self._in_flight: deque[tuple[bool, int, jax.Array | None]] = deque()
-        self._recent: deque[tuple[bool, int, jax.Array | None]] = deque(maxlen=256)
+        # the generated-token count on device (None: off-policy) of the batches in flight,
+        # in order; and of the recent on-policy ones handed to the student
+        self._in_flight: deque[jax.Array | None] = deque()
+        self._generated: deque[jax.Array] = deque(maxlen=256)
 
     def start(self, data_state: dict | None) -> None:
         super().start(data_state)
@@ -120,38 +132,40 @@ class OnPolicySource(QueueSource):
         self._next_step = self._history.latest + 1  # the executor has started: its step
 
     def pop(self):
-        self._recent.append(self._in_flight.popleft())
+        tokens = self._in_flight.popleft()
+        if tokens is not None:
+            self._generated.append(tokens)
         return super().pop()
 
     def _work(self, batch: Batch):
         step, self._next_step = self._next_step, self._next_step + 1
         if not is_on_policy(self._seed, step, self._fraction, self._start_step):
-            self._in_flight.append((False, 0, None))
+            self._in_flight.append(None)
             return batch, self.teacher.output(batch)
         source_step = max(step - 1 - self._staleness, 0)
         params = self._history.after(source_step)
         prompts = step_prompts(self._prompts, batch, step, self._prompt_len)
         rows, stats = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
         self._gen_watch.watch(stats["tokens"])
-        self._in_flight.append((True, step - 1 - source_step, stats["tokens"]))
+        self._in_flight.append(stats["tokens"])
         return rows, self.teacher.output(rows)
 
-    def figures(self, steps: int, since: float) -> dict:
-        """The teacher's figures and the on-policy ones of the last `steps` batches handed
-        on: the share that were on-policy, generation ms, generated tokens/s and staleness
-        (their means)."""
-        recent = list(self._recent)[-steps:]
-        gen = [(s, c) for on, s, c in recent if on]
-        ready = [int(c) for _, c in gen if c.is_ready()]
-        gen_ms = self._gen_watch.recent_ms(max(len(gen), 1)) if gen else 0.0
+    def figures(self, steps: int, since: float, step: int) -> dict:
+        """The teacher's figures; the on-policy share and staleness of the logged steps
+        (step - steps, step] (`schedule_figures`); and, when some of them were on-policy,
+        the mean generation ms and generated tokens/s of as many recent generations."""
+        window = schedule_figures(self._cfg, range(step - steps + 1, step + 1))
+        n = round(window["on_policy"] * steps)
+        recent = list(self._generated)[-n:] if n else []
+        ready = [int(c) for c in recent if c.is_ready()]
+        gen_ms = self._gen_watch.recent_ms(len(recent)) if recent else 0.0
         return {
             **super().figures(steps, since),
-            "on_policy": len(gen) / max(len(recent), 1),
+            **window,
             "generate_ms": gen_ms,
             "gen_tokens_per_s": (
                 sum(ready) / len(ready) / (gen_ms / 1e3) if ready and gen_ms > 0 else 0.0
             ),
-            "staleness": sum(s for s, _ in gen) / len(gen) if gen else 0.0,
             "generate_busy": self._gen_watch.busy_fraction(since),
         }
 

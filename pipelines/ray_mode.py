@@ -39,7 +39,7 @@ from pipelines import ray_rows
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop
-from pipelines.on_policy import eval_prompts, is_on_policy
+from pipelines.on_policy import eval_prompts, is_on_policy, schedule_figures
 from pipelines.ray_pool import ActorPool
 from student.evaluate import token_weighted_means
 
@@ -73,15 +73,11 @@ class RayTeacherSource:
         # (when handed on, replica, busy ms) of recent forwards, as `ReadyWatcher` keeps them
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._next_step = 1
-        # (on-policy?, staleness) of the batches in flight, and of recent ones handed on
-        self._kinds: deque[tuple[bool, int]] = deque()
-        self._recent_kinds: deque[tuple[bool, int]] = deque(maxlen=256)
 
     def start(self, data_state: dict | None) -> None:
         """Start at `data_state` (a `Corpus.train_iterator` state; None: the first batch)."""
         self._next_index = 0 if data_state is None else int(data_state["next_index"])
         self._pool.in_flight.clear()
-        self._kinds.clear()
         self._next_step = self._pool.student_start + 1
 
     def submit(self) -> None:
@@ -94,15 +90,12 @@ class RayTeacherSource:
         if is_on_policy(self._cfg.run.seed, step, op.fraction, op.start_step):
             source_step = max(step - 1 - staleness, 0)
             self._pool.submit_on_policy(data_state, step, source_step)
-            self._kinds.append((True, step - 1 - source_step))
         else:
             self._pool.submit(data_state)
-            self._kinds.append((False, 0))
 
     def pop(self) -> Item:
         """Waits for the forward's busy time (small), so that a dead teacher is noticed and
         its work redone before its output is handed to the student."""
-        self._recent_kinds.append(self._kinds.popleft())
         p, busy_ms = self._pool.next_output()
         self._recent.append((time.perf_counter(), p.replica, busy_ms))
         return Item(p.data_state, p.batch, p.out, p.replica)
@@ -118,9 +111,10 @@ class RayTeacherSource:
         in_flight = self._pool.in_flight
         return in_flight[0].data_state if in_flight else {"next_index": self._next_index}
 
-    def figures(self, steps: int, since: float) -> dict:
+    def figures(self, steps: int, since: float, step: int) -> dict:
         """Mean busy ms of the last `steps` forwards; busy fractions since `since`, per
-        replica (for the status rows) and over all replicas."""
+        replica (for the status rows) and over all replicas; the on-policy figures of the
+        logged steps (step - steps, step]."""
         elapsed = max(time.perf_counter() - since, 1e-9)
         last = list(self._recent)[-steps:]
         window = [(r, ms) for t, r, ms in self._recent if t >= since]
@@ -131,26 +125,25 @@ class RayTeacherSource:
         return {
             "teacher_ms": sum(ms for _, _, ms in last) / max(len(last), 1),
             "teacher_busy": min(1.0, t_ms / 1e3 / elapsed / self._pool.replicas),
-            **self._on_policy_figures(steps),
+            **self._on_policy_figures(range(step - steps + 1, step + 1)),
         }
 
-    def _on_policy_figures(self, steps: int) -> dict:
-        """The on-policy figures of `pipelines.on_policy.OnPolicySource.figures`, from the
-        student group's generation figures that are ready (never waited for)."""
+    def _on_policy_figures(self, steps: range) -> dict:
+        """The on-policy figures of `pipelines.on_policy.OnPolicySource.figures`, the
+        generation figures from the student group's that are ready (never waited for)."""
         if self._cfg.distill.on_policy.fraction == 0:
             return {}
-        kinds = list(self._recent_kinds)[-steps:]
-        gen = [s for on, s in kinds if on]
+        window = schedule_figures(self._cfg, steps)
+        n = round(window["on_policy"] * len(steps))
         refs = list(self._pool.generated)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        figs = [f for f in ray.get(ready)][-max(len(gen), 1) :] if ready else []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs and n else ([], [])
+        figs = ray.get(ready)[-n:] if ready else []
         ms = sum(f["ms"] for f in figs) / len(figs) if figs else 0.0
         tokens = sum(f["tokens"] for f in figs) / len(figs) if figs else 0.0
         return {
-            "on_policy": len(gen) / max(len(kinds), 1),
+            **window,
             "generate_ms": ms,
             "gen_tokens_per_s": tokens / (ms / 1e3) if ms > 0 else 0.0,
-            "staleness": sum(gen) / len(gen) if gen else 0.0,
         }
 
     def eval_logits(self, batches: list):

@@ -102,7 +102,7 @@ class QueueSource:
     def resume_point(self) -> dict:
         return self._queue[0].data_state if self._queue else self._it.get_state()
 
-    def figures(self, steps: int, since: float) -> dict:
+    def figures(self, steps: int, since: float, step: int = 0) -> dict:
         if self._watch is None:
             return {"teacher_ms": 0.0, "teacher_busy": 0.0}
         return {

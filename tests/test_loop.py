@@ -46,7 +46,7 @@ class Source:
     def resume_point(self):
         return self.q[0].data_state if self.q else {"next_index": self.next}
 
-    def figures(self, steps, since):
+    def figures(self, steps, since, step):
         return {"teacher_ms": 1.0, "teacher_busy": 0.5}
 
     def eval_logits(self, batches):

@@ -300,23 +300,33 @@ def test_teacher_process_lost_at_evaluation_recreates_its_group(
 
 
 @pytest.mark.ray
-def test_eval_chunks_smaller_than_a_batch(
+def test_real_size_settings_across_groups(
     ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
 ):
-    """8-row batches evaluated in 4-row chunks (as a real vocabulary's logits are; here a
-    tiny per-device budget forces it): each of 2 student processes samples its rows of
-    every chunk, a teacher group of 2 scores them, and the evaluation is local mode's."""
+    """What a real run sets, across role groups of 2 processes each: teacher dp=2 x tp=2 in
+    2-row microbatches, student dp=2 x fsdp=2 with 2 accumulated microbatches and
+    rematerialised blocks, half the steps on-policy, and 8-row batches evaluated in 4-row
+    chunks (as a real vocabulary's logits are; a tiny per-device budget forces it here),
+    each student process sampling its rows of every chunk: local mode's losses and
+    evaluation."""
     monkeypatch.setattr("pipelines.evaluation.EVAL_DEVICE_BYTES", 1)
-    teacher = {"checkpoint": str(local_run / "teacher"), "pretrain_steps": 0}
-    train = {"batch_size": 8, "steps": 2, "eval_every": 2, "log_every": 1, "checkpoint_every": 2}
+    teacher = {"checkpoint": str(local_run / "teacher"), "pretrain_steps": 0, "microbatch": 2}
+    train = {"batch_size": 8, "grad_accum": 2, "remat": "block", "steps": 4, "eval_every": 4}
+    mesh = {"teacher": {"dp": 2, "tp": 2}, "student": {"dp": 2, "fsdp": 2}}
+    groups = {role: {**axes, "hosts": 2} for role, axes in mesh.items()}
     outs = {"local": tmp_path / "local", "ray": tmp_path / "ray"}
-    groups = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 2}}
-    for mode, mesh in (("local", MESH), ("ray", groups)):
+    for mode, layout in (("local", mesh), ("ray", groups)):
         cfg = tiny_config(
-            str(corpus_dir), str(outs[mode]), mesh=mesh, teacher=teacher, train=train,
-            data=DATA, pipeline={"mode": mode},
+            str(corpus_dir), str(outs[mode]), mesh=layout, teacher=teacher, train=train,
+            data=DATA, distill=ON_POLICY, pipeline={"mode": mode},
         )  # fmt: skip
         assert _run(tmp_path, cfg) == 0
+    local, grouped = (_train(o) for o in outs.values())
+    assert sorted(grouped) == sorted(local) == [2, 4]
+    assert any(r["on_policy"] > 0 for r in grouped.values())
+    for step, expected in local.items():
+        for key in KEYS:
+            assert grouped[step][key] == pytest.approx(expected[key], rel=1e-4), (step, key)
     local, grouped = (_summary(o)["final_eval"] for o in outs.values())
     for key in ("student_loss", "kl", *SAMPLE_KEYS):
         assert grouped[key] == pytest.approx(local[key], rel=1e-4), key

@@ -41,8 +41,10 @@ def test_on_policy_run_reports_its_figures_and_samples(on_policy_run):
     assert 0 < len(on) < 6  # the seed mixes both kinds of step
     train_records = _train(out)
     assert [r["step"] for r in train_records] == [2, 4, 6]
-    for r in train_records:  # figures of the recent steps (read metrics_lag steps late)
-        assert 0 <= r["on_policy"] <= 1 and r["staleness"] in (0.0, 1.0)
+    for r in train_records:  # the share and staleness of exactly the record's two steps
+        window = [s for s in (r["step"] - 1, r["step"]) if s in on]
+        assert r["on_policy"] == len(window) / 2
+        assert r["staleness"] == (np.mean([min(1, s - 1) for s in window]) if window else 0)
         assert np.isfinite(r["loss"])
     assert any(r["on_policy"] > 0 and r["staleness"] == 1.0 for r in train_records)
     assert any(r["generate_ms"] > 0 and r["gen_tokens_per_s"] > 0 for r in train_records)
