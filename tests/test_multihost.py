@@ -334,6 +334,35 @@ def test_real_size_settings_across_groups(
 
 
 @pytest.mark.ray
+def test_hf_teacher_read_by_a_group(ray_cluster, corpus_dir, tmp_path):
+    """A Hugging Face teacher directory (2 KV heads, so each is read once per tp shard
+    that uses it) loaded by a teacher group of 2 processes, tp = 4 across both, each
+    process reading only its devices' slices: local mode's losses and evaluation."""
+    pytest.importorskip("transformers")
+    from tests.test_hf import _save_llama
+
+    hf_dir = tmp_path / "hf"
+    _save_llama(hf_dir, vocab_size=260, num_attention_heads=4, num_key_value_heads=2)
+    train = {"steps": 2, "eval_every": 2, "log_every": 1, "checkpoint_every": 2}
+    outs = {"local": tmp_path / "local", "ray": tmp_path / "ray"}
+    groups = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4}}
+    for mode, mesh in (("local", MESH), ("ray", groups)):
+        cfg = tiny_config(
+            str(corpus_dir), str(outs[mode]), mesh=mesh, train=train, pipeline={"mode": mode},
+            teacher={"checkpoint": str(hf_dir), "top_k": 8},
+        )  # fmt: skip
+        assert _run(tmp_path, cfg) == 0
+    local, grouped = (_train(o) for o in outs.values())
+    assert sorted(grouped) == sorted(local) == [1, 2]
+    for step, expected in local.items():
+        for key in KEYS:
+            assert grouped[step][key] == pytest.approx(expected[key], rel=1e-4), (step, key)
+    local, grouped = (_summary(o)["final_eval"] for o in outs.values())
+    for key in ("teacher_loss", "student_loss", *SAMPLE_KEYS):
+        assert grouped[key] == pytest.approx(local[key], rel=1e-4), key
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 def test_two_teacher_groups(ray_cluster, local_run, corpus_dir, tmp_path):
     """teacher.replicas=2, each a whole group of 2 processes (4 teacher processes): the
