@@ -77,7 +77,7 @@ def attention(
     if backend == "reference":
         return _reference(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale)
     if backend == "blockwise":
-        default = CPU_BLOCK if jax.default_backend() == "cpu" else DEFAULT_BLOCK
+        default = CPU_BLOCK if platform() == "cpu" else DEFAULT_BLOCK
         bq = default if block_q is None else block_q
         bk = default if block_kv is None else block_kv
         return _blockwise(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, bq, bk)
@@ -88,14 +88,30 @@ def attention(
     return _splash(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, bq, bk, interpret)
 
 
+_platform: str | None = None  # set by `use_platform`; None: JAX's default backend
+
+
+def use_platform(platform: str | None) -> None:
+    """Choose backends and tiles for `platform` (cpu, gpu, tpu): the one this process's
+    meshes are on (`distill.mesh.available_devices`). It differs from JAX's default backend
+    when `mesh.platform` names another, say a plan on simulated CPU devices on a TPU host,
+    whose programs must not use the TPU's splash kernel. None: the default backend."""
+    global _platform
+    _platform = platform
+
+
+def platform() -> str:
+    """The platform attention chooses for (`use_platform`, else JAX's default backend)."""
+    return _platform or jax.default_backend()
+
+
 def resolve_backend(backend: str, dtype, head_dim: int) -> str:
     """The concrete backend `auto` stands for on this platform (others pass through)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
-    if platform == "tpu":
+    if platform() == "tpu":
         return "splash"
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if _is_cuda() and half and head_dim % 8 == 0 and head_dim <= 128:
@@ -104,9 +120,9 @@ def resolve_backend(backend: str, dtype, head_dim: int) -> str:
 
 
 def _is_cuda() -> bool:
-    if jax.default_backend() != "gpu":
+    if platform() != "gpu":
         return False
-    return "cuda" in jax.devices()[0].client.platform_version.lower()
+    return "cuda" in jax.devices("gpu")[0].client.platform_version.lower()
 
 
 def _check_shapes(q, k, v, seg) -> None:
@@ -276,7 +292,7 @@ def _cudnn(q, k, v, seg, scale):
     if not _is_cuda():
         raise ValueError(
             f"attention backend 'cudnn' needs a CUDA GPU; this process runs on "
-            f"{jax.default_backend()!r} (use 'auto' or 'blockwise')"
+            f"{platform()!r} (use 'auto' or 'blockwise')"
         )
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(
@@ -297,10 +313,10 @@ def _splash(q, k, v, seg, scale, block_q, block_kv, interpret):
         splash_attention_kernel as splash,
     )
 
-    if not interpret and jax.default_backend() != "tpu":
+    if not interpret and platform() != "tpu":
         raise ValueError(
             f"attention backend 'splash' is a TPU kernel; this process runs on "
-            f"{jax.default_backend()!r} (use 'auto' or 'blockwise', or interpret=True to test)"
+            f"{platform()!r} (use 'auto' or 'blockwise', or interpret=True to test)"
         )
     lane = 128  # splash tiles are whole multiples of the TPU lane width
     if block_q % lane or block_kv % lane:

@@ -196,16 +196,19 @@ def simulate_cpu_devices(n: int) -> None:
 
 
 def available_devices(platform: str = "auto") -> list:
-    """The devices distill will use: accelerators if present (or as asked), else CPU."""
+    """The devices distill will use: accelerators if present (or as asked), else CPU.
+    Attention then chooses its backend and tiles for their platform
+    (`distill.attention.use_platform`), not for JAX's default backend."""
     import jax
 
-    if platform == "auto":
-        backend = jax.default_backend()
-        return jax.devices(backend)
+    from distill import attention
+
     try:
-        return jax.devices(platform)
+        devices = jax.devices(jax.default_backend() if platform == "auto" else platform)
     except RuntimeError:
         raise DistillError(f"mesh.platform: no {platform} devices on this host") from None
+    attention.use_platform(devices[0].platform)
+    return devices
 
 
 def check_fit(cfg: Config, n_devices: int, platform: str) -> None:

@@ -115,6 +115,27 @@ def test_auto_picks_by_platform_and_dtype():
     assert resolve_backend("reference", jnp.float32, 64) == "reference"
 
 
+def test_the_meshes_platform_decides_not_the_default_backend(monkeypatch):
+    """On a TPU (or GPU) host asked for CPU devices (`mesh.platform: cpu`, say a plan of a
+    bigger slice on simulated devices), `auto` is blockwise in CPU tiles: the devices'
+    platform decides, which `available_devices` hands to attention, not JAX's default
+    backend."""
+    from distill import attention as attn
+    from distill.mesh import available_devices
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a TPU host
+    monkeypatch.setattr(attn, "_platform", None)
+    assert resolve_backend("auto", jnp.bfloat16, 64) == "splash"
+    assert available_devices("cpu")[0].platform == "cpu"
+    assert attn.platform() == "cpu"
+    assert resolve_backend("auto", jnp.bfloat16, 64) == "blockwise"
+    seen = []
+    monkeypatch.setattr(attn, "_blockwise", lambda *args: seen.append(args[-2:]))
+    q, k, v, _, seg = _inputs(jnp.float32)
+    attention(q, k, v, seg)
+    assert seen == [(attn.CPU_BLOCK, attn.CPU_BLOCK)]
+
+
 def _grad_temp_bytes(backend: str, seq: int, heads=4, kv_heads=2, hd=64) -> int:
     """Scratch bytes XLA plans for forward + backward of one sequence (compiled, not run)."""
     f32 = jnp.float32
