@@ -76,15 +76,14 @@ def attention(
     backend = resolve_backend(backend, q_bshd.dtype, q_bshd.shape[-1])
     if backend == "reference":
         return _reference(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale)
-    if backend == "blockwise":
-        default = CPU_BLOCK if platform() == "cpu" else DEFAULT_BLOCK
-        bq = default if block_q is None else block_q
-        bk = default if block_kv is None else block_kv
-        return _blockwise(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, bq, bk)
     if backend == "cudnn":
         return _cudnn(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale)
-    bq = DEFAULT_BLOCK if block_q is None else block_q
-    bk = DEFAULT_BLOCK if block_kv is None else block_kv
+    cpu_tiles = backend == "blockwise" and platform() == "cpu"
+    default = CPU_BLOCK if cpu_tiles else DEFAULT_BLOCK
+    bq = default if block_q is None else block_q
+    bk = default if block_kv is None else block_kv
+    if backend == "blockwise":
+        return _blockwise(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, bq, bk)
     return _splash(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, bq, bk, interpret)
 
 

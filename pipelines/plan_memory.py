@@ -29,6 +29,7 @@ from student import train
 from student.generate import Sampler
 from teacher import sharding
 from teacher.forward import make_output_forward
+from teacher.weights import held_dtype
 
 
 def _batch(cfg: Config, shard) -> Batch:
@@ -46,7 +47,7 @@ def _figures(compiled) -> dict:
 def _teacher(cfg: Config, mesh, vocab_limit: int | None):
     mcfg = cfg.teacher.model
     fwd = make_output_forward(cfg, mesh, vocab_limit)
-    held = jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32  # as loaded
+    held = held_dtype(cfg)  # as loaded
     shapes = jax.eval_shape(
         lambda p: sharding.expand_kv_heads(p, mcfg, mesh.shape[TP]),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, held), model.abstract_params(mcfg)),

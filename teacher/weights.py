@@ -24,6 +24,12 @@ from distill.outputs import teacher_path
 from teacher import sharding
 
 
+def held_dtype(cfg: Config):
+    """The dtype the teacher's weights are held in on its devices: bfloat16 with
+    `teacher.dtype: bfloat16` (converted once, as they are read), else float32."""
+    return jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32
+
+
 def load_teacher(cfg: Config, mesh) -> dict:
     """Read the teacher checkpoint straight into the layout of the inference mesh (`dp` x
     `tp`): each device reads only its own slices, which every dp group shares. A Hugging
@@ -33,7 +39,7 @@ def load_teacher(cfg: Config, mesh) -> dict:
     held in bfloat16 (half the memory; the forward would cast them anyway); with float32
     they are held in float32."""
     mcfg = cfg.teacher.model
-    held = jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32
+    held = held_dtype(cfg)
     if cfg.teacher.is_hf():
         from teacher.hf import load_hf_teacher
 
@@ -55,7 +61,7 @@ def random_teacher(cfg: Config, mesh) -> dict:
     dtype `load_teacher` gives (`distill bench --role teacher`: speed does not care what
     the weights are). No host ever holds them."""
     mcfg = cfg.teacher.model
-    held = jnp.bfloat16 if cfg.teacher.dtype == "bfloat16" else jnp.float32
+    held = held_dtype(cfg)
 
     def init() -> dict:
         params = jax.tree.map(lambda x: x.astype(held), model.init_params(mcfg, cfg.run.seed))
