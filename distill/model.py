@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distill import collectives as cc
+from distill import programs
 from distill.attention import attention, resolve_backend
 from distill.config import ModelConfig, RopeScaling
 
@@ -215,11 +216,23 @@ def init_params(cfg: ModelConfig, seed: int) -> Params:
 
 def abstract_params(cfg: ModelConfig) -> Params:
     """Shapes and dtypes of the parameters, without allocating them."""
-    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))))
+    return nnx.to_pure_dict(jax.tree.map(lambda x: x, _abstract(cfg)[1]))
+
+
+def _abstract(cfg: ModelConfig):
+    """(graphdef, abstract state) of the model: built once per config in a process (every
+    trace of a forward needs it; `nnx.eval_shape` takes tens of milliseconds). Callers copy
+    the state before changing it."""
+    return programs.cached(_split_abstract, cfg)
+
+
+def _split_abstract(cfg: ModelConfig):
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
 
 
 def _module(cfg: ModelConfig, params: Params) -> Transformer:
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    graphdef, state = _abstract(cfg)
+    state = jax.tree.map(lambda x: x, state)  # a copy: the cached one stays abstract
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -27,7 +27,7 @@ from distill.outputs import teacher_path
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Hooks, Loop
 from pipelines.sources import NoTeacher
-from student import optim, train
+from student import train
 
 log = logging.getLogger("distill")
 
@@ -54,15 +54,8 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, record: dict | No
     steps, mcfg = cfg.teacher.pretrain_steps, cfg.teacher.model
     mesh = _bootstrap_mesh(cfg)
     ocfg = cfg.optim.model_copy(update={"lr": cfg.teacher.pretrain_lr})
-    tx = optim.make_optimizer(ocfg, steps)
-    step_fn = train.make_train_step(
-        mcfg,
-        tx,
-        mesh,
-        loss_cfg=None,
-        lr_schedule=optim.schedule(ocfg, steps),
-        dtype=cfg.teacher.dtype,
-        with_teacher=False,
+    tx, step_fn = train.step_for(
+        mcfg, ocfg, steps, mesh, loss_cfg=None, dtype=cfg.teacher.dtype, with_teacher=False
     )
     executor = LocalExecutor(
         mesh,

@@ -20,7 +20,7 @@ from distill.types import Batch
 from pipelines import teacher_cache
 from pipelines.loop import Item
 from pipelines.timing import ReadyWatcher
-from teacher.forward import make_forward, make_output_forward
+from teacher.forward import forward_for, make_output_forward
 from teacher.sharding import batch_sharding
 from teacher.weights import load_teacher
 
@@ -36,7 +36,7 @@ class OnlineTeacher:
         self.params = load_teacher(cfg, mesh)
         self.put = batch_sharding(mesh)  # batches: rows split over dp, replicated over tp
         self._output = make_output_forward(cfg, mesh, limit)
-        self._logits = make_forward(
+        self._logits = forward_for(
             mcfg,
             mesh,
             mode="logits",

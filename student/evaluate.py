@@ -35,7 +35,7 @@ class StudentEval:
     logits) the moved pairs are kept for later evaluations: the teacher is frozen."""
 
     def __init__(self, cfg: Config, mesh, vocab_limit: int | None):
-        self._metrics = train.make_eval_fn(
+        self._metrics = train.eval_fn_for(
             cfg.student_model(), mesh, cfg.student.dtype, vocab_limit=vocab_limit
         )
         self._split = train.batch_sharding(mesh)

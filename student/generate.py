@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import decode
+from distill import decode, programs
 from distill.checkpoint import Checkpointer
 from distill.config import Config, ModelConfig
 from distill.types import Batch, Prompts
@@ -80,7 +80,8 @@ def sampler_for(cfg: Config, mesh, tokenizer, vocab_limit: int | None, *, temper
     top-p, the student's compute dtype."""
     op = cfg.distill.on_policy
     _, n = op.lengths(cfg.train.seq_len)
-    return Sampler(
+    return programs.cached(
+        Sampler,
         cfg.student_model(),
         mesh,
         seq_len=cfg.train.seq_len,

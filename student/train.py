@@ -16,6 +16,7 @@ baseline); the same step serves online and offline distillation, since it only s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -25,8 +26,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import model, vocab_loss
-from distill.config import Config, DistillLossConfig, ModelConfig
+from distill import model, programs, vocab_loss
+from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, sharding
 
@@ -43,16 +44,19 @@ def init_state(
     """Initialise parameters (or take `params`, host arrays of `cfg`'s shapes, e.g. from the
     teacher) and the optimizer state directly in their placement on `mesh`
     (`state_shardings`): no device ever holds more than its share."""
-    placed = state_shardings(cfg, tx, mesh)
-
-    def init(params):
-        params = model.init_params(cfg, seed) if params is None else params
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-
     if params is not None:
         expected = model.abstract_params(cfg)
-        params = jax.device_put(jax.tree.map(_host_param, expected, params), placed.params)
-    return jax.jit(init, out_shardings=placed)(params)
+        placed = state_shardings(cfg, tx, mesh).params
+        params = jax.device_put(jax.tree.map(_host_param, expected, params), placed)
+    return programs.cached(_init_program, cfg, tx, seed, mesh, params is None)(params)
+
+
+def _init_program(cfg: ModelConfig, tx, seed: int, mesh, fresh: bool):
+    def init(params):
+        params = model.init_params(cfg, seed) if fresh else params
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    return jax.jit(init, out_shardings=state_shardings(cfg, tx, mesh))
 
 
 def _host_param(expected: jax.ShapeDtypeStruct, given) -> np.ndarray:
@@ -197,20 +201,33 @@ def distill_step_for(
     """The run's optimizer and compiled distillation step, as every pipeline mode builds
     them from the config: (tx, step(state, batch, teacher_out)); without a teacher, the
     cross-entropy step(state, batch)."""
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
-    step = make_train_step(
+    return step_for(
         cfg.student_model(),
-        tx,
+        cfg.optim,
+        cfg.train.steps,
         mesh,
         loss_cfg=cfg.distill,
-        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
         dtype=cfg.student.dtype,
         with_teacher=with_teacher,
         vocab_limit=vocab_limit,
         remat=cfg.train.remat,
         grad_accum=cfg.train.grad_accum,
     )
-    return tx, step
+
+
+def step_for(
+    cfg: ModelConfig, optim_cfg: OptimConfig, steps: int, mesh, **kw
+) -> tuple[optax.GradientTransformation, Callable]:
+    """(tx, `make_train_step(cfg, tx, mesh, **kw)`) for the optimizer `optim_cfg` over
+    `steps` steps: built once per process for equal arguments (`distill.programs`), so a
+    second run of the same shapes reuses the compiled step."""
+    return programs.cached(_step_for, cfg, optim_cfg, steps, mesh, **kw)
+
+
+def _step_for(cfg: ModelConfig, optim_cfg: OptimConfig, steps: int, mesh, **kw):
+    tx = optim.make_optimizer(optim_cfg, steps)
+    lr = optim.schedule(optim_cfg, steps)
+    return tx, make_train_step(cfg, tx, mesh, lr_schedule=lr, **kw)
 
 
 def make_loss_fn(
@@ -248,6 +265,11 @@ def make_loss_fn(
         )
 
     return loss_fn
+
+
+def eval_fn_for(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):
+    """`make_eval_fn`, built once per process for equal arguments (`distill.programs`)."""
+    return programs.cached(make_eval_fn, cfg, mesh, dtype, vocab_limit)
 
 
 def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
-from distill import model
+from distill import model, programs
 from distill.config import Config, ModelConfig
 from distill.mesh import TP
 from distill.types import Batch, TeacherOutput
@@ -150,11 +150,17 @@ def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None):
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
 
 
+def forward_for(cfg: ModelConfig, mesh, **kw):
+    """`make_forward(cfg, mesh, **kw)`, built once per process for equal arguments
+    (`distill.programs`): a second run of the same shapes reuses the compiled forward."""
+    return programs.cached(make_forward, cfg, mesh, **kw)
+
+
 def make_output_forward(cfg: Config, mesh, vocab_limit: int | None):
     """The run's training-time teacher output (top-k with `teacher.top_k`, else dense
     log-probs), at `distill.temperature`, in `teacher.microbatch` rows at a time."""
     k = cfg.teacher.top_k
-    return make_forward(
+    return forward_for(
         cfg.teacher.model,
         mesh,
         mode="topk" if k else "dense",
