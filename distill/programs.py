@@ -4,8 +4,8 @@ Every run builds its programs from its config: the teacher's forward, the studen
 its evaluation, its sampler, the jitted initialisation of its state. `jax.jit` keeps traces
 and executables per function object, and each build makes a new one, so a process that
 makes several runs (the test suite, a notebook, `distill bench` after a run) would trace,
-lower and compile an equal program again for each of them: seconds per program on CPU,
-minutes on a pod. `cached(build, *args, **kwargs)` returns what an earlier call of `build`
+lower and compile an equal program again for each of them (seconds per program on CPU
+even at test sizes). `cached(build, *args, **kwargs)` returns what an earlier call of `build`
 with equal arguments returned, and that function's own cache then skips the work.
 
 Arguments must name everything the program closes over. Config sections (pydantic models)
