@@ -216,7 +216,7 @@ def init_params(cfg: ModelConfig, seed: int) -> Params:
 
 def abstract_params(cfg: ModelConfig) -> Params:
     """Shapes and dtypes of the parameters, without allocating them."""
-    return nnx.to_pure_dict(jax.tree.map(lambda x: x, _abstract(cfg)[1]))
+    return nnx.to_pure_dict(_abstract(cfg)[1])  # a new dict: the cached state is untouched
 
 
 def _abstract(cfg: ModelConfig):
