@@ -54,12 +54,10 @@ def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
 
 def teacher_mesh(devices: list, dp: int, tp: int):
     """The inference mesh over `devices` (dp * tp of them): axes (DP, TP), laid out by
-    `device_grid`. Its processes read and send whichever rows their devices hold
-    (`pipelines.ray_rows`), so they need not be process-major: one TPU slice is laid out
-    slice-wide."""
+    `device_grid`."""
     from jax.sharding import Mesh
 
-    return Mesh(device_grid(devices, (dp, tp), process_major=False), (DP, TP))
+    return Mesh(device_grid(devices, (dp, tp)), (DP, TP))
 
 
 def student_mesh(devices: list, dp: int, fsdp: int):
@@ -70,42 +68,33 @@ def student_mesh(devices: list, dp: int, fsdp: int):
     return Mesh(device_grid(devices, (dp, fsdp)), (DP, FSDP))
 
 
-def device_grid(devices: list, shape: tuple[int, ...], *, process_major: bool = True):
+def device_grid(devices: list, shape: tuple[int, ...]):
     """`devices` as an array of `shape` (axes ordered outer to inner, the innermost the one
     that communicates most: tp, fsdp), laid out by topology.
 
-    One process's devices are laid out by `jax.experimental.mesh_utils` (a TPU host's chips
-    on its torus, GPUs by id; CPU devices keep their order). A group of several processes
-    (hosts) is split by `granule_split`: the outer axes cross the network between hosts
-    first, and each host's devices are laid out as one process's are. That result is
-    process-major: each process's devices are consecutive in the mesh's flat order, in
-    process order, so that process p of n holds rows block p of a batch split over every
-    axis (`pipelines.ray_rows`: the student's row hand-off). Where a layout cannot keep
-    that, or a TPU subset of a host forms no box on the torus, the devices keep their
-    order (process by process).
-
-    `process_major=False` (the teacher, whose processes hold any rows): the chips of one
-    multi-host TPU slice, joined by ICI, are laid out as one torus by `mesh_utils`, so
-    that, say, tp = 16 over a v5e 4x4's four hosts is a ring of neighbouring chips rather
-    than four host rings joined end to end. GPUs and CPUs, whose hosts are joined by a
-    slower network, and several slices, are split by host as above."""
+    One process's devices, and the chips of one multi-host TPU slice (all joined by ICI),
+    are laid out as one torus by `jax.experimental.mesh_utils`: tp = 16 over a v5e 4x4's
+    four hosts is a ring of neighbouring chips rather than four host rings joined end to
+    end (GPUs are laid out by id; CPU devices keep their order). GPU and CPU hosts, joined
+    by a slower network, and several slices, are split by `granule_split`: the outer axes
+    cross the network between hosts first, and each host's devices are laid out as one
+    process's are. A process need not hold consecutive devices: the row hand-off between
+    groups follows whichever rows each process's devices hold (`pipelines.ray_rows`).
+    Where a layout fails, or a TPU subset of a host forms no box on the torus, the devices
+    keep their order (process by process)."""
     import numpy as np
     from jax.experimental import mesh_utils
 
     processes = len({d.process_index for d in devices})
     try:
-        if processes == 1 or (not process_major and _one_tpu_slice(devices)):
+        if processes == 1 or _one_tpu_slice(devices):
             if devices[0].platform == "cpu":
                 return np.array(devices).reshape(shape)
             return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
         outer, inner = granule_split(shape, processes)
-        grid = mesh_utils.create_hybrid_device_mesh(
+        return mesh_utils.create_hybrid_device_mesh(
             inner, outer, devices, process_is_granule=True, allow_split_physical_axes=True
         )
-        flat = [d.process_index for d in grid.flat]
-        if flat != sorted(flat):
-            raise ValueError(f"{processes} hosts would not hold consecutive devices")
-        return grid
     except (ValueError, NotImplementedError, AssertionError) as e:
         log.warning("mesh %s: kept the devices' order (no topology layout: %s)", shape, e)
         ordered = sorted(devices, key=lambda d: d.process_index)  # stable: order kept within

@@ -12,14 +12,14 @@ devices. JAX is imported only inside the actors' methods, never by importing thi
 
 Actors get the config as a plain tree and validate it themselves, and load the corpus
 themselves: for a step the driver sends only its data state (`{"next_index": n}`), and each
-process reads the rows of global batch n it needs (`ray_rows.BatchReader`): a student
-process its block, a teacher process the rows its devices hold. What crosses between
-actors is host numpy: a `TeacherOutput` (top-k, or dense for small vocabularies) and the
-on-policy rows; between groups of several processes, row blocks of them (`ray_rows`): each
-teacher process sends each student process the rows of that student process's block that
-it holds, and a student process assembles its rows into the global arrays with the other
-processes'. The jitted functions are the local mode's own (`teacher.forward.make_forward`,
-`student.train.make_train_step`), so both modes compute the same numbers.
+process reads the rows of global batch n it needs (`ray_rows.BatchReader`): each process
+the rows its devices hold. What crosses between actors is host numpy: a `TeacherOutput`
+(top-k, or dense for small vocabularies) and the on-policy rows; between groups of several
+processes, row blocks of them (`ray_rows`): each teacher process sends each student
+process those of the student process's rows that it holds, and a student process
+assembles its rows into the global arrays with the other processes'. The jitted functions
+are the local mode's own (`teacher.forward.make_forward`, `student.train.make_train_step`),
+so both modes compute the same numbers.
 """
 
 from __future__ import annotations
@@ -68,11 +68,10 @@ def device_options(n_devices: int, platform: str, host: str | None = None) -> tu
     return {"CPU": 1, **mine}, opts
 
 
-def _group_mesh(shape: dict[str, int], field: str, *, process_major: bool):
+def _group_mesh(shape: dict[str, int], field: str):
     """A mesh of `shape` ({axis: size}, in order) over the group's first devices: every
     process's (`jax.devices()` is global in a multi-process group), laid out by topology
-    across the hosts (`distill.mesh.device_grid`; `process_major` for the student, whose
-    processes each hold a block of rows)."""
+    across the hosts (`distill.mesh.device_grid`)."""
     import math
 
     import jax
@@ -84,7 +83,7 @@ def _group_mesh(shape: dict[str, int], field: str, *, process_major: bool):
             f"{field}: the actor needs {n} devices but sees {len(devices)} "
             f"{devices[0].platform} devices"
         )
-    grid = device_grid(devices[:n], tuple(shape.values()), process_major=process_major)
+    grid = device_grid(devices[:n], tuple(shape.values()))
     return Mesh(grid, tuple(shape))
 
 
@@ -160,7 +159,7 @@ class TeacherActor(_Member):
         from pipelines.sources import OnlineTeacher
 
         cfg = self._join(coordinator, n, i, platform)
-        self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp", process_major=False)
+        self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
         tokenizer = self._load_data(cfg)
         self._teacher = OnlineTeacher(cfg, self._mesh, tokenizer)
         return self.info()
@@ -169,41 +168,41 @@ class TeacherActor(_Member):
         return {**_info(self._mesh, TP), "data": self._data_check}
 
     @ray.method(num_returns=2)
-    def forward(self, n: int, *batch):
-        """The teacher output for `n` student processes. `batch` is the step's data state
-        (this process reads the rows its devices hold) or, on an on-policy step, the rows
-        the n student processes made, one block each. Returns (TeacherOutput of host arrays
-        [B, S, k or V], busy milliseconds) when both groups are one process; else (n lists
-        of pieces, one per student process: the rows of its block this process holds; busy
-        milliseconds)."""
+    def forward(self, owners: tuple[int, ...], *batch):
+        """The teacher output for the student processes that hold the row shards as
+        `owners` says (`ray_rows.row_owners`). `batch` is the step's data state (this
+        process reads the rows its devices hold) or, on an on-policy step, the rows each
+        student process made. Returns (TeacherOutput of host arrays [B, S, k or V], busy
+        milliseconds) when both groups are one process; else (one list of pieces per
+        student process: the rows of its shards this process holds; busy milliseconds)."""
         t0 = time.perf_counter()
         if isinstance(batch[0], dict):
             rows = ray_rows.global_batch(self._reader, batch[0], self._teacher.put)
         else:
-            rows = ray_rows.join_batch(list(batch))
+            rows = ray_rows.join_batch(list(batch), owners)
         out = self._teacher.output(rows)
-        if self._n == 1 and n == 1:
+        if self._n == 1 and max(owners) == 0:
             return self._jax.device_get(out), 1e3 * (time.perf_counter() - t0)
-        parts = ray_rows.teacher_parts(out, n)
+        parts = ray_rows.teacher_parts(out, owners)
         return (*parts, 1e3 * (time.perf_counter() - t0))
 
-    def eval_logits(self, n: int, batch):
-        """The dense teacher logits [B, S, V] of an eval chunk for `n` student processes,
-        as `forward` returns its output: (host logits, busy ms) when both groups are one
-        process, else (n lists of pieces: the rows of each student process's block this
-        process holds, busy ms). Nothing is gathered: each row leaves once, from a
-        process that holds it, for the student process that evaluates it."""
+    def eval_logits(self, owners: tuple[int, ...], batch):
+        """The dense teacher logits [B, S, V] of an eval chunk, as `forward` returns its
+        output: (host logits, busy ms) when both groups are one process, else (one list of
+        pieces per student process: the rows of its shards this process holds, busy ms).
+        Nothing is gathered: each row leaves once, from a process that holds it, for the
+        student process that evaluates it."""
         t0 = time.perf_counter()
         logits = self._teacher.logits(batch)
-        if self._n == 1 and n == 1:
+        if self._n == 1 and max(owners) == 0:
             return self._jax.device_get(logits), 1e3 * (time.perf_counter() - t0)
-        parts = ray_rows.teacher_parts(TeacherOutput(logits, None), n)
+        parts = ray_rows.teacher_parts(TeacherOutput(logits, None), owners)
         return (*parts, 1e3 * (time.perf_counter() - t0))
 
-    def nll(self, *row_blocks) -> tuple[float, float]:
+    def nll(self, owners: tuple[int, ...], *rows) -> tuple[float, float]:
         """(the teacher's summed NLL of the masked targets of the rows the student group
-        sampled, sent as one block per student process; their count)."""
-        nll, tokens = self._teacher.nll(ray_rows.join_batch(list(row_blocks)))
+        sampled, sent by each student process; their count)."""
+        nll, tokens = self._teacher.nll(ray_rows.join_batch(list(rows), owners))
         return float(nll), float(tokens)
 
 
@@ -226,10 +225,11 @@ class StudentActor(_Member):
         cfg = self._join(coordinator, n, i, platform)
         scfg = cfg.student_model()
         tokenizer = self._load_data(cfg)
-        self._block = ray_rows.block(cfg.train.batch_size, n, i)
         limit = vocab_limit(tokenizer, scfg.vocab_size)
-        self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp", process_major=True)
+        self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
+        self._owners = ray_rows.row_owners(self._split)
+        self._spans = ray_rows.spans(self._owners, i, cfg.train.batch_size)
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
         self._ckpt = run_checkpointer(cfg)
         self._state, self._data_state, self._start = start_student(
@@ -263,8 +263,8 @@ class StudentActor(_Member):
     def _sample(self, sampler, params, prompts, key):
         """(this process's rows of the continuations of its rows of the prompts as host
         arrays, {"tokens": the group's generated tokens, "ms": generation time}). Every
-        process holds an equal block: a step's prompts, or an evaluation chunk's (which may
-        have fewer rows than a batch)."""
+        process holds as many rows: of a step's prompts, or of an evaluation chunk's (which
+        may have fewer rows than a batch)."""
         t0 = time.perf_counter()
         if self._n > 1:
             rows = prompts.tokens.shape[0] * self._n
@@ -279,11 +279,10 @@ class StudentActor(_Member):
         of the `data.prompt_field` prompts when set, else the first tokens of its rows."""
         from distill.decode import prompts_of
 
-        lo, hi = self._block
         if self._prompt_set is not None:
             whole = self._prompt_set.batch(step_no, self._rows)
-            return type(whole)(*(f[lo:hi] for f in whole))
-        return prompts_of(self._reader.rows(data_state, lo, hi), self._prompt_len)
+            return type(whole)(*(ray_rows.take(f, self._spans) for f in whole))
+        return prompts_of(self._reader.rows(data_state, self._spans), self._prompt_len)
 
     @ray.method(num_returns=2)
     def generate(self, step_no: int, source_step: int, data_state: dict):
@@ -306,7 +305,7 @@ class StudentActor(_Member):
         return self._sample(self._eval_sampler, self._state.params, prompts, key)
 
     def info(self) -> dict:
-        return {**_info(self._mesh, DP), "data": self._data_check}
+        return {**_info(self._mesh, DP), "data": self._data_check, "row_owners": self._owners}
 
     def resume_point(self) -> tuple[int, dict | None]:
         """(the step the state is at, the data state of its next batch; None: from the start)."""
@@ -315,22 +314,21 @@ class StudentActor(_Member):
     def step(self, step_no: int, batch, *teacher_parts) -> dict:
         """Train on step `step_no`'s batch; metrics as host floats. Steps must come in order:
         a step whose predecessor never ran (its teacher output was lost) is refused. `batch`
-        is the step's data state (this process reads its block of rows) or, on an on-policy
-        step, the rows this process generated; in a group of n processes `teacher_parts`
-        are the pieces of its rows from each teacher process. `bytes_per_token` counts the
+        is the step's data state (this process reads its rows) or, on an on-policy step, the
+        rows this process generated; in a group of several processes `teacher_parts` are
+        the pieces of its rows from each teacher process. `bytes_per_token` counts the
         teacher rows it received."""
         if step_no != self._next:
             raise RuntimeError(f"student step {step_no} out of order: expected {self._next}")
         jax, t0 = self._jax, time.perf_counter()
         if isinstance(batch, dict):
-            batch = self._reader.rows(batch, *self._block)
+            batch = self._reader.rows(batch, self._spans)
         if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
             t_in = teacher_parts[0]
             nbytes = sum(x.nbytes for x in jax.tree.leaves(t_in))
             t_out, batch = jax.device_put(t_in, self._split), jax.device_put(batch, self._split)
         else:
-            first = self._i * self._rows // self._n
-            t_in, nbytes = ray_rows.student_rows(list(teacher_parts), first, self._rows // self._n)
+            t_in, nbytes = ray_rows.student_rows(list(teacher_parts), self._spans)
             t_out = ray_rows.global_arrays(t_in, self._split, self._rows)
             batch = ray_rows.global_arrays(batch, self._split, self._rows)
         self._state, metrics = self._step_fn(self._state, batch, t_out)
@@ -349,10 +347,11 @@ class StudentActor(_Member):
         if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
             return self._eval.one(self._state.params, batch, teacher_parts[0])
         rows = batch.tokens.shape[0]
-        lo, hi = ray_rows.block(rows, self._n, self._i)
-        t_in, _ = ray_rows.student_rows(list(teacher_parts), lo, hi - lo)
+        spans = ray_rows.spans(self._owners, self._i, rows)
+        t_in, _ = ray_rows.student_rows(list(teacher_parts), spans)
         logits = ray_rows.global_arrays(t_in.logprobs, self._split, rows)
-        mine = ray_rows.global_arrays(Batch(*(x[lo:hi] for x in batch)), self._split, rows)
+        mine = Batch(*(ray_rows.take(x, spans) for x in batch))
+        mine = ray_rows.global_arrays(mine, self._split, rows)
         return self._eval.one(self._state.params, mine, logits)
 
     def save(self, step: int, data_state: dict) -> None:

@@ -141,6 +141,7 @@ class ActorPool:
 
     def _student_ready(self) -> tuple[int, dict | None]:
         self._record("student", self.students)
+        self.owners = tuple(self.students.info[0]["row_owners"])  # its layout's rows
         self.student_start, data_state = ray.get(self.student.resume_point.remote())
         return self.student_start, data_state
 
@@ -247,14 +248,16 @@ class ActorPool:
         the evaluation's samples of chunk `chunk`: the student group continues `prompts`,
         replica 0 scores the continuations."""
         n = self.student_hosts
-        blocks = [prompts] if n == 1 else ray_rows.split_batch(prompts, n)
+        blocks = [prompts] if n == 1 else ray_rows.split_batch(prompts, self.owners)
         calls = [
             actor.sample_eval.remote(blocks[p], chunk)
             for p, actor in enumerate(self.students.members)
         ]
         stats = self.student_result([c for _, c in calls])
         rows = [rows for rows, _ in calls]
-        nll, _ = self._on_teacher(0, lambda group: get_all(group.call("nll", *rows))[0])
+        nll, _ = self._on_teacher(
+            0, lambda group: get_all(group.call("nll", self.owners, *rows))[0]
+        )
         return nll, stats["logp"], stats["tokens"]
 
     def _on_teacher(self, r: int, call):
@@ -270,11 +273,12 @@ class ActorPool:
 
     def _forward(self, data_state: dict, batch: dict | list, r: int) -> Pending:
         """Every process of replica r's group runs the forward on `batch` (`Pending.batch`);
-        process q's result p is its rows of student process p's block (one part, the whole
+        process q's result p is the rows it holds of student process p's (one part, the whole
         output, when both groups are one process)."""
         n = self.student_hosts
         parts = batch if isinstance(batch, list) else [batch]
-        calls = self.teachers[r].call("forward", n, *parts, num_returns=None if n == 1 else n + 1)
+        returns = None if n == 1 else n + 1
+        calls = self.teachers[r].call("forward", self.owners, *parts, num_returns=returns)
         out = [[refs[p] for refs in calls] for p in range(n)]
         return Pending(data_state, batch, r, out, [refs[-1] for refs in calls])
 
@@ -311,7 +315,8 @@ class ActorPool:
         n, replicas = self.student_hosts, self.replicas
 
         def submit(i: int) -> list:
-            return self.teachers[i % replicas].call("eval_logits", n, batches[i], num_returns=n + 1)
+            group = self.teachers[i % replicas]
+            return group.call("eval_logits", self.owners, batches[i], num_returns=n + 1)
 
         calls = {0: submit(0)} if batches else {}
         for i in range(len(batches)):

@@ -192,3 +192,29 @@ def read_summary(out) -> dict:
 def kill_process(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # already gone
         os.kill(pid, signal.SIGKILL)
+
+
+def run_jax_group(tmp_path, script: str, *args: str, n: int = 2) -> list[str]:
+    """Run `script` as the `n` processes of one JAX group on this machine (argv: the
+    group's coordinator address, the process id, then `args`); each process's stdout, once
+    every one exited cleanly."""
+    import subprocess
+    import sys
+
+    from distill.distributed import free_port
+
+    path = tmp_path / "member.py"
+    path.write_text(script)
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(path), address, str(i), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(n)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err.decode()[-3000:]
+    return [out.decode() for out, _ in outs]

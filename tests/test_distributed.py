@@ -4,13 +4,12 @@ the pieces its threads interleave, and everything else printed (from Python, in 
 from C) does."""
 
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from distill.distributed import GlooChatter, free_port
+from distill.distributed import GlooChatter
+from tests.conftest import run_jax_group
 
 MEMBER = textwrap.dedent(
     """
@@ -35,21 +34,7 @@ MEMBER = textwrap.dedent(
 
 
 def test_two_processes_join_and_gloo_chatter_is_dropped(tmp_path):
-    script = tmp_path / "member.py"
-    script.write_text(MEMBER)
-    address = f"127.0.0.1:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), address, str(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for i, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, err.decode()[-2000:]
-        text = out.decode()
+    for i, text in enumerate(run_jax_group(tmp_path, MEMBER)):
         assert "Gloo" not in text and "peer ranks" not in text, text
         lines = text.split("\n")
         assert lines.count("from C") == 1, text  # C's own text passes the filter ...

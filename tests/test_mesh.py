@@ -58,9 +58,7 @@ def test_gpu_hosts_keep_tensor_parallel_groups_on_one_host():
     """2 hosts x 4 GPUs: the inner axis stays on a host's NVLink where it fits, and the
     devices of a host are ordered by id."""
     gpus = [Dev(i, i // 4, "gpu", "NVIDIA H100") for i in (4, 5, 6, 7, 3, 2, 1, 0)]
-    for process_major in (True, False):  # the teacher's GPU hosts are split by host too
-        grid = device_grid(gpus, (2, 4), process_major=process_major)
-        assert ids(grid) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ids(device_grid(gpus, (2, 4))) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     fsdp = device_grid(gpus, (4, 2))  # student dp=4 x fsdp=2: each fsdp pair on one host
     assert all(len({d.process_index for d in row}) == 1 for row in fsdp)
     assert ids(device_grid(gpus, (1, 8))) == [[0, 1, 2, 3, 4, 5, 6, 7]]
@@ -90,15 +88,19 @@ def test_one_tpu_host_is_laid_out_by_jax_topology_rules():
     assert ids(grid) != [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_a_multi_host_tpu_slice_keeps_each_host_together():
-    """v5e 4x4 (4 hosts of 2 x 2): tp=4 on each host's chips, dp across the hosts; every
-    layout of several hosts is process-major (what the row hand-off relies on)."""
+def test_a_multi_host_tpu_slice_is_laid_out_slice_wide_for_either_role():
+    """v5e 4x4 (4 hosts of 2 x 2): any mesh over the slice is `mesh_utils`' layout of the
+    whole torus, the student's too, though its hosts may then interleave in the flat
+    order (dp=4 x fsdp=4: each fsdp ring a row of the torus, over two hosts): the row
+    hand-off follows whichever rows a process holds."""
+    from jax.experimental import mesh_utils
+
     chips = _v5e_slice(2, 2)
-    grid = device_grid(chips[::-1], (4, 4))
-    assert [{d.process_index for d in row} for row in grid] == [{0}, {1}, {2}, {3}]
-    student = device_grid(chips, (2, 8))  # dp=2 x fsdp=8: fsdp crosses two hosts
-    flat = [d.process_index for d in student.flat]
-    assert flat == sorted(flat)
+    for shape in ((4, 4), (2, 8), (1, 16)):
+        whole = mesh_utils.create_device_mesh(shape, chips, allow_split_physical_axes=True)
+        assert ids(device_grid(chips[::-1], shape)) == ids(whole)
+    flat = [d.process_index for d in device_grid(chips, (4, 4)).flat]
+    assert flat == [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
 
 
 def _hops(row) -> list[int]:
@@ -107,31 +109,31 @@ def _hops(row) -> list[int]:
     return [abs(a[0] - b[0]) + abs(a[1] - b[1]) for a, b in zip(xy, xy[1:] + xy[:1], strict=True)]
 
 
-def test_a_teacher_over_a_tpu_slice_is_one_torus():
-    """The teacher (`process_major=False`) on a v5e 4x4 of 4 hosts: tp=16 is one ring of
-    neighbouring chips, as `mesh_utils` lays out the whole slice; split host by host it
-    would jump between hosts (hops of 3 to 6 chips)."""
+def test_tensor_parallelism_over_a_tpu_slice_is_one_ring():
+    """tp=16 on a v5e 4x4 of 4 hosts is one ring of neighbouring chips; split host by host
+    it would jump between hosts (hops of 3 to 6 chips). Two slices are split by slice."""
     from jax.experimental import mesh_utils
 
     chips = _v5e_slice(2, 2)
-    ring = device_grid(chips[::-1], (1, 16), process_major=False)
-    assert _hops(ring[0]) == [1] * 16
-    whole = mesh_utils.create_device_mesh((4, 4), chips, allow_split_physical_axes=True)
-    assert ids(device_grid(chips, (4, 4), process_major=False)) == ids(whole)
-    assert max(_hops(device_grid(chips, (1, 16))[0])) > 2  # host by host, the student's
+    assert _hops(device_grid(chips[::-1], (1, 16))[0]) == [1] * 16
+    by_host = mesh_utils.create_hybrid_device_mesh(
+        (1, 4), (1, 4), chips, process_is_granule=True, allow_split_physical_axes=True
+    )
+    assert max(_hops(by_host[0])) > 2
     two_slices = [Dev(d.id + 16 * s, d.process_index + 4 * s, "tpu", d.device_kind, d.coords,
                       slice_index=s) for s in (0, 1) for d in chips]  # fmt: skip
-    grid = device_grid(two_slices, (2, 16), process_major=False)  # dp across the slices
+    grid = device_grid(two_slices, (2, 16))  # dp across the slices
     assert [{d.slice_index for d in row} for row in grid] == [{0}, {1}]
 
 
-def test_a_layout_that_would_split_hosts_keeps_process_order(caplog):
-    """dp=6 x fsdp=2 on 4 hosts of 3: the split would interleave hosts in the flat order."""
+def test_hosts_that_the_axes_split_unevenly_interleave():
+    """dp=6 x fsdp=2 on 4 hosts of 3: dp crosses the hosts as far as it divides them (2),
+    fsdp the rest (2), and a host's 3 devices run along dp; the hosts interleave in the
+    flat order, which the row hand-off follows (`ray_rows.row_owners`)."""
     devs = [Dev(i, i // 3) for i in range(12)]
     assert ids(device_grid(devs[::-1], (6, 2))) == [
-        [2, 1], [0, 5], [4, 3], [8, 7], [6, 11], [10, 9]
+        [2, 5], [1, 4], [0, 3], [8, 11], [7, 10], [6, 9]
     ]  # fmt: skip
-    assert "kept the devices' order" in caplog.text
 
 
 def test_a_part_of_a_torus_that_is_no_box_keeps_the_given_order(caplog):

@@ -109,31 +109,51 @@ def test_bad_hosts_are_one_line(corpus_dir, tmp_path, capsys, overrides, expecte
         assert len(err.splitlines()) == 1 and err.startswith(f"distill: error: {expected}"), err
 
 
-def test_rows_between_groups_cover_each_student_block():
-    """Teacher output row blocks as a 2-process teacher holds them go to 2 student blocks."""
+# the student process holding each row shard: host by host, interleaved, out of order
+OWNERS = [(0,), (0, 1), (0, 1, 2, 3), (0, 1, 0, 1), (1, 0, 0, 1)]
+
+
+@pytest.mark.parametrize("owners", OWNERS)
+def test_rows_between_groups_cover_each_student_process_rows(owners):
+    """A batch split into each student process's rows (one block or several) and joined
+    again is the batch; a teacher's pieces of one process's rows are checked to cover
+    them exactly."""
     import numpy as np
 
     from distill.types import Batch, TeacherOutput
     from pipelines import ray_rows
 
     batch = Batch(*(np.arange(8 * 3).reshape(8, 3) + i for i in range(5)))
-    blocks = ray_rows.split_batch(batch, 2)
-    assert [b.tokens.shape for b in blocks] == [(4, 3), (4, 3)]
-    assert (ray_rows.join_batch(blocks).mask == batch.mask).all()
+    parts = ray_rows.split_batch(batch, owners)
+    assert len(parts) == max(owners) + 1
+    for p, part in enumerate(parts):
+        mine = ray_rows.spans(owners, p, 8)
+        assert (part.tokens == np.concatenate([batch.tokens[a:b] for a, b in mine])).all()
+    joined = ray_rows.join_batch(parts, owners)
+    assert all((x == y).all() for x, y in zip(joined, batch, strict=True))
     out = TeacherOutput(np.arange(8 * 2, dtype=np.float32).reshape(8, 2), None)
-    pieces = [
-        [(0, TeacherOutput(out.logprobs[0:3], None))],
-        [(3, TeacherOutput(out.logprobs[3:4], None))],
-    ]
-    rows, nbytes = ray_rows.student_rows(pieces, 0, 4)
-    assert (rows.logprobs == out.logprobs[:4]).all() and nbytes == 4 * 2 * 4
+    mine = ray_rows.spans(owners, max(owners), 8)
+    pieces = [[(a, TeacherOutput(out.logprobs[a : a + 1], None))] for lo, hi in mine
+              for a in range(lo, hi)][::-1]  # fmt: skip
+    rows, nbytes = ray_rows.student_rows(pieces, mine)
+    assert (rows.logprobs == ray_rows.take(out.logprobs, mine)).all()
+    assert nbytes == rows.logprobs.nbytes
     with pytest.raises(RuntimeError, match="do not cover"):
-        ray_rows.student_rows(pieces[:1], 0, 4)
+        ray_rows.student_rows(pieces[1:], mine)
 
 
-def test_teacher_parts_send_each_row_once():
-    """A teacher output replicated over tp (rows split over dp only) goes to 4 student
-    blocks, each row once, from the devices' own buffers."""
+def test_spans_merge_a_process_adjacent_shards():
+    from pipelines.ray_rows import spans
+
+    assert spans((0, 0, 1, 1), 0, 8) == [(0, 4)]
+    assert spans((0, 1, 1, 0), 0, 8) == [(0, 2), (6, 8)]
+    assert spans((0, 1, 1, 0), 1, 4) == [(1, 3)]
+
+
+@pytest.mark.parametrize("owners", [(0, 1, 2, 3), (1, 0, 3, 2), (0, 0, 1, 1)])
+def test_teacher_parts_send_each_row_once(owners):
+    """A teacher output replicated over tp (rows split over dp only) goes to the student
+    processes as `owners` says, each row once, from the devices' own buffers."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -148,11 +168,13 @@ def test_teacher_parts_send_each_row_once():
     out = TeacherOutput(
         jax.device_put(values, split), jax.device_put(values.astype(np.int32), split)
     )
-    parts = ray_rows.teacher_parts(out, 4)
+    parts = ray_rows.teacher_parts(out, owners)
     for p, part in enumerate(parts):
-        rows, nbytes = ray_rows.student_rows([part], 2 * p, 2)
-        assert (rows.logprobs == values[2 * p : 2 * p + 2]).all() and nbytes == 2 * 6 * 8
-        assert (rows.ids == values[2 * p : 2 * p + 2]).all()
+        mine = ray_rows.spans(owners, p, 8)
+        rows, nbytes = ray_rows.student_rows([part], mine)
+        assert (rows.logprobs == ray_rows.take(values, mine)).all()
+        assert (rows.ids == ray_rows.take(values, mine)).all()
+        assert nbytes == sum(b - a for a, b in mine) * 6 * 8
 
 
 def _corpus(corpus_dir):
@@ -164,8 +186,9 @@ def _corpus(corpus_dir):
 
 
 def test_each_process_reads_its_rows_of_the_iterators_batch(corpus_dir):
-    """Read by data state, any block of a batch is those rows of the batch the driver's
-    Grain iterator yields at that state, on any host count (the data per host)."""
+    """Read by data state, any rows of a batch are those rows of the batch the driver's
+    Grain iterator yields at that state, on any host count and layout (the data per
+    host)."""
     import numpy as np
 
     from pipelines import ray_rows
@@ -175,10 +198,12 @@ def test_each_process_reads_its_rows_of_the_iterators_batch(corpus_dir):
     it = corpus.train_iterator(4, cfg.run.seed)
     for _ in range(3 * corpus.train_rows // 4):  # past an epoch: reshuffled
         state, batch = it.get_state(), next(it)
-        for hosts in (1, 2, 4):
-            blocks = [reader.rows(state, *ray_rows.block(4, hosts, p)) for p in range(hosts)]
-            for field, *parts in zip(batch, *blocks, strict=True):
-                np.testing.assert_array_equal(np.concatenate(parts), field)
+        for owners in OWNERS:
+            rows = [
+                reader.rows(state, ray_rows.spans(owners, p, 4)) for p in range(max(owners) + 1)
+            ]
+            for field, whole in zip(ray_rows.join_batch(rows, owners), batch, strict=True):
+                np.testing.assert_array_equal(field, whole)
     other = ray_rows.BatchReader(corpus, 4, cfg.run.seed + 1)
     assert ray_rows.data_check(other) != ray_rows.data_check(reader)
 
@@ -297,6 +322,37 @@ def test_teacher_process_lost_at_evaluation_recreates_its_group(
     monkeypatch.setattr(ActorPool, "eval_teacher_logits", kill_then_evaluate)
     summary = _run_matching_local(tmp_path, corpus_dir, local_run)
     assert summary["actor_restarts"] == {"teacher": 1, "student": 0}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_student_group_holding_interleaved_rows_matches_local(
+    ray_cluster, corpus_dir, tmp_path, monkeypatch
+):
+    """Student dp=3 x fsdp=2 over 2 hosts of 3 devices: dp does not divide the hosts, so
+    fsdp crosses them and the hosts interleave: each student process holds row shards
+    0, 2, 4 or 1, 3, 5 of every batch (three blocks, as on a TPU slice laid out as one
+    torus). Reading, receiving and sending just those rows gives local mode's losses,
+    evaluation and sample metrics."""
+    owners = []
+    monkeypatch.setattr(ray_mode, "after_step", lambda step, pool: owners.append(pool.owners))
+    mesh = {"teacher": {"tp": 2}, "student": {"dp": 3, "fsdp": 2}}
+    outs = {"local": tmp_path / "local", "ray": tmp_path / "ray"}
+    for mode in outs:
+        cfg = tiny_config(
+            str(corpus_dir), str(outs[mode]), mesh=mesh, train={"batch_size": 6},
+            data=DATA, distill=ON_POLICY, pipeline={"mode": mode},
+        )  # fmt: skip
+        if mode == "ray":
+            cfg["mesh"]["student"]["hosts"] = 2
+            cfg["teacher"] = {
+                **cfg.get("teacher", {}),
+                "checkpoint": str(outs["local"] / "teacher"),
+            }
+        assert _run(tmp_path, cfg) == 0
+    _assert_same_losses(outs["ray"], outs["local"])
+    assert set(owners) == {(0, 1, 0, 1, 0, 1)}
+    assert _train(outs["ray"])[6]["bytes_per_token"] == 8 * 8  # each row once
 
 
 @pytest.mark.ray
