@@ -113,6 +113,7 @@ class ActorPool:
         self.in_flight: deque[Pending] = deque()
         self.generated: deque = deque(maxlen=64)  # refs of recent generation figures
         self.student_queued = 0  # steps submitted whose metrics were not read yet
+        self.owners: tuple[int, ...] = ()  # ray_rows.row_owners, once the student is ready
         self._replica_restarts = [0] * self.replicas
         self._rr = 0
         if cfg.pipeline.prefetch < self.replicas:

@@ -77,14 +77,8 @@ def row_owners(sharding) -> Owners:
 def spans(owners: Owners, p: int, rows: int) -> Spans:
     """The rows of a batch of `rows` that student process `p` holds, as blocks in order
     (adjacent shards merged: one block when the layout is host by host)."""
-    size, out = rows // len(owners), []
-    for k, q in enumerate(owners):
-        if q == p:
-            if out and out[-1][1] == k * size:
-                out[-1] = (out[-1][0], (k + 1) * size)
-            else:
-                out.append((k * size, (k + 1) * size))
-    return out
+    size = rows // len(owners)
+    return _merged([(k * size, (k + 1) * size) for k, q in enumerate(owners) if q == p])
 
 
 def take(x, spans: Spans):
