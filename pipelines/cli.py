@@ -107,9 +107,14 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
 
 
 def _prepare_devices(cfg: Config) -> None:
+    """Before JAX starts: the simulated CPU devices the meshes need, and on CPU devices host
+    memory kept for reuse between steps (`distill.allocator`)."""
+    from distill.allocator import keep_freed_memory, runs_on_cpu
     from distill.mesh import devices_needed, simulate_cpu_devices
 
     simulate_cpu_devices(devices_needed(cfg))
+    if runs_on_cpu(cfg.mesh.platform):
+        keep_freed_memory()
 
 
 def _config(args: argparse.Namespace) -> Config:
