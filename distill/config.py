@@ -117,11 +117,11 @@ class ModelConfig(_Section):
     rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling; None: plain RoPE.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share the embedding and LM head.")
-    attention: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = Field(
+    attention: Literal["auto", "reference", "blockwise", "prefix", "cudnn", "splash"] = Field(
         "auto",
-        description="Attention kernel. auto: cuDNN flash attention on GPU (bfloat16), splash on "
-        "TPU, blockwise (flash-style XLA) elsewhere; none of them forms the S x S scores. "
-        "reference: the plain S x S math (tests).",
+        description="Attention kernel. auto: cuDNN flash on GPU (bfloat16), splash on TPU, on "
+        "CPU prefix (64-query blocks against their causal prefix) up to 512 tokens, blockwise "
+        "(flash-style XLA, never S x S) elsewhere. reference: the plain S x S math (tests).",
     )
 
     @model_validator(mode="after")
@@ -212,7 +212,7 @@ class StudentModelOverrides(_Section):
     rope_scaling: RopeScaling | None = None
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
-    attention: Literal["auto", "reference", "blockwise", "cudnn", "splash"] | None = None
+    attention: Literal["auto", "reference", "blockwise", "prefix", "cudnn", "splash"] | None = None
 
 
 class StudentConfig(_Section):
@@ -356,6 +356,12 @@ class TrainConfig(_Section):
         description="Rematerialisation of the student's blocks in the backward pass. none: keep "
         "every activation; block: keep only each block's input, recompute the rest; dots: keep "
         "the matmul outputs, recompute attention and elementwise ops.",
+    )
+    layer_loop: Literal["auto", "scan", "unroll"] = Field(
+        "auto",
+        description="The training step's layers. scan: one block looped over the stacked layers "
+        "(compile time independent of depth); unroll: each layer its own code, no stacked "
+        "activations to read back (faster on CPU); auto: unroll up to 8 layers on CPU, else scan.",
     )
     profile: list[int] | None = Field(
         None,

@@ -52,7 +52,7 @@ def prefill(
     module = model._module(cfg, params)
     dt = model._dtype(dtype)
     x = _constrain(module.embed[...][prompts.tokens].astype(dt), rows)
-    backend = resolve_backend(cfg.attention, dt, cfg.hd)
+    backend = resolve_backend(cfg.attention, dt, cfg.hd, prompts.tokens.shape[1])
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
     def run_layers(x, block):

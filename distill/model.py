@@ -89,6 +89,14 @@ def rope(
     return (x32 * cos + rotated * sin).astype(x_bshd.dtype)
 
 
+def matmul(x_bsd: jax.Array, w_df: jax.Array) -> jax.Array:
+    """x @ w [B, S, F], computed on the [B * S, D] rows (a free reshape): a dot with one
+    contracting dimension, whose weight gradient XLA:CPU forms without first copying the
+    output's gradient transposed (over [B, S] it contracts two dimensions and does)."""
+    b, s, d = x_bsd.shape
+    return (x_bsd.reshape(b * s, d) @ w_df).reshape(b, s, w_df.shape[-1])
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, hd, f = cfg.d_model, cfg.hd, cfg.d_ff
@@ -110,9 +118,9 @@ class Block(nnx.Module):
         dt = x_bsd.dtype
         b, s, _ = x_bsd.shape
         h = rms_norm(x_bsd, self.attn_norm[...], self.eps)
-        q = (h @ self.wq[...].astype(dt)).reshape(b, s, -1, self.hd)
-        k = (h @ self.wk[...].astype(dt)).reshape(b, s, -1, self.hd)
-        v = (h @ self.wv[...].astype(dt)).reshape(b, s, -1, self.hd)
+        q = matmul(h, self.wq[...].astype(dt)).reshape(b, s, -1, self.hd)
+        k = matmul(h, self.wk[...].astype(dt)).reshape(b, s, -1, self.hd)
+        v = matmul(h, self.wv[...].astype(dt)).reshape(b, s, -1, self.hd)
         q = rope(q, positions_bs, self.theta, self.rope_scaling)
         k = rope(k, positions_bs, self.theta, self.rope_scaling)
         return q, k, v
@@ -122,11 +130,11 @@ class Block(nnx.Module):
         projection, the residuals and the SwiGLU MLP."""
         dt = x_bsd.dtype
         b, s, _ = x_bsd.shape
-        x_bsd = x_bsd + cc.psum(o_bshd.reshape(b, s, -1) @ self.wo[...].astype(dt), tp_axis)
+        x_bsd = x_bsd + cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)
         h = rms_norm(x_bsd, self.mlp_norm[...], self.eps)
-        gate = jax.nn.silu(h @ self.w_gate[...].astype(dt))
-        up = h @ self.w_up[...].astype(dt)
-        return x_bsd + cc.psum((gate * up) @ self.w_down[...].astype(dt), tp_axis)
+        gate = jax.nn.silu(matmul(h, self.w_gate[...].astype(dt)))
+        up = matmul(h, self.w_up[...].astype(dt))
+        return x_bsd + cc.psum(matmul(gate * up, self.w_down[...].astype(dt)), tp_axis)
 
     def __call__(self, x_bsd, segment_ids_bs, positions_bs, tp_axis: str | None, backend: str):
         x, _ = self.with_kv(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend)
@@ -156,16 +164,18 @@ class Transformer(nnx.Module):
 
     def hidden(
         self, tokens_bs, segment_ids_bs, positions_bs, *, tp_axis, dtype, remat, attention,
-        rows=None,
+        rows=None, unroll=False,
     ):  # fmt: skip
         """The final normed hidden states [B, S, D] (before the LM head). `rows`: a sharding
         the activations are held to (the batch's, under fully sharded training), so that XLA
-        gathers each layer's weights rather than moving activations between devices."""
+        gathers each layer's weights rather than moving activations between devices.
+        `unroll`: each layer its own code rather than one block looped over the stacked
+        layers (`student.train.unrolls`)."""
         dt = _dtype(dtype)
         x = cc.embed_lookup(self.embed[...], tokens_bs, tp_axis).astype(dt)
         if rows is not None:
             x = jax.lax.with_sharding_constraint(x, rows)
-        backend = resolve_backend(attention, dt, self.cfg.hd)
+        backend = resolve_backend(attention, dt, self.cfg.hd, tokens_bs.shape[1])
 
         def block_fn(block, x):
             return block(x, segment_ids_bs, positions_bs, tp_axis, backend)
@@ -173,7 +183,7 @@ class Transformer(nnx.Module):
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
         def run_layers(x, block):
             return block_fn(block, x)
 
@@ -248,21 +258,22 @@ def apply_hidden(
     dtype="float32",
     remat="none",
     rows=None,
+    unroll=False,
 ) -> tuple[jax.Array, jax.Array]:
     """(final normed hidden states [B, S, D] in the compute dtype, the LM head [D, V]): for
-    losses that form the logits a chunk at a time (`distill.vocab_loss`). `rows`: see
-    `Transformer.hidden`."""
+    losses that form the logits a chunk at a time (`distill.vocab_loss`). `rows`, `unroll`:
+    see `Transformer.hidden`."""
     module = _module(cfg, params)
     x = module.hidden(
-        tokens, segment_ids, positions,
-        tp_axis=tp_axis, dtype=dtype, remat=remat, attention=cfg.attention, rows=rows,
+        tokens, segment_ids, positions, tp_axis=tp_axis, dtype=dtype, remat=remat,
+        attention=cfg.attention, rows=rows, unroll=unroll,
     )  # fmt: skip
     return x, module.head()
 
 
 def apply(cfg: ModelConfig, params: Params, tokens, segment_ids, positions, **kw) -> jax.Array:
     """Float32 logits of the model on a parameter dict (full weights, or this shard's
-    slices under tp); keywords as `apply_hidden` (tp_axis, dtype, remat, rows)."""
+    slices under tp); keywords as `apply_hidden` (tp_axis, dtype, remat, rows, unroll)."""
     return logits(*apply_hidden(cfg, params, tokens, segment_ids, positions, **kw))
 
 

@@ -51,9 +51,11 @@ def default_chunk(vocab_size: int, rows: int = 1, budget_bytes: int = CHUNK_BYTE
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _head_matmul(x_nd: jax.Array, head_dv: jax.Array, dt: jnp.dtype) -> jax.Array:
-    return jnp.einsum(
-        "...d,dv->...v", x_nd.astype(dt), head_dv.astype(dt), preferred_element_type=jnp.float32
-    )
+    # on the rows [N, D] (a free reshape): a dot with one contracting dimension, whose head
+    # gradient XLA:CPU forms without copying the logits' gradient transposed
+    x = x_nd.reshape(-1, x_nd.shape[-1]).astype(dt)
+    z = jnp.dot(x, head_dv.astype(dt), preferred_element_type=jnp.float32)
+    return z.reshape(*x_nd.shape[:-1], head_dv.shape[-1])
 
 
 def _head_matmul_fwd(x_nd, head_dv, dt):
@@ -66,11 +68,12 @@ def _head_matmul_bwd(dt, res, g_nv):
     # which upcasts to a float32 matmul); both accumulate in float32, and the head's
     # gradient is returned in float32 rather than rounded to `dt`.
     x_nd, head_dv = res
-    g = g_nv.astype(dt)
+    g = g_nv.reshape(-1, g_nv.shape[-1]).astype(dt)
+    x = x_nd.reshape(-1, x_nd.shape[-1]).astype(dt)
     f32 = jnp.float32
-    dx = jnp.einsum("...v,dv->...d", g, head_dv.astype(dt), preferred_element_type=f32)
-    dh = jnp.einsum("...d,...v->dv", x_nd.astype(dt), g, preferred_element_type=f32)
-    return dx.astype(x_nd.dtype), dh.astype(head_dv.dtype)
+    dx = jnp.einsum("nv,dv->nd", g, head_dv.astype(dt), preferred_element_type=f32)
+    dh = jnp.einsum("nd,nv->dv", x, g, preferred_element_type=f32)
+    return dx.reshape(x_nd.shape).astype(x_nd.dtype), dh.astype(head_dv.dtype)
 
 
 _head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)

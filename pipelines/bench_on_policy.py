@@ -71,6 +71,7 @@ def _parts_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
         scfg, tx, meshes.student, loss_cfg=cfg.distill,
         lr_schedule=optim.schedule(cfg.optim, 10**6), dtype=cfg.student.dtype,
         vocab_limit=limit, remat=cfg.train.remat, grad_accum=cfg.train.grad_accum,
+        layer_loop=cfg.train.layer_loop,
     )  # fmt: skip
 
     def student():

@@ -78,6 +78,20 @@ def test_blockwise_matches_reference(dtype, blocks):
     _assert_matches_reference("blockwise", dtype, **blocks)
 
 
+@pytest.mark.parametrize(
+    "dtype, blocks",
+    [
+        (jnp.float32, dict(block_q=48)),  # four blocks of 48 and a last one of 8 queries
+        (jnp.bfloat16, dict(block_q=48)),
+        (jnp.float32, dict()),  # default 64: 64, 64, 64 and 8
+        (jnp.float32, dict(block_q=512)),  # one block of all 200 queries
+    ],
+    ids=["f32-48", "bf16-48", "f32-default", "f32-one-block"],
+)
+def test_prefix_matches_reference(dtype, blocks):
+    _assert_matches_reference("prefix", dtype, **blocks)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_splash_interpret_matches_reference(dtype):
     # The TPU kernel in Pallas interpret mode: runs on CPU with this JAX (S padded to 256).
@@ -106,7 +120,9 @@ def test_off_platform_backends_fail_clearly():
 def test_auto_picks_by_platform_and_dtype():
     platform = jax.default_backend()
     if platform == "cpu":
-        assert resolve_backend("auto", jnp.bfloat16, 64) == "blockwise"
+        assert resolve_backend("auto", jnp.bfloat16, 64) == "blockwise"  # any length
+        assert resolve_backend("auto", jnp.float32, 64, 512) == "prefix"  # short rows
+        assert resolve_backend("auto", jnp.float32, 64, 513) == "blockwise"
     if platform == "tpu":
         assert resolve_backend("auto", jnp.float32, 64) == "splash"
     if _is_cuda():
@@ -117,9 +133,9 @@ def test_auto_picks_by_platform_and_dtype():
 
 def test_the_meshes_platform_decides_not_the_default_backend(monkeypatch):
     """On a TPU (or GPU) host asked for CPU devices (`mesh.platform: cpu`, say a plan of a
-    bigger slice on simulated devices), `auto` is blockwise in CPU tiles: the devices'
-    platform decides, which `available_devices` hands to attention, not JAX's default
-    backend."""
+    bigger slice on simulated devices), `auto` is prefix for short rows, else blockwise in
+    CPU tiles: the devices' platform decides, which `available_devices` hands to attention,
+    not JAX's default backend."""
     from distill import attention as attn
     from distill.mesh import available_devices
 
@@ -129,10 +145,11 @@ def test_the_meshes_platform_decides_not_the_default_backend(monkeypatch):
     assert available_devices("cpu")[0].platform == "cpu"
     assert attn.platform() == "cpu"
     assert resolve_backend("auto", jnp.bfloat16, 64) == "blockwise"
+    assert resolve_backend("auto", jnp.bfloat16, 64, S) == "prefix"
     seen = []
     monkeypatch.setattr(attn, "_blockwise", lambda *args: seen.append(args[-2:]))
     q, k, v, _, seg = _inputs(jnp.float32)
-    attention(q, k, v, seg)
+    attention(q, k, v, seg, backend="blockwise")
     assert seen == [(attn.CPU_BLOCK, attn.CPU_BLOCK)]
 
 
@@ -157,3 +174,9 @@ def test_blockwise_memory_grows_linearly():
     assert blk_4k / blk_2k <= 2.3  # blocks and O(S) residuals only
     one_head_scores = 4096 * 4096 * 4  # one float32 S x S array, 64 MiB
     assert blk_4k < one_head_scores, f"blockwise temp {blk_4k / 2**20:.1f} MiB"
+
+
+def test_prefix_memory_stays_below_the_reference():
+    """prefix holds several blocks' scores at once (XLA:CPU runs them concurrently), so it
+    is only `auto`'s choice for short rows; there it needs well under the S x S math."""
+    assert _grad_temp_bytes("prefix", 512) < 0.6 * _grad_temp_bytes("reference", 512)
