@@ -1,0 +1,61 @@
+"""distill.allocator: host memory kept for reuse on CPU runs, decided before JAX starts.
+
+The effect is checked in fresh processes (the settings only take before JAX's CPU client
+starts its threads): a jitted program with a 36 MiB intermediate (past glibc's largest
+mmap threshold, 32 MiB), run ten times, with and without `keep_freed_memory`, counting the
+page faults a run (measured here: about 9,300 without, 0 with).
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from distill.allocator import keep_freed_memory, runs_on_cpu
+
+_PROGRAM = """
+import resource, sys
+if sys.argv[1] == "keep":
+    from distill.allocator import keep_freed_memory
+    assert keep_freed_memory()
+import jax, jax.numpy as jnp
+x = jnp.ones((3072, 256))
+f = jax.jit(lambda x: jnp.sum(jnp.tanh(x @ x.T) @ x))
+f(x).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    f(x).block_until_ready()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 10)
+"""
+
+
+def _faults_per_run(mode: str) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_kept_memory_is_not_faulted_in_again_every_run():
+    plain, kept = _faults_per_run("plain"), _faults_per_run("keep")
+    assert plain > 5_000, f"{plain} faults a run without the setting: the test lost its point"
+    assert kept < plain / 20, f"{kept} faults a run with it, {plain} without"
+
+
+def test_cpu_runs_are_known_before_jax_starts(monkeypatch):
+    assert runs_on_cpu("cpu") and not runs_on_cpu("gpu") and not runs_on_cpu("tpu")
+    monkeypatch.setattr("distill.allocator.entry_points", lambda group: ["jax_cuda12_plugin"])
+    assert not runs_on_cpu("auto")  # a CUDA (or ROCm) plugin installed: an accelerator host
+
+
+def test_off_glibc_nothing_is_changed(monkeypatch):
+    def no_libc(name):
+        raise OSError(name)
+
+    monkeypatch.setattr("distill.allocator.ctypes.CDLL", no_libc)
+    assert keep_freed_memory() is False
