@@ -11,8 +11,11 @@ in the heap and the next execution reuses it: no faults after the first step (me
 that step 359 -> 328 ms, the teacher's forward 373 -> 364 ms, in one process).
 
 The settings must be made before JAX starts its CPU client: a thread that has allocated
-keeps its arena. They only apply where the devices are the host's: on an accelerator the
-programs' memory is the device's, and a host of many cores keeps its arenas.
+keeps its arena. The CLI makes them in its own process (`keep_freed_memory`); a process it
+starts for CPU devices (a Ray actor) gets them as glibc tunables in its environment
+(`tunables_env`), which glibc reads when the process starts. They only apply where the
+devices are the host's: on an accelerator the programs' memory is the device's, and a host
+of many cores keeps its arenas.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from importlib.metadata import entry_points
 
 log = logging.getLogger(__name__)
 
-# glibc's mallopt parameters (malloc.h)
+# glibc's mallopt parameters (malloc.h), and the same settings as tunables
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _INT_MAX = 2**31 - 1
+TUNABLES = (
+    f"glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold={_INT_MAX}"
+)
 
 
 def runs_on_cpu(platform: str) -> bool:
@@ -63,3 +69,10 @@ def keep_freed_memory() -> bool:
     if not done:
         log.debug("mallopt refused a setting; host allocations left as they are")
     return done
+
+
+def tunables_env(environ: dict[str, str]) -> dict[str, str]:
+    """The `GLIBC_TUNABLES` for a process started on CPU devices: these, then `environ`'s
+    own, if any, which win where they name the same (glibc takes the last of a name)."""
+    theirs = environ.get("GLIBC_TUNABLES")
+    return {"GLIBC_TUNABLES": f"{TUNABLES}:{theirs}" if theirs else TUNABLES}

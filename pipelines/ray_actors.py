@@ -30,6 +30,7 @@ import time
 
 import ray
 
+from distill.allocator import tunables_env
 from distill.config_file import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import DP, TP, device_grid, student_shape, teacher_shape
@@ -53,7 +54,8 @@ def device_options(n_devices: int, platform: str, host: str | None = None) -> tu
     gpu/tpu: Ray resources, so the actor lands on a node that has them and sees only its
     own (JAX picks its platform itself, whatever the driver's environment pins). cpu: one
     CPU slot, and `n_devices` simulated host devices set in the actor's environment before
-    its JAX starts (the driver's other XLA flags are kept)."""
+    its JAX starts (the driver's other XLA flags are kept), with glibc's tunables that keep
+    freed host memory for the next step (`distill.allocator`)."""
     auto = {"runtime_env": {"env_vars": {"JAX_PLATFORMS": ""}}}
     mine = {host: 1} if host else {}
     if platform == "gpu":
@@ -64,6 +66,7 @@ def device_options(n_devices: int, platform: str, host: str | None = None) -> tu
         return {"CPU": 1, "TPU": n_devices, **mine}, opts
     flags = re.sub(_COUNT_FLAG + r"=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
     env = {"XLA_FLAGS": " ".join([*flags, f"{_COUNT_FLAG}={n_devices}"]), "JAX_PLATFORMS": "cpu"}
+    env.update(tunables_env(os.environ))  # host memory kept between steps (distill.allocator)
     opts = {"num_cpus": 1, "resources": mine, "runtime_env": {"env_vars": env}}
     return {"CPU": 1, **mine}, opts
 

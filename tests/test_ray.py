@@ -186,13 +186,16 @@ def test_teacher_that_keeps_dying_ends_the_run(
 
 
 def test_device_options_give_each_actor_its_devices(monkeypatch):
+    from distill.allocator import TUNABLES
     from pipelines.ray_actors import device_options
 
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")
     bundle, opts = device_options(2, "cpu")
     env = opts["runtime_env"]["env_vars"]
     assert bundle == {"CPU": 1} and env["JAX_PLATFORMS"] == "cpu"
     assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"
+    assert env["GLIBC_TUNABLES"] == TUNABLES  # host memory kept between steps
     bundle, opts = device_options(4, "gpu")
     assert bundle == {"CPU": 1, "GPU": 4} and opts["num_gpus"] == 4
     assert opts["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": ""}  # no CPU pin leaks in
