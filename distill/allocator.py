@@ -13,7 +13,8 @@ that step 359 -> 328 ms, the teacher's forward 373 -> 364 ms, in one process).
 The settings must be made before JAX starts its CPU client: a thread that has allocated
 keeps its arena. The CLI makes them in its own process (`keep_freed_memory`); a process it
 starts for CPU devices (a Ray actor) gets them as glibc tunables in its environment
-(`tunables_env`), which glibc reads when the process starts. They only apply where the
+(`tunables_env`), which glibc reads when the process starts. Either way a setting the user
+names in `GLIBC_TUNABLES` is theirs. They only apply where the
 devices are the host's: on an accelerator the programs' memory is the device's, and a host
 of many cores keeps its arenas.
 """
@@ -23,16 +24,19 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import os
 from importlib.metadata import entry_points
 
 log = logging.getLogger(__name__)
 
-# glibc's mallopt parameters (malloc.h), and the same settings as tunables
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+# The settings: (glibc tunable, mallopt parameter from malloc.h, value)
 _INT_MAX = 2**31 - 1
-TUNABLES = (
-    f"glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold={_INT_MAX}"
+_SETTINGS = (
+    ("glibc.malloc.arena_max", -8, 1),  # M_ARENA_MAX
+    ("glibc.malloc.mmap_max", -4, 0),  # M_MMAP_MAX
+    ("glibc.malloc.trim_threshold", -1, _INT_MAX),  # M_TRIM_THRESHOLD
 )
+TUNABLES = ":".join(f"{name}={value}" for name, _, value in _SETTINGS)
 
 
 def runs_on_cpu(platform: str) -> bool:
@@ -54,18 +58,18 @@ def _no_plugin_modules() -> bool:
     return spec is None or not list(spec.submodule_search_locations or [])
 
 
-def keep_freed_memory() -> bool:
-    """Set glibc's allocator to keep freed blocks for reuse (module docstring). Returns
-    whether it did: False off glibc (macOS, musl), where nothing is changed."""
+def keep_freed_memory(environ: dict[str, str] | None = None) -> bool:
+    """Set glibc's allocator to keep freed blocks for reuse (module docstring), but for the
+    settings `GLIBC_TUNABLES` in `environ` (default: this process's) names: those are the
+    user's. Returns whether it did: False off glibc (macOS, musl), where nothing changes."""
+    environ = os.environ if environ is None else environ
+    theirs = {t.split("=")[0] for t in environ.get("GLIBC_TUNABLES", "").split(":")}
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    done = all(
-        mallopt(param, value) == 1
-        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX))
-    )
+    done = all(mallopt(param, value) == 1 for name, param, value in _SETTINGS if name not in theirs)
     if not done:
         log.debug("mallopt refused a setting; host allocations left as they are")
     return done
