@@ -155,7 +155,7 @@ def make_train_step(
 # `train.layer_loop: auto` unrolls models up to this deep on CPU. There the scanned backward
 # pass writes every layer's activations into stacked buffers and reads them back (dynamic
 # slices and updates), which unrolling removes: the quick-start-shaped student step (2
-# layers, 16 x 256 tokens) took 281 ms unrolled against 325 ms scanned. Deeper models keep
+# layers, 16 x 256 tokens) took 277 ms unrolled against 314 ms scanned. Deeper models keep
 # the scan, whose compile time does not grow with depth.
 UNROLL_MAX_LAYERS = 8
 

@@ -33,7 +33,7 @@ def _teacher(kind, b=8, s=16, seed=1):
     return TeacherOutput(np.asarray(vals), np.asarray(ids).astype(np.int32))
 
 
-def _run(dp, teacher, steps=3):
+def _run(dp, teacher, steps=3, layer_loop="auto"):
     mesh = Mesh(np.array(jax.devices()[:dp]), ("dp",))
     tx = optim.make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), 10)
     step = train.make_train_step(
@@ -43,6 +43,7 @@ def _run(dp, teacher, steps=3):
         loss_cfg=DistillLossConfig(temperature=2.0, alpha=0.7),
         lr_schedule=optim.schedule(OptimConfig(lr=1e-2, warmup_steps=1), 10),
         with_teacher=teacher is not None,
+        layer_loop=layer_loop,
     )
     state = train.init_state(CFG, tx, 0, mesh)
     history = []
@@ -65,6 +66,23 @@ def test_dp_step_matches_single_device(kind):
     for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
     assert h1[-1]["loss"] < h1[0]["loss"]
+
+
+def test_unrolled_layers_step_like_the_scan():
+    """`train.layer_loop`: the same steps whether the layers are one scanned block or
+    unrolled (auto's choice for this 2-layer model on CPU devices)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("dp",))
+    assert train.unrolls("auto", CFG, mesh) and not train.unrolls("scan", CFG, mesh)
+    deep = CFG.model_copy(update={"n_layers": train.UNROLL_MAX_LAYERS + 1})
+    assert not train.unrolls("auto", deep, mesh) and train.unrolls("unroll", deep, mesh)
+    teacher = _teacher("topk")
+    p_scan, h_scan = _run(2, teacher, layer_loop="scan")
+    p_unroll, h_unroll = _run(2, teacher, layer_loop="unroll")
+    for a, b in zip(h_scan, h_unroll, strict=True):
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=2e-5, abs=2e-6), k
+    for x, y in zip(jax.tree.leaves(p_scan), jax.tree.leaves(p_unroll), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
 
 
 def test_no_weight_decay_on_norms():
