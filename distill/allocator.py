@@ -14,9 +14,8 @@ The settings must be made before JAX starts its CPU client: a thread that has al
 keeps its arena. The CLI makes them in its own process (`keep_freed_memory`); a process it
 starts for CPU devices (a Ray actor) gets them as glibc tunables in its environment
 (`tunables_env`), which glibc reads when the process starts. Either way a setting the user
-names in `GLIBC_TUNABLES` is theirs. They only apply where the
-devices are the host's: on an accelerator the programs' memory is the device's, and a host
-of many cores keeps its arenas.
+names in `GLIBC_TUNABLES` is theirs. They only apply where the devices are the host's: on an
+accelerator the programs' memory is the device's, and a host of many cores keeps its arenas.
 """
 
 from __future__ import annotations
@@ -58,18 +57,18 @@ def _no_plugin_modules() -> bool:
     return spec is None or not list(spec.submodule_search_locations or [])
 
 
-def keep_freed_memory(environ: dict[str, str] | None = None) -> bool:
+def keep_freed_memory() -> bool:
     """Set glibc's allocator to keep freed blocks for reuse (module docstring), but for the
-    settings `GLIBC_TUNABLES` in `environ` (default: this process's) names: those are the
-    user's. Returns whether it did: False off glibc (macOS, musl), where nothing changes."""
-    environ = os.environ if environ is None else environ
-    theirs = {t.split("=")[0] for t in environ.get("GLIBC_TUNABLES", "").split(":")}
+    settings this process's `GLIBC_TUNABLES` names: those are the user's. Returns whether
+    every setting took: False off glibc (macOS, musl), where nothing changes."""
+    theirs = {t.split("=")[0] for t in os.environ.get("GLIBC_TUNABLES", "").split(":")}
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    done = all(mallopt(param, value) == 1 for name, param, value in _SETTINGS if name not in theirs)
+    took = [mallopt(param, value) == 1 for name, param, value in _SETTINGS if name not in theirs]
+    done = all(took)
     if not done:
         log.debug("mallopt refused a setting; host allocations left as they are")
     return done
