@@ -180,19 +180,17 @@ def test_dashboard_starts_over_when_a_resumed_run_rewinds(tmp_path):
     pages = []
     history_page = store.history_page
 
-    def counting_history_page(**kw):
+    def resuming_history_page(**kw):
+        # The page's second poll: it has drawn the first run's history by now. The resumed
+        # run logs before this answer goes out, so every later poll sees it whole (the
+        # browser's virtual time may run its polls only milliseconds apart in real time).
         pages.append(kw)
+        if len(pages) == 2:
+            for step in range(31, 41):
+                store.log(rec(step, 2.0))
         return history_page(**kw)
 
-    store.history_page = counting_history_page
-
-    def resume():  # once the page has loaded the first run's history
-        while len(pages) < 2:
-            time.sleep(0.01)
-        for step in range(31, 41):
-            store.log(rec(step, 2.0))
-
-    threading.Thread(target=resume, daemon=True).start()
+    store.history_page = resuming_history_page
     handle = start_server(store, ServerConfig(port=0))
     try:
         dom = chromium(handle.url, tmp_path, "--dump-dom").stdout
