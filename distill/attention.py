@@ -45,12 +45,15 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-BACKENDS = ("auto", "reference", "blockwise", "prefix", "cudnn", "splash")
+from distill.config import AttentionBackend
+
+BACKENDS = typing.get_args(AttentionBackend)
 DEFAULT_BLOCK = 512  # splash's tiles, and blockwise's on accelerators
 # Blockwise on CPU: small tiles keep each step's [B, KV, G, bq, bk] scores in cache. At
 # B=16, 4 heads, S=256 the forward and backward took 15 and 44 ms with 64-row tiles

@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from distill.errors import DistillError, error_lines
 
+# The attention kernels (`distill.attention.BACKENDS` is read from this) and compute dtypes.
+AttentionBackend = Literal["auto", "reference", "blockwise", "prefix", "cudnn", "splash"]
+DType = Literal["auto", "float32", "bfloat16"]
+_DTYPE_DOC = (
+    "Compute dtype. auto: bfloat16 on GPU and TPU, float32 on CPU. Logits, log-softmax, "
+    "top-k and losses are float32 either way."
+)
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -117,7 +125,7 @@ class ModelConfig(_Section):
     rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling; None: plain RoPE.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share the embedding and LM head.")
-    attention: Literal["auto", "reference", "blockwise", "prefix", "cudnn", "splash"] = Field(
+    attention: AttentionBackend = Field(
         "auto",
         description="Attention kernel. auto: cuDNN flash on GPU (bfloat16), splash on TPU, on "
         "CPU prefix (64-query blocks against their causal prefix) up to 512 tokens, blockwise "
@@ -153,11 +161,7 @@ class TeacherConfig(_Section):
         "config.yaml records which). With hf, teacher.model is read from config.json (keys set "
         "here must agree with it).",
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="Compute dtype. auto: bfloat16 on GPU and TPU, float32 on CPU. Logits, "
-        "log-softmax, top-k and losses are float32 either way.",
-    )
+    dtype: DType = Field("auto", description=_DTYPE_DOC)
     top_k: int | None = Field(
         None, ge=1, description="Send only the top-k log-probs per token; None: dense."
     )
@@ -212,16 +216,12 @@ class StudentModelOverrides(_Section):
     rope_scaling: RopeScaling | None = None
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
-    attention: Literal["auto", "reference", "blockwise", "prefix", "cudnn", "splash"] | None = None
+    attention: AttentionBackend | None = None
 
 
 class StudentConfig(_Section):
     model: StudentModelOverrides = Field(default_factory=StudentModelOverrides)
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="Compute dtype. auto: bfloat16 on GPU and TPU, float32 on CPU. Logits, "
-        "log-softmax, top-k and losses are float32 either way.",
-    )
+    dtype: DType = Field("auto", description=_DTYPE_DOC)
     init: Literal["random", "from_teacher"] = Field(
         "random",
         description="random: fresh weights. from_teacher: the teacher's embeddings, final norm, "
