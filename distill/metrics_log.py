@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -24,7 +25,9 @@ from distill import storage
 
 PHASES = ("starting", "bootstrap", "distill", "eval", "checkpoint", "done", "failed")
 SERIES = ("bootstrap", "distill", "eval")
-_SECRET_WORDS = ("token", "secret", "password", "key")
+# A key is secret when one of its words (split at "_", "-" and ".") is one of these:
+# `server.token`, `api_key`, `access_token`; not `data.tokenizer`, a path worth seeing.
+_SECRET_WORDS = frozenset({"token", "secret", "password", "key", "apikey", "passwd"})
 _REDACTED = "***"
 _REMOTE_POLL_S = 2.0  # a follower of a bucket's metrics.jsonl looks this often at most
 
@@ -34,7 +37,7 @@ def redact(tree: Any) -> Any:
     if isinstance(tree, Mapping):
         out = {}
         for k, v in tree.items():
-            secret = any(w in str(k).lower() for w in _SECRET_WORDS)
+            secret = not _SECRET_WORDS.isdisjoint(re.split(r"[_.\-]", str(k).lower()))
             out[str(k)] = _REDACTED if secret and isinstance(v, str) else redact(v)
         return out
     if isinstance(tree, list | tuple):

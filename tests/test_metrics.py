@@ -220,6 +220,7 @@ def test_secrets_are_redacted(tmp_path):
         "hub": {"api_key": "k", "password": "p", "client_secret": "c", "keep": 3},
         "list": [{"access_token": "t"}],
         "teacher": {"top_k": 8, "token_count": 5},
+        "data": {"tokenizer": "/data/tokenizer.json", "tokens_file": "x", "keys": "y"},
     }
     s = MetricsStore("r", 1, cfg)
     got = s.config
@@ -227,6 +228,7 @@ def test_secrets_are_redacted(tmp_path):
     assert got["hub"] == {"api_key": "***", "password": "***", "client_secret": "***", "keep": 3}
     assert got["list"] == [{"access_token": "***"}]
     assert got["teacher"] == {"top_k": 8, "token_count": 5}  # non-strings stay
+    assert got["data"] == cfg["data"]  # whole words only: a tokenizer's path is no secret
     assert cfg["server"]["token"] == "s3cret"  # the caller's dict is untouched
     assert redact({"server": {"token": None}}) == {"server": {"token": None}}
     (tmp_path / "config.yaml").write_text("run: {name: y}\nserver: {token: s3cret}\n")
