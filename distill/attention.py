@@ -34,7 +34,10 @@ Backends:
   against 4 * H * S^2 for the reference's scores). cuDNN's packed-sequence layout
   (segment offsets) would avoid it, but JAX exposes it only privately, wants a static
   maximum of documents per row, and scales key offsets by the query head count (suspect
-  under grouped-query), so it is not used.
+  under grouped-query), so it is not used. In a backward pass JAX 0.10.2 also has cuDNN
+  compute the bias's gradient (`should_export_dbias` is always true), which is dropped:
+  a cost for the student's step to measure against blockwise on a GPU.
+  With `interpret=True` the same call runs JAX's XLA implementation (tests, off GPU).
 - `splash`: the TPU Pallas splash kernel (`CausalMask` and `SegmentIds`); with
   `interpret=True` it runs anywhere, slowly (used by the tests on CPU).
 - `auto`: cudnn on a CUDA GPU for bf16/fp16 inputs, splash on TPU, prefix on CPU for rows
@@ -88,7 +91,8 @@ def attention(
     the blockwise and splash tile sizes (clipped to S; S is padded up to a multiple of
     them; default `DEFAULT_BLOCK`, or `CPU_BLOCK` for blockwise on CPU); `block_q` is also
     prefix's queries per block (default `PREFIX_BLOCK`). `interpret` runs splash in Pallas
-    interpret mode (required off TPU).
+    interpret mode (required off TPU), and makes cudnn's very call with JAX's own XLA
+    implementation instead of cuDNN's (so our mask, scale and head layout are tested off GPU).
     """
     _check_shapes(q_bshd, k_bskd, v_bskd, segment_ids_bs)
     if scale is None:
@@ -101,7 +105,7 @@ def attention(
         block = PREFIX_BLOCK if block_q is None else block_q
         return _prefix(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, block)
     if backend == "cudnn":
-        return _cudnn(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale)
+        return _cudnn(q_bshd, k_bskd, v_bskd, segment_ids_bs, scale, interpret)
     cpu_tiles = backend == "blockwise" and platform() == "cpu"
     default = CPU_BLOCK if cpu_tiles else DEFAULT_BLOCK
     bq = default if block_q is None else block_q
@@ -401,20 +405,26 @@ _prefix_blocks.defvjp(_prefix_fwd, _prefix_bwd)
 # --- cuDNN -------------------------------------------------------------------------------
 
 
-def _cudnn(q, k, v, seg, scale):
-    if not _is_cuda():
+def _cudnn(q, k, v, seg, scale, interpret):
+    if not interpret and not _is_cuda():
         raise ValueError(
             f"attention backend 'cudnn' needs a CUDA GPU; this process runs on "
-            f"{platform()!r} (use 'auto' or 'blockwise')"
+            f"{platform()!r} (use 'auto' or 'blockwise', or interpret=True to test)"
         )
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
+    if not interpret and q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(
             f"attention backend 'cudnn' needs bfloat16 or float16 inputs, got {q.dtype} "
             "(set model dtype to bfloat16, or use 'auto' / 'blockwise')"
         )
     same_doc = seg[:, None, :, None] == seg[:, None, None, :]  # [B, 1, S, S], heads broadcast
     return jax.nn.dot_product_attention(
-        q, k, v, mask=same_doc, scale=scale, is_causal=True, implementation="cudnn"
+        q,
+        k,
+        v,
+        mask=same_doc,
+        scale=scale,
+        is_causal=True,
+        implementation="xla" if interpret else "cudnn",
     )
 
 

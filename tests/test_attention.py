@@ -5,6 +5,8 @@ that is all padding), grouped-query heads (8 query / 2 key-value), and a length 
 no block size divides, in values and in gradients wrt q, k and v. Tolerances are relative
 to the largest reference magnitude: 1e-5 for float32 inputs, 2e-2 for bfloat16 inputs
 (both sides round probabilities and outputs to bfloat16, in different places).
+Off their hardware, splash runs in Pallas interpret mode and cudnn's call runs with JAX's
+XLA implementation (`interpret=True`); the cuDNN kernel itself needs a GPU.
 
 Memory is checked without running anything: XLA's compile-time analysis of the gradient
 program at S = 2,048 and 4,096.
@@ -101,6 +103,13 @@ def test_splash_interpret_matches_reference(dtype):
 @pytest.mark.skipif(not _is_cuda(), reason="cuDNN flash attention needs a CUDA GPU")
 def test_cudnn_matches_reference():
     _assert_matches_reference("cudnn", jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_cudnn_call_matches_reference_off_gpu(dtype):
+    # cudnn's own call (same-document mask, scale, causal flag, grouped heads) made with
+    # JAX's XLA implementation: what is ours in that backend, checked without a GPU.
+    _assert_matches_reference("cudnn", dtype, interpret=True)
 
 
 def test_off_platform_backends_fail_clearly():
