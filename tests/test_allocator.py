@@ -3,7 +3,8 @@
 The effect is checked in fresh processes (the settings only take before JAX's CPU client
 starts its threads): a jitted program with a 36 MiB intermediate (past glibc's largest
 mmap threshold, 32 MiB), run ten times, with and without `keep_freed_memory`, counting the
-page faults a run (measured here: about 9,300 without, 0 with); and the same settings as
+page faults a run (without: hundreds to thousands, as the kernel faults pages in 4 KiB or
+2 MiB at a time; with: none); and the same settings as
 glibc tunables in a started process's environment, as Ray actors on CPU devices get them.
 """
 
@@ -44,7 +45,7 @@ def _faults_per_run(mode: str, env: dict | None = None) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_kept_memory_is_not_faulted_in_again_every_run():
     plain, kept = _faults_per_run("plain"), _faults_per_run("keep")
-    assert plain > 5_000, f"{plain} faults a run without the setting: the test lost its point"
+    assert plain > 200, f"{plain} faults a run without the setting: the test lost its point"
     assert kept < plain / 20, f"{kept} faults a run with it, {plain} without"
     # a process started with the tunables in its environment (a Ray actor on CPU devices)
     tuned = _faults_per_run("plain", tunables_env({}))
