@@ -19,7 +19,7 @@ other bootstrap (its provenance record); different weights of the same shapes, s
 fine-tune, which change essentially every block. It does not detect an edit inside a large
 file that keeps its size and touches none of the sampled blocks (a few hand-patched
 bytes). It does not depend on where the teacher lies: a copied or moved teacher is the same.
-`pipelines.teacher_cache.teacher_hash` reads every byte, for the teacher cache.
+`pipelines.offline.teacher_cache.teacher_hash` reads every byte, for the teacher cache.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ def checkpoint_identity(path: str | None) -> dict | None:
 
 
 def tokenizer_id(spec: str) -> dict:
-    """The identity of `data.tokenizer`: `distill.prepared.tokenizer_identity` and the spec."""
-    from distill.prepared import tokenizer_identity
-    from distill.tokenizers import load_tokenizer
+    """The identity of `data.tokenizer`: `distill.data.prepared.tokenizer_identity` and the spec."""
+    from distill.data.prepared import tokenizer_identity
+    from distill.data.tokenizers import load_tokenizer
 
     return {"path": spec, **tokenizer_identity(load_tokenizer(spec))}
 

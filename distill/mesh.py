@@ -79,7 +79,7 @@ def device_grid(devices: list, shape: tuple[int, ...]):
     by a slower network, and several slices, are split by `granule_split`: the outer axes
     cross the network between hosts first, and each host's devices are laid out as one
     process's are. A process need not hold consecutive devices: the row hand-off between
-    groups follows whichever rows each process's devices hold (`pipelines.ray_rows`).
+    groups follows whichever rows each process's devices hold (`pipelines.ray.rows`).
     Where a layout fails, or a TPU subset of a host forms no box on the torus, the devices
     keep their order (process by process)."""
     import numpy as np
@@ -187,10 +187,10 @@ def simulate_cpu_devices(n: int) -> None:
 def available_devices(platform: str = "auto") -> list:
     """The devices distill will use: accelerators if present (or as asked), else CPU.
     Attention then chooses its backend and tiles for their platform
-    (`distill.attention.use_platform`), not for JAX's default backend."""
+    (`distill.models.attention.use_platform`), not for JAX's default backend."""
     import jax
 
-    from distill import attention
+    from distill.models import attention
 
     try:
         devices = jax.devices(jax.default_backend() if platform == "auto" else platform)

@@ -10,7 +10,7 @@ with equal arguments returned, and that function's own cache then skips the work
 
 Arguments must name everything the program closes over. Config sections (pydantic models)
 compare by value; anything else by `==` and `hash` (a mesh compares by its devices and
-axes). Attention's platform (`distill.attention.use_platform`) is part of every key: the
+axes). Attention's platform (`distill.models.attention.use_platform`) is part of every key: the
 backends a program lowers to depend on it. At most `MAX_PROGRAMS` are kept, least recently
 used first out.
 """
@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from distill import attention
+from distill.models import attention
 
 MAX_PROGRAMS = 64
 T = TypeVar("T")

@@ -21,7 +21,7 @@ class Batch(NamedTuple):
 
 class Continuations(Batch):
     """Rows of prompts and the student's own continuations (on-policy distillation,
-    `distill.decode.continuation_batch`): `mask` marks the generated targets, and the
+    `distill.models.decode.continuation_batch`): `mask` marks the generated targets, and the
     student's loss on them is the divergence alone (no cross-entropy on its own samples).
     A distinct pytree type, so a step compiled for it is compiled once, beside the one for
     the data's rows."""
@@ -42,7 +42,7 @@ class TeacherOutput(NamedTuple):
 
 
 class Prompts(NamedTuple):
-    """Prompts to continue, [B, P] each, laid out as packed rows (`distill.decode`): the
+    """Prompts to continue, [B, P] each, laid out as packed rows (`distill.models.decode`): the
     continuation extends each row's last document; rows shorter than P are left-padded
     with segment id 0."""
 

@@ -17,12 +17,12 @@ import numpy as np
 from etils import epath
 from jax.sharding import Mesh
 
-from distill import model
 from distill.checkpoint import params_exist, save_params
 from distill.config import Config
-from distill.corpus import Corpus
+from distill.data.corpus import Corpus
 from distill.errors import DistillError
 from distill.mesh import DP, all_devices_mesh, available_devices
+from distill.models import model
 from distill.outputs import teacher_path
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Hooks, Loop

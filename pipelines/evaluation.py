@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from distill.config import Config
-from distill.corpus import Corpus
+from distill.data.corpus import Corpus
 from distill.mesh import student_size
 from distill.types import Batch
 

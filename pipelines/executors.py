@@ -3,7 +3,7 @@
 `LocalExecutor` owns the train state, its compiled step, its checkpoints and the student
 side of evaluation (`pipelines.loop.StudentExecutor`). The same class runs the teacher
 bootstrap (a cross-entropy step, no teacher output, no checkpoints). The Ray student actor
-is the other executor (`pipelines.ray_mode`).
+is the other executor (`pipelines.ray.mode`).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from distill import outputs
 from distill.config import Config
-from distill.corpus import Corpus
+from distill.data.corpus import Corpus
+from distill.data.tokenizers import vocab_limit
 from distill.mesh import Meshes
-from distill.tokenizers import vocab_limit
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Hooks, Loop

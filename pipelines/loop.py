@@ -1,10 +1,10 @@
 """The one training loop: a teacher source feeds a student executor; hooks do the rest.
 
 Every way of training is this loop. A **teacher source** (`pipelines.sources`: online on
-the inference mesh, the offline cache, none for the CE bootstrap; `pipelines.ray_mode`: a
+the inference mesh, the offline cache, none for the CE bootstrap; `pipelines.ray.mode`: a
 pool of Ray teacher actors) reads batches in data order and starts their teacher work; a
 **student executor** (`pipelines.executors`: the jitted step on the training mesh;
-`pipelines.ray_mode`: the Ray student actor) trains on them. Evaluation, checkpoints,
+`pipelines.ray.mode`: the Ray student actor) trains on them. Evaluation, checkpoints,
 metric records, progress, status and stop requests are written here once.
 
 Step n, in dispatch order:

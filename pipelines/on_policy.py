@@ -7,7 +7,7 @@ run seed and the step, so a resume picks the same ones) it takes the first
 `max_new_tokens` tokens from the student on the training mesh (`student.generate`) with
 the parameters after step n-1-`pipeline.max_staleness`, and has the teacher score the rows
 so made on the inference mesh (its usual dense or top-k output). The student's loss is
-then masked to the generated tokens (`distill.decode.continuation_batch`). The other steps
+then masked to the generated tokens (`distill.models.decode.continuation_batch`). The other steps
 are the data's rows, as off-policy distillation. Everything is dispatched, never waited
 for: generation for a later step runs while the student trains on an earlier one, and the
 teacher scores while the student generates or trains. Step n's sampling key is
@@ -27,12 +27,12 @@ from collections import deque
 import jax
 import numpy as np
 
-from distill import decode
 from distill.config import Config
-from distill.corpus import Corpus
+from distill.data.corpus import Corpus
+from distill.data.prompts import PromptSet, prompt_set
+from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
-from distill.prompts import PromptSet, prompt_set
-from distill.tokenizers import vocab_limit
+from distill.models import decode
 from distill.types import Batch, Prompts
 from pipelines.evaluation import eval_batches
 from pipelines.sources import OnlineTeacher, QueueSource

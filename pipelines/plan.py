@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from distill import model
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import Meshes, student_shape, student_size
+from distill.models import model
 from student import optim, sharding, train
 
 # Dense teacher outputs on a student device at once: the step's own and the next step's,

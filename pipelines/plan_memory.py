@@ -18,11 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from distill import model
 from distill.checkpoint import abstract_like
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import TP, Meshes
+from distill.models import model
 from distill.types import Batch, Prompts
 from student import sharding as student_sharding
 from student import train

@@ -10,14 +10,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from distill import hf, storage
+from distill import storage
 from distill.checkpoint import params_exist
 from distill.config import Config
-from distill.corpus import Corpus
-from distill.data import load_corpus
+from distill.data.corpus import Corpus
+from distill.data.pipeline import load_corpus
+from distill.data.prompts import load_prompts
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit, check_hosts
-from distill.prompts import load_prompts
+from distill.models import hf
 from pipelines.on_policy import check_on_policy
 from pipelines.plan import check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
@@ -99,7 +100,7 @@ def check_mode(cfg: Config) -> None:
 def check_teacher_source(cfg: Config) -> None:
     storage.check(cfg.teacher.checkpoint, "teacher.checkpoint")
     if cfg.teacher.source == "cache" and cfg.student.init == "random":
-        return  # the cache is checked by pipelines.teacher_cache; no teacher weights needed
+        return  # the cache is checked by pipelines.offline.teacher_cache; no teacher weights needed
     if params_exist(cfg.teacher.checkpoint) or cfg.teacher.pretrain_steps > 0:
         return
     where = cfg.teacher.checkpoint or "(not set)"

@@ -3,7 +3,7 @@
 Each reads batches in data order from an iterator whose state is `{"next_index": n}` and
 keeps the items whose teacher work has started in a queue, oldest first
 (`pipelines.loop.TeacherSource`). The Ray teacher pool is the fourth source
-(`pipelines.ray_mode`).
+(`pipelines.ray.mode`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from distill.config import Config
-from distill.tokenizers import vocab_limit
+from distill.data.tokenizers import vocab_limit
 from distill.types import Batch
-from pipelines import teacher_cache
 from pipelines.loop import Item
+from pipelines.offline import teacher_cache
 from pipelines.timing import ReadyWatcher
 from teacher.forward import forward_for, make_output_forward
 from teacher.sharding import batch_sharding

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from distill.checkpoint import params_exist, read_meta
 from distill.config import Config
-from distill.corpus import Corpus
+from distill.data.corpus import Corpus
+from distill.data.prepared import tokenizer_identity
 from distill.errors import DistillError
 from distill.identity import check_pinned, data_hash, run_identity
 from distill.outputs import checkpoint_dir, teacher_path
-from distill.prepared import tokenizer_identity
 from teacher import provenance
 
 
@@ -52,7 +52,7 @@ def check_teacher_weights(cfg: Config, corpus: Corpus) -> None:
             )
         return
     if t.is_hf():
-        return  # shapes checked from config.json by distill.hf.check_checkpoint
+        return  # shapes checked from config.json by distill.models.hf.check_checkpoint
     if stored is not None and t.pretrain_steps > 0:
         provenance.check(stored, teacher_record(cfg, corpus), path)
     provenance.check_shapes(cfg, path)

@@ -1,7 +1,7 @@
 """Held-out metrics of the student against the teacher's dense logits, on the training mesh.
 
 One implementation for every pipeline mode (the local loop, `distill eval`, the Ray student
-actor): per eval batch `distill.losses.eval_metrics` of the student against the teacher's
+actor): per eval batch `distill.models.losses.eval_metrics` of the student against the teacher's
 dense logits (the student's formed a chunk of positions at a time), combined as
 token-weighted means, so the chunking of the held-out rows into batches does not change
 the result.

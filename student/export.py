@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 from etils import epath
 
-from distill import hf, storage
+from distill import storage
 from distill.config import Config, ModelConfig
+from distill.data.tokenizers import ByteTokenizer, export_files, load_tokenizer, vocab_limit
 from distill.errors import DistillError
-from distill.tokenizers import ByteTokenizer, export_files, load_tokenizer, vocab_limit
+from distill.models import hf
 
 PROVENANCE = "distill.json"  # the teacher and tokenizer the exported student was distilled with
 

@@ -1,9 +1,9 @@
 """The student's sampler on the training mesh, and the recent parameters it samples with.
 
-`Sampler` is `distill.decode.generate` compiled for the training mesh: prompts split over
+`Sampler` is `distill.models.decode.generate` compiled for the training mesh: prompts split over
 its devices like a batch (`dp` x `fsdp`), the parameters in their training layout (XLA
 gathers each fully sharded weight where it is used), the continuations turned into
-training rows (`distill.decode.continuation_batch`) on the same devices, so an on-policy
+training rows (`distill.models.decode.continuation_batch`) on the same devices, so an on-policy
 batch never leaves the mesh before the teacher scores it.
 
 `ParamHistory` keeps the student's parameters after each of the last few steps: on-policy
@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import decode, programs
+from distill import programs
 from distill.checkpoint import Checkpointer
 from distill.config import Config, ModelConfig
+from distill.models import decode
 from distill.types import Batch, Prompts
 from student import train
 

@@ -18,9 +18,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import model
 from distill.config import ModelConfig
 from distill.mesh import DP, FSDP
+from distill.models import model
 
 # Every weight's dimensions by name ([L, ...]: the stacked layers); read with `dim_sizes`.
 WEIGHT_DIMS = {

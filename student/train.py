@@ -26,8 +26,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import model, programs, vocab_loss
+from distill import programs
 from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
+from distill.models import model, vocab_loss
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, sharding
 
@@ -117,7 +118,7 @@ def make_train_step(
 ):
     """Compile the step once for this mesh. Returns step(state, batch, teacher_out).
 
-    `vocab_limit` (`distill.tokenizers.vocab_limit`): logits of padded ids >= it are masked
+    `vocab_limit` (`distill.data.tokenizers.vocab_limit`): logits of padded ids >= it are masked
     to a large finite negative, which the losses treat as zero probability. `grad_accum`:
     microbatches per step (it must divide each device's rows). `layer_loop`: see
     `unrolls`."""
@@ -176,7 +177,7 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
     device's own rows, so nothing moves between devices. Each microbatch's mean loss,
     gradient and metrics are weighted by its share of the batch's tokens and summed in
     float32 (the gradient accumulator laid out like the parameters), so the result is the
-    one-shot step's: losses are token means (`distill.losses`). "tokens" is a count: summed.
+    one-shot step's: losses are token means (`distill.models.losses`). "tokens" is a count: summed.
     """
     rows = NamedSharding(mesh, P(None, *sharding.batch_spec(mesh)))
 
@@ -262,7 +263,7 @@ def make_loss_fn(
 ):
     """loss_fn(params, batch, teacher_out) -> (loss, metrics): KD (or CE without a teacher
     output) from the model's final hidden states, the LM head applied a chunk of positions
-    at a time (`distill.vocab_loss`), so the [B, S, V] logits are never whole. A chunk's
+    at a time (`distill.models.vocab_loss`), so the [B, S, V] logits are never whole. A chunk's
     logits stay under `vocab_loss.CHUNK_BYTES` for the rows one device of `mesh` holds.
     `unroll`: the layers unrolled (`unrolls`)."""
     split = batch_sharding(mesh)

@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
-from distill import model, programs
+from distill import programs
 from distill.config import Config, ModelConfig
 from distill.mesh import TP
+from distill.models import model
+from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
-from distill.vocab_loss import default_chunk
 from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits"]
@@ -114,7 +115,7 @@ def make_forward(
 def by_positions(fn: Callable, x_bsd: jax.Array, chunk: int):
     """fn over runs of `chunk` positions of the hidden states x [b, S, D], each output leaf
     [b, chunk, ...] written into its place in [b, S, ...]: one chunk's logits live at a
-    time (`distill.vocab_loss.default_chunk` sizes them), never the [b, S, V/tp] ones. The
+    time (`distill.models.vocab_loss.default_chunk` sizes them), never the [b, S, V/tp] ones. The
     last chunk is shifted back to end at S, so it rewrites a few positions with equal
     values rather than padding."""
     s = x_bsd.shape[1]

@@ -35,9 +35,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
-from distill import hf
 from distill.config import ModelConfig
 from distill.mesh import TP
+from distill.models import hf
 from teacher import sharding
 
 Index = tuple[slice, ...]

@@ -44,7 +44,7 @@ def write_checkpoint(path: Path, cfg, shard_bytes: int) -> dict:
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from distill import hf
+    from distill.models import hf
 
     path.mkdir(parents=True, exist_ok=True)
     config = hf.to_hf_config(cfg, max_position_embeddings=4096, bos_id=1, eos_id=2)
@@ -108,8 +108,8 @@ def load_child(path: str, tp: int) -> dict:
     """In this (fresh) process: time one load onto `tp` devices and measure memory."""
     import jax
 
-    from distill import hf
     from distill.mesh import teacher_mesh
+    from distill.models import hf
     from teacher.hf import load_hf_teacher
 
     cfg = hf.read_model_config(path)

@@ -22,10 +22,10 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from distill import model
 from distill.config import RUNTIME_KEYS, Config
+from distill.data.prepared import data_settings
 from distill.errors import DistillError
-from distill.prepared import data_settings
+from distill.models import model
 
 FILE = "distill_provenance.json"
 KIND = "distill teacher bootstrap"
@@ -35,7 +35,7 @@ FORMAT = 1
 def record(cfg: Config, data_hash: str, tokenizer: dict) -> dict:
     """The provenance record of the teacher that `cfg`'s bootstrap makes from the data whose
     hash is `data_hash` (`distill.identity.data_hash`), tokenised by `tokenizer`
-    (`distill.prepared.tokenizer_identity`)."""
+    (`distill.data.prepared.tokenizer_identity`)."""
     t = cfg.teacher
     optim = cfg.optim.model_dump(mode="json")
     settings = {

@@ -16,10 +16,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import model
 from distill.checkpoint import abstract_like, load_params
 from distill.config import Config
 from distill.mesh import TP
+from distill.models import model
 from distill.outputs import teacher_path
 from teacher import sharding
 

@@ -136,7 +136,7 @@ def tiny_run(tmp_path_factory, corpus_dir) -> TinyRun:
     the teacher bootstrapped at <out>/teacher (6 steps), the student distilled 6 steps
     (metrics at steps 2, 4, 6; evaluations at 0, 3, 6; checkpoints 3 and 6), TensorBoard
     event files, and W&B offline (files under <out>/wandb) where wandb is installed."""
-    from pipelines.cli import main
+    from pipelines.commands.cli import main
 
     tmp = tmp_path_factory.mktemp("tiny_run")
     out = tmp / "out"

@@ -1,4 +1,4 @@
-"""distill.attention: each backend that runs here against the plain reference, and memory.
+"""distill.models.attention: each backend that runs here against the plain reference, and memory.
 
 Equality is checked on packed rows (documents crossing block edges, trailing padding, a row
 that is all padding), grouped-query heads (8 query / 2 key-value), and a length (200) that
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distill.attention import _is_cuda, attention, resolve_backend
+from distill.models.attention import _is_cuda, attention, resolve_backend
 
 B, S, H, KV, HD = 3, 200, 8, 2, 32
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -145,8 +145,8 @@ def test_the_meshes_platform_decides_not_the_default_backend(monkeypatch):
     bigger slice on simulated devices), `auto` is prefix for short rows, else blockwise in
     CPU tiles: the devices' platform decides, which `available_devices` hands to attention,
     not JAX's default backend."""
-    from distill import attention as attn
     from distill.mesh import available_devices
+    from distill.models import attention as attn
 
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a TPU host
     monkeypatch.setattr(attn, "_platform", None)

@@ -5,8 +5,8 @@ import glob
 import pytest
 import yaml
 
-from distill.config_file import load_config
-from pipelines.cli import main
+from distill.config.load import load_config
+from pipelines.commands.cli import main
 from tests.conftest import tiny_config
 
 CASES = [  # (--set overrides, text the one-line message must contain)

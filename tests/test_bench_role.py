@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distill.config_file import config_from_dict
+from distill.config.load import config_from_dict
 from distill.mesh import role_mesh
-from pipelines.bench_role import random_outputs
-from pipelines.cli import main
+from pipelines.bench.role import random_outputs
+from pipelines.commands.cli import main
 from tests.conftest import tiny_config, write_config
 
 TOO_BIG_FOR_BOTH = {"teacher": {"tp": 4}, "student": {"dp": 4, "fsdp": 2}}

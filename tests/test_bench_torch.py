@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from distill.config_file import config_from_dict  # noqa: E402
-from pipelines.bench_torch import kd_loss, torch_kd_bench  # noqa: E402
+from distill.config.load import config_from_dict  # noqa: E402
+from pipelines.bench.torch_ref import kd_loss, torch_kd_bench  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipelines.cli import main
+from pipelines.commands.cli import main
 from tests.conftest import read_records as _records
 from tests.conftest import read_train as _train
 from tests.conftest import tiny_config
@@ -74,7 +74,7 @@ def test_eval_in_chunks_gives_the_same_metrics(finished_run, whole_eval, capsys,
     """Evaluation split into chunks of `dp` rows (what a large vocabulary gets) gives the
     metrics of whole-batch evaluation (`whole_eval`, the default budget): the same rows,
     token-weighted."""
-    from distill.config_file import load_config
+    from distill.config.load import load_config
     from pipelines import evaluation
 
     _, _, cfg_path = finished_run
@@ -91,7 +91,7 @@ def test_eval_in_chunks_gives_the_same_metrics(finished_run, whole_eval, capsys,
 
 
 def test_eval_rows_for_a_large_vocabulary():
-    from distill.config_file import config_from_dict
+    from distill.config.load import config_from_dict
     from pipelines.evaluation import eval_rows
 
     def rows(batch_size, dp, seq_len, vocab):
@@ -184,7 +184,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir, finished_r
     path = _write(tmp_path, cfg)
     env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "run", path],
+        [sys.executable, "-m", "pipelines.commands.cli", "run", path],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

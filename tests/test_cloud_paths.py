@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distill.metrics import MetricsStore
-from pipelines.cli import main
+from distill.observability.metrics import MetricsStore
+from pipelines.commands.cli import main
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(
@@ -156,7 +156,7 @@ def test_run_writes_every_output_to_the_bucket(gcs, bucket_run):
 def test_dashboard_reads_the_run_from_the_bucket(bucket_run):
     from fastapi.testclient import TestClient
 
-    from distill.server.app import create_app
+    from distill.observability.server.app import create_app
 
     store = MetricsStore.from_run_dir(OUT)
     st = store.status()
@@ -224,7 +224,8 @@ def test_remote_log_uploads_while_open_and_all_at_close(gcs):
 
 def test_dashboard_follows_a_live_run_in_the_bucket(gcs, monkeypatch):
     """A writer's uploads reach a reader polling the bucket, new lines read incrementally."""
-    from distill import metrics_log, storage
+    from distill import storage
+    from distill.observability import metrics_log
 
     monkeypatch.setattr(storage, "FLUSH_S", 0.1)
     monkeypatch.setattr(metrics_log, "_REMOTE_POLL_S", 0.0)

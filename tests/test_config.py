@@ -7,7 +7,7 @@ import pytest
 from pydantic import BaseModel
 
 from distill.config import Config
-from distill.config_file import config_from_dict
+from distill.config.load import config_from_dict
 from distill.errors import DistillError
 
 

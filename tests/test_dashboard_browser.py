@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from distill.config import ServerConfig
-from distill.metrics import MetricsStore
-from distill.server import start_server
+from distill.observability.metrics import MetricsStore
+from distill.observability.server import start_server
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [

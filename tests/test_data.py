@@ -1,4 +1,4 @@
-"""distill.data: tokenizer, document loading, packing, split, shuffling, iterator state."""
+"""distill.data.pipeline: tokenizer, document loading, packing, split, shuffling, iterator state."""
 
 import json
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from distill.config import DataConfig
-from distill.corpus import PackedRows
-from distill.data import load_corpus, load_documents, split_documents
+from distill.data.corpus import PackedRows
+from distill.data.pipeline import load_corpus, load_documents, split_documents
+from distill.data.tokenizers import ByteTokenizer, build_tokenizer
 from distill.errors import DistillError
-from distill.tokenizers import ByteTokenizer, build_tokenizer
 from distill.types import Batch
 
 

@@ -174,7 +174,7 @@ class _Launch:
 
     def config(self, tmp_path: Path):
         """The ConfigMap's config with the command line's overrides, as the CLI loads it."""
-        from distill.config_file import load_config
+        from distill.config.load import load_config
 
         cfg_file = tmp_path / "config.yaml"
         cfg_file.write_text(self.config_text())
@@ -359,7 +359,7 @@ def test_ray_worker_groups_hold_each_role_group(name, tmp_path):
     whole multi-host slices: numOfHosts = hosts, chips per host x hosts = the topology."""
     pytest.importorskip("ray")
     from distill.mesh import devices_per_host, hosts
-    from pipelines.ray_actors import HOST_RESOURCES
+    from pipelines.ray.actors import HOST_RESOURCES
 
     launch = _Launch(RAYJOBS[name])
     cfg = launch.config(tmp_path)

@@ -11,10 +11,10 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from distill import model
 from distill.checkpoint import Checkpointer
 from distill.config import DistillLossConfig, ModelConfig, OptimConfig
 from distill.mesh import DP, FSDP
+from distill.models import model
 from distill.types import Batch, TeacherOutput
 from student import optim, sharding, train
 
@@ -153,7 +153,7 @@ def test_checkpoint_restores_onto_another_layout(tmp_path, src, dst):
 
 
 def test_eval_chunks_give_every_device_of_both_axes_a_row():
-    from distill.config_file import config_from_dict
+    from distill.config.load import config_from_dict
     from pipelines.evaluation import eval_rows
     from tests.conftest import tiny_config
 

@@ -1,4 +1,4 @@
-"""KV-cache sampling (`distill.decode`) against the model's full forward, and the student's
+"""KV-cache sampling (`distill.models.decode`) against the model's full forward, and the student's
 sampler on the training mesh (`student.generate`) against one device."""
 
 import jax
@@ -8,9 +8,9 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from distill import decode, model
 from distill.config import ModelConfig
 from distill.mesh import DP, FSDP
+from distill.models import decode, model
 from distill.types import Continuations, Prompts
 from student import train
 from student.generate import ParamHistory, Sampler

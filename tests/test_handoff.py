@@ -16,9 +16,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import handoff, model
-from distill.config_file import config_from_dict
+from distill import handoff
+from distill.config.load import config_from_dict
 from distill.mesh import build_meshes
+from distill.models import model
 from distill.types import Batch
 from pipelines.executors import LocalExecutor
 from student import train

@@ -15,15 +15,15 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from distill import hf, model  # noqa: E402
 from distill.checkpoint import Checkpointer  # noqa: E402
 from distill.config import ModelConfig  # noqa: E402
-from distill.config_file import config_from_dict  # noqa: E402
+from distill.config.load import config_from_dict  # noqa: E402
+from distill.data.tokenizers import ByteTokenizer  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
 from distill.mesh import teacher_mesh  # noqa: E402
-from distill.tokenizers import ByteTokenizer  # noqa: E402
+from distill.models import hf, model  # noqa: E402
 from distill.types import Batch  # noqa: E402
-from pipelines.cli import main  # noqa: E402
+from pipelines.commands.cli import main  # noqa: E402
 from pipelines.preflight import check_shapes  # noqa: E402
 from student import optim, train  # noqa: E402
 from student.export import write_hf  # noqa: E402

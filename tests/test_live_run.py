@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from distill.config_file import config_from_dict
-from pipelines.run import run
+from distill.config.load import config_from_dict
+from pipelines.commands.run import run
 from tests.conftest import tiny_config
 from tests.test_dashboard_browser import CHARTS, CHROMIUM, chromium
 

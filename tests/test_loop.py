@@ -14,7 +14,7 @@ from collections import deque
 
 import pytest
 
-from distill.config_file import config_from_dict
+from distill.config.load import config_from_dict
 from pipelines.loop import Hooks, Item, Loop, StudentLost
 
 

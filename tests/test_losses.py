@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from distill.config import DistillLossConfig
-from distill.losses import ce_loss, eval_metrics, kd_divergence, kd_loss
+from distill.models.losses import ce_loss, eval_metrics, kd_divergence, kd_loss
 from distill.types import TeacherOutput
 
 B, S, V = 2, 5, 32

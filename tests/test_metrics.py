@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from distill.errors import DistillError
-from distill.metrics import MetricsStore, redact
+from distill.observability.metrics import MetricsStore, redact
 
 
 def record(step: int, **extra) -> dict:

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from distill import model
 from distill.config import ModelConfig
 from distill.mesh import teacher_mesh
+from distill.models import model
 from distill.types import Batch
 from teacher.forward import make_forward
 from teacher.sharding import shard_params

@@ -11,14 +11,14 @@ import warnings
 import pytest
 import yaml
 
-from pipelines.cli import main
+from pipelines.commands.cli import main
 from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
 from tests.conftest import tiny_config, write_config
 from tests.conftest import train_by_step as _train
 
 ray = pytest.importorskip("ray")
-ray_mode = pytest.importorskip("pipelines.ray_mode")
+ray_mode = pytest.importorskip("pipelines.ray.mode")
 
 KEYS = ("loss", "kd_loss", "ce_loss", "lr")
 SAMPLE_KEYS = ("sample_teacher_nll", "sample_student_nll", "sample_len")
@@ -121,7 +121,7 @@ def test_rows_between_groups_cover_each_student_process_rows(owners):
     import numpy as np
 
     from distill.types import Batch, TeacherOutput
-    from pipelines import ray_rows
+    from pipelines.ray import rows as ray_rows
 
     batch = Batch(*(np.arange(8 * 3).reshape(8, 3) + i for i in range(5)))
     parts = ray_rows.split_batch(batch, owners)
@@ -143,7 +143,7 @@ def test_rows_between_groups_cover_each_student_process_rows(owners):
 
 
 def test_spans_merge_a_process_adjacent_shards():
-    from pipelines.ray_rows import spans
+    from pipelines.ray.rows import spans
 
     assert spans((0, 0, 1, 1), 0, 8) == [(0, 4)]
     assert spans((0, 1, 1, 0), 0, 8) == [(0, 2), (6, 8)]
@@ -160,7 +160,7 @@ def test_teacher_parts_send_each_row_once(owners):
     from jax.sharding import PartitionSpec as P
 
     from distill.types import TeacherOutput
-    from pipelines import ray_rows
+    from pipelines.ray import rows as ray_rows
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
     values = np.arange(8 * 3 * 2, dtype=np.float32).reshape(8, 3, 2)
@@ -178,8 +178,8 @@ def test_teacher_parts_send_each_row_once(owners):
 
 
 def _corpus(corpus_dir):
-    from distill.config_file import config_from_dict
-    from distill.data import load_corpus
+    from distill.config.load import config_from_dict
+    from distill.data.pipeline import load_corpus
 
     cfg = config_from_dict(tiny_config(str(corpus_dir), "unused"))
     return cfg, load_corpus(cfg.data, cfg.train.seq_len)
@@ -191,7 +191,7 @@ def test_each_process_reads_its_rows_of_the_iterators_batch(corpus_dir):
     host)."""
     import numpy as np
 
-    from pipelines import ray_rows
+    from pipelines.ray import rows as ray_rows
 
     cfg, corpus = _corpus(corpus_dir)
     reader = ray_rows.BatchReader(corpus, 4, cfg.run.seed)
@@ -216,7 +216,7 @@ def test_teacher_process_batch_is_the_global_batch(corpus_dir):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pipelines import ray_rows
+    from pipelines.ray import rows as ray_rows
 
     cfg, corpus = _corpus(corpus_dir)
     reader = ray_rows.BatchReader(corpus, 4, cfg.run.seed)
@@ -231,8 +231,8 @@ def test_teacher_process_batch_is_the_global_batch(corpus_dir):
 def test_a_raw_corpus_read_by_many_processes_is_worth_a_warning(tmp_path, caplog):
     """Every actor process tokenises data.source itself: the driver says so, and points at
     distill prepare, once more than two processes would."""
-    from distill.config_file import config_from_dict
-    from pipelines.ray_mode import _warn_raw_corpus, actor_processes
+    from distill.config.load import config_from_dict
+    from pipelines.ray.mode import _warn_raw_corpus, actor_processes
 
     def _warn(cfg):
         _warn_raw_corpus(cfg, actor_processes(cfg))
@@ -310,7 +310,7 @@ def test_teacher_process_lost_at_evaluation_recreates_its_group(
 ):
     """A teacher process killed as the first evaluation asks for the teacher's logits: the
     group is recreated and the chunks recomputed, the same losses and metrics."""
-    from pipelines.ray_pool import ActorPool
+    from pipelines.ray.pool import ActorPool
 
     plain = ActorPool.eval_teacher_logits
 

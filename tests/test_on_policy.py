@@ -12,11 +12,11 @@ import pytest
 import yaml
 from jax.sharding import Mesh
 
-from distill import model
 from distill.config import DistillLossConfig, ModelConfig
 from distill.mesh import DP, FSDP
+from distill.models import model
 from distill.types import Batch, Continuations, TeacherOutput
-from pipelines.cli import main
+from pipelines.commands.cli import main
 from pipelines.on_policy import is_on_policy
 from student import train
 from tests.conftest import read_evals as _evals
@@ -211,8 +211,8 @@ def test_ray_mode_matches_local_on_policy(on_policy_run, tmp_path):
 
 def test_prompts_from_a_field_are_cut_to_their_end_and_left_padded(tmp_path):
     from distill.config import DataConfig
-    from distill.prompts import PromptSet, load_prompts
-    from distill.tokenizers import ByteTokenizer
+    from distill.data.prompts import PromptSet, load_prompts
+    from distill.data.tokenizers import ByteTokenizer
 
     rows = [{"text": "body", "prompt": p} for p in ("ab", "abcdefgh", "xyz")]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))

@@ -5,9 +5,9 @@ import json
 import pytest
 import yaml
 
-from distill.config_file import load_config
+from distill.config.load import load_config
 from distill.errors import DistillError
-from pipelines.cli import main
+from pipelines.commands.cli import main
 from pipelines.plan_memory import check_fits
 from tests.conftest import tiny_config
 

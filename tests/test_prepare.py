@@ -8,12 +8,12 @@ import pytest
 import yaml
 
 from distill.config import Config
-from distill.data import load_corpus
+from distill.data.pipeline import load_corpus
+from distill.data.prepared import StoredRows
 from distill.errors import DistillError
 from distill.identity import data_hash
-from distill.prepared import StoredRows
-from pipelines.cli import main
-from pipelines.prepare import prepare
+from pipelines.commands.cli import main
+from pipelines.commands.prepare import prepare
 from tests.conftest import tiny_config
 
 

@@ -3,9 +3,10 @@
 import jax
 import numpy as np
 
-from distill import attention, model, programs
+from distill import programs
 from distill.config import DistillLossConfig, ModelConfig, OptimConfig
 from distill.mesh import teacher_mesh
+from distill.models import attention, model
 from distill.types import Batch
 from student import train
 from teacher.forward import forward_for

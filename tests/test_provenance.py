@@ -12,8 +12,8 @@ import yaml
 from distill.checkpoint import save_params
 from distill.config import ModelConfig
 from distill.identity import checkpoint_identity
-from distill.model import abstract_params
-from pipelines.cli import main
+from distill.models.model import abstract_params
+from pipelines.commands.cli import main
 from teacher import provenance
 from tests.conftest import tiny_config
 

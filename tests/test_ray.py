@@ -6,14 +6,14 @@ import warnings
 
 import pytest
 
-from pipelines.cli import main
+from pipelines.commands.cli import main
 from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
 from tests.conftest import tiny_config, write_config
 from tests.conftest import train_by_step as _train
 
 ray = pytest.importorskip("ray")
-ray_mode = pytest.importorskip("pipelines.ray_mode")
+ray_mode = pytest.importorskip("pipelines.ray.mode")
 
 pytestmark = pytest.mark.ray
 
@@ -187,7 +187,7 @@ def test_teacher_that_keeps_dying_ends_the_run(
 
 def test_device_options_give_each_actor_its_devices(monkeypatch):
     from distill.allocator import TUNABLES
-    from pipelines.ray_actors import device_options
+    from pipelines.ray.actors import device_options
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")

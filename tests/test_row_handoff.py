@@ -1,4 +1,4 @@
-"""The row hand-off between groups (`pipelines.ray_rows`) across two real JAX processes
+"""The row hand-off between groups (`pipelines.ray.rows`) across two real JAX processes
 (gloo collectives on CPU), on layouts whose processes hold rows in no simple order: a
 teacher `dp=2 x tp=2` whose dp runs from process 1 to process 0, and a student `dp=4`
 that interleaves the processes (as a slice-wide TPU layout may). Each process sends the

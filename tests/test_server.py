@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from distill.config import ServerConfig
 from distill.errors import DistillError
-from distill.metrics import MetricsStore
-from distill.server import create_app, start_server
+from distill.observability.metrics import MetricsStore
+from distill.observability.server import create_app, start_server
 
 TOKEN = "tok-123"
 CONFIG = {"run": {"name": "api"}, "server": {"token": TOKEN, "port": 0}, "data": {"source": "x"}}
@@ -257,7 +257,7 @@ def test_port_in_use_is_one_clear_error(store):
 
 def test_warns_when_exposed_without_token(store, caplog, monkeypatch):
     monkeypatch.delenv("DISTILL_SERVER_TOKEN", raising=False)
-    with caplog.at_level(logging.WARNING, logger="distill.server.runner"):
+    with caplog.at_level(logging.WARNING, logger="distill.observability.server.runner"):
         handle = start_server(store, ServerConfig(host="0.0.0.0", port=0))
     try:
         assert any("without a token" in rec.message for rec in caplog.records)
@@ -266,7 +266,7 @@ def test_warns_when_exposed_without_token(store, caplog, monkeypatch):
     finally:
         handle.stop()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="distill.server.runner"):
+    with caplog.at_level(logging.WARNING, logger="distill.observability.server.runner"):
         start_server(store, ServerConfig(port=0)).stop()
         start_server(store, ServerConfig(host="0.0.0.0", port=0, token="t")).stop()
     assert not caplog.records
@@ -288,7 +288,10 @@ def test_serve_dashboard_until_ctrl_c(store, tmp_path):
         run.log({"step": step, "loss": 1.0 / step})
     run.finish({"final_loss": 0.2})
     run.close()
-    code = "import sys; from distill.server import serve_dashboard as s; s(sys.argv[1], port=0)"
+    code = (
+        "import sys; from distill.observability.server import serve_dashboard as s; "
+        "s(sys.argv[1], port=0)"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path)],
         stdout=subprocess.PIPE,

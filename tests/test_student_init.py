@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import yaml
 
-from distill import model
 from distill.checkpoint import save_params
 from distill.config import ModelConfig
-from distill.config_file import config_from_dict
-from pipelines.cli import main
+from distill.config.load import config_from_dict
+from distill.models import model
+from pipelines.commands.cli import main
 from teacher.weights import student_init_params
 from tests.conftest import tiny_config
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main
+from pipelines.commands.cli import main
 from tests.conftest import read_evals as _evals
 from tests.conftest import read_train as _train
 from tests.conftest import write_config as _write

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from distill import model
 from distill.config import ModelConfig
 from distill.mesh import teacher_mesh
+from distill.models import model
 from distill.types import Batch
 from teacher.forward import make_forward
 from teacher.sharding import batch_sharding, shard_params

@@ -11,14 +11,14 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from distill import collectives as cc
-from distill import losses, model
 from distill.config import DataConfig, DistillLossConfig, ModelConfig, OptimConfig
-from distill.data import load_corpus
+from distill.data.pipeline import load_corpus
+from distill.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from distill.errors import DistillError
 from distill.mesh import teacher_mesh
-from distill.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from distill.models import losses, model
 from distill.types import Batch, TeacherOutput
-from pipelines.cli import main
+from pipelines.commands.cli import main
 from teacher.forward import make_forward
 from teacher.sharding import shard_params
 from tests.conftest import WORDS, tiny_config

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from distill.config_file import config_from_dict
+from distill.config.load import config_from_dict
 from distill.errors import DistillError
-from distill.metrics import MetricsStore
-from distill.tracking import TensorBoardSink, metric_sinks, start_wandb
+from distill.observability.metrics import MetricsStore
+from distill.observability.tracking import TensorBoardSink, metric_sinks, start_wandb
 from tests.conftest import HAS_WANDB, tiny_config
 from tests.test_cloud_paths import gcs  # noqa: F401 (the GCS emulator fixture)
 

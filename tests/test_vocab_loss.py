@@ -1,5 +1,5 @@
-"""Chunked losses from hidden states (distill.vocab_loss) against the whole-logits losses of
-distill.losses on x @ head: values and gradients, padded vocabularies, bfloat16 compute, and
+"""Chunked losses from hidden states (distill.models.vocab_loss) against the whole-logits losses of
+distill.models.losses on x @ head: values and gradients, padded vocabularies, bfloat16 compute, and
 the compiled program's memory at real sizes (compile only)."""
 
 import functools
@@ -11,18 +11,18 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill import losses
 from distill.collectives import mask_vocab
 from distill.config import DistillLossConfig
-from distill.losses import PADDED_LOGIT
-from distill.types import TeacherOutput
-from distill.vocab_loss import (
+from distill.models import losses
+from distill.models.losses import PADDED_LOGIT
+from distill.models.vocab_loss import (
     ce_loss_chunked,
     default_chunk,
     eval_metrics_chunked,
     head_logits,
     kd_loss_chunked,
 )
+from distill.types import TeacherOutput
 
 # A padded model vocabulary (V) over a smaller tokenizer's (LIVE). S = 7 positions in chunks
 # of 3: the last chunk is shifted back to overlap the one before.

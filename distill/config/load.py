@@ -1,0 +1,127 @@
+"""Making a `Config`: read YAML, apply `--set key.path=value` overrides, validate, resolve.
+
+The schema (`distill.config`) does no I/O; everything that touches the disk happens here,
+once, at the door: the YAML file, `teacher.format: auto` resolved to `hf` or `distill`, and
+a Hugging Face teacher's `teacher.model` read from its config.json. Every config a command
+uses is made by `load_config` or `config_from_dict`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from distill.config import RUNTIME_KEYS, Config
+from distill.errors import DistillError, error_lines
+from distill.models import hf
+
+
+def _parse_value(text: str) -> Any:
+    """`--set` values are YAML scalars: 3, 1e-3, true, null, [1, 2], 'text'."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(tree: dict, assignment: str) -> None:
+    """Set `key.path=value` in a raw config tree, creating sections on the way."""
+    if "=" not in assignment:
+        raise DistillError(f"--set {assignment!r}: expected key.path=value")
+    path, value = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise DistillError(f"--set {path}: {k} is not a section")
+        node = nxt
+    node[keys[-1]] = _parse_value(value)
+
+
+def _read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if "://" in str(path):  # a run's config.yaml in a bucket (`distill export gs://...`)
+        from etils import epath
+
+        from distill import storage
+
+        storage.check(str(path), "config")
+        p = epath.Path(path)
+    if not p.is_file():
+        raise DistillError(f"config file not found: {p}")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise DistillError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise DistillError(f"{p}: the top level must be a mapping of sections")
+    return tree
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML, apply `--set` overrides, validate and resolve.
+
+    Raises DistillError; a schema with several mistakes gives one line per mistake."""
+    tree = _read_yaml(path) if path is not None else {}
+    for o in overrides:
+        apply_override(tree, o)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Validate a raw config tree and resolve what depends on the disk (the teacher's format
+    and a Hugging Face teacher's model shape)."""
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        raise DistillError("\n".join(error_lines(e))) from None
+    _resolve_teacher(cfg)
+    cfg.student_model()  # validates the merged student shape
+    if cfg.student.init == "from_teacher":
+        cfg.init_layers()
+    elif cfg.student.init_layers is not None:
+        raise DistillError(
+            "student.init_layers: set, but student.init is random (not from_teacher)"
+        )
+    return cfg
+
+
+def _resolve_teacher(cfg: Config) -> None:
+    """`teacher.format: auto` -> hf when `teacher.checkpoint` is a local directory holding a
+    config.json, else distill; a Hugging Face teacher's `teacher.model` from that file."""
+    teacher = cfg.teacher
+    ckpt = teacher.checkpoint
+    if teacher.format == "auto":
+        local_hf = bool(ckpt) and "://" not in ckpt and hf.config_file(ckpt).is_file()
+        teacher.format = "hf" if local_hf else "distill"
+    if teacher.format != "hf":
+        return
+    if not ckpt:
+        raise DistillError("teacher.checkpoint: required when teacher.format is hf")
+    if "://" in ckpt:
+        raise DistillError(
+            f"teacher.checkpoint: {ckpt}: a Hugging Face teacher is read "
+            "from a local directory; copy it to local disk first"
+        )
+    _teacher_model_from_hf(cfg)
+
+
+def _teacher_model_from_hf(cfg: Config) -> None:
+    """Set `teacher.model` from a Hugging Face config.json; keys set by hand must agree."""
+    derived = hf.read_model_config(cfg.teacher.checkpoint)
+    given = cfg.teacher.model
+    derived = derived.model_copy(update={k: getattr(given, k) for k in RUNTIME_KEYS})
+    for key in sorted(given.model_fields_set - set(RUNTIME_KEYS)):
+        if getattr(given, key) != getattr(derived, key):
+            raise DistillError(
+                f"teacher.model.{key}: {getattr(given, key)} differs from "
+                f"{getattr(derived, key)} in {hf.config_file(cfg.teacher.checkpoint)}; a Hugging "
+                "Face teacher's shape comes from its config.json: leave teacher.model unset"
+            )
+    cfg.teacher.model = derived

@@ -1,0 +1,422 @@
+"""One typed config tree, validated at the door; the schema only, without I/O.
+
+Configs are made by `distill.config.load` (YAML file + `--set key.path=value` overrides,
+the teacher's format and a Hugging Face teacher's shape resolved there). Every section
+forbids unknown keys. The key paths (``run.output_dir``, ``mesh.teacher.tp``,
+``teacher.model.d_model``, ...) are the public contract used by docs, scripts and ``--set``.
+The student's model is the teacher's schema with overrides (``student.model.*``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from distill.config.model import (
+    DTYPE_DOC,
+    RUNTIME_KEYS,
+    DType,
+    ModelConfig,
+    Section,
+    StudentModelOverrides,
+)
+from distill.errors import DistillError, error_lines
+
+
+class RunConfig(Section):
+    name: str = Field("distill", description="Run name, shown in logs and the dashboard.")
+    output_dir: str = Field(
+        "runs/distill",
+        description="Where every output of the run lives: a local directory or a gs:// URI "
+        "(needs the gcs extra).",
+    )
+    seed: int = Field(0, description="Seed for parameter init and data shuffling.")
+    allow_teacher_change: bool = Field(
+        False,
+        description="Resume, eval or export a student whose checkpoint was distilled with "
+        "another teacher or tokenizer than the config's (refused by default).",
+    )
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files of the run's metrics under "
+        "<run.output_dir>/tensorboard.",
+    )
+
+
+class TeacherMesh(Section):
+    dp: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel degree of the inference mesh (dp x tp devices): the "
+        "teacher's batch split over dp groups of tp devices, its weights replicated over dp.",
+    )
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree of the inference mesh.")
+    hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
+    devices: list[int] | None = Field(
+        None,
+        description="Explicit device ids for the teacher (dp x tp of them); default: the "
+        "first dp x tp.",
+    )
+
+
+class StudentMesh(Section):
+    dp: int = Field(1, ge=1, description="Data-parallel degree of the training mesh.")
+    fsdp: int = Field(
+        1,
+        ge=1,
+        description="Fully sharded data-parallel degree of the training mesh (dp x fsdp "
+        "devices): parameters, gradients and optimizer state split over fsdp (ZeRO-3), the "
+        "batch over both axes.",
+    )
+    hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
+    devices: list[int] | None = Field(
+        None,
+        description="Explicit device ids for the student (dp x fsdp of them); default: the "
+        "next dp x fsdp.",
+    )
+
+
+class MeshConfig(Section):
+    teacher: TeacherMesh = Field(default_factory=TeacherMesh)
+    student: StudentMesh = Field(default_factory=StudentMesh)
+    platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
+        "auto", description="Device platform. auto: accelerators if present, else simulated CPU."
+    )
+
+
+class TeacherConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    checkpoint: str | None = Field(
+        None,
+        description="Teacher weights: an Orbax checkpoint dir written by distill, or a local "
+        "Hugging Face Llama dir (config.json + *.safetensors).",
+    )
+    format: Literal["auto", "distill", "hf"] = Field(
+        "auto",
+        description="Checkpoint format. auto: hf if teacher.checkpoint is a local directory "
+        "holding a config.json, else distill; resolved when the config is loaded (the run's "
+        "config.yaml records which). With hf, teacher.model is read from config.json (keys set "
+        "here must agree with it).",
+    )
+    dtype: DType = Field("auto", description=DTYPE_DOC)
+    top_k: int | None = Field(
+        None, ge=1, description="Send only the top-k log-probs per token; None: dense."
+    )
+    microbatch: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per teacher forward in each mesh.teacher.dp group: the group's rows "
+        "of a batch run this many at a time (peak memory bounded by one microbatch); None: all "
+        "at once.",
+    )
+    pretrain_steps: int = Field(
+        0, ge=0, description="If the checkpoint is missing, train the teacher this long first."
+    )
+    pretrain_lr: float = Field(3e-3, gt=0, description="Peak learning rate for the bootstrap.")
+    rebootstrap: bool = Field(
+        False,
+        description="Bootstrap the teacher again (teacher.pretrain_steps) over the one "
+        "distill bootstrapped at teacher.checkpoint; a run whose settings differ from those "
+        "it recorded is refused otherwise.",
+    )
+    replicas: int = Field(
+        1, ge=1, description="Teacher actors in pipeline.mode ray, each with its own dp x tp mesh."
+    )
+    source: Literal["online", "cache"] = Field(
+        "online",
+        description="online: run the teacher during training. cache: read its top-k outputs "
+        "from teacher.cache_dir, written by `distill cache-teacher` (no teacher on any device).",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where cache-teacher writes and source cache reads; default "
+        "<run.output_dir>/teacher_cache.",
+    )
+
+    def is_hf(self) -> bool:
+        """Whether `checkpoint` is read as a Hugging Face directory. The loader
+        (`distill.config.load`) resolves `auto` to `hf` or `distill`."""
+        return self.format == "hf"
+
+
+class StudentConfig(Section):
+    model: StudentModelOverrides = Field(default_factory=StudentModelOverrides)
+    dtype: DType = Field("auto", description=DTYPE_DOC)
+    init: Literal["random", "from_teacher"] = Field(
+        "random",
+        description="random: fresh weights. from_teacher: the teacher's embeddings, final norm, "
+        "head and a subset of its layers (depth pruning); the student keeps the teacher's width.",
+    )
+    init_layers: list[int] | None = Field(
+        None,
+        description="from_teacher: the teacher layers to keep, increasing; default: "
+        "student.model.n_layers of them evenly spaced, the first and last included.",
+    )
+
+
+class DataConfig(Section):
+    source: str = Field(
+        ...,
+        description="A file, a directory, or a glob. '{stdlib}' expands to the Python "
+        "standard library directory of the running interpreter.",
+    )
+    include: list[str] = Field(
+        default_factory=lambda: ["**/*"], description="Glob patterns within a directory."
+    )
+    exclude: list[str] = Field(default_factory=list, description="Glob patterns to skip.")
+    format: Literal["auto", "text", "jsonl", "parquet", "arrayrecord"] = Field(
+        "auto",
+        description="auto: .jsonl/.json files are JSONL, .parquet Parquet, .array_record/"
+        ".arrayrecord ArrayRecord of token ids (see the README's data section), the rest text.",
+    )
+    text_field: str = Field(
+        "text", description="The text field of JSONL records and the text column of Parquet."
+    )
+    prompt_field: str | None = Field(
+        None,
+        description="On-policy prompts: this field of the JSONL records / column of the Parquet "
+        "files of data.source; None: the first distill.on_policy.prompt_len tokens of rows.",
+    )
+    tokenizer: str = Field(
+        "bytes",
+        description="'bytes' (built-in byte-level), or a path to a Hugging Face tokenizer.json "
+        "or a SentencePiece .model.",
+    )
+    max_bytes: int | None = Field(
+        None, ge=1, description="Stop reading the corpus after this many bytes."
+    )
+    eval_fraction: float = Field(
+        0.02, gt=0, lt=1, description="Fraction of documents held out for evaluation."
+    )
+    eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
+    prepared_dir: str | None = Field(
+        None,
+        description="Directory of the corpus tokenised and packed by `distill prepare`. Set: "
+        "`distill prepare` writes it and runs read their rows from it, not from data.source.",
+    )
+
+
+class OnPolicyConfig(Section):
+    """On-policy distillation (GKD): the student learns on its own continuations, which
+    the teacher scores token by token. prompt_len and max_new_tokens also set the
+    continuations every evaluation samples (`sample_teacher_nll`)."""
+
+    fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of batches trained on the student's own continuations (GKD's "
+        "lambda): 0 is off-policy KD on the data, 1 fully on-policy.",
+    )
+    prompt_len: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt tokens: the first prompt_len tokens of each packed row (or, with "
+        "data.prompt_field, each prompt's last ones); default min(32, train.seq_len / 4).",
+    )
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens the student generates per prompt (it stops earlier at EOS, the "
+        "end of its document); default min(64, train.seq_len + 1 - prompt_len).",
+    )
+    start_step: int = Field(
+        0,
+        ge=0,
+        description="Steps up to this one are all off-policy (the student first learns on the "
+        "data, as GKD starts from a trained student); fraction applies after it.",
+    )
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+
+    def lengths(self, seq_len: int) -> tuple[int, int]:
+        """(prompt_len, max_new_tokens) with their defaults for rows of `seq_len` tokens."""
+        p = self.prompt_len or max(1, min(32, seq_len // 4))
+        return p, self.max_new_tokens or max(1, min(64, seq_len + 1 - p))
+
+
+class DistillLossConfig(Section):
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "forward_kl", description="Divergence between teacher and student."
+    )
+    temperature: float = Field(2.0, gt=0, description="Softmax temperature T (KD scaled by T^2).")
+    alpha: float = Field(0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE.")
+    beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
+    on_policy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor / peak.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not on norms).")
+    b1: float = Field(0.9, ge=0, lt=1, description="Adam first-moment decay.")
+    b2: float = Field(0.95, ge=0, lt=1, description="Adam second-moment decay.")
+    clip_norm: float | None = Field(1.0, gt=0, description="Global-norm gradient clipping.")
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1, description="Student training steps.")
+    batch_size: int = Field(16, ge=1, description="Global batch size (sequences).")
+    seq_len: int = Field(128, ge=2, description="Tokens per packed row.")
+    log_every: int = Field(10, ge=1, description="Steps between metric records.")
+    eval_every: int = Field(100, ge=1, description="Steps between evaluations.")
+    checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep.")
+    metrics_lag: int = Field(2, ge=1, description="Read step n-lag's metrics at step n.")
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        description="Gradient accumulation: each device's rows of a step run as this many "
+        "microbatches, their gradients summed (float32) before one optimizer update; the loss "
+        "is the one of the whole batch. train.batch_size must divide by dp x fsdp x grad_accum.",
+    )
+    remat: Literal["none", "block", "dots"] = Field(
+        "none",
+        description="Rematerialisation of the student's blocks in the backward pass. none: keep "
+        "every activation; block: keep only each block's input, recompute the rest; dots: keep "
+        "the matmul outputs, recompute attention and elementwise ops.",
+    )
+    layer_loop: Literal["auto", "scan", "unroll"] = Field(
+        "auto",
+        description="The training step's layers. scan: one block looped over the stacked layers "
+        "(compile time independent of depth); unroll: each layer its own code, no stacked "
+        "activations to read back (faster on CPU); auto: unroll up to 8 layers on CPU, else scan.",
+    )
+    profile: list[int] | None = Field(
+        None,
+        description="[first_step, steps]: write a jax.profiler trace of these training steps "
+        "to <run.output_dir>/profile (TensorBoard's profile plugin or Perfetto); None: off.",
+    )
+
+    @model_validator(mode="after")
+    def _profile(self) -> TrainConfig:
+        if self.profile is not None and (
+            len(self.profile) != 2 or self.profile[0] < 1 or self.profile[1] < 1
+        ):
+            raise ValueError(f"profile: {self.profile} must be [first_step >= 1, steps >= 1]")
+        return self
+
+
+class PipelineConfig(Section):
+    mode: Literal["local", "ray"] = Field(
+        "local",
+        description="local: one process, two meshes. ray: teacher and student Ray actors, "
+        "each owning its devices (see the ray section).",
+    )
+    prefetch: int = Field(2, ge=1, description="Teacher outputs in flight at most.")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="On-policy: the continuations trained on at step n are generated with "
+        "the student's parameters after step n-1-max_staleness, so generation, teacher "
+        "scoring and training overlap; 0: strictly on-policy, no overlap. pipeline.prefetch "
+        "must not exceed max_staleness + 1.",
+    )
+
+
+class RayConfig(Section):
+    address: str | None = Field(
+        None, description="Ray cluster to join (e.g. 'auto', 'ray://head:10001'); None: start one."
+    )
+    max_teacher_restarts: int = Field(
+        3, ge=0, description="Teacher actor deaths survived (each recreated) before the run fails."
+    )
+    max_student_restarts: int = Field(
+        2, ge=0, description="Student actor deaths survived (each resumed from its checkpoint)."
+    )
+
+
+class ServerConfig(Section):
+    enabled: bool = Field(True, description="Serve the status API and dashboard.")
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8080, ge=0, le=65535, description="Port; 0 picks a free one.")
+    token: str | None = Field(
+        None, description="Bearer token enabling POST control endpoints (or DISTILL_SERVER_TOKEN)."
+    )
+    stall_timeout_s: float = Field(
+        300.0, gt=0, description="/healthz turns 503 when no step finished for this long."
+    )
+
+
+class WandbConfig(Section):
+    """Weights & Biases logging of the run's metrics (the wandb extra)."""
+
+    enabled: bool = Field(False, description="Log the run's metrics to W&B.")
+    project: str | None = Field(None, description="W&B project; None: WANDB_PROJECT or W&B's.")
+    entity: str | None = Field(None, description="W&B entity (user or team); None: the default.")
+    mode: Literal["online", "offline"] | None = Field(
+        None, description="online, or offline (sync later: `wandb sync`); None: WANDB_MODE."
+    )
+    name: str | None = Field(None, description="W&B run name; default run.name.")
+    group: str | None = Field(None, description="W&B run group.")
+    tags: list[str] = Field(default_factory=list, description="W&B run tags.")
+    id: str | None = Field(
+        None, description="W&B run id; set it to continue one W&B run across resumed runs."
+    )
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    student: StudentConfig = Field(default_factory=StudentConfig)
+    data: DataConfig
+    distill: DistillLossConfig = Field(default_factory=DistillLossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    def student_model(self) -> ModelConfig:
+        """The teacher's model schema with the student's overrides applied."""
+        overrides = self.student.model.model_dump(exclude_none=True)
+        merged = {**self.teacher.model.model_dump(), **overrides}
+        try:
+            return ModelConfig(**merged)
+        except ValidationError as e:
+            raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
+
+    def init_layers(self) -> list[int]:
+        """The teacher layers a `from_teacher` student starts from (validated)."""
+        t, s = self.teacher.model, self.student_model()
+        for key in ModelConfig.model_fields:
+            if key not in ("n_layers", *RUNTIME_KEYS) and getattr(s, key) != getattr(t, key):
+                raise DistillError(
+                    f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
+                    f"{getattr(t, key)}; student.init: from_teacher keeps the teacher's width"
+                )
+        layers = self.student.init_layers
+        if layers is None:
+            if s.n_layers > t.n_layers:
+                raise DistillError(
+                    f"student.model.n_layers: {s.n_layers} exceeds the teacher's {t.n_layers};"
+                    " student.init: from_teacher takes a subset of the teacher's layers"
+                )
+            n, span = s.n_layers, t.n_layers - 1  # n evenly spaced in [0, span], rounded
+            return [(i * span + (n - 1) // 2) // (n - 1) for i in range(n)] if n > 1 else [0]
+        if len(layers) != s.n_layers:
+            raise DistillError(
+                f"student.init_layers: {len(layers)} layers given, but student.model.n_layers "
+                f"is {s.n_layers}"
+            )
+        if any(not 0 <= i < t.n_layers for i in layers) or sorted(set(layers)) != layers:
+            raise DistillError(
+                f"student.init_layers: {layers} must be increasing teacher layer indices in "
+                f"[0, {t.n_layers})"
+            )
+        return layers
+
+    def resolve_dtypes(self, platform: str) -> None:
+        """Set `auto` compute dtypes for the platform the meshes are on: bfloat16 on
+        accelerators, float32 on CPU (where bfloat16 matmuls are emulated and slow)."""
+        for role in (self.teacher, self.student):
+            if role.dtype == "auto":
+                role.dtype = "float32" if platform == "cpu" else "bfloat16"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Data: documents read by Grain, tokenizers, packing into rows, prepared corpora, prompts."""

@@ -1,0 +1,210 @@
+"""Sampling from the shared Llama model with a KV cache: prefill, decode, generate.
+
+Pure functions of a parameter dict (`distill.models.model`), jit-able on any mesh; the student's
+sampler on the training mesh (`student.generate`) and `distill generate` (student or
+teacher) both use them.
+
+A prompt is a batch of rows [B, P] with their segment ids and positions, as packed rows
+have them: the continuation extends each row's *last* document (its last segment). Rows of
+different prompt lengths are left-padded with segment 0. The prefill runs the prompt
+through the model with the configured attention backend (segment-aware: earlier documents
+and padding of the row are never attended to by the last one) and keeps every layer's keys
+and values in a cache of P + max_new_tokens positions. Each decode step feeds one token per
+row, writes its keys and values at the next cache position and attends over the cache
+entries of the row's last document (a [B, KV, G, 1, T] score array: O(T) per step).
+
+A row stops at a stop id (EOS, or BOS: the start of another document); the stop token is
+part of its continuation, what follows is padding and marked invalid.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distill.config import ModelConfig
+from distill.models import model
+from distill.models.attention import resolve_backend
+from distill.types import Batch, Continuations, Prompts
+
+_NEG = jnp.finfo(jnp.float32).min
+
+
+class Cache(NamedTuple):
+    k: jax.Array  # [L, B, T, KV, hd] in the compute dtype
+    v: jax.Array
+    valid: jax.Array  # [B, T] bool: entries a decode step may attend to
+
+
+def _constrain(x, rows):
+    return x if rows is None else jax.lax.with_sharding_constraint(x, rows)
+
+
+def prefill(
+    cfg: ModelConfig, params, prompts: Prompts, total: int, *, dtype: str, rows=None
+) -> tuple[jax.Array, Cache]:
+    """(float32 logits [B, V] at each row's last prompt token, the cache of `total`
+    positions holding the prompt's keys and values)."""
+    module = model._module(cfg, params)
+    dt = model._dtype(dtype)
+    x = _constrain(module.embed[...][prompts.tokens].astype(dt), rows)
+    backend = resolve_backend(cfg.attention, dt, cfg.hd, prompts.tokens.shape[1])
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    def run_layers(x, block):
+        x, kv = block.with_kv(x, prompts.segment_ids, prompts.positions, None, backend)
+        return _constrain(x, rows), kv
+
+    x, (k, v) = run_layers(x, module.layers)  # k, v [L, B, P, KV, hd]
+    x = model.rms_norm(x[:, -1:], module.final_norm[...], cfg.norm_eps)
+    logits = model.logits(x, module.head())[:, 0]
+    p = prompts.tokens.shape[1]
+    pad = ((0, 0), (0, 0), (0, total - p), (0, 0), (0, 0))
+    seg = prompts.segment_ids
+    last_doc = (seg == seg[:, -1:]) & (seg != 0)
+    valid = jnp.pad(last_doc, ((0, 0), (0, total - p)))
+    return logits, Cache(jnp.pad(k, pad), jnp.pad(v, pad), valid)
+
+
+def cached_attention(q_b1hd, k_btkd, v_btkd, valid_bt) -> jax.Array:
+    """One query per row against the cache: [B, 1, H, hd], float32 scores and softmax."""
+    b, s, h, d = q_b1hd.shape
+    n_kv = k_btkd.shape[2]
+    q = q_b1hd.reshape(b, s, n_kv, h // n_kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k_btkd, preferred_element_type=jnp.float32)
+    scores = jnp.where(valid_bt[:, None, None, None, :], scores / math.sqrt(d), _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgst,btkd->bskgd", probs, v_btkd).reshape(b, s, h, d)
+
+
+def decode_step(
+    cfg: ModelConfig, params, tokens_b, positions_b, index, writes_b, cache: Cache, *,
+    dtype: str, rows=None,
+) -> tuple[jax.Array, Cache]:  # fmt: skip
+    """Feed one token per row at cache position `index` (a traced scalar); `writes_b`: the
+    rows whose token is real (a finished row's entry stays invalid). Returns (float32
+    logits [B, V] of the next token, the updated cache)."""
+    module = model._module(cfg, params)
+    dt = model._dtype(dtype)
+    x = _constrain(module.embed[...][tokens_b[:, None]].astype(dt), rows)
+    hit = jnp.arange(cache.valid.shape[1]) == index
+    valid = cache.valid | (hit[None, :] & writes_b[:, None])
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+    def run_layers(x, block, k_l, v_l):
+        q, k, v = block.qkv(x, positions_b[:, None])
+        k_l = jax.lax.dynamic_update_slice_in_dim(k_l, k.astype(k_l.dtype), index, axis=1)
+        v_l = jax.lax.dynamic_update_slice_in_dim(v_l, v.astype(v_l.dtype), index, axis=1)
+        x = block.finish(x, cached_attention(q, k_l, v_l, valid), None)
+        return _constrain(x, rows), (k_l, v_l)
+
+    x, (k, v) = run_layers(x, module.layers, cache.k, cache.v)
+    x = model.rms_norm(x, module.final_norm[...], cfg.norm_eps)
+    return model.logits(x, module.head())[:, 0], Cache(k, v, valid)
+
+
+def sample(logits_bv, key, *, temperature: float, top_p: float, vocab_limit: int | None):
+    """(token ids [B], their float32 log-probabilities under softmax(logits / temperature)
+    (softmax(logits) when greedy), before any top-p cut): greedy at temperature 0, else
+    drawn from softmax(logits / temperature) restricted to the smallest set of top ids whose
+    probability reaches `top_p`. Padded ids (>= vocab_limit) are never drawn."""
+    if vocab_limit is not None and vocab_limit < logits_bv.shape[-1]:
+        live = jnp.arange(logits_bv.shape[-1]) < vocab_limit
+        logits_bv = jnp.where(live, logits_bv, -jnp.inf)
+    z = logits_bv / (temperature or 1.0)
+    logp_bv = jax.nn.log_softmax(z, axis=-1)
+    tok = jnp.argmax(z, axis=-1) if temperature == 0 else _draw(z, key, top_p)
+    tok = tok.astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_bv, tok[:, None], axis=-1)[:, 0]
+
+
+def _draw(z, key, top_p: float):
+    if top_p < 1.0:
+        desc = -jnp.sort(-z, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the ids ranked above each
+        kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1
+        cutoff = jnp.take_along_axis(desc, kept - 1, axis=-1)
+        z = jnp.where(z >= cutoff, z, -jnp.inf)
+    return jax.random.categorical(key, z, axis=-1)
+
+
+def generate(
+    cfg: ModelConfig,
+    params,
+    prompts: Prompts,
+    key,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    stop_ids: tuple[int, ...] = (),
+    vocab_limit: int | None = None,
+    dtype: str = "float32",
+    rows=None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(continuation ids [B, N] int32, valid [B, N] bool, their log-probabilities [B, N]
+    float32 under the sampling distribution, see `sample`) of N = `max_new_tokens` tokens per
+    row. Token t of every row is drawn with `jax.random.fold_in(key, t)`. A row whose last
+    prompt token is already a stop id continues with nothing."""
+    p, n = prompts.tokens.shape[1], max_new_tokens
+    logits, cache = prefill(cfg, params, prompts, p + n, dtype=dtype, rows=rows)
+    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+    done = jnp.isin(prompts.tokens[:, -1], stops)
+    last_pos = prompts.positions[:, -1]
+
+    def body(carry, t):
+        logits, cache, done = carry
+        tok, logp = sample(
+            logits, jax.random.fold_in(key, t),
+            temperature=temperature, top_p=top_p, vocab_limit=vocab_limit,
+        )  # fmt: skip
+        real = ~done
+        tok = jnp.where(real, tok, 0)
+        done = done | jnp.isin(tok, stops)
+        logits, cache = decode_step(
+            cfg, params, tok, last_pos + 1 + t, p + t, real, cache, dtype=dtype, rows=rows
+        )
+        return (logits, cache, done), (tok, real, jnp.where(real, logp, 0.0))
+
+    _, (tokens, valid, logp) = jax.lax.scan(body, (logits, cache, done), jnp.arange(n))
+    return tokens.T, valid.T, logp.T
+
+
+def continuation_batch(prompts: Prompts, tokens_bn, valid_bn, seq_len: int) -> Continuations:
+    """The training rows [B, seq_len] of prompts and their continuations: each row is its
+    prompt then its continuation (extending the last document, positions counting on),
+    then padding (segment 0); `mask` is 1 exactly where the target is a generated token, so
+    a loss on it is a loss on the continuation only. P + N must not exceed seq_len + 1."""
+    b, p = prompts.tokens.shape
+    n = tokens_bn.shape[1]
+    if p + n > seq_len + 1:
+        raise ValueError(f"prompt {p} + continuation {n} tokens exceed seq_len {seq_len} + 1")
+    last_seg, last_pos = prompts.segment_ids[:, -1:], prompts.positions[:, -1:]
+    gen_pos = last_pos + 1 + jnp.arange(n, dtype=jnp.int32)[None, :]
+    tok = jnp.concatenate([prompts.tokens, jnp.where(valid_bn, tokens_bn, 0)], axis=1)
+    seg = jnp.concatenate([prompts.segment_ids, jnp.where(valid_bn, last_seg, 0)], axis=1)
+    pos = jnp.concatenate([prompts.positions, jnp.where(valid_bn, gen_pos, 0)], axis=1)
+    gen = jnp.concatenate([jnp.zeros((b, p), bool), valid_bn], axis=1)
+    pad = ((0, 0), (0, seq_len + 1 - p - n))
+    tok, seg, pos, gen = (jnp.pad(x, pad) for x in (tok, seg, pos, gen))
+    return Continuations(
+        tokens=tok[:, :-1].astype(jnp.int32),
+        targets=tok[:, 1:].astype(jnp.int32),
+        segment_ids=seg[:, :-1].astype(jnp.int32),
+        positions=pos[:, :-1].astype(jnp.int32),
+        mask=gen[:, 1:].astype(jnp.float32),
+    )
+
+
+def prompts_of(batch: Batch, prompt_len: int) -> Prompts:
+    """The first `prompt_len` tokens of packed rows, as prompts (plain-text corpora)."""
+    return Prompts(
+        batch.tokens[:, :prompt_len],
+        batch.segment_ids[:, :prompt_len],
+        batch.positions[:, :prompt_len],
+    )

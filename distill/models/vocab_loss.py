@@ -1,0 +1,254 @@
+"""The losses of `distill.models.losses`, computed from the student's final hidden states chunk by
+chunk, so its [B, S, V] logits are never whole.
+
+At V = 128k and S = 4,096 one float32 copy of a sequence's logits is 2.1 GB, and the whole-
+logits loss keeps several live (logits, log-probs, their gradients). Here the sequence axis
+is cut into chunks of `chunk` positions; for each chunk [B, chunk] the logits are computed
+from `x @ head`, reduced to per-token sums, and dropped. The chunk body is rematerialised
+(`jax.checkpoint` under `jax.lax.map`), so the backward pass recomputes one chunk's logits
+at a time too: peak memory holds one chunk's [B, chunk, V] logits and a few temporaries,
+plus the head's own gradient.
+
+A chunk spans every row rather than a run of the flattened B * S tokens, so a batch split
+over data-parallel devices stays split: each device works on its rows of every chunk, and
+no chunk lives on one device. When S is not a multiple of `chunk` the last chunk is shifted
+back to end at S instead of padded (positions it shares with the chunk before count zero
+times), so the dense teacher is sliced in place and never copied.
+
+Results equal `distill.models.losses` on `mask_vocab(x @ head, vocab_limit, fill=PADDED_LOGIT)`
+up to float reassociation: the same per-token formulas, summed per chunk, then divided by
+max(sum(mask), 1). Logits are accumulated in float32 from `compute_dtype` operands (bfloat16
+on accelerators) and never rounded through it; everything after is float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from distill.collectives import mask_vocab
+from distill.config import DistillLossConfig
+from distill.models.losses import PADDED_LOGIT, _kl, _token_ce, kd_divergence
+from distill.types import TeacherOutput
+
+# One chunk's float32 logits on one device, by default: a few such temporaries live at once.
+CHUNK_BYTES = 256 * 2**20
+
+Tree = dict[str, jax.Array]
+
+
+def default_chunk(vocab_size: int, rows: int = 1, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Positions per chunk such that one chunk's float32 logits [rows, chunk, V] fit in
+    `budget_bytes`: budget // (rows * V * 4), rounded down to a power of two, at least 1.
+    `rows`: the batch rows one device holds (global batch / dp)."""
+    n = max(1, budget_bytes // (4 * vocab_size * max(rows, 1)))
+    return 1 << (n.bit_length() - 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _head_matmul(x_nd: jax.Array, head_dv: jax.Array, dt: jnp.dtype) -> jax.Array:
+    # on the rows [N, D] (a free reshape): a dot with one contracting dimension, whose head
+    # gradient XLA:CPU forms without copying the logits' gradient transposed
+    x = x_nd.reshape(-1, x_nd.shape[-1]).astype(dt)
+    z = jnp.dot(x, head_dv.astype(dt), preferred_element_type=jnp.float32)
+    return z.reshape(*x_nd.shape[:-1], head_dv.shape[-1])
+
+
+def _head_matmul_fwd(x_nd, head_dv, dt):
+    return _head_matmul(x_nd, head_dv, dt), (x_nd, head_dv)
+
+
+def _head_matmul_bwd(dt, res, g_nv):
+    # The logits' float32 cotangent is rounded to `dt` so both backward matmuls run on `dt`
+    # operands (autodiff of a preferred_element_type dot would multiply float32 by `dt`,
+    # which upcasts to a float32 matmul); both accumulate in float32, and the head's
+    # gradient is returned in float32 rather than rounded to `dt`.
+    x_nd, head_dv = res
+    g = g_nv.reshape(-1, g_nv.shape[-1]).astype(dt)
+    x = x_nd.reshape(-1, x_nd.shape[-1]).astype(dt)
+    f32 = jnp.float32
+    dx = jnp.einsum("nv,dv->nd", g, head_dv.astype(dt), preferred_element_type=f32)
+    dh = jnp.einsum("nd,nv->dv", x, g, preferred_element_type=f32)
+    return dx.reshape(x_nd.shape).astype(x_nd.dtype), dh.astype(head_dv.dtype)
+
+
+_head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
+def head_logits(
+    x_nd: jax.Array, head_dv: jax.Array, *, vocab_limit: int | None, compute_dtype
+) -> jax.Array:
+    """float32 logits [..., V] = x @ head from `compute_dtype` operands, accumulated and
+    returned in float32 (not rounded through bfloat16), padded ids set to PADDED_LOGIT."""
+    z = _head_matmul(x_nd, head_dv, jnp.dtype(compute_dtype))
+    return mask_vocab(z, vocab_limit, None, fill=PADDED_LOGIT)
+
+
+def _chunked_sums(
+    token_fn: Callable[[jax.Array, Tree], Tree],
+    x_bsd: jax.Array,
+    head_dv: jax.Array,
+    per_token: Tree,
+    dense: Tree,
+    mask_bs: jax.Array,
+    *,
+    vocab_limit: int | None,
+    chunk: int | None,
+    compute_dtype,
+) -> Tree:
+    """sum over tokens of mask * token_fn(logits, inputs)[key], for every key, chunk by chunk.
+
+    `per_token`: [B, S, ...] inputs small enough to regroup into chunks (targets, top-k).
+    `dense`: [B, S, V] inputs (a dense teacher), sliced per chunk in place.
+    `token_fn(logits_bcv, inputs)`: per-token float32 values [B, c] for one chunk.
+    """
+    b, s, _ = x_bsd.shape
+    c = max(1, min(chunk or default_chunk(head_dv.shape[-1], b), s))
+    n = -(-s // c)
+    first = np.arange(n) * c  # where chunk i's own positions begin
+    start = np.minimum(first, s - c)  # the last chunk ends at S: shifted back, not padded
+    pos = start[:, None] + np.arange(c)  # [n, c]
+    fresh = pos >= first[:, None]  # positions not already counted by an earlier chunk
+
+    def regroup(a_bs):  # [B, S, ...] -> [n, B, c, ...]
+        a = a_bs.reshape(b, n, c, *a_bs.shape[2:]) if s % c == 0 else a_bs[:, pos]
+        return jnp.moveaxis(a, 1, 0)
+
+    weight = jnp.where(fresh[:, None], regroup(mask_bs.astype(jnp.float32)), 0.0)
+    xs = (regroup(x_bsd), jax.tree.map(regroup, per_token), weight, jnp.asarray(start))
+
+    # The backward pass recomputes this chunk's logits instead of keeping every chunk's.
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # no CSE to fear inside a map
+    def chunk_sums(xs) -> Tree:
+        x_bcd, inputs, w_bc, start_c = xs
+        sliced = {k: jax.lax.dynamic_slice_in_dim(a, start_c, c, axis=1) for k, a in dense.items()}
+        z_bcv = head_logits(x_bcd, head_dv, vocab_limit=vocab_limit, compute_dtype=compute_dtype)
+        values = token_fn(z_bcv, {**inputs, **sliced})
+        return {k: jnp.sum(jnp.where(w_bc > 0, v * w_bc, 0.0)) for k, v in values.items()}
+
+    return {k: jnp.sum(v) for k, v in jax.lax.map(chunk_sums, xs).items()}
+
+
+def _means(sums: Tree, mask_bs: jax.Array) -> tuple[Tree, jax.Array]:
+    tokens = jnp.sum(mask_bs.astype(jnp.float32))
+    return {k: v / jnp.maximum(tokens, 1.0) for k, v in sums.items()}, tokens
+
+
+def kd_loss_chunked(
+    x_bsd: jax.Array,
+    head_dv: jax.Array,
+    teacher: TeacherOutput,
+    targets_bs: jax.Array,
+    mask_bs: jax.Array,
+    cfg: DistillLossConfig,
+    *,
+    vocab_limit: int | None = None,
+    chunk: int | None = None,
+    compute_dtype=jnp.float32,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`distill.models.losses.kd_loss` of the logits x @ head [B, S, V], never whole.
+
+    x_bsd: the student's final hidden states (after the final norm); head_dv: the LM head
+    (the embedding transposed when tied). teacher: dense [B, S, V] log-probs (read one chunk
+    at a time) or top-k [B, S, k]. vocab_limit: ids >= it are padding, never given
+    probability (a top-k teacher with k >= vocab_limit is then the dense divergence over the
+    live ids). chunk: positions per chunk (default `default_chunk(V, B)`; under data
+    parallelism pass `default_chunk(V, B // dp)`). Same metrics as `kd_loss`.
+    """
+    lp = jax.lax.stop_gradient(teacher.logprobs)
+    if teacher.ids is None:
+        per_token, dense = {"targets": targets_bs}, {"lp": lp}
+    else:
+        per_token, dense = {"targets": targets_bs, "lp": lp, "ids": teacher.ids}, {}
+
+    def token_fn(z_bcv: jax.Array, t: Tree) -> Tree:
+        teacher_c = TeacherOutput(t["lp"], t.get("ids"))
+        kd = kd_divergence(z_bcv, teacher_c, cfg, vocab_limit=vocab_limit)
+        return {"kd": kd, "ce": _token_ce(z_bcv, t["targets"])}
+
+    sums = _chunked_sums(
+        token_fn,
+        x_bsd,
+        head_dv,
+        per_token,
+        dense,
+        mask_bs,
+        vocab_limit=vocab_limit,
+        chunk=chunk,
+        compute_dtype=compute_dtype,
+    )
+    means, tokens = _means(sums, mask_bs)
+    kd, ce = means["kd"], means["ce"]
+    loss = cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce
+    return loss, {"loss": loss, "kd_loss": kd, "ce_loss": ce, "tokens": tokens}
+
+
+def ce_loss_chunked(
+    x_bsd: jax.Array,
+    head_dv: jax.Array,
+    targets_bs: jax.Array,
+    mask_bs: jax.Array,
+    *,
+    vocab_limit: int | None = None,
+    chunk: int | None = None,
+    compute_dtype=jnp.float32,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`distill.models.losses.ce_loss` of the logits x @ head, never whole (arguments as
+    `kd_loss_chunked`). Metrics: loss, ce_loss, tokens."""
+    sums = _chunked_sums(
+        lambda z_bcv, t: {"ce": _token_ce(z_bcv, t["targets"])},
+        x_bsd,
+        head_dv,
+        {"targets": targets_bs},
+        {},
+        mask_bs,
+        vocab_limit=vocab_limit,
+        chunk=chunk,
+        compute_dtype=compute_dtype,
+    )
+    means, tokens = _means(sums, mask_bs)
+    return means["ce"], {"loss": means["ce"], "ce_loss": means["ce"], "tokens": tokens}
+
+
+def eval_metrics_chunked(
+    x_bsd: jax.Array,
+    head_dv: jax.Array,
+    teacher_logits_bsv: jax.Array,
+    targets_bs: jax.Array,
+    mask_bs: jax.Array,
+    *,
+    vocab_limit: int | None = None,
+    chunk: int | None = None,
+    compute_dtype=jnp.float32,
+) -> dict[str, jax.Array]:
+    """`distill.models.losses.eval_metrics` of the student logits x @ head against the teacher's
+    raw logits [B, S, V] (read one chunk at a time), never whole. Same keys."""
+
+    def token_fn(s_bcv: jax.Array, t: Tree) -> Tree:
+        t_bcv = t["teacher"].astype(jnp.float32)
+        ls, lt = jax.nn.log_softmax(s_bcv, axis=-1), jax.nn.log_softmax(t_bcv, axis=-1)
+        agree = jnp.argmax(s_bcv, axis=-1) == jnp.argmax(t_bcv, axis=-1)
+        return {
+            "teacher_loss": _token_ce(t_bcv, t["targets"]),
+            "student_loss": _token_ce(s_bcv, t["targets"]),
+            "kl": _kl(lt, ls),
+            "top1_agreement": agree.astype(jnp.float32),
+        }
+
+    sums = _chunked_sums(
+        token_fn,
+        x_bsd,
+        head_dv,
+        {"targets": targets_bs},
+        {"teacher": teacher_logits_bsv},
+        mask_bs,
+        vocab_limit=vocab_limit,
+        chunk=chunk,
+        compute_dtype=compute_dtype,
+    )
+    means, tokens = _means(sums, mask_bs)
+    return {**means, "tokens": tokens}

@@ -1,0 +1,137 @@
+"""`distill bench CONFIG --role teacher|student`: one role alone on this host's devices.
+
+A run needs both meshes at once; sizing one role, or measuring its speed on a host too
+small for both (one GPU), needs only that role's. Its mesh is the configured one
+(`mesh.<role>`), over the host's first devices (`distill.mesh.role_mesh`), and its program
+is built exactly as runs build it (dtype, `teacher.microbatch`; `train.remat`,
+`train.grad_accum`). Nothing is read but the data's first batch: the teacher's weights are
+random, made on the mesh in the layout a checkpoint would load into
+(`teacher.weights.random_teacher`); the student learns from random teacher outputs of the
+run's shapes (dense log-probs over the live ids and their top-k), made on the student's
+devices. Speed does not care what the numbers are.
+
+Before it runs anything the role's program is compiled and, on an accelerator, refused in
+one line when its peak exceeds the device's memory (as `distill validate` does for both
+roles). The figures: each variant's median step (`pipelines.bench.phases`), tokens/s, MFU against
+the device's bfloat16 peak (the measured float32 matmul rate on CPU), and the compiled
+per-device memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from distill.collectives import mask_vocab
+from distill.config import Config
+from distill.data.tokenizers import vocab_limit
+from distill.mesh import role_mesh
+from distill.types import TeacherOutput
+from pipelines import plan_memory
+from pipelines.bench.phases import (
+    bench_top_k,
+    student_figures,
+    student_phases_ms,
+    teacher_figures,
+    teacher_phases_ms,
+)
+from pipelines.preflight import preflight_role
+from student import train
+from teacher import sharding as teacher_sharding
+from teacher.weights import random_teacher
+
+ROLES = ("teacher", "student")
+
+
+def bench_role(cfg: Config, role: str, repeats: int = 10) -> dict:
+    """Every figure of `distill bench --role ROLE` (module docstring)."""
+    corpus = preflight_role(cfg, role)
+    mesh = role_mesh(cfg, role)
+    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    host_batch = next(corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed))
+    if role == "teacher":
+        mem, _ = plan_memory.teacher_memory(cfg, mesh, limit)
+    else:
+        outputs = jax.eval_shape(lambda: random_outputs(cfg, mesh, limit))
+        configured = outputs["topk" if cfg.teacher.top_k else "dense"]
+        mem = plan_memory.student_memory(cfg, mesh, configured, limit)
+    device_bytes = plan_memory.device_memory(mesh)
+    plan_memory.check_fits({role: mem, "device_memory_bytes": device_bytes})
+    if role == "teacher":
+        params = random_teacher(cfg, mesh)
+        batch = jax.device_put(host_batch, teacher_sharding.batch_sharding(mesh))
+        res, _ = teacher_phases_ms(cfg, mesh, params, batch, limit, repeats)
+        res.update(teacher_figures(res, cfg, mesh))
+    else:
+        batch = jax.device_put(host_batch, train.batch_sharding(mesh))
+        outs = random_outputs(cfg, mesh, limit)
+        if not _dense_fits(cfg, outputs["dense"], mesh, device_bytes):
+            del outs["dense"]
+        res = student_phases_ms(cfg, mesh, batch, outs, limit, repeats)
+        res.update(student_figures(res, cfg, mesh))
+    res.update(
+        {f"{role}_{k}": v for k, v in mem.items()},
+        role=role,
+        mesh={str(a): int(n) for a, n in mesh.shape.items()},
+        device_kind=mesh.devices.flat[0].device_kind,
+        device_memory_bytes=device_bytes,
+        tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+    )
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
+
+
+def random_outputs(cfg: Config, mesh, limit: int | None) -> dict[str, TeacherOutput]:
+    """{"dense", "topk"}: teacher outputs of the run's shapes, in the student's batch
+    sharding on `mesh`: log softmax(z / T) of random logits z over the live ids (padded ids
+    -inf, as the teacher gives them) and its top-k."""
+    b, s, v = cfg.train.batch_size, cfg.train.seq_len, cfg.teacher.model.vocab_size
+    split = train.batch_sharding(mesh)
+
+    def make(key):
+        z = mask_vocab(2.0 * jax.random.normal(key, (b, s, v), jnp.float32), limit, None)
+        lp = jax.nn.log_softmax(z / cfg.distill.temperature, axis=-1)
+        top, ids = jax.lax.top_k(lp, bench_top_k(cfg))
+        return {"dense": TeacherOutput(lp), "topk": TeacherOutput(top, ids.astype(jnp.int32))}
+
+    shardings = {"dense": TeacherOutput(split), "topk": TeacherOutput(split, split)}
+    return jax.jit(make, out_shardings=shardings)(jax.random.key(cfg.run.seed))
+
+
+def _dense_fits(cfg: Config, dense: TeacherOutput, mesh, device_bytes: int | None) -> bool:
+    """Whether to time KD from dense teacher log-probs too: always when the run uses them,
+    else only while they take at most a quarter of a device (B x S x V floats: at a 128k
+    vocabulary 2 GiB per 4,096-token row)."""
+    if not cfg.teacher.top_k or device_bytes is None:
+        return True
+    return dense.logprobs.nbytes // mesh.size <= device_bytes // 4
+
+
+def format_role(r: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items())
+    if r["role"] == "teacher":
+        lines = [
+            f"teacher alone on {mesh} ({r['device_kind']}): plain {r['teacher_plain_ms']:.1f} "
+            f"ms, dense log-probs {r['teacher_dense_ms']:.1f} ms, top-k "
+            f"{r['teacher_topk_ms']:.1f} ms ({r['topk_over_plain_teacher']:.2f}x plain)",
+            f"configured output: {r['teacher_ms']:.1f} ms, {r['teacher_tokens_per_s']:.0f} "
+            f"tok/s, MFU {100 * r['teacher_mfu']:.1f}%",
+            f"compiled per device: {gib(r['teacher_forward_temp_bytes_per_device'])} "
+            f"temporaries, peak {gib(r['teacher_peak_bytes_per_device'])}",
+        ]
+    else:
+        lines = [
+            f"student alone on {mesh} ({r['device_kind']}): CE {r['student_ce_ms']:.1f} ms"
+            + "".join(
+                f", KD {name} {r[f'student_kd_{kind}_ms']:.1f} ms ({r[f'kd_over_ce_{kind}']:.2f}x)"
+                for kind, name in (("dense", "dense"), ("topk", "top-k"))
+                if f"student_kd_{kind}_ms" in r
+            ),
+            f"configured output: {r['student_ms']:.1f} ms, {r['student_tokens_per_s']:.0f} "
+            f"tok/s, MFU {100 * r['mfu']:.1f}%",
+            f"compiled per device: {gib(r['student_step_temp_bytes_per_device'])} "
+            f"temporaries, peak {gib(r['student_peak_bytes_per_device'])}",
+        ]
+    if r["device_memory_bytes"]:
+        lines[-1] += f" of {gib(r['device_memory_bytes'])}"
+    return "\n".join(lines)

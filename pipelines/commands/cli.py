@@ -1,0 +1,279 @@
+"""`distill COMMAND`: parse the arguments, load the config, call one function.
+
+The console script `distill` points here. Each command is a small function in `COMMANDS`.
+The config is read before JAX is imported, so that on a host without accelerators the
+right number of simulated CPU devices can be requested first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from distill.config import Config
+from distill.config.load import load_config
+from distill.errors import DistillError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distill", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    helps = {
+        "run": "run a distillation pipeline",
+        "validate": "check the config, data and device fit without computing anything",
+        "plan": "print the device split, sizes and FLOPs",
+        "eval": "evaluate teacher and latest student checkpoint; prints one JSON object",
+        "bench": "time each phase and the pipelined step; prints one JSON object last",
+        "cache-teacher": "store top-k teacher outputs for teacher.source cache; one JSON line",
+        "prepare": "tokenise and pack the corpus into data.prepared_dir once; one JSON line",
+    }
+    for name, text in helps.items():
+        c = sub.add_parser(name, help=text, description=text)
+        c.add_argument("config", help="pipeline YAML file")
+        c.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY.PATH=VALUE",
+            help="override a config field (repeatable), e.g. --set train.steps=50",
+        )
+    _bench_arguments(sub.choices["bench"])
+    sub.choices["cache-teacher"].add_argument(
+        "--batches-per-shard", type=int, default=64, metavar="N", help="records per shard"
+    )
+    sub.choices["prepare"].add_argument(
+        "--rows-per-shard", type=int, default=None, metavar="N", help="rows per shard"
+    )
+    e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
+    e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
+    e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
+    e.add_argument("--out", default=None, help="destination (default: OUTPUT_DIR/hf)")
+    g = sub.add_parser(
+        "generate", help="print samples from a run's latest student checkpoint (or teacher)"
+    )
+    g.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    g.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--teacher", action="store_true", help="sample from the run's teacher")
+    g.add_argument("--json", action="store_true", help="one JSON object per sample")
+    d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
+    d.add_argument("output_dir")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8080)
+    return p
+
+
+def _bench_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--repeats", type=int, default=10, help="timed repeats per measurement (median)")
+    b.add_argument(
+        "--http",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the loop while a second process sends N status/metrics requests",
+    )
+    b.add_argument(
+        "--ray", action="store_true", help="also time the ray-mode pipeline on the same config"
+    )
+    b.add_argument(
+        "--on-policy",
+        action="store_true",
+        help="also time generation, scoring and the on-policy step (always when "
+        "distill.on_policy.fraction > 0)",
+    )
+    b.add_argument(
+        "--cache",
+        action="store_true",
+        help="also write a teacher cache and time offline training from it",
+    )
+    b.add_argument(
+        "--role",
+        choices=["teacher", "student"],
+        default=None,
+        help="time one role alone on this host's first devices (its configured mesh; random "
+        "weights and teacher outputs): for a host too small for both, such as one GPU",
+    )
+    b.add_argument(
+        "--torch",
+        action="store_true",
+        help="also time a plain PyTorch + transformers KD loop on the same shapes (needs .[hf])",
+    )
+
+
+def _prepare_devices(cfg: Config) -> None:
+    """Before JAX starts: the simulated CPU devices the meshes need, and on CPU devices host
+    memory kept for reuse between steps (`distill.allocator`)."""
+    from distill.allocator import keep_freed_memory, runs_on_cpu
+    from distill.mesh import devices_needed, simulate_cpu_devices
+
+    simulate_cpu_devices(devices_needed(cfg))
+    if runs_on_cpu(cfg.mesh.platform):
+        keep_freed_memory()
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The command's config, with simulated CPU devices requested before JAX starts."""
+    cfg = load_config(args.config, args.overrides)
+    _prepare_devices(cfg)
+    return cfg
+
+
+def cmd_dashboard(args: argparse.Namespace) -> None:
+    from distill.observability.server import serve_dashboard
+
+    serve_dashboard(args.output_dir, host=args.host, port=args.port)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from student.export import export_hf
+
+    cfg = load_config(f"{args.output_dir}/config.yaml")
+    cfg.run.output_dir = args.output_dir  # the run may have moved since
+    print(json.dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    cfg = load_config(f"{args.output_dir}/config.yaml")
+    cfg.run.output_dir = args.output_dir  # the run may have moved since
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise DistillError("--max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    _prepare_devices(cfg)
+    from pipelines.commands.generate import generate_text
+
+    samples = generate_text(
+        cfg,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        teacher=args.teacher,
+        seed=args.seed,
+    )
+    for s in samples:
+        print(json.dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n"
+              f"{s['prompt']}{s['completion']}")  # fmt: skip
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from pipelines.commands import run
+
+    cfg = _config(args)
+    meshes, corpus = run.validate(cfg)
+    print(
+        f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
+        f"rows; teacher dp={cfg.mesh.teacher.dp} x tp={cfg.mesh.teacher.tp}, "
+        f"student dp={cfg.mesh.student.dp} x fsdp={cfg.mesh.student.fsdp}, {meshes.platform})"
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from pipelines.commands import run
+
+    print(run.plan_json(_config(args)))
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from pipelines.commands import run
+
+    print(json.dumps(run.evaluate(_config(args))))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from pipelines.bench.phases import bench, format_bench
+    from pipelines.commands import run
+
+    cfg = _config(args)
+    if args.role:
+        _bench_role(cfg, args)
+        return
+    meshes, corpus = run.validate(cfg)
+    result = bench(
+        cfg,
+        corpus,
+        meshes,
+        repeats=args.repeats,
+        http_requests=args.http,
+        ray_mode=args.ray,
+        cache_mode=args.cache,
+        torch_mode=args.torch,
+    )
+    text = format_bench(result)
+    if args.on_policy or cfg.distill.on_policy.fraction > 0:
+        from pipelines.bench.on_policy import bench_on_policy, format_on_policy
+
+        result.update(bench_on_policy(cfg, corpus, meshes, repeats=args.repeats))
+        text += "\n" + format_on_policy(result)
+    print(text)
+    print(json.dumps(result))
+
+
+def _bench_role(cfg, args: argparse.Namespace) -> None:
+    from pipelines.bench.role import bench_role, format_role
+
+    both = [f"--{n}" for n in ("ray", "cache", "torch", "on_policy", "http") if getattr(args, n)]
+    if both:
+        raise DistillError(
+            f"--role: times one role alone; {', '.join(both).replace('_', '-')} needs both"
+        )
+    result = bench_role(cfg, args.role, repeats=args.repeats)
+    print(format_role(result))
+    print(json.dumps(result))
+
+
+def cmd_cache_teacher(args: argparse.Namespace) -> None:
+    from pipelines.offline.cache_writer import cache_teacher
+
+    print(json.dumps(cache_teacher(_config(args), args.batches_per_shard)))
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from pipelines.commands.prepare import prepare
+
+    print(json.dumps(prepare(_config(args), args.rows_per_shard)))
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from pipelines.commands import run
+
+    cfg = _config(args)
+    summary = run.run(cfg)
+    out = {"summary": f"{cfg.run.output_dir}/summary.json", "final_eval": summary.get("final_eval")}
+    print(json.dumps(out))
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "validate": cmd_validate,
+    "plan": cmd_plan,
+    "eval": cmd_eval,
+    "bench": cmd_bench,
+    "cache-teacher": cmd_cache_teacher,
+    "prepare": cmd_prepare,
+    "export": cmd_export,
+    "generate": cmd_generate,
+    "dashboard": cmd_dashboard,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("absl", "jax", "orbax", "etils", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = _parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+        return 0
+    except DistillError as e:
+        for line in str(e).splitlines() or [""]:
+            print(f"distill: error: {line}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

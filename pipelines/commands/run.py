@@ -1,0 +1,170 @@
+"""The entry points behind the CLI: run, validate, plan, eval."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+from distill import outputs
+from distill.config import Config
+from distill.data.tokenizers import vocab_limit
+from distill.errors import DistillError
+from distill.mesh import Meshes, build_meshes
+from distill.observability.metrics import MetricsStore
+from pipelines import plan_memory
+from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
+from pipelines.plan import format_plan, plan
+from pipelines.preflight import preflight, preflight_shapes
+
+log = logging.getLogger("distill")
+
+
+def _require_ray(cfg: Config) -> None:
+    if cfg.pipeline.mode != "ray":
+        return
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise DistillError(
+            "pipeline.mode: ray needs Ray installed: pip install 'distill[ray]'"
+        ) from None
+
+
+def validate(cfg: Config) -> tuple[Meshes, object]:
+    """All checks a run makes before touching devices; returns (meshes, corpus)."""
+    _require_ray(cfg)
+    corpus = preflight(cfg)
+    if cfg.teacher.source == "cache":  # offline: the cache must match and be long enough
+        from pipelines.offline.teacher_cache import check_cache
+
+        check_cache(cfg, corpus)
+    meshes = build_meshes(cfg)
+    if plan_memory.device_memory(meshes.student) is not None:  # an accelerator: do both fit?
+        plan_memory.check_fits(_memory(cfg, meshes, corpus.tokenizer))
+    return meshes, corpus
+
+
+def _tokenizer_if_present(cfg: Config):
+    from distill.data.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(cfg.data)
+    except DistillError:
+        return None
+
+
+def _memory(cfg: Config, meshes: Meshes, tokenizer) -> dict:
+    limit = vocab_limit(tokenizer, cfg.teacher.model.vocab_size) if tokenizer else None
+    return plan_memory.memory(cfg, meshes, limit)
+
+
+def _start_server(cfg: Config, store: MetricsStore):
+    if not cfg.server.enabled:
+        return None
+    from distill.observability.server.runner import start_server
+
+    try:
+        handle = start_server(store, cfg.server)
+    except OSError as e:
+        raise DistillError(
+            f"server.port: cannot listen on {cfg.server.host}:{cfg.server.port}: {e.strerror or e}"
+        ) from None
+    log.info("dashboard: %s", handle.url)
+    return handle
+
+
+def run(cfg: Config) -> dict:
+    """`distill run`: preflight, server, teacher (load or bootstrap), distil, summary."""
+    host_cfg = cfg
+    _require_ray(cfg)
+    if cfg.pipeline.mode == "ray":  # the driver stays on CPU; the actors own the devices
+        from pipelines.ray.mode import driver_view
+
+        host_cfg = driver_view(cfg)
+    meshes, corpus = validate(host_cfg)
+    if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
+        check_bootstrap_fits(host_cfg)  # before anything is written
+    p = plan(cfg, meshes)
+    log.info("plan:\n%s", format_plan(p))
+    outputs.write_config(cfg)
+    from distill.observability.tracking import (
+        metric_sinks,  # TensorBoard, W&B: what the config asks for
+    )
+
+    store = MetricsStore(
+        cfg.run.name,
+        cfg.train.steps,
+        cfg.model_dump(mode="json"),
+        output_dir=str(outputs.out_dir(cfg)),
+        stall_timeout_s=cfg.server.stall_timeout_s,
+        sinks=metric_sinks(cfg),
+    )
+    store.set_mesh(p["layout"])
+    server = _start_server(cfg, store)
+    try:
+        if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
+            ensure_teacher(host_cfg, corpus, store)
+        if cfg.pipeline.mode == "ray":
+            from pipelines.ray.mode import distill_ray
+
+            summary = distill_ray(cfg, corpus, store)
+        else:
+            from pipelines.local import distill_local
+
+            summary = distill_local(cfg, corpus, meshes, store)
+        summary = {
+            "run": cfg.run.name,
+            "plan": {k: v for k, v in p.items() if k != "layout"},
+            **summary,
+        }
+        outputs.write_summary(cfg, summary)
+        store.finish(summary)
+        return summary
+    except BaseException as e:
+        store.fail(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if server is not None:
+            if os.environ.get("DISTILL_HOLD_SERVER_S"):  # keep the dashboard up for a look
+                time.sleep(float(os.environ["DISTILL_HOLD_SERVER_S"]))
+            server.stop()
+        store.close()  # on a bucket, this writes the metrics.jsonl lines not uploaded yet
+
+
+def evaluate(cfg: Config) -> dict:
+    """`distill eval`: the teacher and the latest student checkpoint on the held-out split."""
+    from distill.checkpoint import has_checkpoint
+    from pipelines.evaluation import eval_batches
+    from pipelines.local import student_executor
+    from pipelines.on_policy import SAMPLE_KEYS, sample_score
+    from pipelines.sources import OnlineTeacher
+
+    meshes, corpus = validate(cfg)
+    if not has_checkpoint(outputs.checkpoint_dir(cfg)):
+        where = outputs.checkpoint_dir(cfg)
+        raise DistillError(f"run.output_dir: no student checkpoint in {where}")
+    executor = student_executor(cfg, corpus, meshes.student)
+    step, _ = executor.start()
+    try:
+        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
+        batches = eval_batches(cfg, corpus)
+        result = executor.evaluate(batches, teacher.eval_logits(batches), keep=False)
+        result.update(sample_score(cfg, corpus, teacher, meshes.student)(executor.state.params))
+    finally:
+        executor.finish()
+    keys = ("teacher_loss", "student_loss", "kl", "top1_agreement", *SAMPLE_KEYS)
+    return {"step": step, **{k: result[k] for k in keys}}
+
+
+def plan_json(cfg: Config) -> str:
+    """`distill plan`: the plan with both roles' compiled per-device memory. From shapes
+    alone: no data is read and no weights are loaded (the tokenizer, if its file is here,
+    only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
+    _require_ray(cfg)
+    preflight_shapes(cfg)
+    meshes = build_meshes(cfg)
+    mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
+    p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
+    return format_plan(p) + "\n" + plan_memory.format_memory(mem) + "\n" + json.dumps(p)

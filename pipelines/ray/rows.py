@@ -1,0 +1,228 @@
+"""Row blocks between the process groups of `pipeline.mode: ray`, and the rows each process
+reads for itself.
+
+Data per host: the corpus is deterministic and addressable by batch index
+(`distill.data.corpus.Corpus.train_dataset`), so the driver sends every process only the step's
+data state, `{"next_index": n}` (its iterator state before batch n), and each process reads
+the rows of global batch n it needs from its own copy of the corpus (`BatchReader`; with
+`data.prepared_dir`, from disk on demand). The data state is the same for every process of
+both groups, so the one state the student checkpoints is every process's data position.
+
+A batch and its teacher output are batch-major, so every hand-off between groups is by
+rows. The training mesh splits a batch's rows into equal shards over its devices, and
+`row_owners` says which student process holds each shard, in row order: the student's
+layout decides (`distill.mesh.device_grid`: host by host, so each process holds one
+contiguous block, or, on one TPU slice, slice-wide, so a process's rows may be several
+blocks). Every helper here follows those owners, so any layout works. A student process
+reads only its rows (`spans`), and every teacher process sends it only those of its rows
+which the teacher process holds (`teacher_parts`), each row by exactly one teacher process
+(the lowest-numbered holder when the teacher's output is replicated over some devices). A
+teacher process reads the rows its devices hold (`global_batch`). A student process joins
+what it receives (`student_rows`) and assembles global arrays from every process's rows
+(`global_arrays`: a process's rows concatenated in row order, as
+`jax.make_array_from_process_local_data` maps them). On-policy rows are made by the
+student processes and sent to the teacher group, which puts them back in row order
+(`join_batch`). Nothing here goes through the driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from distill.data.corpus import Corpus
+from distill.types import Batch, TeacherOutput
+
+Piece = tuple[int, TeacherOutput]  # (first global row, host rows of a teacher output)
+Owners = tuple[int, ...]  # the student process holding each row shard of a batch, in order
+Spans = list[tuple[int, int]]  # [lo, hi) blocks of a batch's rows, in order
+
+
+class BatchReader:
+    """Rows of the run's global batches by data state: what `Corpus.train_iterator` would
+    yield after `set_state(state)`, any block of its rows, read without the others."""
+
+    def __init__(self, corpus: Corpus, batch_size: int, seed: int):
+        self._corpus, self.batch_size, self.seq_len = corpus, batch_size, corpus.train.seq_len
+        self._ids = corpus.train_row_ids(batch_size, seed)  # batch n's row ids
+        self.train_rows = corpus.train_rows
+
+    def rows(self, data_state: dict, spans: Spans | None = None) -> Batch:
+        """The rows in `spans` (default: all) of the batch at `data_state`, in order."""
+        ids = self._ids[data_state["next_index"]]
+        return self._corpus.train.gather(ids if spans is None else take(ids, spans))
+
+
+def data_check(reader: BatchReader) -> str:
+    """A short identity of the rows a process reads: its train rows and a checksum of its
+    first batch. Every process of both groups must read the driver's rows (the same files
+    mounted on every host): the driver compares them."""
+    first = reader.rows({"next_index": 0})
+    digest = hashlib.sha256(first.tokens.tobytes() + first.mask.tobytes()).hexdigest()
+    return f"{reader.train_rows} rows, batch 0 {digest[:12]}"
+
+
+def row_owners(sharding) -> Owners:
+    """For each row shard of a batch split by `sharding` (the student's batch sharding), in
+    row order, the process whose devices hold it (the lowest-numbered when several do)."""
+    n = sharding.num_devices  # a multiple of the shard count: equal shards
+    holder: dict[tuple[int, int], int] = {}
+    for device, index in sharding.devices_indices_map((n,)).items():
+        rows = index[0].indices(n)[:2]
+        holder[rows] = min(holder.get(rows, device.process_index), device.process_index)
+    return tuple(p for _, p in sorted(holder.items()))
+
+
+def spans(owners: Owners, p: int, rows: int) -> Spans:
+    """The rows of a batch of `rows` that student process `p` holds, as blocks in order
+    (adjacent shards merged: one block when the layout is host by host)."""
+    size = rows // len(owners)
+    return _merged([(k * size, (k + 1) * size) for k, q in enumerate(owners) if q == p])
+
+
+def take(x, spans: Spans):
+    """The rows of `x` in `spans`, in order."""
+    if len(spans) == 1:
+        return x[spans[0][0] : spans[0][1]]
+    return np.concatenate([x[lo:hi] for lo, hi in spans])
+
+
+def global_batch(reader: BatchReader, data_state: dict, sharding) -> Batch:
+    """The batch at `data_state` as global arrays on `sharding` (rows split over some of its
+    axes), this process reading only the rows its own devices hold."""
+    import jax
+
+    shape = (reader.batch_size, reader.seq_len)
+    held = sorted(
+        {
+            idx[0].indices(shape[0])[:2]
+            for idx in sharding.addressable_devices_indices_map(shape).values()
+        }
+    )
+    local = reader.rows(data_state, held)
+    at, n = {}, 0  # a device's rows -> where they start in `local`
+    for a, b in held:
+        at[a, b], n = n, n + b - a
+
+    def one(x):
+        def piece(index):
+            a, b = index[0].indices(shape[0])[:2]
+            return x[at[a, b] : at[a, b] + b - a]
+
+        return jax.make_array_from_callback(shape, sharding, piece)
+
+    return Batch(*(one(x) for x in local))
+
+
+def _merged(blocks: Spans) -> Spans:
+    out: Spans = []
+    for lo, hi in sorted(blocks):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def split_batch(batch, owners: Owners) -> list:
+    """Each student process's rows of a host batch (or prompts), in process order."""
+    rows = batch.tokens.shape[0]
+    return [
+        type(batch)(*(take(f, spans(owners, p, rows)) for f in batch))
+        for p in range(max(owners) + 1)
+    ]
+
+
+def join_batch(parts: list[Batch], owners: Owners) -> Batch:
+    """The whole batch from each student process's rows (what a teacher process runs on)."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = sum(part.tokens.shape[0] for part in parts)
+
+    def join(*fields):
+        out = np.empty((rows, *fields[0].shape[1:]), fields[0].dtype)
+        for p, f in enumerate(fields):
+            at = 0
+            for lo, hi in spans(owners, p, rows):
+                out[lo:hi], at = f[at : at + hi - lo], at + hi - lo
+        return out
+
+    return Batch(*(join(*f) for f in zip(*parts, strict=True)))
+
+
+def _owned_rows(arr) -> dict[tuple[int, int], np.ndarray]:
+    """{(start, stop): host rows} of the row blocks of the global array `arr` (rows split
+    over its mesh, other axes whole) whose lowest-numbered holder is this process."""
+    import jax
+
+    n, me = arr.shape[0], jax.process_index()
+    holder: dict[tuple[int, int], int] = {}
+    for device, index in arr.sharding.devices_indices_map(arr.shape).items():
+        rows = index[0].indices(n)[:2]
+        holder[rows] = min(holder.get(rows, device.process_index), device.process_index)
+    owned = {}
+    for shard in arr.addressable_shards:
+        rows = shard.index[0].indices(n)[:2]
+        if holder[rows] == me and rows not in owned:
+            owned[rows] = np.asarray(shard.data)
+    return owned
+
+
+def teacher_parts(out: TeacherOutput, owners: Owners) -> list[list[Piece]]:
+    """For each student process (`owners`: `row_owners` of the student's layout), the
+    pieces of its rows that this teacher process holds (possibly none): `out` is the
+    teacher's global output."""
+    size = out.logprobs.shape[0] // len(owners)
+    logprobs = _owned_rows(out.logprobs)
+    ids = _owned_rows(out.ids) if out.ids is not None else None
+    parts: list[list[Piece]] = [[] for _ in range(max(owners) + 1)]
+    for (a, b), lp in sorted(logprobs.items()):
+        held = TeacherOutput(lp, None if ids is None else ids[(a, b)])
+        for k in range(a // size, (b - 1) // size + 1):
+            lo, hi = max(a, k * size), min(b, (k + 1) * size)
+            parts[owners[k]].append((lo, TeacherOutput(*(_rows(x, lo - a, hi - a) for x in held))))
+    return parts
+
+
+def _rows(x, lo: int, hi: int):
+    return None if x is None else x[lo:hi]
+
+
+def student_rows(parts: list[list[Piece]], mine: Spans) -> tuple[TeacherOutput, int]:
+    """(this student process's rows `mine` of the teacher output, in order; bytes received)
+    from the pieces every teacher process sent it."""
+    pieces = sorted((p for part in parts for p in part), key=lambda p: p[0])
+    got = [(start, piece.logprobs.shape[0]) for start, piece in pieces]
+    covered = [(start, start + n) for start, n in got]
+    if _merged(covered) != mine or sum(n for _, n in got) != sum(b - a for a, b in mine):
+        raise RuntimeError(f"teacher rows (start, n) {got} do not cover the rows {mine}")
+    outs = [piece for _, piece in pieces]
+    joined = TeacherOutput(
+        np.concatenate([o.logprobs for o in outs]),
+        None if outs[0].ids is None else np.concatenate([o.ids for o in outs]),
+    )
+    return joined, sum(x.nbytes for o in outs for x in o if x is not None)
+
+
+def local_rows(tree):
+    """This process's rows of each leaf of a tree of batch-split global arrays, as host
+    arrays (its row shards in row order; the whole arrays in a group of one process)."""
+    import jax
+
+    def one(arr):
+        blocks = sorted(_owned_rows(arr).items())
+        return np.concatenate([rows for _, rows in blocks])
+
+    return jax.tree.map(one, tree)
+
+
+def global_arrays(tree, sharding, rows: int):
+    """Global arrays of `rows` rows on `sharding` from this process's rows of each leaf
+    (its row shards in row order, as `local_rows` and `take` give them)."""
+    import jax
+
+    def one(x):
+        return jax.make_array_from_process_local_data(sharding, x, (rows, *x.shape[1:]))
+
+    return jax.tree.map(one, tree)
