@@ -19,7 +19,7 @@ MEMBER = textwrap.dedent(
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from distill.distributed import join
     from distill.types import Batch, TeacherOutput
-    from pipelines import ray_rows
+    from pipelines.ray import rows as ray_rows
 
     address, me, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     join(address, 2, me, "cpu")
