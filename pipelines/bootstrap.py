@@ -24,8 +24,9 @@ from distill.errors import DistillError
 from distill.mesh import DP, all_devices_mesh, available_devices
 from distill.models import model
 from distill.outputs import teacher_path
+from pipelines import hooks as h
 from pipelines.executors import LocalExecutor
-from pipelines.loop import Hooks, Loop
+from pipelines.loop import Loop, LoopSpec
 from pipelines.sources import NoTeacher
 from student import train
 
@@ -43,7 +44,9 @@ def _bootstrap_mesh(cfg: Config) -> Mesh:
 
 def _record(step: int, m: dict, figures: dict) -> dict:
     keys = ("loss", "ce_loss", "lr")
-    return {"step": step, "phase": "bootstrap", **{k: m[k] for k in keys}, **figures}
+    return {"step": step, "phase": "bootstrap", **{k: m[k] for k in keys}} | {
+        "tokens_per_s": figures["tokens_per_s"]
+    }
 
 
 def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, record: dict | None = None) -> None:
@@ -64,17 +67,15 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, record: dict | No
         with_teacher=False,
     )
     source = NoTeacher(lambda: corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed + 1))
-    hooks = Hooks(
-        phase="bootstrap",
-        record=lambda step, m, figures: _record(step, m, {"tokens_per_s": figures["tokens_per_s"]}),
-        checkpoints=False,
-        progress=False,
-        report=lambda step, r: log.info("bootstrap step %d/%d loss %.4f", step, steps, r["loss"]),
+    report = h.Report(
+        lambda step, r: log.info("bootstrap step %d/%d loss %.4f", step, steps, r["loss"])
     )
+    hooks = [*([h.Records()] if store is not None else []), report, h.StopRequests()]
     log.info("bootstrap: training the teacher for %d steps on %d devices", steps, mesh.size)
     t0 = time.perf_counter()
     try:
-        summary = Loop(cfg, source, executor, store, hooks, steps=steps).run()
+        spec = LoopSpec.of(cfg, steps=steps, phase="bootstrap")
+        summary = Loop(spec, source, executor, hooks, record=_record, store=store).run()
     finally:
         source.close()
     if not summary["completed"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax.sharding import Mesh
 
 from distill import handoff
 from distill.checkpoint import Checkpointer
@@ -31,7 +32,7 @@ class LocalExecutor:
 
     def __init__(
         self,
-        mesh,
+        mesh: Mesh,
         start_fn: Callable,
         step_fn: Callable,
         *,

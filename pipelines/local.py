@@ -6,14 +6,20 @@ inference mesh (or the offline cache), and the jitted student step on the traini
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from jax.sharding import Mesh
+
 from distill import outputs
 from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.data.tokenizers import vocab_limit
 from distill.mesh import Meshes
+from distill.observability.metrics import MetricsStore
+from pipelines import hooks as h
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
-from pipelines.loop import Hooks, Loop
+from pipelines.loop import Loop, LoopSpec
 from pipelines.on_policy import OnPolicySource, sample_score
 from pipelines.progress import distill_record
 from pipelines.sources import CacheSource, OnlineSource, OnlineTeacher
@@ -24,7 +30,7 @@ from student.state import run_checkpointer, start_student
 from teacher.weights import student_init_params
 
 
-def student_executor(cfg: Config, corpus: Corpus, mesh) -> LocalExecutor:
+def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
     """The run's student on the training mesh: its state (resumed, or initialised), its
     compiled distillation step, its checkpoints and its side of evaluation; for on-policy
     runs, the recent parameters it generates with."""
@@ -46,19 +52,30 @@ def student_executor(cfg: Config, corpus: Corpus, mesh) -> LocalExecutor:
     )
 
 
-def distill_hooks(cfg: Config, corpus: Corpus, source, executor, store, samples=None) -> Hooks:
-    """The hooks of a distillation run (local and ray modes alike); `samples`: see
-    `pipelines.evaluation.Evaluation`."""
-    return Hooks(
-        phase="distill",
-        record=lambda step, m, figures: distill_record(step, m, **figures),
-        evaluate=Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples),
-        end_of_step=[lambda step, _: store.update(step=step, in_flight=source.in_flight())],
-        profile=str(outputs.out_dir(cfg) / "profile"),
-    )
+def distill_hooks(
+    cfg: Config, evaluate, store, source, extra: Sequence[h.Hook] = ()
+) -> list[h.Hook]:
+    """The hooks of a distillation run, local and ray modes alike: records, progress,
+    evaluation (`evaluate`, a `pipelines.evaluation.Evaluation`), checkpoints, stop
+    requests, status, the profile if asked for, then `extra` (ray's own status, tests'
+    faults)."""
+    hooks = [
+        h.Records(),
+        h.ProgressBar(cfg.run.name),
+        h.Evaluate(evaluate, cfg.train.eval_every),
+        h.Checkpoints(cfg.train.checkpoint_every),
+        h.StopRequests(),
+        h.Status(lambda step, _: store.update(step=step, in_flight=source.in_flight())),
+    ]
+    if cfg.train.profile is not None:
+        first, n = cfg.train.profile
+        hooks.append(h.Profile(first, n, str(outputs.out_dir(cfg) / "profile")))
+    return [*hooks, *extra]
 
 
-def online_sources(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, executor, mesh):
+def online_sources(
+    cfg: Config, corpus: Corpus, teacher: OnlineTeacher, executor: LocalExecutor, mesh: Mesh
+):
     """(the teacher source, the evaluation's sample metrics) of a run with the teacher
     online: on-policy when `distill.on_policy.fraction` > 0, else the data's rows."""
     score = sample_score(cfg, corpus, teacher, mesh)
@@ -70,8 +87,11 @@ def online_sources(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, executor
     return OnPolicySource(cfg, corpus, teacher, sampler, executor.history), samples
 
 
-def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
-    """Distil the student; returns the summary written to summary.json."""
+def distill_local(
+    cfg: Config, corpus: Corpus, meshes: Meshes, store: MetricsStore, extra: Sequence[h.Hook] = ()
+) -> dict:
+    """Distil the student; returns the summary written to summary.json. `extra`: hooks
+    after the run's own."""
     executor = student_executor(cfg, corpus, meshes.student)
     samples = None
     if cfg.teacher.source == "cache":
@@ -79,8 +99,11 @@ def distill_local(cfg: Config, corpus: Corpus, meshes: Meshes, store) -> dict:
     else:
         teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
         source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)
-    hooks = distill_hooks(cfg, corpus, source, executor, store, samples)
+    evaluate = Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples)
+    hooks = distill_hooks(cfg, evaluate, store, source, extra)
     try:
-        return Loop(cfg, source, executor, store, hooks).run()
+        return Loop(
+            LoopSpec.of(cfg), source, executor, hooks, record=distill_record, store=store
+        ).run()
     finally:
         source.close()

@@ -4,17 +4,21 @@ Every way of training is this loop. A **teacher source** (`pipelines.sources`: o
 the inference mesh, the offline cache, none for the CE bootstrap; `pipelines.ray.mode`: a
 pool of Ray teacher actors) reads batches in data order and starts their teacher work; a
 **student executor** (`pipelines.executors`: the jitted step on the training mesh;
-`pipelines.ray.mode`: the Ray student actor) trains on them. Evaluation, checkpoints,
-metric records, progress, status and stop requests are written here once.
+`pipelines.ray.mode`: the Ray student actor) trains on them. Everything else (evaluation,
+checkpoints, metric records, progress, status, stop requests, profiling, fault injection
+in tests) is a hook (`pipelines.hooks`) with its own cadence, composed by the caller.
 
 Step n, in dispatch order:
   1. pop the oldest in-flight item and dispatch student step n on it (its teacher output
      was moved to the training mesh during step n-1);
-  2. top the source up to `pipeline.prefetch` items in flight (Grain fetch, dispatch of
-     the teacher's work), never past the last step's batch;
+  2. top the source up to `prefetch` items in flight (Grain fetch, dispatch of the
+     teacher's work), never past the last step's batch;
   3. move the next item's teacher output to the training mesh (the hop), which may wait
      for the teacher, so it comes after step 1: the training mesh is busy meanwhile;
-  4. read step n-lag's metrics, long done: the loop never waits on the current step.
+  4. hooks' `after_dispatch`;
+  5. read step n-lag's metrics, long done, on the log cadence: the loop never waits on the
+     current step; hooks' `on_metrics` get them;
+  6. hooks' `end_of_step` (evaluation, checkpoints, stop requests, status, in list order).
 
 A checkpoint records the data state before the oldest in-flight item: where a resume
 restarts, so nothing in flight is lost or trained on twice.
@@ -23,17 +27,12 @@ restarts, so nothing in flight is lost or trained on twice.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
-
-import jax
-
-from pipelines.progress import Progress
 
 log = logging.getLogger("distill")
 
@@ -108,47 +107,104 @@ class StudentExecutor(Protocol):
         """After StudentLost: a new executor state from the latest checkpoint, as `start`."""
 
 
-def sigterm_flag() -> threading.Event:
-    """An event set by SIGTERM (pods are stopped that way): the loop saves and exits."""
-    flag = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: flag.set())
-    return flag
+class Store(Protocol):
+    """What the loop and its hooks tell the run's metrics store (`MetricsStore`)."""
+
+    def set_phase(self, phase: str, total_steps: int | None = None) -> None: ...
+
+    def log(self, record: dict) -> None: ...
+
+    def log_eval(self, record: dict) -> None: ...
+
+    def set_checkpoint(self, step: int, at: float) -> None: ...
+
+    def take_checkpoint_request(self) -> bool: ...
+
+    def stop_requested(self) -> bool: ...
+
+    def update(self, **fields: Any) -> None: ...
 
 
-@dataclass
-class Hooks:
-    """What varies between the loop's uses besides its source and executor."""
+Record = Callable[[int, dict, dict], dict]  # (step, metrics, figures) -> the record logged
 
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """What the loop itself needs: how far it goes, how much is in flight, when it reads."""
+
+    steps: int  # the last step
+    prefetch: int  # teacher outputs in flight at most
+    metrics_lag: int  # step n reads step n-lag's metrics
+    log_every: int  # steps between metric reads (and records)
+    tokens_per_step: int
     phase: str = "distill"  # the store's phase and the records' "phase"
-    record: Callable[[int, dict, dict], dict] | None = None  # (step, metrics, figures)
-    evaluate: Callable[[int], dict | None] | None = None  # held-out metrics at a step
-    checkpoints: bool = True  # periodic and final checkpoints, on stop requests too
-    progress: bool = True  # a progress bar or log lines; False: log lines via `report`
-    report: Callable[[int, dict], None] | None = None
-    profile: str | None = None  # where `train.profile` writes its trace; None: no trace
-    after_dispatch: list[Callable[[int], None]] = field(default_factory=list)
-    end_of_step: list[Callable[[int, int], None]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, cfg, steps: int | None = None, phase: str = "distill") -> LoopSpec:
+        """The spec of a run's config; `steps` overrides `train.steps` (the bootstrap)."""
+        t = cfg.train
+        return cls(
+            steps=t.steps if steps is None else steps,
+            prefetch=cfg.pipeline.prefetch,
+            metrics_lag=t.metrics_lag,
+            log_every=t.log_every,
+            tokens_per_step=t.batch_size * t.seq_len,
+            phase=phase,
+        )
 
 
 class Loop:
-    """`run()` trains from the executor's start to `steps` (default `train.steps`) and
-    returns the summary; `store` (a MetricsStore) may be None."""
+    """`run()` trains from the executor's start to `spec.steps` and returns the summary.
+
+    `hooks` run in list order at each event (see `pipelines.hooks.Hook`); `record` names a
+    step's metrics and figures for the hooks that log them; `store` may be None."""
 
     def __init__(
         self,
-        cfg,
+        spec: LoopSpec,
         source: TeacherSource,
         executor: StudentExecutor,
-        store,
-        hooks: Hooks,
-        steps: int | None = None,
+        hooks: Sequence[Any] = (),
+        *,
+        record: Record,
+        store: Store | None = None,
     ):
-        self.cfg, self.source, self.executor, self.store = cfg, source, executor, store
-        self.hooks = hooks
-        self.steps = cfg.train.steps if steps is None else steps
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-        self.sigterm = sigterm_flag()
+        self.spec, self.source, self.executor = spec, source, executor
+        self.hooks, self.record, self.store = list(hooks), record, store
+        self.pending: deque[tuple[int, Any]] = deque()  # (step, metrics handle), in order
+        self.stopping: str | None = None  # why the pass stops before its last step
+        self.failure: str | None = None  # why the run failed (no final eval or checkpoint)
+        self.bytes_per_token: float | None = None
+
+    # -- what hooks call ------------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        """End the pass after this step's hooks, as a stop request does (the final
+        checkpoint is still written)."""
+        self.stopping = self.stopping or reason
+
+    def fail(self, reason: str) -> None:
+        """End the pass now (a hook's `on_metrics`: no more metrics read, no `end_of_step`)
+        with no final evaluation or checkpoint, once the checkpoints being written are
+        complete; the summary says `completed: false` and `failure: reason`."""
+        self.failure = self.failure or reason
+        self.stop(reason)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The store shows `name` while the block runs, then the loop's phase again."""
+        self._set_phase(name)
+        try:
+            yield
+        finally:
+            self._set_phase(self.spec.phase)
+
+    def note(self, text: str) -> None:
+        """A line for the user: through a hook that shows progress, else the log."""
+        if not any(getattr(h, "note", None) and h.note(text) for h in self.hooks):
+            log.info("%s", text)
+
+    # -- the loop -------------------------------------------------------------------------
 
     def run(self) -> dict:
         t_start = time.perf_counter()
@@ -159,164 +215,95 @@ class Loop:
                 break
             except StudentLost as e:
                 start, data_state = self.executor.restart(e.__cause__ or e)
-        return {
-            **summary,
-            "wall_time_s": time.perf_counter() - t_start,
-            "tokens": (summary["steps"] - first[0]) * self.tokens_per_step,
-        }
-
-    # -- one pass from a start point --------------------------------------------------------
+        summary.update(
+            wall_time_s=time.perf_counter() - t_start,
+            tokens=(summary["steps"] - first[0]) * self.spec.tokens_per_step,
+        )
+        return summary
 
     def _run(self, start: int, data_state: dict | None) -> dict:
-        cfg, source, executor, hooks = self.cfg, self.source, self.executor, self.hooks
-        steps, prefetch = self.steps, cfg.pipeline.prefetch
+        spec, source, executor = self.spec, self.source, self.executor
         source.start(data_state)
         if start:
             log.info("resuming from checkpoint step %d", start)
-        self._set_phase(hooks.phase, steps)
-        progress = Progress(steps, start, cfg.run.name) if hooks.progress else None
-        state = _PassState(start, progress)
+        self._set_phase(spec.phase, spec.steps)
+        self.pending.clear()
+        self.stopping = self.failure = None
+        self._last_log = (time.perf_counter(), start)
         try:
-            if start == 0:
-                state.last_eval = self._evaluate(0, progress)
-            for _ in range(min(prefetch, steps - start)):
+            self._emit("on_start", start)
+            for _ in range(min(spec.prefetch, spec.steps - start)):
                 source.submit()
             staged = None
             step = start
-            for step in range(start + 1, steps + 1):
+            for step in range(start + 1, spec.steps + 1):
                 item = source.pop()
                 t_out = executor.hop(item.teacher_out) if staged is None else staged
-                self._profile(step, None)
+                self._emit("before_step", step)
                 handle = executor.step(step, item.batch, t_out)  # (1)
-                state.pending.append((step, handle))
-                self._profile(step, handle)
+                self.pending.append((step, handle))
                 staged = None
-                if step < steps:
-                    while source.in_flight() < min(prefetch, steps - step):  # (2)
+                if step < spec.steps:
+                    while source.in_flight() < min(spec.prefetch, spec.steps - step):  # (2)
                         source.submit()
                     if executor.hops:
                         staged = executor.hop(source.peek().teacher_out)  # (3)
-                for fn in hooks.after_dispatch:
-                    fn(step)
-                self._read_metrics(state)  # (4)
-                if step % cfg.train.eval_every == 0 and step != steps:
-                    state.last_eval = self._evaluate(step, progress)
-                if hooks.checkpoints and (
-                    step % cfg.train.checkpoint_every == 0 or self._checkpoint_requested()
-                ):
-                    self._save(step, state)
-                if self._stop_requested():
-                    log.info("stop requested: saving a checkpoint at step %d and exiting", step)
-                    state.stopped_early = step != steps
+                self._emit("after_dispatch", step, handle)  # (4)
+                self._read_metrics(step)  # (5)
+                if self.failure:  # nothing more of this state: no evaluation, no checkpoint
                     break
-                for fn in hooks.end_of_step:
-                    fn(step, len(state.pending))
-            self._read_metrics(state, drain=True)
-            if not state.stopped_early:
-                state.last_eval = self._evaluate(step, progress)
-            if hooks.checkpoints and state.last_saved != step:
-                self._save(step, state)
+                self._emit("end_of_step", step)  # (6)
+                if self.stopping:
+                    break
+            if self.stopping and step == spec.steps and not self.failure:
+                self.stopping = None  # a stop asked for at the last step: the run is complete
+            self._read_metrics(step, drain=True)
+            self._emit("on_end", step)
             executor.finish()
-            for fn in hooks.end_of_step:
-                fn(step, 0)
+            self._emit("after_finish", step)
         finally:
-            if progress is not None:
-                progress.close()
-        return {
+            self._emit("close")
+        summary = {
             "steps": step,
-            "completed": not state.stopped_early,
-            "final_eval": state.last_eval,
-            "bytes_per_token": state.bytes_per_token,
+            "completed": self.stopping is None,
+            "final_eval": None,
+            "bytes_per_token": self.bytes_per_token,
         }
+        for hook in self.hooks:
+            summary.update(getattr(hook, "summary", dict)())
+        if self.failure:
+            summary["failure"] = self.failure
+        return summary
 
-    # -- the hooks ------------------------------------------------------------------------
+    def _emit(self, event: str, *args) -> None:
+        for hook in self.hooks:
+            fn = getattr(hook, event, None)
+            if fn is not None:
+                fn(self, *args)
 
-    def _read_metrics(self, state: _PassState, drain: bool = False) -> None:
-        cfg, hooks = self.cfg, self.hooks
-        while len(state.pending) > (0 if drain else cfg.train.metrics_lag):
-            step, handle = state.pending.popleft()
-            wanted = step % cfg.train.log_every == 0 or step == self.steps
+    def _read_metrics(self, step: int, drain: bool = False) -> None:
+        """Read the pending steps' metrics up to `spec.metrics_lag` behind `step` (all of
+        them when draining); a step on the log cadence (or the last) goes to the hooks."""
+        spec = self.spec
+        while not self.failure and len(self.pending) > (0 if drain else spec.metrics_lag):
+            done, handle = self.pending.popleft()
+            wanted = done % spec.log_every == 0 or done == spec.steps
             m = self.executor.read(handle, wanted)
             if not wanted:
                 continue
             now = time.perf_counter()
-            n = max(step - state.last_log_step, 1)
+            last_t, last_step = self._last_log
+            n = max(done - last_step, 1)
             figures = {
-                "tokens_per_s": (step - state.last_log_step)
-                * self.tokens_per_step
-                / max(now - state.last_log_t, 1e-9),
-                **self.source.figures(n, state.last_log_t, step),
-                **self.executor.figures(n, state.last_log_t),
+                "tokens_per_s": (done - last_step) * spec.tokens_per_step / max(now - last_t, 1e-9),
+                **self.source.figures(n, last_t, done),
+                **self.executor.figures(n, last_t),
                 "in_flight": self.source.in_flight(),
             }
-            state.bytes_per_token = figures.get("bytes_per_token")
-            record = hooks.record(step, m, figures)
-            if self.store is not None:
-                self.store.log(record)
-            if state.progress is not None:
-                state.progress.update(step, record)
-            if hooks.report is not None:
-                hooks.report(step, record)
-            state.last_log_t, state.last_log_step = now, step
-
-    def _evaluate(self, step: int, progress: Progress | None) -> dict | None:
-        if self.hooks.evaluate is None:
-            return None
-        self._set_phase("eval")
-        m = self.hooks.evaluate(step)
-        if m is not None:
-            m = {"step": step, **m}
-            self.store.log_eval(m)
-            note = (
-                f"eval step {step}: student {m['student_loss']:.4f} "
-                f"teacher {m['teacher_loss']:.4f} kl {m['kl']:.4f} top1 {m['top1_agreement']:.3f}"
-            )
-            if "sample_teacher_nll" in m:
-                note += f" sample nll {m['sample_teacher_nll']:.4f} len {m['sample_len']:.1f}"
-            progress.note(note) if progress is not None else log.info("%s", note)
-        self._set_phase(self.hooks.phase)
-        return m
-
-    def _save(self, step: int, state: _PassState) -> None:
-        self._set_phase("checkpoint")
-        self.executor.save(step, self.source.resume_point())
-        if self.store is not None:
-            self.store.set_checkpoint(step, time.time())
-        self._set_phase(self.hooks.phase)
-        state.last_saved = step
-
-    def _profile(self, step: int, handle: Any) -> None:
-        """`train.profile: [first, n]`: a jax.profiler trace from before step `first` is
-        dispatched until step first+n-1 has finished (the one place the loop waits)."""
-        if self.hooks.profile is None or self.cfg.train.profile is None:
-            return
-        first, n = self.cfg.train.profile
-        if handle is None and step == first:
-            jax.profiler.start_trace(self.hooks.profile)
-        elif handle is not None and step == first + n - 1:
-            self.executor.read(handle, True)
-            jax.profiler.stop_trace()
-            log.info("profile: steps %d..%d traced to %s", first, step, self.hooks.profile)
+            self.bytes_per_token = figures.get("bytes_per_token")
+            self._emit("on_metrics", done, m, self.record(done, m, figures))
+            self._last_log = (now, done)
 
     def _set_phase(self, phase: str, total_steps: int | None = None) -> None:
         if self.store is not None:
             self.store.set_phase(phase, total_steps=total_steps)
-
-    def _checkpoint_requested(self) -> bool:
-        return self.store is not None and self.store.take_checkpoint_request()
-
-    def _stop_requested(self) -> bool:
-        return self.sigterm.is_set() or (self.store is not None and self.store.stop_requested())
-
-
-class _PassState:
-    """The loop's bookkeeping during one pass."""
-
-    def __init__(self, start: int, progress: Progress | None):
-        self.pending: deque[tuple[int, Any]] = deque()  # (step, metrics handle), in order
-        self.progress = progress
-        self.last_eval: dict | None = None
-        self.last_log_t, self.last_log_step = time.perf_counter(), start
-        self.last_saved = start
-        self.stopped_early = False
-        self.bytes_per_token: float | None = None

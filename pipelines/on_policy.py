@@ -26,6 +26,7 @@ from collections import deque
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from distill.config import Config
 from distill.data.corpus import Corpus
@@ -177,7 +178,7 @@ class OnPolicySource(QueueSource):
         self._gen_watch.close()
 
 
-def sample_score(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, mesh) -> SampleScore:
+def sample_score(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, mesh: Mesh) -> SampleScore:
     """The run's sample metrics: the evaluation rows' prompts, continued on the training
     mesh `mesh` at temperature 1."""
     limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)

@@ -12,7 +12,7 @@ from tqdm import tqdm
 log = logging.getLogger("distill")
 
 
-def distill_record(step: int, metrics: dict, **figures) -> dict:
+def distill_record(step: int, metrics: dict, figures: dict) -> dict:
     """One metrics.jsonl training record: the step's losses and lr (host floats) plus the
     loop's own figures (tokens_per_s, teacher_ms, student_ms, busy fractions, ...)."""
     keys = ("loss", "kd_loss", "ce_loss", "lr", "grad_norm")

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from distill.config import Config
-from distill.data.tokenizers import vocab_limit
+from distill.data.tokenizers import Tokenizer, vocab_limit
 from distill.types import Batch
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
@@ -30,7 +31,7 @@ class OnlineTeacher:
     (top-k or dense log-probs, as configured) and its dense eval logits, each batch-major
     with its rows split over the mesh's devices (`teacher.forward`)."""
 
-    def __init__(self, cfg: Config, mesh, tokenizer):
+    def __init__(self, cfg: Config, mesh: Mesh, tokenizer: Tokenizer):
         mcfg = cfg.teacher.model
         limit = vocab_limit(tokenizer, mcfg.vocab_size)  # padded ids: masked throughout
         self.params = load_teacher(cfg, mesh)

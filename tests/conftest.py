@@ -166,6 +166,26 @@ def write_config(tmp_path, cfg: dict, name: str = "cfg.yaml") -> str:
     return str(path)
 
 
+def run_with_fault(tmp_path, cfg: dict, fault) -> int:
+    """`distill run` of `cfg` with `fault(step, pool)` called right after each student step
+    is dispatched (a hook, as `pipelines.hooks.Every` runs one): tests kill Ray actors or
+    ask for a stop at a chosen point. The exit status the CLI would give (0, or 2 for a
+    DistillError)."""
+    from distill.config.load import load_config
+    from distill.errors import DistillError
+    from pipelines.commands import run
+    from pipelines.commands.cli import print_error
+    from pipelines.hooks import Every
+
+    hook = Every(lambda loop, step: fault(step, loop.executor.pool), event="after_dispatch")
+    try:
+        run.run(load_config(write_config(tmp_path, cfg)), extra=[hook])
+    except DistillError as e:
+        print_error(e)
+        return 2
+    return 0
+
+
 def read_records(out) -> list[dict]:
     """Every line of a run's metrics.jsonl, in order."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

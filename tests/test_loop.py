@@ -15,7 +15,8 @@ from collections import deque
 import pytest
 
 from distill.config.load import config_from_dict
-from pipelines.loop import Hooks, Item, Loop, StudentLost
+from pipelines import hooks as h
+from pipelines.loop import Item, Loop, LoopSpec, StudentLost
 
 
 class Source:
@@ -113,11 +114,14 @@ def _cfg(prefetch=2, lag=2):
     )
 
 
-def _run(cfg, lose_at=None):
+def _run(cfg, lose_at=None, hooks=None):
+    """The loop over the recording source and executor; `hooks` default to checkpoints."""
     log: list = []
     source, executor = Source(log), Executor(log, lose_at)
-    hooks = Hooks(record=lambda step, m, figures: {"step": step, **m, **figures}, progress=False)
-    summary = Loop(cfg, source, executor, None, hooks).run()
+    if hooks is None:
+        hooks = [h.Checkpoints(cfg.train.checkpoint_every)]
+    record = lambda step, m, figures: {"step": step, **m, **figures}  # noqa: E731
+    summary = Loop(LoopSpec.of(cfg), source, executor, hooks, record=record).run()
     return log, source, executor, summary
 
 
@@ -154,3 +158,79 @@ def test_lost_student_restarts_from_its_checkpoint():
     log, _, executor, summary = _run(_cfg(prefetch=2), lose_at=5)
     assert ("restart", 3) in log and ("start", 3) in log  # the source rewound to batch 3
     assert executor.trained == list(range(8)) and summary["steps"] == 8
+
+
+class Recorder(h.Hook):
+    """Every event it sees, as (event, step)."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def on_start(self, loop, step):
+        self.seen.append(("on_start", step))
+
+    def on_metrics(self, loop, step, metrics, record):
+        assert record["loss"] == metrics["loss"] == step  # the record of that very step
+        self.seen.append(("on_metrics", step))
+
+    def end_of_step(self, loop, step):
+        self.seen.append(("end_of_step", step))
+
+    def on_end(self, loop, step):
+        self.seen.append(("on_end", step))
+
+    def close(self, loop):
+        self.seen.append(("close", None))
+
+
+def test_hooks_run_at_their_cadence_in_list_order():
+    seen: list = []
+    every3 = h.Every(lambda loop, step: seen.append(("every3", step)), every=3)
+    _, _, executor, summary = _run(_cfg(lag=2), hooks=[every3, Recorder(seen)])
+    assert [s for e, s in seen if e == "every3"] == [3, 6]
+    assert seen.index(("every3", 3)) < seen.index(("end_of_step", 3))  # list order
+    assert [s for e, s in seen if e == "on_metrics"] == list(range(1, 9))  # lagged, all read
+    assert seen.index(("on_metrics", 6)) > seen.index(("end_of_step", 7))  # 2 steps late
+    assert seen[0] == ("on_start", 0) and seen[-2:] == [("on_end", 8), ("close", None)]
+    assert executor.saved == {} and summary["completed"]  # no checkpoint hook: no saves
+
+
+def test_a_failure_stops_with_no_final_checkpoint_or_evaluation():
+    evals: list = []
+
+    def evaluate(step):
+        evals.append(step)
+        return None
+
+    class Diverge(h.Hook):
+        def on_metrics(self, loop, step, metrics, record):
+            if step == 4:
+                loop.fail("step 4: loss is nan")
+
+    hooks = [h.Evaluate(evaluate, every=3), Diverge(), h.Checkpoints(3)]
+    log, _, executor, summary = _run(_cfg(lag=2), hooks=hooks)
+    # step 4's metrics are read at step 6: the pass ends there, before step 6's evaluation
+    # and checkpoint, and no later metrics are read
+    assert summary["steps"] == 6 and not summary["completed"]
+    assert summary["failure"] == "step 4: loss is nan"
+    assert sorted(executor.saved) == [3] and evals == [0, 3]  # the last good ones only
+    assert [e for e in log if e[0] == "read"][-1] == ("read", 4)
+
+
+def test_a_stop_saves_and_skips_the_final_evaluation_unless_it_is_the_last_step():
+    for stop_at, completed, saved in ((5, False, [3, 5]), (8, True, [3, 6, 8])):
+        evals: list = []
+
+        def evaluate(step, evals=evals):
+            evals.append(step)
+            return None
+
+        def stop(loop, step, stop_at=stop_at):
+            if step == stop_at:
+                loop.stop("stop requested")
+
+        hooks = [h.Evaluate(evaluate, every=100), h.Checkpoints(3), h.Every(stop)]
+        _, _, executor, summary = _run(_cfg(), hooks=hooks)
+        assert summary["steps"] == stop_at and summary["completed"] == completed
+        assert sorted(executor.saved) == saved  # the stop's checkpoint, once
+        assert evals == ([0, 8] if completed else [0])

@@ -14,11 +14,11 @@ import yaml
 from pipelines.commands.cli import main
 from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
-from tests.conftest import tiny_config, write_config
+from tests.conftest import run_with_fault, tiny_config, write_config
 from tests.conftest import train_by_step as _train
 
 ray = pytest.importorskip("ray")
-ray_mode = pytest.importorskip("pipelines.ray.mode")
+pytest.importorskip("pipelines.ray.mode")
 
 KEYS = ("loss", "kd_loss", "ce_loss", "lr")
 SAMPLE_KEYS = ("sample_teacher_nll", "sample_student_nll", "sample_len")
@@ -44,7 +44,10 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _run(tmp_path, cfg: dict) -> int:
+def _run(tmp_path, cfg: dict, fault=None) -> int:
+    """The run's exit status; `fault(step, pool)` after each student step's dispatch."""
+    if fault is not None:
+        return run_with_fault(tmp_path, cfg, fault)
     return main(["run", write_config(tmp_path, cfg)])
 
 
@@ -258,9 +261,8 @@ def test_groups_match_local(ray_cluster, local_run, corpus_dir, tmp_path, monkey
         statuses.append(pool.store.status())
         free_hosts.append(ray.available_resources().get("student_host", 0))
 
-    monkeypatch.setattr(ray_mode, "after_step", record)
     out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run), record) == 0
     _assert_same_losses(out, local_run)
     records, summary = _train(out), _summary(out)
     assert records[6]["bytes_per_token"] == 8 * 8  # each row once: top-8 float32 + int32 ids
@@ -276,10 +278,11 @@ def test_groups_match_local(ray_cluster, local_run, corpus_dir, tmp_path, monkey
         assert a["alive"] and a["node"] and a["devices"] == "cpu:0,1;2048,2049"
 
 
-def _run_matching_local(tmp_path, corpus_dir, local_run) -> dict:
-    """Run the groups' config; its losses are the local run's. The run's summary."""
+def _run_matching_local(tmp_path, corpus_dir, local_run, fault=None) -> dict:
+    """Run the groups' config (`fault` as `_run`'s); its losses are the local run's. The
+    run's summary."""
     out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run), fault) == 0
     _assert_same_losses(out, local_run)
     return _summary(out)
 
@@ -298,8 +301,7 @@ def test_killed_teacher_process_recreates_its_group(
         if step == 2:
             _kill(pool.info["teacher-0"]["processes"][process]["pid"])
 
-    monkeypatch.setattr(ray_mode, "after_step", kill_teacher)
-    summary = _run_matching_local(tmp_path, corpus_dir, local_run)
+    summary = _run_matching_local(tmp_path, corpus_dir, local_run, kill_teacher)
     assert summary["actor_restarts"] == {"teacher": 1, "student": 0}
 
 
@@ -335,7 +337,7 @@ def test_a_student_group_holding_interleaved_rows_matches_local(
     torus). Reading, receiving and sending just those rows gives local mode's losses,
     evaluation and sample metrics."""
     owners = []
-    monkeypatch.setattr(ray_mode, "after_step", lambda step, pool: owners.append(pool.owners))
+    record = lambda step, pool: owners.append(pool.owners)  # noqa: E731
     mesh = {"teacher": {"tp": 2}, "student": {"dp": 3, "fsdp": 2}}
     outs = {"local": tmp_path / "local", "ray": tmp_path / "ray"}
     for mode in outs:
@@ -349,7 +351,7 @@ def test_a_student_group_holding_interleaved_rows_matches_local(
                 **cfg.get("teacher", {}),
                 "checkpoint": str(outs["local"] / "teacher"),
             }
-        assert _run(tmp_path, cfg) == 0
+        assert _run(tmp_path, cfg, record if mode == "ray" else None) == 0
     _assert_same_losses(outs["ray"], outs["local"])
     assert set(owners) == {(0, 1, 0, 1, 0, 1)}
     assert _train(outs["ray"])[6]["bytes_per_token"] == 8 * 8  # each row once
@@ -416,8 +418,7 @@ def test_killed_student_process_resumes_its_group(
             assert pool.wait_for_checkpoints() == 3
             _kill(pool.info["student"]["processes"][process]["pid"])
 
-    monkeypatch.setattr(ray_mode, "after_step", kill_student)
-    summary = _run_matching_local(tmp_path, corpus_dir, local_run)
+    summary = _run_matching_local(tmp_path, corpus_dir, local_run, kill_student)
     assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
     assert summary["student_resumed_from"] == [3]
 
@@ -432,12 +433,10 @@ def test_resume_after_full_stop_is_exact(ray_cluster, local_run, corpus_dir, tmp
         if step == 3:
             pool.store.request_stop()
 
-    monkeypatch.setattr(ray_mode, "after_step", stop)
     out = tmp_path / "out"
     cfg = _groups_config(corpus_dir, out, local_run)
-    assert _run(tmp_path, cfg) == 0
+    assert _run(tmp_path, cfg, stop) == 0
     assert not _summary(out)["completed"] and _summary(out)["steps"] == 3
-    monkeypatch.setattr(ray_mode, "after_step", None)
     assert _run(tmp_path, cfg) == 0
     _assert_same_losses(out, local_run)
     assert _summary(out)["completed"]
@@ -457,11 +456,9 @@ def test_resume_on_another_host_count_is_exact(
         if step == 3:
             pool.store.request_stop()
 
-    monkeypatch.setattr(ray_mode, "after_step", stop)
     out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run)) == 0
+    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run), stop) == 0
     assert _summary(out)["steps"] == 3
-    monkeypatch.setattr(ray_mode, "after_step", None)
     cfg = _groups_config(corpus_dir, out, local_run)
     cfg["mesh"] = {"teacher": {"tp": 4, "hosts": 2}, "student": {"dp": 4, "hosts": 1}}
     assert _run(tmp_path, cfg) == 0

@@ -9,11 +9,11 @@ import pytest
 from pipelines.commands.cli import main
 from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
-from tests.conftest import tiny_config, write_config
+from tests.conftest import run_with_fault, tiny_config, write_config
 from tests.conftest import train_by_step as _train
 
 ray = pytest.importorskip("ray")
-ray_mode = pytest.importorskip("pipelines.ray.mode")
+pytest.importorskip("pipelines.ray.mode")
 
 pytestmark = pytest.mark.ray
 
@@ -29,7 +29,10 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _run(tmp_path, cfg: dict) -> int:
+def _run(tmp_path, cfg: dict, fault=None) -> int:
+    """The run's exit status; `fault(step, pool)` after each student step's dispatch."""
+    if fault is not None:
+        return run_with_fault(tmp_path, cfg, fault)
     return main(["run", write_config(tmp_path, cfg)])
 
 
@@ -85,9 +88,8 @@ def test_killed_teacher_is_restarted(ray_cluster, local_run, corpus_dir, tmp_pat
         if step == 2:
             _kill(pool.info["teacher-0"]["pid"])
 
-    monkeypatch.setattr(ray_mode, "after_step", kill_teacher)
     out = tmp_path / "out"
-    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run)) == 0
+    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run), kill_teacher) == 0
     _assert_same_losses(out, local_run)
     assert _summary(out)["actor_restarts"] == {"teacher": 1, "student": 0}
     first, last = statuses[0], statuses[-1]  # what /api/status shows
@@ -107,9 +109,8 @@ def test_killed_student_resumes_from_checkpoint(
             ray.get(pool.student.wait_for_checkpoints.remote())  # checkpoint 3 is on disk
             _kill(pool.info["student"]["pid"])
 
-    monkeypatch.setattr(ray_mode, "after_step", kill_student)
     out = tmp_path / "out"
-    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run)) == 0
+    assert _run(tmp_path, _ray_config(corpus_dir, out, local_run), kill_student) == 0
     _assert_same_losses(out, local_run)
     summary = _summary(out)
     assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
@@ -174,11 +175,10 @@ def test_teacher_that_keeps_dying_ends_the_run(
             killed.add(pid)
             _kill(pid)
 
-    monkeypatch.setattr(ray_mode, "after_step", kill_every_teacher)
     out = tmp_path / "out"
     cfg = _ray_config(corpus_dir, out, local_run, ray={"max_teacher_restarts": 1})
     cfg["train"].update(steps=40, checkpoint_every=2)
-    assert _run(tmp_path, cfg) == 2
+    assert _run(tmp_path, cfg, kill_every_teacher) == 2
     err = capsys.readouterr().err
     assert "ray.max_teacher_restarts" in err and "Latest checkpoint: step" in err
     ckpts = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]

@@ -261,6 +261,12 @@ COMMANDS = {
 }
 
 
+def print_error(e: DistillError) -> None:
+    """A user's mistake as the CLI shows it: `distill: error: ...` lines on stderr."""
+    for line in str(e).splitlines() or [""]:
+        print(f"distill: error: {line}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("absl", "jax", "orbax", "etils", "grain"):
@@ -270,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         COMMANDS[args.command](args)
         return 0
     except DistillError as e:
-        for line in str(e).splitlines() or [""]:
-            print(f"distill: error: {line}", file=sys.stderr)
+        print_error(e)
         return 2
 
 

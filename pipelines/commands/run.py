@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 from distill import outputs
 from distill.config import Config
@@ -15,6 +16,7 @@ from distill.mesh import Meshes, build_meshes
 from distill.observability.metrics import MetricsStore
 from pipelines import plan_memory
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
+from pipelines.hooks import Hook
 from pipelines.plan import format_plan, plan
 from pipelines.preflight import preflight, preflight_shapes
 
@@ -75,8 +77,9 @@ def _start_server(cfg: Config, store: MetricsStore):
     return handle
 
 
-def run(cfg: Config) -> dict:
-    """`distill run`: preflight, server, teacher (load or bootstrap), distil, summary."""
+def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
+    """`distill run`: preflight, server, teacher (load or bootstrap), distil, summary.
+    `extra`: hooks the distillation loop runs after its own (tests inject faults so)."""
     host_cfg = cfg
     _require_ray(cfg)
     if cfg.pipeline.mode == "ray":  # the driver stays on CPU; the actors own the devices
@@ -109,11 +112,11 @@ def run(cfg: Config) -> dict:
         if cfg.pipeline.mode == "ray":
             from pipelines.ray.mode import distill_ray
 
-            summary = distill_ray(cfg, corpus, store)
+            summary = distill_ray(cfg, corpus, store, extra)
         else:
             from pipelines.local import distill_local
 
-            summary = distill_local(cfg, corpus, meshes, store)
+            summary = distill_local(cfg, corpus, meshes, store, extra)
         summary = {
             "run": cfg.run.name,
             "plan": {k: v for k, v in p.items() if k != "layout"},

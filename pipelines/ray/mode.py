@@ -29,26 +29,24 @@ import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import ray
 
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.observability.metrics import MetricsStore
 from pipelines.evaluation import Evaluation, eval_batches
+from pipelines.hooks import Hook, Status
 from pipelines.local import distill_hooks
-from pipelines.loop import Item, Loop
+from pipelines.loop import Item, Loop, LoopSpec
 from pipelines.on_policy import eval_prompts, is_on_policy, schedule_figures
+from pipelines.progress import distill_record
 from pipelines.ray import rows as ray_rows
 from pipelines.ray.pool import ActorPool
 from student.evaluate import token_weighted_means
 
 log = logging.getLogger("distill")
-
-
-# Called as after_step(step, pool) right after student step `step` is submitted; tests use
-# it to kill actors at a chosen point of a run.
-after_step: Callable[[int, ActorPool], None] | None = None
 
 
 def driver_view(cfg: Config) -> Config:
@@ -165,6 +163,11 @@ class RayStudentExecutor:
         self._window: list[float] = []  # student busy ms since the last record
         self._bytes_per_token: float | None = None
 
+    @property
+    def pool(self) -> ActorPool:
+        """The driver's pool of groups (hooks reach the actors through it)."""
+        return self._pool
+
     def start(self) -> tuple[int, dict | None]:
         return self._resume
 
@@ -214,24 +217,25 @@ class RayStudentExecutor:
         self._pool.student_result(self._pool.students.call("wait_for_checkpoints"))
 
 
-def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
+def _run(
+    cfg: Config, corpus: Corpus, store: MetricsStore, pool: ActorPool, extra: Sequence[Hook]
+) -> dict:
     resume = pool.start()
     store.set_mesh(pool.layout())
     source = RayTeacherSource(cfg, pool)
     executor = RayStudentExecutor(pool, resume)
-    hooks = distill_hooks(cfg, corpus, source, executor, store)
     batches = eval_batches(cfg, corpus)
     prompts = eval_prompts(cfg, batches)
     samples = lambda: pool.sample_eval(prompts)  # noqa: E731
-    hooks.evaluate = Evaluation(cfg, [ray.put(b) for b in batches], source, executor, samples)
+    evaluate = Evaluation(cfg, [ray.put(b) for b in batches], source, executor, samples)
 
     def publish(step: int, queued: int) -> None:
         pool.student_queued = queued
         pool.publish()
 
-    hooks.end_of_step.append(publish)
-    hooks.after_dispatch.append(lambda step: after_step(step, pool) if after_step else None)
-    summary = Loop(cfg, source, executor, store, hooks).run()
+    hooks = distill_hooks(cfg, evaluate, store, source, [Status(publish), *extra])
+    loop = Loop(LoopSpec.of(cfg), source, executor, hooks, record=distill_record, store=store)
+    summary = loop.run()
     per_token = summary.get("bytes_per_token")
     return {
         **summary,
@@ -244,8 +248,11 @@ def _run(cfg: Config, corpus: Corpus, store, pool: ActorPool) -> dict:
     }
 
 
-def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
+def distill_ray(
+    cfg: Config, corpus: Corpus, store: MetricsStore, extra: Sequence[Hook] = ()
+) -> dict:
     """Distil the student with Ray actors; returns the summary written to summary.json.
+    `extra`: hooks after the run's own (a hook reaches the pool as `loop.executor.pool`).
 
     Joins `ray.address` if set (or the Ray instance this process already runs), else starts
     a local cluster for the run and stops it at the end."""
@@ -263,7 +270,7 @@ def distill_ray(cfg: Config, corpus: Corpus, store) -> dict:
     try:
         reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
         pool = ActorPool(cfg, store, ray_rows.data_check(reader))
-        return _run(cfg, corpus, store, pool)
+        return _run(cfg, corpus, store, pool, extra)
     finally:
         if pool is not None:
             pool.shutdown()
