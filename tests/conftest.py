@@ -2,28 +2,27 @@
 
 Compiled programs go to a persistent cache under .pytest_cache/ (git-ignored): the tests
 compile the same small programs many times in fresh `jax.jit` objects (one per CLI run,
-Ray actor or layout), and a cache hit skips XLA. Measured on tests/test_cli.py here: 280 s
-without it, 198 s with a cold cache (hits within the session), 84 s warm (a second run).
-Set JAX_COMPILATION_CACHE_DIR yourself to put it elsewhere.
+Ray actor or layout), and a cache hit skips XLA. On 2 cores tests/test_cli.py takes about
+280 s uncached, 198 s with a cold cache (hits within the test run) and 84 s warm. Set
+JAX_COMPILATION_CACHE_DIR yourself to put it elsewhere.
 
 Python's cyclic garbage collector runs far less often than its default (700, 10, 10): the
 tests trace and lower thousands of JAX programs, whose long-lived caches every full
-collection walks again. Measured on tests/test_cli.py, test_tokenizers.py and test_fsdp.py
-here: 7.9 s of 80 s CPU in the collector with the default, 2.5 s of 68 s with this.
+collection walks again (with the default, about 10% of the CPU time of tests/test_cli.py,
+test_tokenizers.py and test_fsdp.py goes to the collector; with these thresholds, about 4%).
 
 XLA:CPU compiles without LLVM's optimisations (`--xla_backend_optimization_level=0`, no
 expensive passes): the tests' programs are tiny, so codegen time dominates and the
-programs run as fast either way. Measured on test_fsdp.py, test_student.py and
-test_on_policy.py here with a cold cache: 182 s before, 126 s with these flags; warm, 56 s
-both. Tests compare programs compiled alike, so their references are unaffected.
+programs run as fast either way (test_fsdp.py, test_student.py and test_on_policy.py take
+about 126 s with a cold cache with these flags, 182 s without; warm, 56 s either way).
+Tests compare programs compiled alike, so their references are unaffected.
 
 The README's command runs two pytest-xdist workers (`-n 2`, with `--dist loadgroup` from
 pyproject.toml): every `ray` test is in one group, run first on one worker, so no two local
 Ray clusters share the machine at once, while the other worker takes the other modules,
-each a group of its own (its module-scoped fixtures run once). With a cold cache the same
-three files took 87 s on two workers; warm, 35 s. The workers share the compilation cache:
-an entry read while the other worker writes it fails its decompression, which JAX answers
-with a warning and a compile.
+each a group of its own (its module-scoped fixtures run once). The workers share the
+compilation cache: an entry read while the other worker writes it fails its decompression,
+which JAX answers with a warning and a compile.
 """
 
 import gc

@@ -169,7 +169,7 @@ class DataConfig(Section):
     format: Literal["auto", "text", "jsonl", "parquet", "arrayrecord"] = Field(
         "auto",
         description="auto: .jsonl/.json files are JSONL, .parquet Parquet, .array_record/"
-        ".arrayrecord ArrayRecord of token ids (see the README's data section), the rest text.",
+        ".arrayrecord ArrayRecord of token ids (docs/guides/teacher-and-data.md), the rest text.",
     )
     text_field: str = Field(
         "text", description="The text field of JSONL records and the text column of Parquet."

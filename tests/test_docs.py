@@ -1,0 +1,106 @@
+"""The docs: generated references match their sources, every relative link resolves, and
+no page reads as a development log."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from distill.config import reference as config_ref
+from pipelines.commands import reference as cli_ref
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", ROOT / "deploy" / "README.md", *(ROOT / "docs").rglob("*.md")])
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+@pytest.mark.parametrize(
+    ("module", "path"),
+    [(config_ref, "docs/reference/config.md"), (cli_ref, "docs/reference/cli.md")],
+    ids=["config", "cli"],
+)
+def test_generated_reference_is_current(module, path):
+    fresh = module.config_reference() if module is config_ref else module.cli_reference()
+    committed = (ROOT / path).read_text() if (ROOT / path).exists() else ""
+    assert committed == fresh, f"{path} is stale: regenerate it with `{module.COMMAND}`"
+
+
+def _without_fences(text: str) -> str:
+    return re.sub(r"^(```|~~~).*?^\1\s*$", "", text, flags=re.M | re.S)
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks and inline code, where links are links."""
+    return re.sub(r"`[^`\n]*`", "", _without_fences(text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text only
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading anchor of a Markdown page, with GitHub's -1, -2 for repeats."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _without_fences(page.read_text()).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m[1])
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def test_slug_follows_github():
+    assert slug("`distill run`") == "distill-run"
+    assert slug("Memory at real sizes") == "memory-at-real-sizes"
+    assert slug("`mesh.teacher`") == "meshteacher"
+    assert slug("TensorBoard and W&B") == "tensorboard-and-wb"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in LINK.findall(_prose(page.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_docs_exist_and_are_indexed():
+    index = (ROOT / "docs" / "README.md").read_text()
+    for page in (ROOT / "docs").rglob("*.md"):
+        rel = page.relative_to(ROOT / "docs").as_posix()
+        if rel != "README.md":
+            assert f"({rel})" in index or f"({rel}#" in index, f"docs/README.md misses {rel}"
+
+
+_LOG_PHRASES = (
+    "this session",
+    "re-?checked",
+    "the day before",
+    "earlier that day",
+    "same session",
+    "last check",
+    "last session",
+)
+LOG_WORDING = re.compile(
+    "|".join(p.replace(" ", r"\s+") for p in _LOG_PHRASES)  # also across a line break
+    + r"|\((?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\)",  # a commit hash in brackets
+    re.I,
+)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_development_log(page):
+    hits = [m[0] for m in LOG_WORDING.finditer(page.read_text())]
+    assert not hits, f"{page.relative_to(ROOT)} reads as a log: {hits}"
