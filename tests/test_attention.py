@@ -221,7 +221,11 @@ CAPPED = {  # id: (backend, dtype, softcap, traced window, kw)
     "prefix-bf16-static": ("prefix", jnp.bfloat16, CAP, False, dict(block_q=48)),
     "cudnn-call-window": ("cudnn", jnp.float32, None, True, dict(interpret=True)),
     "splash-static": (
-        "splash", jnp.float32, CAP, False, dict(block_q=128, block_kv=128, interpret=True)
+        "splash",
+        jnp.float32,
+        CAP,
+        False,
+        dict(block_q=128, block_kv=128, interpret=True),
     ),
 }
 

@@ -6,6 +6,7 @@ A teacher's `teacher.model` is a `ModelConfig`; a student's is the teacher's wit
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
@@ -172,7 +173,7 @@ class ModelConfig(Section):
 
     def scale(self) -> float:
         """The attention score scale."""
-        return self.query_scale if self.query_scale is not None else self.hd**-0.5
+        return self.query_scale if self.query_scale is not None else 1 / math.sqrt(self.hd)
 
 
 def _overrides() -> type[Section]:
