@@ -214,3 +214,28 @@ def test_default_config_is_llama():
     cfg = ModelConfig()
     assert cfg.family == "llama" and not cfg.mixed_layers() and model.layer_data(cfg) is None
     assert set(model.abstract_params(cfg)["layers"]) == set(hf.LAYER_WEIGHTS)
+
+
+def test_depth_pruned_student_keeps_the_teachers_layer_types(gemma3_dir, corpus_dir, tmp_path):
+    """student.init: from_teacher on a Gemma 3 teacher (layers sliding, sliding, full,
+    sliding): the student's layer_types must be the kept layers' types."""
+    from distill.config.load import config_from_dict
+    from tests.test_hf import _cfg_tree
+
+    def config(**student_model):
+        tree = _cfg_tree(corpus_dir, tmp_path, gemma3_dir)
+        tree["mesh"]["teacher"]["tp"] = 1
+        tree["student"] = {"init": "from_teacher", "model": {"n_layers": 2, **student_model}}
+        return config_from_dict(tree)
+
+    with pytest.raises(DistillError, match=r"student.model.*layer_types: 4 entries"):
+        config(attention="blockwise").student_model()
+    with pytest.raises(DistillError, match=r"student.model.layer_types: \['full', 'sliding'\]"):
+        config(layer_types=["full", "sliding"]).init_layers()
+    cfg = config(layer_types=["sliding", "sliding"])
+    assert cfg.init_layers() == [0, 3]
+    scfg = cfg.student_model()
+    params = read_hf_layers(gemma3_dir, cfg.teacher.model, cfg.init_layers())
+    tokens = _batch(LIVE).tokens
+    out = model.apply(scfg, params, tokens, np.ones_like(tokens), np.arange(20)[None] + 0 * tokens)
+    assert np.isfinite(np.asarray(out)).all()
