@@ -34,13 +34,24 @@ WEIGHT_DIMS = {
         "wv": ("layer", "d_model", "kv_dim"),
         "wo": ("layer", "q_dim", "d_model"),
         "mlp_norm": ("layer", "d_model"),
+        "post_attn_norm": ("layer", "d_model"),
+        "post_mlp_norm": ("layer", "d_model"),
+        "q_norm": ("layer", "head_dim"),
+        "k_norm": ("layer", "head_dim"),
+        "bq": ("layer", "q_dim"),
+        "bk": ("layer", "kv_dim"),
+        "bv": ("layer", "kv_dim"),
         "w_gate": ("layer", "d_model", "d_ff"),
         "w_up": ("layer", "d_model", "d_ff"),
         "w_down": ("layer", "d_ff", "d_model"),
     },
 }
 NEVER_SPLIT = ("layer",)
-REPLICATED = ("attn_norm", "mlp_norm", "final_norm")
+# Norms and biases: a few kilobytes each.
+REPLICATED = (
+    "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
+    "k_norm", "bq", "bk", "bv",
+)  # fmt: skip
 
 
 def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -52,6 +63,7 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "q_dim": cfg.n_heads * cfg.hd,
         "kv_dim": cfg.n_kv_heads * cfg.hd,
         "d_ff": cfg.d_ff,
+        "head_dim": cfg.hd,
     }
 
 

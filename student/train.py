@@ -278,6 +278,7 @@ def make_loss_fn(
             "vocab_limit": vocab_limit,
             "chunk": vocab_loss.default_chunk(cfg.vocab_size, rows),
             "compute_dtype": x.dtype,
+            "softcap": cfg.final_softcap,
         }
         if teacher_out is None:
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
@@ -316,6 +317,7 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
             vocab_limit=vocab_limit,
             chunk=vocab_loss.default_chunk(cfg.vocab_size, rows),
             compute_dtype=x.dtype,
+            softcap=cfg.final_softcap,
         )
 
     return jax.jit(metrics, in_shardings=(None, split, split))

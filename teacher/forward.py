@@ -73,7 +73,7 @@ def make_forward(
         return by_positions(lambda x_c: head_outputs(x_c, head), x, chunk)
 
     def head_outputs(x, head):
-        logits = model.logits(x, head)  # [b, c, V/tp], float32
+        logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
         if vocab_limit is not None and vocab_limit < cfg.vocab_size:
             logits = cc.mask_vocab(logits, vocab_limit, TP)
         if mode == "logits":

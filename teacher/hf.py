@@ -63,7 +63,7 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
         with safe_open(Path(path) / file, framework="numpy") as f:
             for name in by_file[file]:
                 key, layer, transposed = needed[name]
-                key_reps = reps if key in ("wk", "wv") else 1
+                key_reps = reps if key in sharding.KV_KEYS else 1
                 read = _reader(f.get_slice(name), key_reps, cfg.hd, dtype)
                 shape = _stored_shape(cfg, key, key_reps)
                 if layer is None:  # transposed on the host, one device's slice at a time

@@ -24,10 +24,18 @@ from jax.sharding import PartitionSpec as P
 from distill.config import ModelConfig
 from distill.errors import DistillError
 from distill.mesh import DP, TP
+from distill.models import model
 
 LAYER_SPECS = {
     "attn_norm": P(None, None),
     "mlp_norm": P(None, None),
+    "post_attn_norm": P(None, None),
+    "post_mlp_norm": P(None, None),
+    "q_norm": P(None, None),  # [L, hd] per head, the same on every shard
+    "k_norm": P(None, None),
+    "bq": P(None, TP),  # [L, H*hd] split as wq's columns
+    "bk": P(None, TP),  # [L, KV*hd]
+    "bv": P(None, TP),
     "wq": P(None, None, TP),  # [L, D, H*hd] column-parallel
     "wk": P(None, None, TP),  # [L, D, KV*hd]
     "wv": P(None, None, TP),
@@ -37,6 +45,8 @@ LAYER_SPECS = {
     "w_down": P(None, TP, None),  # [L, F, D]
 }
 
+# The layer weights whose columns are KV heads: repeated when there are fewer than `tp`.
+KV_KEYS = ("wk", "wv", "bk", "bv")
 
 BATCH_BS = P(DP)  # [B, S] batch fields: rows split over dp, replicated over tp
 OUT_ROWS = P((DP, TP))  # [B, S, k or V] outputs: whole rows split over every device
@@ -58,7 +68,7 @@ def param_specs(cfg: ModelConfig) -> dict:
     specs = {
         "embed": P(TP, None),  # [V, D] vocab-parallel
         "final_norm": P(None),
-        "layers": dict(LAYER_SPECS),
+        "layers": {k: LAYER_SPECS[k] for k in model.abstract_params(cfg)["layers"]},
     }
     if not cfg.tie_embeddings:
         specs["lm_head"] = P(None, TP)  # [D, V] vocab-parallel
@@ -88,11 +98,14 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
         return params
     reps, hd = tp // cfg.n_kv_heads, cfg.hd
 
-    def rep(w):  # [L, D, KV*hd] -> [L, D, tp*hd]
+    def rep(w):  # [L, D, KV*hd] -> [L, D, tp*hd] (a bias: [L, KV*hd] -> [L, tp*hd])
         lead = w.shape[:-1]
         return jnp.repeat(w.reshape(*lead, cfg.n_kv_heads, hd), reps, axis=-2).reshape(*lead, -1)
 
-    layers = dict(params["layers"], wk=rep(params["layers"]["wk"]), wv=rep(params["layers"]["wv"]))
+    layers = dict(params["layers"])
+    for key in KV_KEYS:
+        if key in layers:
+            layers[key] = rep(layers[key])
     return dict(params, layers=layers)
 
 

@@ -48,7 +48,8 @@ def load_teacher(cfg: Config, mesh) -> dict:
     expand = mcfg.n_kv_heads < mesh.shape[TP]
     if expand:  # stored with n_kv_heads KV heads: read those replicated, then repeat per shard
         rep = NamedSharding(mesh, P())
-        target = dict(target, layers=dict(target["layers"], wk=rep, wv=rep))
+        kv = {k: rep for k in sharding.KV_KEYS if k in target["layers"]}
+        target = dict(target, layers=dict(target["layers"], **kv))
     shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, held), model.abstract_params(mcfg)
     )  # Orbax converts to the target dtype as it reads

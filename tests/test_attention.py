@@ -156,7 +156,7 @@ def test_the_meshes_platform_decides_not_the_default_backend(monkeypatch):
     assert resolve_backend("auto", jnp.bfloat16, 64) == "blockwise"
     assert resolve_backend("auto", jnp.bfloat16, 64, S) == "prefix"
     seen = []
-    monkeypatch.setattr(attn, "_blockwise", lambda *args: seen.append(args[-2:]))
+    monkeypatch.setattr(attn, "blockwise", lambda *args: seen.append(args[-2:]))
     q, k, v, _, seg = _inputs(jnp.float32)
     attention(q, k, v, seg, backend="blockwise")
     assert seen == [(attn.CPU_BLOCK, attn.CPU_BLOCK)]
@@ -189,3 +189,109 @@ def test_prefix_memory_stays_below_the_reference():
     """prefix holds several blocks' scores at once (XLA:CPU runs them concurrently), so it
     is only `auto`'s choice for short rows; there it needs well under the S x S math."""
     assert _grad_temp_bytes("prefix", 512) < 0.6 * _grad_temp_bytes("reference", 512)
+
+
+# --- sliding windows and soft-capping ----------------------------------------------------
+
+WINDOW, CAP = 37, 2.0  # a window no block size divides; a cap the scores (std ~1) reach
+
+
+def _windowed(backend, dtype, window, softcap, traced, **kw):
+    """Values and gradients with a window (a Python int, or `traced`: a jit argument, as a
+    layer's window is under the layer scan) and a soft-cap."""
+    q, k, v, w, seg = _inputs(dtype)
+
+    def loss(q, k, v, window):
+        o = attention(q, k, v, seg, backend=backend, window=window, softcap=softcap, **kw)
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    if traced:
+        (_, out), grads = jax.jit(grad)(q, k, v, jnp.int32(window))
+    else:
+        (_, out), grads = jax.jit(functools.partial(grad, window=window))(q, k, v)
+    return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+
+CAPPED = {  # id: (backend, dtype, softcap, traced window, kw)
+    "blockwise-f32": ("blockwise", jnp.float32, CAP, True, dict(block_q=64, block_kv=48)),
+    "blockwise-bf16": ("blockwise", jnp.bfloat16, CAP, False, dict(block_q=64, block_kv=48)),
+    "blockwise-one-block": ("blockwise", jnp.float32, CAP, True, dict()),
+    "prefix-f32": ("prefix", jnp.float32, CAP, True, dict(block_q=48)),
+    "prefix-bf16-static": ("prefix", jnp.bfloat16, CAP, False, dict(block_q=48)),
+    "cudnn-call-window": ("cudnn", jnp.float32, None, True, dict(interpret=True)),
+    "splash-static": (
+        "splash",
+        jnp.float32,
+        CAP,
+        False,
+        dict(block_q=128, block_kv=128, interpret=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CAPPED)
+def test_windows_and_softcaps_match_reference(case):
+    backend, dtype, softcap, traced, kw = CAPPED[case]
+    got = _windowed(backend, dtype, WINDOW, softcap, traced, **kw)
+    want = _windowed("reference", dtype, WINDOW, softcap, False)
+    plain = _reference(dtype)
+    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, want, plain, strict=True):
+        assert np.isfinite(g).all(), f"{case} {name} has NaN/inf"
+        err = np.abs(g - r).max() / np.abs(r).max()
+        assert err <= TOL[dtype], f"{case} {name}: relative error {err:.2e}"
+        assert np.abs(r - p).max() > 10 * TOL[dtype] * np.abs(p).max()  # window/cap matter
+
+
+def test_reference_window_is_huggingface_mask():
+    """kv_idx > q_idx - window, within the document: checked on the probabilities of one
+    head (v = identity rows), so each output row is its attention row."""
+    s, window = 12, 4
+    seg = jnp.asarray([[1] * 7 + [2] * 5], jnp.int32)
+    q = jnp.zeros((1, s, 1, s), jnp.float32)  # equal scores: uniform over the allowed keys
+    v = jnp.eye(s, dtype=jnp.float32)[None, :, None, :]
+    probs = np.asarray(attention(q, q, v, seg, backend="reference", window=window))[0, :, 0]
+    qi, ki = np.arange(s)[:, None], np.arange(s)[None, :]
+    same = np.asarray(seg[0])[:, None] == np.asarray(seg[0])[None, :]
+    allowed = (ki <= qi) & (ki > qi - window) & same
+    np.testing.assert_allclose(probs, allowed / allowed.sum(1, keepdims=True), atol=1e-6)
+    full = attention(q, q, v, seg, backend="reference", window=s)
+    np.testing.assert_allclose(full, attention(q, q, v, seg, backend="reference"), atol=0)
+
+
+@pytest.mark.parametrize("window", [1, 37, 64, 500])
+def test_blockwise_visits_only_blocks_in_the_window(window):
+    """The key blocks each query block loops over (forward), and the query blocks each key
+    block loops over (backward), are exactly those holding an allowed pair."""
+    from distill.models.blockwise import _first_key_block, _last_query_block
+
+    bq, bk, sp = 64, 48, 384
+    nq, nk = sp // bq, sp // bk
+    qi, ki = np.arange(sp)[:, None], np.arange(sp)[None, :]
+    allowed = (ki <= qi) & (ki > qi - window)
+    needed = allowed.reshape(nq, bq, nk, bk).any(axis=(1, 3))
+    for i in range(nq):
+        first, last = int(_first_key_block(i, window, bq, bk)), ((i + 1) * bq - 1) // bk
+        assert list(range(first, last + 1)) == list(np.flatnonzero(needed[i])), i
+    for j in range(nk):
+        first, last = (j * bk) // bq, int(_last_query_block(j, window, bq, bk, nq))
+        assert list(range(first, last + 1)) == list(np.flatnonzero(needed[:, j])), j
+
+
+def test_backends_that_cannot_run_a_model_are_refused():
+    from distill.config import ModelConfig
+
+    q, k, v, _, seg = _inputs(jnp.float32)
+    with pytest.raises(ValueError, match="cudnn has no attention soft-capping"):
+        attention(q, k, v, seg, backend="cudnn", softcap=CAP, interpret=True)
+    with pytest.raises(ValueError, match="splash takes one static window"):
+        attention(q, k, v, seg, backend="splash", window=jnp.int32(8), interpret=True)
+    assert resolve_backend("auto", jnp.float32, 64, softcap=True, mixed_windows=True) in (
+        "prefix", "blockwise"
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="attention: cudnn has no attention soft-capping"):
+        ModelConfig(attention="cudnn", attn_softcap=50.0)
+    mixed = dict(n_layers=2, sliding_window=8, layer_types=("sliding", "full"))
+    with pytest.raises(ValueError, match="attention: splash takes one static window"):
+        ModelConfig(attention="splash", **mixed)
+    ModelConfig(attention="splash", n_layers=2, sliding_window=8, attn_softcap=50.0)

@@ -187,7 +187,7 @@ def _edit_config(src, dst, **changes):
 @pytest.mark.parametrize(
     "changes,match",
     [
-        (dict(model_type="qwen2"), "model_type 'qwen2'"),
+        (dict(model_type="phi3"), "model_type 'phi3'"),
         (dict(attention_bias=True), "attention_bias=True is not supported"),
         (
             dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),

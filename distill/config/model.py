@@ -6,9 +6,10 @@ A teacher's `teacher.model` is a `ModelConfig`; a student's is the teacher's wit
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 # The attention kernels (`distill.models.attention.BACKENDS` is read from this) and compute
 # dtypes.
@@ -42,13 +43,34 @@ class RopeScaling(Section):
     )
 
 
+def backend_problem(backend: str, softcap: bool, mixed_windows: bool) -> str | None:
+    """Why attention `backend` cannot run a model with soft-capped scores (`softcap`) or
+    with full and sliding layers mixed (`mixed_windows`: the window is per-layer data);
+    None when it can. `auto` never picks a backend with a problem."""
+    if backend == "cudnn" and softcap:
+        return "cudnn has no attention soft-capping (attn_softcap); use auto or blockwise"
+    if backend == "splash" and mixed_windows:
+        return (
+            "splash takes one static window, and this model mixes full and sliding layers "
+            "(layer_types); use auto or blockwise"
+        )
+    return None
+
+
+# Checkpoint families whose config.json and tensor names `distill.models.hf` reads.
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+LayerType = Literal["full", "sliding"]
+
 # ModelConfig keys that say how the model runs, not what its weights are: never compared
 # with a checkpoint's shape (Hugging Face config.json, a teacher's provenance record).
 RUNTIME_KEYS = ("attention",)
 
 
 class ModelConfig(Section):
-    """A Llama-style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm."""
+    """One decoder for every family: RoPE, grouped-query attention, a gated MLP, RMSNorm.
+
+    The defaults are Llama; the other families (Mistral, Qwen2/3, Gemma 2/3) differ only in
+    the keys below `tie_embeddings`, read from their config.json by `distill.models.hf`."""
 
     vocab_size: int = Field(512, ge=2, description="Vocabulary size (>= tokenizer's).")
     d_model: int = Field(256, ge=1, description="Residual width.")
@@ -56,16 +78,62 @@ class ModelConfig(Section):
     n_heads: int = Field(8, ge=1, description="Query heads.")
     n_kv_heads: int = Field(4, ge=1, description="Key/value heads (GQA); divides n_heads.")
     head_dim: int | None = Field(None, description="Per-head width; default d_model/n_heads.")
-    d_ff: int = Field(704, ge=1, description="SwiGLU hidden width.")
+    d_ff: int = Field(704, ge=1, description="Gated MLP hidden width.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling; None: plain RoPE.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share the embedding and LM head.")
+    family: Family = Field(
+        "llama", description="The checkpoint family (tensor names on load and export)."
+    )
+    qkv_bias: bool = Field(False, description="Biases on the q, k, v projections (Qwen2).")
+    qk_norm: bool = Field(
+        False, description="RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3)."
+    )
+    norm_offset: float = Field(
+        0.0, description="Every RMSNorm scales by (offset + weight): 1 for Gemma, 0 elsewhere."
+    )
+    post_norms: bool = Field(
+        False,
+        description="Gemma's four norms per block: the attention and MLP outputs are normed "
+        "too, before each residual add.",
+    )
+    activation: Literal["silu", "gelu_tanh"] = Field(
+        "silu", description="The gated MLP's activation: silu (SwiGLU), gelu_tanh (GeGLU)."
+    )
+    embed_scale: bool = Field(
+        False, description="Embeddings times sqrt(d_model), in the compute dtype (Gemma)."
+    )
+    query_scale: float | None = Field(
+        None, gt=0, description="Attention score scale; None: 1/sqrt(head_dim)."
+    )
+    attn_softcap: float | None = Field(
+        None, gt=0, description="Attention scores -> cap * tanh(scores / cap) (Gemma 2)."
+    )
+    final_softcap: float | None = Field(
+        None, gt=0, description="Logits -> cap * tanh(logits / cap) (Gemma 2)."
+    )
+    sliding_window: int | None = Field(
+        None,
+        ge=1,
+        description="Sliding layers attend to the last this many tokens, themselves included.",
+    )
+    layer_types: tuple[LayerType, ...] | None = Field(
+        None,
+        description="Per layer, full or sliding attention; None: every layer sliding when "
+        "sliding_window is set, else full.",
+    )
+    rope_local_theta: float | None = Field(
+        None,
+        gt=0,
+        description="Sliding layers' RoPE base, unscaled (Gemma 3); None: as the full layers.",
+    )
     attention: AttentionBackend = Field(
         "auto",
-        description="Attention kernel. auto: cuDNN flash on GPU (bfloat16), splash on TPU, on "
-        "CPU prefix (64-query blocks against their causal prefix) up to 512 tokens, blockwise "
-        "(flash-style XLA, never S x S) elsewhere. reference: the plain S x S math (tests).",
+        description="Attention kernel. auto: cuDNN flash on GPU (bfloat16, no soft-cap), splash "
+        "on TPU (not with mixed full and sliding layers), on CPU prefix (64-query blocks "
+        "against their causal prefix) up to 512 tokens, blockwise (flash-style XLA, never "
+        "S x S) elsewhere. reference: the plain S x S math (tests).",
     )
 
     @model_validator(mode="after")
@@ -76,25 +144,50 @@ class ModelConfig(Section):
             )
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"n_heads: {self.n_heads} does not divide d_model {self.d_model}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(
+                    f"layer_types: {len(self.layer_types)} entries for n_layers {self.n_layers}"
+                )
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types: sliding layers need sliding_window")
+        softcap = self.attn_softcap is not None
+        problem = backend_problem(self.attention, softcap, self.mixed_layers())
+        if problem:
+            raise ValueError(f"attention: {problem}")
         return self
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
+    def types(self) -> tuple[str, ...]:
+        """Every layer's attention type, full or sliding."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return ("sliding" if self.sliding_window else "full",) * self.n_layers
 
-class StudentModelOverrides(Section):
-    """Any `teacher.model` key; unset keys inherit the teacher's value."""
+    def mixed_layers(self) -> bool:
+        """Whether layers differ in window or RoPE (then each layer's are scanned data)."""
+        return len(set(self.types())) > 1
 
-    vocab_size: int | None = None
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    d_ff: int | None = None
-    rope_theta: float | None = None
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float | None = None
-    tie_embeddings: bool | None = None
-    attention: AttentionBackend | None = None
+    def scale(self) -> float:
+        """The attention score scale."""
+        return self.query_scale if self.query_scale is not None else 1 / math.sqrt(self.hd)
+
+
+def _overrides() -> type[Section]:
+    """`StudentModelOverrides`: every ModelConfig key, optional, without its validation."""
+    fields = {
+        name: (info.annotation | None, Field(None, description=info.description))
+        for name, info in ModelConfig.model_fields.items()
+    }
+    return create_model(
+        "StudentModelOverrides",
+        __base__=Section,
+        __doc__="Any `teacher.model` key; unset keys inherit the teacher's value.",
+        **fields,
+    )
+
+
+StudentModelOverrides = _overrides()

@@ -385,11 +385,22 @@ class Config(Section):
         """The teacher layers a `from_teacher` student starts from (validated)."""
         t, s = self.teacher.model, self.student_model()
         for key in ModelConfig.model_fields:
-            if key not in ("n_layers", *RUNTIME_KEYS) and getattr(s, key) != getattr(t, key):
+            per_layer = ("n_layers", "layer_types", *RUNTIME_KEYS)  # checked per kept layer
+            if key not in per_layer and getattr(s, key) != getattr(t, key):
                 raise DistillError(
                     f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
                     f"{getattr(t, key)}; student.init: from_teacher keeps the teacher's width"
                 )
+        layers = self._kept_layers(t, s)
+        want = tuple(t.types()[i] for i in layers)
+        if s.types() != want:
+            raise DistillError(
+                f"student.model.layer_types: {list(s.types())} are not the kept teacher layers' "
+                f"types {list(want)} (student.init: from_teacher)"
+            )
+        return layers
+
+    def _kept_layers(self, t: ModelConfig, s: ModelConfig) -> list[int]:
         layers = self.student.init_layers
         if layers is None:
             if s.n_layers > t.n_layers:

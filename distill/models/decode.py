@@ -28,7 +28,6 @@ from flax import nnx
 
 from distill.config import ModelConfig
 from distill.models import model
-from distill.models.attention import resolve_backend
 from distill.types import Batch, Continuations, Prompts
 
 _NEG = jnp.finfo(jnp.float32).min
@@ -51,17 +50,16 @@ def prefill(
     positions holding the prompt's keys and values)."""
     module = model._module(cfg, params)
     dt = model._dtype(dtype)
-    x = _constrain(module.embed[...][prompts.tokens].astype(dt), rows)
-    backend = resolve_backend(cfg.attention, dt, cfg.hd, prompts.tokens.shape[1])
+    x = _constrain(module.embed_tokens(prompts.tokens, None, dt), rows)
+    backend = module.backend(cfg.attention, dt, prompts.tokens.shape[1])
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-    def run_layers(x, block):
-        x, kv = block.with_kv(x, prompts.segment_ids, prompts.positions, None, backend)
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    def run_layers(x, block, layer):
+        x, kv = block.with_kv(x, prompts.segment_ids, prompts.positions, None, backend, layer)
         return _constrain(x, rows), kv
 
-    x, (k, v) = run_layers(x, module.layers)  # k, v [L, B, P, KV, hd]
-    x = model.rms_norm(x[:, -1:], module.final_norm[...], cfg.norm_eps)
-    logits = model.logits(x, module.head())[:, 0]
+    x, (k, v) = run_layers(x, module.layers, model.layer_data(cfg))  # k, v [L, B, P, KV, hd]
+    logits = model.logits(module.final(x[:, -1:]), module.head(), cfg.final_softcap)[:, 0]
     p = prompts.tokens.shape[1]
     pad = ((0, 0), (0, 0), (0, total - p), (0, 0), (0, 0))
     seg = prompts.segment_ids
@@ -70,13 +68,21 @@ def prefill(
     return logits, Cache(jnp.pad(k, pad), jnp.pad(v, pad), valid)
 
 
-def cached_attention(q_b1hd, k_btkd, v_btkd, valid_bt) -> jax.Array:
-    """One query per row against the cache: [B, 1, H, hd], float32 scores and softmax."""
+def cached_attention(
+    q_b1hd, k_btkd, v_btkd, valid_bt, *, scale=None, softcap=None, window=None, index=None
+) -> jax.Array:
+    """One query per row against the cache: [B, 1, H, hd], float32 scores and softmax.
+    `scale` (default 1/sqrt(hd)) and `softcap` as `distill.models.attention`; with a
+    `window`, only the entries after cache position `index` - window are seen."""
     b, s, h, d = q_b1hd.shape
     n_kv = k_btkd.shape[2]
     q = q_b1hd.reshape(b, s, n_kv, h // n_kv, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k_btkd, preferred_element_type=jnp.float32)
-    scores = jnp.where(valid_bt[:, None, None, None, :], scores / math.sqrt(d), _NEG)
+    scores = scores / math.sqrt(d) if scale is None else scores * scale
+    scores = model.softcap(scores, softcap)
+    if window is not None:
+        valid_bt = valid_bt & (jnp.arange(valid_bt.shape[1]) > index - window)[None, :]
+    scores = jnp.where(valid_bt[:, None, None, None, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v_btkd).reshape(b, s, h, d)
 
@@ -90,21 +96,26 @@ def decode_step(
     logits [B, V] of the next token, the updated cache)."""
     module = model._module(cfg, params)
     dt = model._dtype(dtype)
-    x = _constrain(module.embed[...][tokens_b[:, None]].astype(dt), rows)
+    x = _constrain(module.embed_tokens(tokens_b[:, None], None, dt), rows)
     hit = jnp.arange(cache.valid.shape[1]) == index
     valid = cache.valid | (hit[None, :] & writes_b[:, None])
 
-    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
-    def run_layers(x, block, k_l, v_l):
-        q, k, v = block.qkv(x, positions_b[:, None])
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))
+    def run_layers(x, block, k_l, v_l, layer):
+        window, inv_freq = block.layer(layer)
+        q, k, v = block.qkv(x, positions_b[:, None], inv_freq)
         k_l = jax.lax.dynamic_update_slice_in_dim(k_l, k.astype(k_l.dtype), index, axis=1)
         v_l = jax.lax.dynamic_update_slice_in_dim(v_l, v.astype(v_l.dtype), index, axis=1)
-        x = block.finish(x, cached_attention(q, k_l, v_l, valid), None)
+        o = cached_attention(
+            q, k_l, v_l, valid, scale=cfg.query_scale, softcap=cfg.attn_softcap, window=window,
+            index=index,
+        )  # fmt: skip
+        x = block.finish(x, o, None)
         return _constrain(x, rows), (k_l, v_l)
 
-    x, (k, v) = run_layers(x, module.layers, cache.k, cache.v)
-    x = model.rms_norm(x, module.final_norm[...], cfg.norm_eps)
-    return model.logits(x, module.head())[:, 0], Cache(k, v, valid)
+    x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, model.layer_data(cfg))
+    logits = model.logits(module.final(x), module.head(), cfg.final_softcap)
+    return logits[:, 0], Cache(k, v, valid)
 
 
 def sample(logits_bv, key, *, temperature: float, top_p: float, vocab_limit: int | None):

@@ -1,4 +1,5 @@
-"""The Hugging Face Llama format on disk: config.json <-> ModelConfig, weight names, shards.
+"""The Hugging Face format on disk: config.json <-> ModelConfig, weight names, shards, for
+Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3 text (`MODEL_TYPES`).
 
 Only the format lives here, without JAX, because the config loader reads config.json before
 JAX starts. `teacher.hf` loads a checkpoint into the tensor-parallel layout and
@@ -23,9 +24,15 @@ from distill.errors import DistillError
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Same decoder under other names. Mistral is accepted without sliding-window attention.
-MODEL_TYPES = ("llama", "mistral")
+# config.json model_type: what `distill.config.ModelConfig.family` records.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+# Every layer sliding (Mistral); sliding from max_window_layers on (Qwen); a sliding layer
+# except every n-th (Gemma 2: n = 2; Gemma 3: sliding_window_pattern, default 6).
+TIED_BY_DEFAULT = ("gemma2", "gemma3_text")
 
 # distill layer weight -> (name after `model.layers.{i}.`, stored transposed as [out, in])
 LAYER_WEIGHTS = {
@@ -39,6 +46,22 @@ LAYER_WEIGHTS = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+# Gemma names its four norms per block so: its post_attention_layernorm norms the attention
+# output, where Llama's is the MLP's input norm.
+GEMMA_NORMS = {
+    "post_attn_norm": ("post_attention_layernorm.weight", False),
+    "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
+QKV_BIASES = {
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+}
+QK_NORMS = {
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+}
 # distill top-level weight -> (name, stored transposed)
 TOP_WEIGHTS = {
     "embed": ("model.embed_tokens.weight", False),
@@ -51,6 +74,19 @@ def config_file(path: str | Path) -> Path:
     return Path(path) / CONFIG
 
 
+def layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """distill layer weight -> (Hugging Face name after `model.layers.{i}.`, transposed), for
+    the weights `cfg`'s model has."""
+    names = dict(LAYER_WEIGHTS)
+    if cfg.post_norms:
+        names.update(GEMMA_NORMS)
+    if cfg.qkv_bias:
+        names.update(QKV_BIASES)
+    if cfg.qk_norm:
+        names.update(QK_NORMS)
+    return names
+
+
 def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     """Every Hugging Face tensor the model needs -> (distill key, layer or None, transposed)."""
     names = {}
@@ -58,7 +94,7 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
         if key != "lm_head" or not cfg.tie_embeddings:
             names[name] = (key, None, transposed)
     for i in range(cfg.n_layers):
-        for key, (name, transposed) in LAYER_WEIGHTS.items():
+        for key, (name, transposed) in layer_weights(cfg).items():
             names[f"model.layers.{i}.{name}"] = (key, i, transposed)
     return names
 
@@ -73,6 +109,13 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "lm_head": (v, d),
         "attn_norm": (d,),
         "mlp_norm": (d,),
+        "post_attn_norm": (d,),
+        "post_mlp_norm": (d,),
+        "q_norm": (cfg.hd,),
+        "k_norm": (cfg.hd,),
+        "bq": (q,),
+        "bk": (kv,),
+        "bv": (kv,),
         "wq": (q, d),
         "wk": (kv, d),
         "wv": (kv, d),
@@ -87,9 +130,12 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
 
 
 def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from either layout: transformers 5 `rope_parameters`, or the older
-    top-level `rope_theta` with an optional `rope_scaling`."""
+    """(theta, scaling) from either layout: transformers 5 `rope_parameters` (the full
+    layers' when it has one per layer type), or the older top-level `rope_theta` with an
+    optional `rope_scaling`."""
     params = raw.get("rope_parameters")
+    if params is not None and "full_attention" in params:
+        params = params["full_attention"]
     if params is None:
         params = {"rope_theta": raw.get("rope_theta", 10000.0), **(raw.get("rope_scaling") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
@@ -119,8 +165,8 @@ def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None]:
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face Llama-family directory; DistillError naming the file
-    for anything this decoder cannot run exactly."""
+    """The ModelConfig of a Hugging Face directory of a supported family; DistillError naming
+    the file and the key for anything this decoder cannot run exactly."""
     where = config_file(path)
     if not where.is_file():
         raise DistillError(f"teacher.checkpoint: {where} not found (teacher.format is hf)")
@@ -132,13 +178,15 @@ def read_model_config(path: str | Path) -> ModelConfig:
     if kind not in MODEL_TYPES:
         raise DistillError(
             f"{where}: model_type {kind!r} ({', '.join(raw.get('architectures') or [])}) is not "
-            f"a supported Llama-family decoder ({', '.join(MODEL_TYPES)})"
+            f"a supported decoder family ({', '.join(MODEL_TYPES)})"
         )
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    act_key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
     unsupported = {
-        "hidden_act": raw.get("hidden_act", "silu") != "silu",
+        act_key: act not in ACTIVATIONS,
         "attention_bias": bool(raw.get("attention_bias")),
         "mlp_bias": bool(raw.get("mlp_bias")),
-        "sliding_window": raw.get("sliding_window") is not None,
+        "use_bidirectional_attention": bool(raw.get("use_bidirectional_attention")),
     }
     for key, bad in unsupported.items():
         if bad:
@@ -158,13 +206,100 @@ def read_model_config(path: str | Path) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             norm_eps=raw.get("rms_norm_eps", 1e-6),
-            tie_embeddings=raw.get("tie_word_embeddings", False),
+            tie_embeddings=raw.get("tie_word_embeddings", kind in TIED_BY_DEFAULT),
+            activation=ACTIVATIONS[act],
+            **_family_keys(raw, kind, where),
         )
     except KeyError as e:
         raise DistillError(f"{where}: required key {e.args[0]!r} is missing") from None
     except ValidationError as e:
         err = e.errors()[0]
         raise DistillError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def _family_keys(raw: dict, kind: str, where: Path) -> dict:
+    """The ModelConfig keys that set `kind` apart from Llama."""
+    keys: dict = {"family": kind, **_windows(raw, kind, where)}
+    if kind == "qwen2":
+        keys["qkv_bias"] = True  # Qwen2's q, k, v projections always have biases
+    if kind in ("qwen3", "gemma3_text"):
+        keys["qk_norm"] = True
+    if kind in GEMMA:
+        scalar = raw.get("query_pre_attn_scalar", 256)
+        keys.update(
+            norm_offset=1.0,
+            post_norms=True,
+            embed_scale=True,
+            query_scale=scalar**-0.5,  # as transformers computes it
+            attn_softcap=raw.get("attn_logit_softcapping"),
+            final_softcap=raw.get("final_logit_softcapping"),
+        )
+    return keys
+
+
+def _windows(raw: dict, kind: str, where: Path) -> dict:
+    """sliding_window, layer_types and the sliding layers' RoPE base, from `layer_types` when
+    config.json has it, else from each family's own keys."""
+    window, n = raw.get("sliding_window"), raw["num_hidden_layers"]
+    if raw.get("layer_types") is not None:
+        bad = [t for t in raw["layer_types"] if t not in LAYER_TYPES]
+        if bad:
+            raise DistillError(f"{where}: layer_types entry {bad[0]!r} is not supported")
+        types = [LAYER_TYPES[t] for t in raw["layer_types"]]
+    elif kind == "mistral":
+        types = ["sliding" if window else "full"] * n
+    elif kind in ("qwen2", "qwen3"):
+        first = raw.get("max_window_layers", n) if raw.get("use_sliding_window") else n
+        types = ["sliding" if window and i >= first else "full" for i in range(n)]
+    elif kind in GEMMA:
+        every = 2 if kind == "gemma2" else raw.get("sliding_window_pattern", 6)
+        types = ["full" if (i + 1) % every == 0 else "sliding" for i in range(n)]
+    else:  # llama has no sliding attention
+        if window is not None:
+            raise DistillError(f"{where}: sliding_window={window!r} is not supported by llama")
+        types = ["full"] * n
+    if "sliding" not in types:
+        return {}
+    if window is None:
+        raise DistillError(f"{where}: sliding layers without a sliding_window")
+    keys = {"sliding_window": window}
+    if "full" in types:
+        keys["layer_types"] = tuple(types)
+    local = _local_theta(raw, where)
+    if local is not None and "full" in types:
+        keys["rope_local_theta"] = local
+    return keys
+
+
+def _local_theta(raw: dict, where: Path) -> float | None:
+    """The sliding layers' RoPE base when it is their own (Gemma 3), else None."""
+    params = raw.get("rope_parameters") or {}
+    local = params.get("sliding_attention")
+    if local is None:
+        base = raw.get("rope_local_base_freq")
+        return None if base is None else float(base)
+    if local.get("rope_type", "default") != "default":
+        raise DistillError(
+            f"{where}: rope_parameters.sliding_attention rope_type "
+            f"{local['rope_type']!r} is not supported (only default)"
+        )
+    return float(local.get("rope_theta", 10000.0))
+
+
+# The ModelConfig keys a Llama config.json holds; the rest must keep their defaults to export.
+LLAMA_KEYS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+    "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "attention",
+)  # fmt: skip
+
+
+def _non_llama(cfg: ModelConfig) -> str:
+    default = ModelConfig()
+    return ", ".join(
+        f"{k}={getattr(cfg, k)!r}"
+        for k in ModelConfig.model_fields
+        if k not in (*LLAMA_KEYS, "family") and getattr(cfg, k) != getattr(default, k)
+    )
 
 
 def to_hf_config(
@@ -178,6 +313,12 @@ def to_hf_config(
 ) -> dict:
     """A LlamaForCausalLM config.json for `cfg` (the older rope_theta/rope_scaling layout,
     which transformers 4 reads and transformers 5 converts)."""
+    llama = ModelConfig(**{k: getattr(cfg, k) for k in LLAMA_KEYS})
+    if cfg.model_copy(update={"family": "llama", "attention": cfg.attention}) != llama:
+        raise DistillError(
+            f"export: a {cfg.family} model (with {_non_llama(cfg)}) is written as Llama only; "
+            "export in its own family is not supported yet"
+        )
     scaling = None
     if cfg.rope_scaling is not None:
         scaling = cfg.rope_scaling.model_dump()

@@ -1,4 +1,7 @@
-"""One Llama-style decoder for both roles: RoPE, grouped-query attention, SwiGLU, RMSNorm.
+"""One decoder for both roles and every family: RoPE, grouped-query attention, a gated MLP,
+RMSNorm. What Mistral, Qwen2/3 and Gemma 2/3 change (biases, query/key norms, norm offset and
+placement, activation, embedding scale, soft-caps, sliding windows, RoPE per layer type) is
+data in `ModelConfig`; a parameter exists only where its family has it.
 
 Parallelism enters as an argument, not a copy: `tp_axis=None` is the plain single-device
 model (the student, and the reference in tests); `tp_axis="tp"` runs the same code inside
@@ -7,7 +10,9 @@ shard's slice. The code therefore reads local sizes off the weights' shapes (hea
 shard = columns / head_dim), never off the config, and the only cross-shard steps are the
 collectives of `distill.collectives`.
 
-Layers are stacked ([L, ...] leading axis) and run with `nnx.scan`: one compiled block.
+Layers are stacked ([L, ...] leading axis) and run with `nnx.scan`: one compiled block. When
+layers differ (full and sliding attention, a local RoPE base) each layer's window and RoPE
+frequencies are scanned alongside its weights (`layer_data`), not a Python branch per layer.
 Parameters travel as plain nested dicts (`nnx.to_pure_dict`); `apply` rebuilds the module
 around them at trace time.
 """
@@ -29,6 +34,9 @@ Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.stat
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# A full-attention layer's window when layers differ: wider than any row.
+NO_WINDOW = 2**30
+
 # `train.remat`: what a block keeps for the backward pass. none: everything (no recompute);
 # block: only its input (the whole block is recomputed); dots: its matmul outputs without a
 # batch dimension (the attention core and elementwise ops are recomputed).
@@ -48,10 +56,17 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
     return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis in float32, times (offset + scale): Gemma's offset is 1."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    scale = scale.astype(jnp.float32)
+    return (y * (scale + offset if offset else scale)).astype(x.dtype)
+
+
+def softcap(z: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(z / cap) (Gemma's logit soft-capping); z unchanged when cap is None."""
+    return z if cap is None else cap * jnp.tanh(z / cap)
 
 
 def rope_frequencies(hd: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
@@ -71,15 +86,10 @@ def rope_frequencies(hd: int, theta: float, scaling: RopeScaling | None = None) 
     return jnp.where(wavelen < old_len / hi, inv_freq, scaled)
 
 
-def rope(
-    x_bshd: jax.Array,
-    positions_bs: jax.Array,
-    theta: float,
-    scaling: RopeScaling | None = None,
-) -> jax.Array:
-    """Rotary embedding, rotate-half convention (as Hugging Face Llama)."""
+def rope(x_bshd: jax.Array, positions_bs: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding with inverse frequencies [hd/2] (`rope_frequencies`), rotate-half
+    convention (as Hugging Face Llama)."""
     hd = x_bshd.shape[-1]
-    inv_freq = rope_frequencies(hd, theta, scaling)
     angles = positions_bs[..., None].astype(jnp.float32) * inv_freq  # [B, S, hd/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -101,50 +111,117 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, hd, f = cfg.d_model, cfg.hd, cfg.d_ff
         std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
-        self.attn_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+
+        def norm(width):  # an effective scale of 1 whatever the offset
+            return nnx.Param(jnp.full((width,), 1.0 - cfg.norm_offset, jnp.float32))
+
+        self.attn_norm = norm(d)
         self.wq = _normal(rngs, (d, cfg.n_heads * hd), std)
         self.wk = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
         self.wv = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((cfg.n_heads * hd,), jnp.float32))
+            self.bk = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
+            self.bv = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = norm(hd), norm(hd)
         self.wo = _normal(rngs, (cfg.n_heads * hd, d), out_std)
-        self.mlp_norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        if cfg.post_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
+        self.mlp_norm = norm(d)
         self.w_gate = _normal(rngs, (d, f), std)
         self.w_up = _normal(rngs, (d, f), std)
         self.w_down = _normal(rngs, (f, d), out_std)
-        self.hd, self.eps, self.theta = hd, cfg.norm_eps, cfg.rope_theta
-        self.rope_scaling = cfg.rope_scaling
+        self.cfg = cfg
 
-    def qkv(self, x_bsd, positions_bs):
+    def _norm(self, x, scale):
+        return rms_norm(x, scale[...], self.cfg.norm_eps, self.cfg.norm_offset)
+
+    def _project(self, h, w, b):
+        """h @ w (+ b), split into heads [B, S, heads, hd]."""
+        dt = h.dtype
+        y = matmul(h, w[...].astype(dt))
+        if b is not None:
+            y = y + b[...].astype(dt)
+        return y.reshape(*h.shape[:2], -1, self.cfg.hd)
+
+    def layer(self, layer: dict | None):
+        """(window, inverse RoPE frequencies) of this layer: `layer`, its scanned data, when
+        layers differ; else static, from the config."""
+        if layer is not None:
+            return layer["window"], layer["inv_freq"]
+        kind = self.cfg.types()[0]
+        return window_of(self.cfg, kind), rope_table(self.cfg, kind)
+
+    def qkv(self, x_bsd, positions_bs, inv_freq):
         """Queries [B, S, H, hd] and keys, values [B, S, KV, hd] (local heads), RoPE applied."""
-        dt = x_bsd.dtype
-        b, s, _ = x_bsd.shape
-        h = rms_norm(x_bsd, self.attn_norm[...], self.eps)
-        q = matmul(h, self.wq[...].astype(dt)).reshape(b, s, -1, self.hd)
-        k = matmul(h, self.wk[...].astype(dt)).reshape(b, s, -1, self.hd)
-        v = matmul(h, self.wv[...].astype(dt)).reshape(b, s, -1, self.hd)
-        q = rope(q, positions_bs, self.theta, self.rope_scaling)
-        k = rope(k, positions_bs, self.theta, self.rope_scaling)
-        return q, k, v
+        bias = self.cfg.qkv_bias
+        h = self._norm(x_bsd, self.attn_norm)
+        q = self._project(h, self.wq, self.bq if bias else None)
+        k = self._project(h, self.wk, self.bk if bias else None)
+        v = self._project(h, self.wv, self.bv if bias else None)
+        if self.cfg.qk_norm:
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        return rope(q, positions_bs, inv_freq), rope(k, positions_bs, inv_freq), v
 
     def finish(self, x_bsd, o_bshd, tp_axis: str | None):
         """The block's output from its input and its attention output: the output
-        projection, the residuals and the SwiGLU MLP."""
+        projection, the residuals and the gated MLP (with Gemma's post-norms)."""
         dt = x_bsd.dtype
         b, s, _ = x_bsd.shape
-        x_bsd = x_bsd + cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)
-        h = rms_norm(x_bsd, self.mlp_norm[...], self.eps)
-        gate = jax.nn.silu(matmul(h, self.w_gate[...].astype(dt)))
+        o = cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)
+        x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
+        h = self._norm(x_bsd, self.mlp_norm)
+        gate = matmul(h, self.w_gate[...].astype(dt))
+        if self.cfg.activation == "silu":
+            gate = jax.nn.silu(gate)
+        else:
+            gate = jax.nn.gelu(gate, approximate=True)
         up = matmul(h, self.w_up[...].astype(dt))
-        return x_bsd + cc.psum(matmul(gate * up, self.w_down[...].astype(dt)), tp_axis)
+        y = cc.psum(matmul(gate * up, self.w_down[...].astype(dt)), tp_axis)
+        return x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y)
 
-    def __call__(self, x_bsd, segment_ids_bs, positions_bs, tp_axis: str | None, backend: str):
-        x, _ = self.with_kv(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend)
+    def __call__(self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None):
+        x, _ = self.with_kv(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer)
         return x
 
-    def with_kv(self, x_bsd, segment_ids_bs, positions_bs, tp_axis: str | None, backend: str):
-        """(the block's output, its keys and values): a prefill fills a KV cache with them."""
-        q, k, v = self.qkv(x_bsd, positions_bs)
-        o = attention(q, k, v, segment_ids_bs, backend=backend, scale=1 / math.sqrt(self.hd))
+    def with_kv(self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None):
+        """(the block's output, its keys and values): a prefill fills a KV cache with them.
+        `layer`: this layer's scanned data (`layer_data`), None when layers are alike."""
+        window, inv_freq = self.layer(layer)
+        q, k, v = self.qkv(x_bsd, positions_bs, inv_freq)
+        o = attention(
+            q, k, v, segment_ids_bs, backend=backend, scale=self.cfg.scale(), window=window,
+            softcap=self.cfg.attn_softcap,
+        )  # fmt: skip
         return self.finish(x_bsd, o, tp_axis), (k, v)
+
+
+def window_of(cfg: ModelConfig, kind: str) -> int | None:
+    """The window of a layer of type `kind` (None: full attention)."""
+    return cfg.sliding_window if kind == "sliding" else None
+
+
+def rope_table(cfg: ModelConfig, kind: str) -> jax.Array:
+    """Inverse RoPE frequencies [hd/2] of a layer of type `kind`: sliding layers use
+    `rope_local_theta`, unscaled, when it is set."""
+    if kind == "sliding" and cfg.rope_local_theta is not None:
+        return rope_frequencies(cfg.hd, cfg.rope_local_theta, None)
+    return rope_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling)
+
+
+def layer_data(cfg: ModelConfig) -> dict | None:
+    """What the layer scan feeds each block when layers differ: window int32 [L]
+    (`NO_WINDOW` for full layers) and inv_freq float32 [L, hd/2]; None when they are alike."""
+    if not cfg.mixed_layers():
+        return None
+    types = cfg.types()
+    windows = [window_of(cfg, t) or NO_WINDOW for t in types]
+    tables = {t: rope_table(cfg, t) for t in set(types)}
+    return {
+        "window": jnp.asarray(windows, jnp.int32),
+        "inv_freq": jnp.stack([tables[t] for t in types]),
+    }
 
 
 class Transformer(nnx.Module):
@@ -158,7 +235,7 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs)
 
         self.layers = make_layers(rngs)
-        self.final_norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
+        self.final_norm = nnx.Param(jnp.full((cfg.d_model,), 1.0 - cfg.norm_offset, jnp.float32))
         if not cfg.tie_embeddings:
             self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
 
@@ -172,22 +249,41 @@ class Transformer(nnx.Module):
         `unroll`: each layer its own code rather than one block looped over the stacked
         layers (`student.train.unrolls`)."""
         dt = _dtype(dtype)
-        x = cc.embed_lookup(self.embed[...], tokens_bs, tp_axis).astype(dt)
+        x = self.embed_tokens(tokens_bs, tp_axis, dt)
         if rows is not None:
             x = jax.lax.with_sharding_constraint(x, rows)
-        backend = resolve_backend(attention, dt, self.cfg.hd, tokens_bs.shape[1])
+        backend = self.backend(attention, dt, tokens_bs.shape[1])
 
-        def block_fn(block, x):
-            return block(x, segment_ids_bs, positions_bs, tp_axis, backend)
+        def block_fn(block, x, layer):
+            return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer)
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
-        def run_layers(x, block):
-            return block_fn(block, x)
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=unroll)
+        def run_layers(x, block, layer):
+            return block_fn(block, x, layer)
 
-        return rms_norm(run_layers(x, self.layers), self.final_norm[...], self.cfg.norm_eps)
+        return self.final(run_layers(x, self.layers, layer_data(self.cfg)))
+
+    def embed_tokens(self, tokens_bs, tp_axis, dt) -> jax.Array:
+        """Embeddings [B, S, D] in the compute dtype, times sqrt(D) in that dtype for Gemma
+        (as Hugging Face rounds the factor)."""
+        x = cc.embed_lookup(self.embed[...], tokens_bs, tp_axis).astype(dt)
+        return x * jnp.asarray(math.sqrt(self.cfg.d_model), dt) if self.cfg.embed_scale else x
+
+    def final(self, x_bsd) -> jax.Array:
+        """The final norm."""
+        return rms_norm(x_bsd, self.final_norm[...], self.cfg.norm_eps, self.cfg.norm_offset)
+
+    def backend(self, attention: str, dt, seq_len: int | None) -> str:
+        """The attention backend `attention` stands for with this model's soft-cap and
+        windows."""
+        cfg = self.cfg
+        return resolve_backend(
+            attention, dt, cfg.hd, seq_len,
+            softcap=cfg.attn_softcap is not None, mixed_windows=cfg.mixed_layers(),
+        )  # fmt: skip
 
     def head(self) -> jax.Array:
         """The LM head [D, V] (with `tp_axis`: this shard's [D, V/tp] vocabulary slice)."""
@@ -209,14 +305,16 @@ class Transformer(nnx.Module):
             tokens_bs, segment_ids_bs, positions_bs,
             tp_axis=tp_axis, dtype=dtype, remat=remat, attention=attention,
         )  # fmt: skip
-        return logits(x, self.head())
+        return logits(x, self.head(), self.cfg.final_softcap)
 
 
-def logits(x_bsd: jax.Array, head_dv: jax.Array) -> jax.Array:
+def logits(x_bsd: jax.Array, head_dv: jax.Array, cap: float | None = None) -> jax.Array:
     """x @ head in the hidden states' dtype, accumulated and returned in float32: never
-    rounded through bfloat16 (which would bias log-probabilities and top-k)."""
+    rounded through bfloat16 (which would bias log-probabilities and top-k); soft-capped
+    at `cap` (the model's `final_softcap`)."""
     dt = x_bsd.dtype
-    return jnp.einsum("bsd,dv->bsv", x_bsd, head_dv.astype(dt), preferred_element_type=jnp.float32)
+    z = jnp.einsum("bsd,dv->bsv", x_bsd, head_dv.astype(dt), preferred_element_type=jnp.float32)
+    return softcap(z, cap)
 
 
 def init_params(cfg: ModelConfig, seed: int) -> Params:
@@ -274,7 +372,8 @@ def apply_hidden(
 def apply(cfg: ModelConfig, params: Params, tokens, segment_ids, positions, **kw) -> jax.Array:
     """Float32 logits of the model on a parameter dict (full weights, or this shard's
     slices under tp); keywords as `apply_hidden` (tp_axis, dtype, remat, rows, unroll)."""
-    return logits(*apply_hidden(cfg, params, tokens, segment_ids, positions, **kw))
+    x, head = apply_hidden(cfg, params, tokens, segment_ids, positions, **kw)
+    return logits(x, head, cfg.final_softcap)
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -288,6 +387,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     embed = cfg.vocab_size * cfg.d_model
     matmul_params = param_count(cfg) - embed * (1 if cfg.tie_embeddings else 2) + embed
-    matmul_params -= (2 * cfg.n_layers + 1) * cfg.d_model  # norms are not matmuls
+    norms = (4 if cfg.post_norms else 2) * cfg.d_model + (2 * cfg.hd if cfg.qk_norm else 0)
+    biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
+    matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
     attn = 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.hd  # QK^T and PV, not halved
     return 2.0 * matmul_params + attn

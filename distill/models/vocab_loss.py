@@ -80,11 +80,14 @@ _head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
 
 
 def head_logits(
-    x_nd: jax.Array, head_dv: jax.Array, *, vocab_limit: int | None, compute_dtype
+    x_nd: jax.Array, head_dv: jax.Array, *, vocab_limit: int | None, compute_dtype, softcap=None
 ) -> jax.Array:
     """float32 logits [..., V] = x @ head from `compute_dtype` operands, accumulated and
-    returned in float32 (not rounded through bfloat16), padded ids set to PADDED_LOGIT."""
+    returned in float32 (not rounded through bfloat16), soft-capped at `softcap` (the
+    model's `final_softcap`), padded ids set to PADDED_LOGIT."""
     z = _head_matmul(x_nd, head_dv, jnp.dtype(compute_dtype))
+    if softcap is not None:
+        z = softcap * jnp.tanh(z / softcap)
     return mask_vocab(z, vocab_limit, None, fill=PADDED_LOGIT)
 
 
@@ -99,6 +102,7 @@ def _chunked_sums(
     vocab_limit: int | None,
     chunk: int | None,
     compute_dtype,
+    softcap: float | None = None,
 ) -> Tree:
     """sum over tokens of mask * token_fn(logits, inputs)[key], for every key, chunk by chunk.
 
@@ -126,7 +130,9 @@ def _chunked_sums(
     def chunk_sums(xs) -> Tree:
         x_bcd, inputs, w_bc, start_c = xs
         sliced = {k: jax.lax.dynamic_slice_in_dim(a, start_c, c, axis=1) for k, a in dense.items()}
-        z_bcv = head_logits(x_bcd, head_dv, vocab_limit=vocab_limit, compute_dtype=compute_dtype)
+        z_bcv = head_logits(
+            x_bcd, head_dv, vocab_limit=vocab_limit, compute_dtype=compute_dtype, softcap=softcap
+        )
         values = token_fn(z_bcv, {**inputs, **sliced})
         return {k: jnp.sum(jnp.where(w_bc > 0, v * w_bc, 0.0)) for k, v in values.items()}
 
@@ -149,6 +155,7 @@ def kd_loss_chunked(
     vocab_limit: int | None = None,
     chunk: int | None = None,
     compute_dtype=jnp.float32,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`distill.models.losses.kd_loss` of the logits x @ head [B, S, V], never whole.
 
@@ -180,6 +187,7 @@ def kd_loss_chunked(
         vocab_limit=vocab_limit,
         chunk=chunk,
         compute_dtype=compute_dtype,
+        softcap=softcap,
     )
     means, tokens = _means(sums, mask_bs)
     kd, ce = means["kd"], means["ce"]
@@ -196,6 +204,7 @@ def ce_loss_chunked(
     vocab_limit: int | None = None,
     chunk: int | None = None,
     compute_dtype=jnp.float32,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`distill.models.losses.ce_loss` of the logits x @ head, never whole (arguments as
     `kd_loss_chunked`). Metrics: loss, ce_loss, tokens."""
@@ -209,6 +218,7 @@ def ce_loss_chunked(
         vocab_limit=vocab_limit,
         chunk=chunk,
         compute_dtype=compute_dtype,
+        softcap=softcap,
     )
     means, tokens = _means(sums, mask_bs)
     return means["ce"], {"loss": means["ce"], "ce_loss": means["ce"], "tokens": tokens}
@@ -224,6 +234,7 @@ def eval_metrics_chunked(
     vocab_limit: int | None = None,
     chunk: int | None = None,
     compute_dtype=jnp.float32,
+    softcap: float | None = None,
 ) -> dict[str, jax.Array]:
     """`distill.models.losses.eval_metrics` of the student logits x @ head against the teacher's
     raw logits [B, S, V] (read one chunk at a time), never whole. Same keys."""
@@ -249,6 +260,7 @@ def eval_metrics_chunked(
         vocab_limit=vocab_limit,
         chunk=chunk,
         compute_dtype=compute_dtype,
+        softcap=softcap,
     )
     means, tokens = _means(sums, mask_bs)
     return {**means, "tokens": tokens}

@@ -1,0 +1,279 @@
+"""The flash-style XLA attention kernels behind `distill.models.attention`: `blockwise` (an
+online softmax over key blocks, any platform) and `prefix` (each query block against its
+whole causal prefix, short rows on CPU). Both save the logsumexp and recompute scores in a
+`jax.custom_vjp` backward, so nothing of size S x S is kept for the gradient.
+
+Scores are float32 `Scores(scale, softcap)` of q.k: scaled, then capped at
+cap * tanh(s / cap) when `softcap` is set, whose derivative the backward applies. A
+`window` (None, or an int32 scalar that may vary per layer under the layer scan) keeps the
+keys with q_idx - window < k_idx; blockwise never visits key blocks wholly before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Finite, so an all-masked block gives exp(0) (then zeroed) rather than exp(-inf + inf) = NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """Float32 attention scores from q.k products: scaled, then soft-capped if `softcap`."""
+
+    scale: float
+    softcap: float | None = None
+
+    def __call__(self, dots):
+        s = dots * self.scale
+        return s if self.softcap is None else self.softcap * jnp.tanh(s / self.softcap)
+
+    def backward(self, dots, ds):
+        """The cotangent of the q.k products from the scores' cotangent `ds`."""
+        if self.softcap is None:
+            return ds * self.scale
+        t = jnp.tanh(dots * self.scale / self.softcap)
+        return ds * (self.scale * (1.0 - t * t))
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def window_mask(q_pos, k_pos, window):
+    """Causal, and inside the window when there is one."""
+    mask = q_pos >= k_pos
+    return mask if window is None else mask & (q_pos - k_pos < window)
+
+
+# --- blockwise ---------------------------------------------------------------------------
+
+
+def blockwise(q, k, v, seg, scores: Scores, window, block_q: int, block_kv: int):
+    """Pad S to whole blocks, lay the arrays out block-major, run the flash kernel."""
+    if block_q < 1 or block_kv < 1:
+        raise ValueError(f"block sizes must be positive, got {block_q}, {block_kv}")
+    b, s, h, d = q.shape
+    n_kv = k.shape[2]
+    g = h // n_kv
+    bq, bk = min(block_q, s), min(block_kv, s)
+    sp = round_up(s, math.lcm(bq, bk))
+    nq, nk = sp // bq, sp // bk
+    # Padding sits after every real token, so causality alone keeps it out of real rows;
+    # padded rows attend to themselves (finite) and are sliced off.
+    pad = [(0, 0), (0, sp - s), (0, 0), (0, 0)]
+    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    seg = jnp.pad(seg, [(0, 0), (0, sp - s)])
+    qb = q.reshape(b, nq, bq, n_kv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, KV, G, bq, d]
+    kb = k.reshape(b, nk, bk, n_kv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, KV, bk, d]
+    vb = v.reshape(b, nk, bk, n_kv, d).transpose(1, 0, 3, 2, 4)
+    seg_q = seg.reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
+    seg_k = seg.reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
+    ob = _flash(qb, kb, vb, seg_q, seg_k, window, scores)
+    o = ob.transpose(1, 0, 4, 2, 3, 5).reshape(b, sp, h, d)
+    return o[:, :s]
+
+
+def _block_mask(i, j, seg_q_i, seg_k_j, window, bq: int, bk: int):
+    """[B, 1, 1, bq, bk]: causal, in the window and same segment, for query block i against
+    key block j."""
+    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    same_doc = seg_q_i[:, :, None] == seg_k_j[:, None, :]
+    return (same_doc & window_mask(q_pos, k_pos, window))[:, None, None]
+
+
+def _first_key_block(i, window, bq: int, bk: int):
+    """The first key block query block i sees: 0, or the one holding its first query's
+    earliest key in the window."""
+    return 0 if window is None else jnp.maximum(i * bq - window + 1, 0) // bk
+
+
+def _last_query_block(j, window, bq: int, bk: int, nq: int):
+    """The last query block that sees key block j: the last, or the one holding the latest
+    query whose window still reaches j's last key."""
+    if window is None:
+        return nq - 1
+    return jnp.minimum(((j + 1) * bk + window - 2) // bq, nq - 1)
+
+
+def _flash_forward(qb, kb, vb, seg_q, seg_k, window, scores: Scores):
+    """Blocked output [nq, B, KV, G, bq, d] and its logsumexp [nq, B, KV, G, bq] (float32)."""
+    nq, b, n_kv, g, bq, d = qb.shape
+    bk = kb.shape[3]
+
+    def query_block(_, xs):
+        i, q_i, seg_q_i = xs
+
+        def key_block(j, carry):
+            m, denom, acc = carry
+            dots = jnp.einsum("bkgqd,bksd->bkgqs", q_i, kb[j], preferred_element_type=jnp.float32)
+            mask = _block_mask(i, j, seg_q_i, seg_k[j], window, bq, bk)
+            s = jnp.where(mask, scores(dots), MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            pv = jnp.einsum(
+                "bkgqs,bksd->bkgqd", p.astype(vb.dtype), vb[j], preferred_element_type=jnp.float32
+            )
+            return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
+
+        # carries made from q_i, so that under `shard_map` they vary over the same mesh
+        # axes as q (a fresh constant would not, and fori_loop needs equal carry types)
+        init = (
+            jnp.full_like(q_i[..., 0], MASK_VALUE, jnp.float32),
+            jnp.zeros_like(q_i[..., 0], jnp.float32),
+            jnp.zeros_like(q_i, jnp.float32),
+        )
+        first = _first_key_block(i, window, bq, bk)  # key blocks before it: out of the window
+        last = ((i + 1) * bq - 1) // bk  # key blocks past this one lie above the diagonal
+        m, denom, acc = lax.fori_loop(first, last + 1, key_block, init)
+        return None, ((acc / denom[..., None]).astype(qb.dtype), m + jnp.log(denom))
+
+    _, (ob, lse) = lax.scan(query_block, None, (jnp.arange(nq), qb, seg_q))
+    return ob, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(qb, kb, vb, seg_q, seg_k, window, scores):
+    return _flash_forward(qb, kb, vb, seg_q, seg_k, window, scores)[0]
+
+
+def _flash_fwd(qb, kb, vb, seg_q, seg_k, window, scores):
+    ob, lse = _flash_forward(qb, kb, vb, seg_q, seg_k, window, scores)
+    return ob, (qb, kb, vb, seg_q, seg_k, window, ob, lse)
+
+
+def _flash_bwd(scores: Scores, res, do_b):
+    """FlashAttention-2 backward: per key block, visit the query blocks that see it, recompute
+    p from the saved logsumexp, accumulate dk/dv there and dq in place."""
+    qb, kb, vb, seg_q, seg_k, window, ob, lse = res
+    nq, _, _, _, bq, _ = qb.shape
+    nk, bk = kb.shape[0], kb.shape[3]
+    delta = jnp.sum(do_b.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
+
+    def key_block(dq, xs):
+        j, k_j, v_j, seg_k_j = xs
+
+        def query_block(i, carry):
+            dq, dk_j, dv_j = carry
+            q_i, do_i = qb[i], do_b[i]
+            dots = jnp.einsum("bkgqd,bksd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32)
+            mask = _block_mask(i, j, seg_q[i], seg_k_j, window, bq, bk)
+            p = jnp.where(mask, jnp.exp(scores(dots) - lse[i][..., None]), 0.0)
+            dv_j = dv_j + jnp.einsum(
+                "bkgqs,bkgqd->bksd", p.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
+            )
+            dp = jnp.einsum("bkgqd,bksd->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
+            ds = scores.backward(dots, p * (dp - delta[i][..., None])).astype(qb.dtype)
+            dq_i = jnp.einsum("bkgqs,bksd->bkgqd", ds, k_j, preferred_element_type=jnp.float32)
+            dk_j = dk_j + jnp.einsum(
+                "bkgqs,bkgqd->bksd", ds, q_i, preferred_element_type=jnp.float32
+            )
+            return dq.at[i].add(dq_i), dk_j, dv_j
+
+        zeros = jnp.zeros_like(k_j, jnp.float32)  # varying like k_j under shard_map
+        first = (j * bk) // bq  # query blocks before this one lie above the diagonal
+        last = _last_query_block(j, window, bq, bk, nq)  # later ones: out of their windows
+        dq, dk_j, dv_j = lax.fori_loop(first, last + 1, query_block, (dq, zeros, zeros))
+        return dq, (dk_j.astype(kb.dtype), dv_j.astype(vb.dtype))
+
+    dq0 = jnp.zeros_like(qb, jnp.float32)
+    dq, (dkb, dvb) = lax.scan(key_block, dq0, (jnp.arange(nk), kb, vb, seg_k))
+    return dq.astype(qb.dtype), dkb, dvb, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# --- prefix ------------------------------------------------------------------------------
+
+
+def prefix(q, k, v, seg, scores: Scores, window, block: int):
+    """Head-major copies [B, KV, G, S, d] and [B, KV, S, d], the blocks, and back."""
+    if block < 1:
+        raise ValueError(f"block size must be positive, got {block}")
+    b, s, h, d = q.shape
+    n_kv = k.shape[2]
+    qh = q.reshape(b, s, n_kv, h // n_kv, d).transpose(0, 2, 3, 1, 4)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    o = _prefix_blocks(qh, kh, vh, seg, window, scores, min(block, s))
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
+
+
+def _prefix_spans(s: int, block: int) -> list[tuple[int, int]]:
+    """(start, end) of each query block; the last may be shorter."""
+    return [(i, min(i + block, s)) for i in range(0, s, block)]
+
+
+def _prefix_dots(qh, kh, seg, window, start: int, end: int):
+    """q.k products [B, KV, G, end - start, end] of queries start:end against keys :end, and
+    their mask (causal, in the window, same segment)."""
+    dots = jnp.einsum(
+        "bkgqd,bktd->bkgqt", qh[:, :, :, start:end], kh[:, :, :end],
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    q_pos = start + lax.broadcasted_iota(jnp.int32, (end - start, end), 0)
+    k_pos = lax.broadcasted_iota(jnp.int32, (end - start, end), 1)
+    same_doc = seg[:, start:end, None] == seg[:, None, :end]
+    return dots, (same_doc & window_mask(q_pos, k_pos, window))[:, None, None]
+
+
+def _prefix_forward(qh, kh, vh, seg, window, scores: Scores, block):
+    """Output [B, KV, G, S, d] and its logsumexp [B, KV, G, S] (float32)."""
+    outs, lses = [], []
+    for start, end in _prefix_spans(qh.shape[3], block):
+        dots, mask = _prefix_dots(qh, kh, seg, window, start, end)
+        s = jnp.where(mask, scores(dots), MASK_VALUE)
+        m = s.max(axis=-1, keepdims=True)
+        p = jnp.exp(s - m)  # masked entries underflow to 0: each row sees itself
+        denom = p.sum(axis=-1, keepdims=True)
+        pv = jnp.einsum(
+            "bkgqt,bktd->bkgqd", p.astype(vh.dtype), vh[:, :, :end],
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        outs.append((pv / denom).astype(qh.dtype))
+        lses.append((m + jnp.log(denom))[..., 0])
+    return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _prefix_blocks(qh, kh, vh, seg, window, scores, block):
+    return _prefix_forward(qh, kh, vh, seg, window, scores, block)[0]
+
+
+def _prefix_fwd(qh, kh, vh, seg, window, scores, block):
+    o, lse = _prefix_forward(qh, kh, vh, seg, window, scores, block)
+    return o, (qh, kh, vh, seg, window, o, lse)
+
+
+def _prefix_bwd(scores: Scores, block, res, do):
+    """Per query block: p from the saved logsumexp, then dq for the block and its share of
+    dk, dv for the keys it saw (added into the whole)."""
+    qh, kh, vh, seg, window, o, lse = res
+    s_len = qh.shape[3]
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    dqs, dk, dv = [], 0.0, 0.0
+    for start, end in _prefix_spans(s_len, block):
+        q_i, do_i = qh[:, :, :, start:end], do[:, :, :, start:end]
+        dots, mask = _prefix_dots(qh, kh, seg, window, start, end)
+        p = jnp.where(mask, jnp.exp(scores(dots) - lse[:, :, :, start:end, None]), 0.0)
+        f32 = jnp.float32
+        dv_i = jnp.einsum("bkgqt,bkgqd->bktd", p.astype(do.dtype), do_i, preferred_element_type=f32)
+        dp = jnp.einsum("bkgqd,bktd->bkgqt", do_i, vh[:, :, :end], preferred_element_type=f32)
+        ds = scores.backward(dots, p * (dp - delta[:, :, :, start:end, None])).astype(qh.dtype)
+        dqs.append(jnp.einsum("bkgqt,bktd->bkgqd", ds, kh[:, :, :end], preferred_element_type=f32))
+        dk_i = jnp.einsum("bkgqt,bkgqd->bktd", ds, q_i, preferred_element_type=f32)
+        pad = [(0, 0), (0, 0), (0, s_len - end), (0, 0)]
+        dk, dv = dk + jnp.pad(dk_i, pad), dv + jnp.pad(dv_i, pad)
+    dq = jnp.concatenate(dqs, axis=3)
+    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None, None
+
+
+_prefix_blocks.defvjp(_prefix_fwd, _prefix_bwd)

@@ -1,0 +1,241 @@
+"""Hugging Face families in the one model: for each family a tiny model built by
+transformers (random weights, saved to a temporary directory) is read by distill's loader
+and gives transformers' log-probabilities, on the teacher's tensor-parallel mesh at tp=1,
+tp=2 and tp=4 (more shards than KV heads: the KV heads are replicated), and as the
+single-device student model. Rows are longer than the sliding windows, models have both
+local and global layers, and the vocabulary is padded past the ids used."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from distill.config import ModelConfig  # noqa: E402
+from distill.errors import DistillError  # noqa: E402
+from distill.models import decode, hf, model, vocab_loss  # noqa: E402
+from distill.models import losses as ref_losses  # noqa: E402
+from teacher.forward import make_forward  # noqa: E402
+from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
+from tests.test_hf import _batch, _hf_logits, _mesh  # noqa: E402
+
+WINDOW = 5  # rows of 20 tokens: most keys fall outside a sliding layer's window
+COMMON = dict(
+    vocab_size=96,  # ids drawn below LIVE: padded past them
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+LIVE = 80
+
+FAMILIES = {  # name: (transformers class prefix, config class, config keys)
+    "mistral_sliding": ("Mistral", "MistralConfig", dict(sliding_window=WINDOW)),
+    "qwen2_tied_biases_sliding_top_layers": (
+        "Qwen2",
+        "Qwen2Config",
+        dict(
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=2,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+        ),
+    ),
+    "qwen3_head_dim_qk_norm_untied": (
+        "Qwen3",
+        "Qwen3Config",
+        dict(head_dim=16, tie_word_embeddings=False, rope_theta=1e6)
+        | dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    "gemma2_softcaps_alternating": (
+        "Gemma2",
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,  # small caps that the random scores and logits reach
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3_one_kv_head_local_rope": (
+        "Gemma3",
+        "Gemma3TextConfig",
+        dict(
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+}
+
+
+def _save(path, name):
+    prefix, config_class, keys = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**COMMON, **keys})
+    m = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    with torch.no_grad():  # O(1) weights, non-trivial norms and biases: every mapping shows
+        for pname, p in m.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in pname else p.normal_(0.0, 0.3)
+    m.save_pretrained(str(path))
+    ref = type(m).from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    return ref.eval()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, directory, transformers model, its log-probs on the batch, the batch)."""
+    path = tmp_path_factory.mktemp(request.param)
+    ref = _save(path, request.param)
+    batch = _batch(LIVE)
+    logp = torch.log_softmax(torch.tensor(_hf_logits(ref, batch.tokens)), -1).numpy()
+    return request.param, path, ref, logp, batch
+
+
+def _logprobs(logits):
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_teacher_logprobs_match_transformers(family, tp):
+    name, path, _, want, batch = family
+    cfg = hf.read_model_config(path)
+    params = load_hf_teacher(path, cfg, _mesh(tp))
+    got = make_forward(cfg, _mesh(tp), mode="logits")(params, batch)
+    np.testing.assert_allclose(_logprobs(got), want, atol=2e-4, rtol=1e-4, err_msg=name)
+
+
+def test_config_reads_each_family(family):
+    name, path, ref, _, _ = family
+    cfg = hf.read_model_config(path)
+    assert cfg.family == ref.config.model_type
+    uniform = "sliding_attention" if ref.config.sliding_window else "full_attention"
+    hf_types = getattr(ref.config, "layer_types", None) or [uniform] * cfg.n_layers  # Mistral
+    assert list(cfg.types()) == [hf.LAYER_TYPES[t] for t in hf_types]
+    assert "sliding" in cfg.types(), name  # every case here has sliding layers...
+    if name != "mistral_sliding":
+        assert cfg.mixed_layers()  # ...and, but for Mistral, full ones too
+    assert cfg.tie_embeddings == ref.config.tie_word_embeddings
+
+
+def test_student_model_and_chunked_loss_match_transformers(family):
+    """The single-device model (the student's) on the same weights, and its chunked CE
+    (soft-capped logits a chunk at a time) against CE of transformers' log-probs."""
+    name, path, _, want, batch = family
+    cfg = hf.read_model_config(path)
+    params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
+    args = (batch.tokens, batch.segment_ids, batch.positions)
+    blockwise = cfg.model_copy(update={"attention": "blockwise"})
+    got = model.apply(blockwise, params, *args)
+    np.testing.assert_allclose(_logprobs(got), want, atol=2e-4, rtol=1e-4, err_msg=name)
+
+    x, head = model.apply_hidden(cfg, params, *args)
+    ce, _ = vocab_loss.ce_loss_chunked(
+        x, head, batch.targets, batch.mask, chunk=7, softcap=cfg.final_softcap
+    )
+    want_ce, _ = ref_losses.ce_loss(jnp.asarray(want), batch.targets, batch.mask)
+    np.testing.assert_allclose(float(ce), float(want_ce), rtol=1e-5)
+
+
+def test_decode_with_a_cache_matches_the_full_forward(family):
+    """Prefill then one token at a time: each step's logits are the full forward's at that
+    position (sliding windows over the cache, soft-caps, per-layer RoPE)."""
+    _, path, _, _, batch = family
+    cfg = hf.read_model_config(path)
+    params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
+    tokens, seg, pos = batch.tokens[:1], batch.segment_ids[:1], batch.positions[:1]
+    full = np.asarray(model.apply(cfg, params, tokens, seg, pos))
+    p, total = 8, tokens.shape[1]
+    prompt = batch._replace(tokens=tokens[:, :p], segment_ids=seg[:, :p], positions=pos[:, :p])
+    logits, cache = decode.prefill(cfg, params, prompt, total, dtype="float32")
+    np.testing.assert_allclose(logits, full[:, p - 1], atol=1e-4, rtol=1e-4)
+    writes = jnp.ones((1,), bool)
+    for i in range(p, total):
+        logits, cache = decode.decode_step(
+            cfg, params, tokens[:, i], pos[:, i], jnp.int32(i), writes, cache, dtype="float32"
+        )
+        np.testing.assert_allclose(logits, full[:, i], atol=1e-4, rtol=1e-4, err_msg=str(i))
+
+
+def _edit(src, dst, **changes):
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**raw, **changes}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3")
+    _save(path, "gemma3_one_kv_head_local_rope")
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+        (dict(hidden_activation="relu"), "hidden_activation='relu'"),
+        (dict(layer_types=["chunked_attention"] * 4), "layer_types entry 'chunked_attention'"),
+        (dict(attention_bias=True), "attention_bias=True"),
+    ],
+)
+def test_unrunnable_keys_name_the_file_and_key(gemma3_dir, tmp_path, changes, match):
+    bad = _edit(gemma3_dir, tmp_path / "bad", **changes)
+    with pytest.raises(DistillError, match=rf"{bad / 'config.json'}: .*{match}"):
+        hf.read_model_config(bad)
+
+
+def test_llama_with_a_window_is_refused(tmp_path):
+    from tests.test_hf import _save_llama
+
+    _save_llama(tmp_path / "llama")
+    bad = _edit(tmp_path / "llama", tmp_path / "bad", sliding_window=8)
+    with pytest.raises(DistillError, match=r"config.json: sliding_window=8 is not supported"):
+        hf.read_model_config(bad)
+
+
+def test_default_config_is_llama():
+    cfg = ModelConfig()
+    assert cfg.family == "llama" and not cfg.mixed_layers() and model.layer_data(cfg) is None
+    assert set(model.abstract_params(cfg)["layers"]) == set(hf.LAYER_WEIGHTS)
+
+
+def test_depth_pruned_student_keeps_the_teachers_layer_types(gemma3_dir, corpus_dir, tmp_path):
+    """student.init: from_teacher on a Gemma 3 teacher (layers sliding, sliding, full,
+    sliding): the student's layer_types must be the kept layers' types."""
+    from distill.config.load import config_from_dict
+    from tests.test_hf import _cfg_tree
+
+    def config(**student_model):
+        tree = _cfg_tree(corpus_dir, tmp_path, gemma3_dir)
+        tree["mesh"]["teacher"]["tp"] = 1
+        tree["student"] = {"init": "from_teacher", "model": {"n_layers": 2, **student_model}}
+        return config_from_dict(tree)
+
+    with pytest.raises(DistillError, match=r"student.model.*layer_types: 4 entries"):
+        config(attention="blockwise").student_model()
+    with pytest.raises(DistillError, match=r"student.model.layer_types: \['full', 'sliding'\]"):
+        config(layer_types=["full", "sliding"]).init_layers()
+    cfg = config(layer_types=["sliding", "sliding"])
+    assert cfg.init_layers() == [0, 3]
+    scfg = cfg.student_model()
+    params = read_hf_layers(gemma3_dir, cfg.teacher.model, cfg.init_layers())
+    tokens = _batch(LIVE).tokens
+    out = model.apply(scfg, params, tokens, np.ones_like(tokens), np.arange(20)[None] + 0 * tokens)
+    assert np.isfinite(np.asarray(out)).all()
