@@ -12,7 +12,7 @@ import yaml
 
 from distill.config import DataConfig
 from distill.data.chat import load_template
-from distill.data.packing import ExampleRows, best_fit, packing_stats
+from distill.data.packing import best_fit, packing_stats
 from distill.data.pipeline import load_corpus
 from distill.data.tokenizers import load_tokenizer
 from distill.errors import DistillError
@@ -205,3 +205,300 @@ def test_template_ids_equal_transformers(tmp_path, bpe, name):
             want = _hf_ids(hf, messages, add_generation_prompt=gen)["input_ids"]
             ((ids, _),) = tok.encode_offsets([text])
             assert ids.tolist() == list(want)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def _example_corpus(tmp_path, model_dir, records, seq_len=64, **data):
+    source = _write_jsonl(tmp_path / "chat.jsonl", records)
+    cfg = DataConfig(source=str(source), format="chat", tokenizer=str(model_dir), **data)
+    return cfg, load_corpus(cfg, seq_len)
+
+
+def _trained_text(tok, batch_row):
+    """The decoded targets the loss counts, one string per run of trained positions."""
+    mask = np.asarray(batch_row.mask) > 0
+    runs, cur = [], []
+    for t, m in zip(np.asarray(batch_row.targets), mask, strict=True):
+        if m:
+            cur.append(int(t))
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok._tok.decode(r, skip_special_tokens=False) for r in runs]
+
+
+def test_generation_mask_equals_transformers(tmp_path, bpe):
+    model_dir = _model_dir(tmp_path / "gen", bpe, "generation")
+    hf = _hf(model_dir)
+    tok = load_tokenizer(str(model_dir))
+    template = load_template(DataConfig(source="x", tokenizer=str(model_dir)), tok)
+    from distill.data.chat import trained_tokens
+
+    for messages in CONVERSATIONS:
+        want = _hf_ids(hf, messages, return_assistant_tokens_mask=True)["assistant_masks"]
+        text, spans = template.render_spans(messages)
+        ((ids, offsets),) = tok.encode_offsets([text])
+        assert trained_tokens(offsets, spans).astype(int).tolist() == list(want)
+
+
+@pytest.mark.parametrize(
+    ("name", "eot"),
+    [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>"), ("generation", "<|im_end|>")],
+)
+def test_masks_cover_the_answers_and_their_end_of_turn(tmp_path, bpe, name, eot):
+    """Multi-turn conversations with system prompts: the loss counts exactly each assistant
+    message's content and the end-of-turn token closing it (Llama-3 trims the content)."""
+    model_dir = _model_dir(tmp_path / name, bpe, name)
+    records = [{"messages": m} for m in CONVERSATIONS]
+    _, corpus = _example_corpus(tmp_path, model_dir, records, seq_len=128, eval_fraction=0.3)
+    tok = corpus.tokenizer
+    answers = {
+        (m["content"].strip() if name == "llama3" else m["content"]) + eot
+        for c in CONVERSATIONS
+        for m in c
+        if m["role"] == "assistant"
+    }
+    seen = []
+    for rows in (corpus.train, corpus.eval):
+        for r in range(len(rows)):
+            seen += _trained_text(tok, rows[r])
+    assert sorted(seen) == sorted(answers)
+
+
+def test_train_on_all_and_pairs(tmp_path, bpe):
+    model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
+    records = [{"messages": m} for m in CONVERSATIONS]
+    _, corpus = _example_corpus(
+        tmp_path, model_dir, records, seq_len=128, train_on="all", eval_fraction=0.3
+    )
+    for rows in (corpus.train, corpus.eval):
+        b = rows.gather(np.arange(len(rows)))
+        seg = b.segment_ids
+        # every target within the same conversation counts; padding and boundaries do not
+        same = (seg[:, :-1] > 0) & (seg[:, 1:] == seg[:, :-1])
+        assert np.array_equal(b.mask[:, :-1] > 0, same)
+
+    pairs = [{"prompt": f"Q{i}: what is {i}?", "completion": f" It is {i}."} for i in range(6)]
+    source = _write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    cfg = DataConfig(source=str(source), format="prompt_completion", tokenizer=str(model_dir))
+    assert cfg.prompt_field == "prompt"
+    corpus = load_corpus(cfg, 64)
+    tok = corpus.tokenizer
+    seen = []
+    for rows in (corpus.train, corpus.eval):
+        for r in range(len(rows)):
+            seen += _trained_text(tok, rows[r])
+    # the completion and the tokenizer's EOS (tokenizer_config.json names <|im_end|>)
+    assert sorted(seen) == sorted(f" It is {i}.<|im_end|>" for i in range(6))  # its EOS
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_best_fit_keeps_examples_whole():
+    lengths = np.array([9, 3, 7, 5, 2, 2, 4, 1])
+    rows = best_fit(lengths, cap=10)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(lengths[r].sum() <= 10 for r in rows)
+    # longest first, each into the fullest row with room: [9, 1], [7, 3], [5, 4], [2, 2]
+    assert [sorted(lengths[r].tolist()) for r in rows] == [[1, 9], [3, 7], [4, 5], [2, 2]]
+
+
+def _random_text(rng, n):
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+
+
+def test_packing_never_splits_a_conversation(tmp_path, bpe):
+    model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
+    rng = random.Random(0)
+    records = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": _random_text(rng, rng.randint(2, 40))},
+                {"role": "assistant", "content": ANSWER},
+            ]
+        }
+        for _ in range(40)
+    ]
+    cfg, corpus = _example_corpus(tmp_path, model_dir, records, seq_len=128, eval_fraction=0.1)
+    rows = corpus.train
+    tok = corpus.tokenizer
+    texts = [
+        load_template(cfg, tok).render(r["messages"]) for r in records
+    ]  # every conversation's ids, found whole in exactly one row
+    found = 0
+    for text in texts:
+        ((ids, _),) = tok.encode_offsets([text])
+        for split in (corpus.train, corpus.eval):
+            for r in range(len(split)):
+                seg_ids = split.ids[r][split.real[r]]
+                starts = np.flatnonzero(split.starts[r])
+                bounds = list(starts) + [int(split.real[r].sum())]
+                pieces = [
+                    seg_ids[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                ]
+                found += pieces.count(ids.tolist())
+    assert found == len(records)
+    stats = packing_stats(rows)
+    b = rows.gather(np.arange(len(rows)))
+    real = (b.segment_ids > 0).sum()
+    assert stats["real_fraction"] == pytest.approx(
+        (rows.real[:, 1:]).sum() / (len(rows) * rows.seq_len)
+    )
+    assert stats["trained_fraction"] == pytest.approx(b.mask.sum() / rows.real[:, 1:].sum())
+    assert 0.8 < stats["real_fraction"] <= 1.0 and real > 0
+    assert stats["longer_than_row"] == 0
+
+
+def test_long_conversations_cut_or_split(tmp_path, bpe, caplog):
+    model_dir = _model_dir(tmp_path / "gen", bpe, "generation")
+    long = [
+        {"role": "user", "content": "q " * 40},
+        {"role": "assistant", "content": (ANSWER + " ") * 12},
+    ]
+    records = [{"messages": long}] * 3 + [{"messages": CONVERSATIONS[1]}] * 3
+    with caplog.at_level(logging.WARNING, logger="distill"):
+        _, cut = _example_corpus(tmp_path, model_dir, records, seq_len=48, eval_fraction=0.3)
+    assert "were cut to one row" in caplog.text
+    assert cut.train.num_long + cut.eval.num_long == 3
+    _, split = _example_corpus(
+        tmp_path, model_dir, records, seq_len=48, eval_fraction=0.3, long_conversations="split"
+    )
+    trained = lambda c: sum(r.gather(np.arange(len(r))).mask.sum() for r in (c.train, c.eval))
+    assert trained(split) > trained(cut)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_records_are_counted_and_refused_only_when_too_many(tmp_path, bpe, caplog):
+    model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
+    good = [{"messages": CONVERSATIONS[1]}] * 20
+    bad = [
+        {"text": "no messages"},
+        {"messages": []},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        {"messages": [{"role": "user", "content": "no answer"}]},
+    ]
+    source = tmp_path / "chat.jsonl"
+    _write_jsonl(source, good + bad)
+    with open(source, "a") as f:
+        f.write("{not json\n")
+    cfg = dict(source=str(source), format="chat", tokenizer=str(model_dir))
+    with pytest.raises(DistillError) as info:
+        load_corpus(DataConfig(**cfg), 128)
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1
+    assert msg.startswith("data.source: 7 of 27 records") and "max_bad_fraction=0.01" in msg
+    for kind in (
+        "without the field (first: ",
+        "with an empty conversation",
+        "without a role",
+        "without content",
+        "('narrator')",
+        "with no assistant turn",
+        f"not valid JSON (first: {source} line 27)",
+    ):
+        assert kind in msg
+    with caplog.at_level(logging.WARNING, logger="distill"):
+        corpus = load_corpus(DataConfig(**cfg, max_bad_fraction=0.5), 128)
+    assert corpus.train.num_documents + corpus.eval.num_documents == 20
+    assert f"1 record(s) without the field (first: {source} line 21)" in caplog.text
+    # train_on: all keeps the conversation without an answer
+    corpus = load_corpus(DataConfig(**cfg, max_bad_fraction=0.5, train_on="all"), 128)
+    assert corpus.train.num_documents + corpus.eval.num_documents == 21
+
+
+def test_template_that_fails_names_file_and_record(tmp_path, bpe):
+    model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
+    template = tmp_path / "strict.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    records = [{"messages": CONVERSATIONS[1]}, {"messages": CONVERSATIONS[0]}]
+    source = _write_jsonl(tmp_path / "chat.jsonl", records)
+    cfg = DataConfig(
+        source=str(source), format="chat", tokenizer=str(model_dir), chat_template=str(template)
+    )
+    with pytest.raises(DistillError) as info:
+        load_corpus(cfg, 64)
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1
+    assert f"{template} fails to render {source} line 2: System role not supported" in msg
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+def test_prepare_writes_the_masks_with_the_rows(tmp_path, bpe):
+    from distill.config.load import load_config
+    from pipelines.commands.prepare import prepare
+
+    model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
+    records = [{"messages": c} for c in CONVERSATIONS] * 4
+    source = _write_jsonl(tmp_path / "chat.jsonl", records)
+    data = {"source": str(source), "format": "chat", "tokenizer": str(model_dir)}
+    tree = tiny_config(str(source), str(tmp_path / "out"), data=data)
+    tree["data"].pop("include")
+    tree["data"]["prepared_dir"] = str(tmp_path / "prepared")
+    tree["train"]["seq_len"] = 128
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    cfg = load_config(str(path))
+    summary = prepare(cfg)
+    assert 0 < summary["packing"]["trained_fraction"] < summary["packing"]["real_fraction"] <= 1
+    stored = load_corpus(cfg.data, cfg.train.seq_len)
+    cfg.data.prepared_dir = None
+    memory = load_corpus(cfg.data, cfg.train.seq_len)
+    for a, b in ((stored.train, memory.train), (stored.eval, memory.eval)):
+        rows = np.arange(len(b))
+        for x, y in zip(a.gather(rows), b.gather(rows), strict=True):
+            np.testing.assert_array_equal(x, y)
+    cfg.data.train_on = "all"
+    cfg.data.prepared_dir = str(tmp_path / "prepared")
+    with pytest.raises(DistillError, match="data.train_on: 'all' differs from 'assistant'"):
+        load_corpus(cfg.data, cfg.train.seq_len)
+
+
+# ----------------------------------------------------------------------------- a run
+
+
+def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe):
+    """User turns are random strings, every answer the same sentence: a CE run on the
+    assistant's tokens reaches a near-zero loss, which it could not if the user's counted."""
+    model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
+    rng = random.Random(1)
+    records = [
+        {
+            "messages": [
+                {"role": "system", "content": "Repeat."},
+                {"role": "user", "content": _random_text(rng, rng.randint(8, 30))},
+                {"role": "assistant", "content": ANSWER},
+            ]
+        }
+        for _ in range(64)
+    ]
+    source = _write_jsonl(tmp_path / "chat.jsonl", records)
+    out = tmp_path / "out"
+    data = {"source": str(source), "format": "chat", "tokenizer": str(model_dir)}
+    tree = tiny_config(str(source), str(out), data=data)
+    tree["data"].pop("include")
+    tree["teacher"]["model"]["vocab_size"] = 320
+    tree["teacher"]["pretrain_steps"] = 40
+    tree["teacher"]["pretrain_lr"] = 1e-2
+    tree["train"].update(steps=2, seq_len=64, batch_size=8, log_every=1, eval_every=2)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["run", str(path)]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    boot = [r for r in lines if r.get("phase") == "bootstrap"]
+    assert boot and boot[-1]["ce_loss"] < 0.05, boot[-1]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +40,7 @@ class BadRecords:
 
     def __init__(self):
         self.kinds: dict[str, list] = {}
+        self.seen = 0  # records read, good and bad
 
     def add(self, kind: str, where: str) -> None:
         entry = self.kinds.setdefault(kind, [0, where])
@@ -53,8 +53,9 @@ class BadRecords:
     def lines(self) -> list[str]:
         return [f"{n} record(s) {kind} (first: {w})" for kind, (n, w) in self.kinds.items()]
 
-    def check(self, total: int, kept: int, cfg: DataConfig) -> None:
+    def check(self, kept: int, cfg: DataConfig) -> None:
         """Warn one line per kind; refuse the corpus when nothing is left or too much is bad."""
+        total = self.seen
         for line in self.lines():
             log.warning("data.source: skipped %s", line)
         if kept == 0 or self.count > cfg.max_bad_fraction * total:
@@ -65,11 +66,12 @@ class BadRecords:
             )
 
 
-def _jsonl_records(path: Path, bad: BadRecords) -> Iterator[tuple[str, object]]:
+def _jsonl_records(path: Path, bad: BadRecords):
     for lineno, line in enumerate(path.read_bytes().split(b"\n"), start=1):
         if not line.strip():
             continue
         where = f"{path} line {lineno}"
+        bad.seen += 1
         try:
             record = json.loads(line)
         except ValueError:
@@ -78,7 +80,7 @@ def _jsonl_records(path: Path, bad: BadRecords) -> Iterator[tuple[str, object]]:
         yield where, record
 
 
-def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, object]]:
+def _parquet_records(path: Path, fields: list[str], key: str, bad: BadRecords):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -95,6 +97,7 @@ def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[
     row = 0
     for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=fields):
         for record in batch.to_pylist():
+            bad.seen += 1
             yield f"{path} row {row}", record
             row += 1
 
@@ -104,7 +107,7 @@ def records(cfg: DataConfig, paths: list[Path], fields: list[str], key: str, bad
     for path in paths:
         suffix = path.suffix.lower()
         if suffix == ".parquet":
-            yield from _parquet_records(path, fields, key)
+            yield from _parquet_records(path, fields, key, bad)
         elif suffix in (".jsonl", ".json"):
             yield from _jsonl_records(path, bad)
         else:
@@ -145,10 +148,9 @@ def _render(template: ChatTemplate, messages: list, where: str) -> tuple[str, li
 
 
 def _chat_texts(cfg: DataConfig, paths, template: ChatTemplate, bad: BadRecords):
-    """(rendered text, answer spans) of every usable conversation, and the record count."""
-    out, total, budget = [], 0, cfg.max_bytes
+    """(rendered text, answer spans) of every usable conversation."""
+    out, budget = [], cfg.max_bytes
     for where, record in records(cfg, paths, [cfg.messages_field], "data.messages_field", bad):
-        total += 1
         messages = record.get(cfg.messages_field) if isinstance(record, dict) else None
         problem = _message_problem(messages, template, cfg.train_on)
         if problem is None:
@@ -163,15 +165,14 @@ def _chat_texts(cfg: DataConfig, paths, template: ChatTemplate, bad: BadRecords)
             budget -= len(text.encode("utf-8"))
             if budget <= 0:
                 break
-    return out, total
+    return out
 
 
 def _pair_texts(cfg: DataConfig, paths, bad: BadRecords):
-    """(prompt + completion, [completion span]) of every usable pair, and the record count."""
+    """(prompt + completion, [completion span]) of every usable pair."""
     fields = [cfg.prompt_field, cfg.completion_field]
-    out, total, budget = [], 0, cfg.max_bytes
+    out, budget = [], cfg.max_bytes
     for where, record in records(cfg, paths, fields, "data.prompt_field", bad):
-        total += 1
         values = [record.get(f) if isinstance(record, dict) else None for f in fields]
         if not all(isinstance(v, str) for v in values):
             missing = fields[0] if not isinstance(values[0], str) else fields[1]
@@ -188,7 +189,7 @@ def _pair_texts(cfg: DataConfig, paths, bad: BadRecords):
             budget -= len(text.encode("utf-8"))
             if budget <= 0:
                 break
-    return out, total
+    return out
 
 
 def load_examples(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> list[Example]:
@@ -201,10 +202,10 @@ def load_examples(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> l
     bad = BadRecords()
     chat = cfg.format == "chat"
     if chat:
-        texts, total = _chat_texts(cfg, paths, load_template(cfg, tokenizer), bad)
+        texts = _chat_texts(cfg, paths, load_template(cfg, tokenizer), bad)
     else:
-        texts, total = _pair_texts(cfg, paths, bad)
-    bad.check(total, len(texts), cfg)
+        texts = _pair_texts(cfg, paths, bad)
+    bad.check(len(texts), cfg)
     examples = []
     for lo in range(0, len(texts), _ENCODE_CHUNK):
         chunk = texts[lo : lo + _ENCODE_CHUNK]

@@ -29,8 +29,8 @@ def fit_examples(
     examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, split_long: bool
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Examples (ids [n], train [n] bool) that fit a row of S+1 slots: longer ones cut to
-    S+1 tokens, or split into windows of S+1 overlapping by one token. Returns them and how
-    many were longer than a row."""
+    S+1 tokens, or split into windows of S+1 overlapping by one token; a cut or window with
+    no token to learn is left out. Returns them and how many were longer than a row."""
     cap = seq_len + 1
     out, long = [], 0
     for ids, train in examples:
@@ -39,7 +39,8 @@ def fit_examples(
             continue
         long += 1
         if not split_long:
-            out.append((ids[:cap], train[:cap]))
+            if train[1:cap].any():  # a cut that kept nothing to learn is left out
+                out.append((ids[:cap], train[:cap]))
             continue
         for lo in range(0, len(ids) - 1, seq_len):
             piece = slice(lo, lo + cap)

@@ -396,6 +396,13 @@ def _example_corpus(cfg: DataConfig, seq_len: int, tokenizer: Tokenizer) -> Corp
         )
         for split, want in (("train", False), ("eval", True))
     }
+    for split, rows in packed.items():
+        if len(rows) < 1:
+            raise DistillError(
+                f"data.source: no {split} row of train.seq_len={seq_len} tokens holds an answer"
+                f" to learn ({rows.num_documents} {split} records, {rows.num_long} longer than a"
+                " row); raise train.seq_len or set data.long_conversations: split"
+            )
     corpus = Corpus(tokenizer=tokenizer, train=packed["train"], eval=packed["eval"])
     log_packing(corpus, cfg)
     return corpus
