@@ -16,7 +16,6 @@ from distill.data.packing import best_fit, packing_stats
 from distill.data.pipeline import load_corpus
 from distill.data.tokenizers import load_tokenizer
 from distill.errors import DistillError
-from pipelines.commands.cli import main
 from tests.conftest import tiny_config
 
 # Qwen2.5-Instruct's template (tokenizer_config.json "chat_template"), as the model ships it.
@@ -472,33 +471,45 @@ def test_prepare_writes_the_masks_with_the_rows(tmp_path, bpe):
 # ----------------------------------------------------------------------------- a run
 
 
-def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe):
-    """User turns are random strings, every answer the same sentence: a CE run on the
-    assistant's tokens reaches a near-zero loss, which it could not if the user's counted."""
-    model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
+def _bootstrap_ce(tmp_path, source, model_dir, train_on, caplog) -> float:
+    """The last CE of the teacher bootstrap (a CE-only run of the loop) on ``source``."""
+    from distill.config.load import load_config
+    from pipelines.bootstrap import bootstrap_teacher
+
+    data = {"source": str(source), "format": "chat", "tokenizer": str(model_dir)}
+    tree = tiny_config(str(source), str(tmp_path / f"out-{train_on}"), data=data)
+    tree["data"].pop("include")
+    tree["data"]["train_on"] = train_on
+    tree["teacher"]["model"]["vocab_size"] = 320
+    tree["teacher"].update(pretrain_steps=60, pretrain_lr=1e-2)
+    tree["train"].update(seq_len=64, batch_size=8, log_every=60)
+    path = tmp_path / f"{train_on}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    cfg = load_config(str(path))
+    cfg.resolve_dtypes("cpu")
+    corpus = load_corpus(cfg.data, cfg.train.seq_len)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="distill"):
+        bootstrap_teacher(cfg, corpus)
+    (line,) = [r.getMessage() for r in caplog.records if "bootstrap step 60/60" in r.getMessage()]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe, caplog):
+    """User turns are random strings, every answer the same sentence: a CE-only run on the
+    assistant's tokens reaches a near-zero loss; the same run on every token cannot."""
+    model_dir = _model_dir(tmp_path / "gen", bpe, "generation")
     rng = random.Random(1)
     records = [
         {
             "messages": [
-                {"role": "system", "content": "Repeat."},
-                {"role": "user", "content": _random_text(rng, rng.randint(8, 30))},
+                {"role": "user", "content": _random_text(rng, rng.randint(6, 16))},
                 {"role": "assistant", "content": ANSWER},
             ]
         }
         for _ in range(64)
     ]
     source = _write_jsonl(tmp_path / "chat.jsonl", records)
-    out = tmp_path / "out"
-    data = {"source": str(source), "format": "chat", "tokenizer": str(model_dir)}
-    tree = tiny_config(str(source), str(out), data=data)
-    tree["data"].pop("include")
-    tree["teacher"]["model"]["vocab_size"] = 320
-    tree["teacher"]["pretrain_steps"] = 40
-    tree["teacher"]["pretrain_lr"] = 1e-2
-    tree["train"].update(steps=2, seq_len=64, batch_size=8, log_every=1, eval_every=2)
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    assert main(["run", str(path)]) == 0
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    boot = [r for r in lines if r.get("phase") == "bootstrap"]
-    assert boot and boot[-1]["ce_loss"] < 0.05, boot[-1]
+    answers = _bootstrap_ce(tmp_path, source, model_dir, "assistant", caplog)
+    everything = _bootstrap_ce(tmp_path, source, model_dir, "all", caplog)
+    assert answers < 0.1 and everything > 0.5, (answers, everything)
