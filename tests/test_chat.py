@@ -16,6 +16,7 @@ from distill.data.packing import best_fit, packing_stats
 from distill.data.pipeline import load_corpus
 from distill.data.tokenizers import load_tokenizer
 from distill.errors import DistillError
+from pipelines.commands.cli import main
 from tests.conftest import tiny_config
 
 # Qwen2.5-Instruct's template (tokenizer_config.json "chat_template"), as the model ships it.
@@ -513,3 +514,57 @@ def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe, caplog)
     answers = _bootstrap_ce(tmp_path, source, model_dir, "assistant", caplog)
     everything = _bootstrap_ce(tmp_path, source, model_dir, "all", caplog)
     assert answers < 0.1 and everything > 0.5, (answers, everything)
+
+
+# ----------------------------------------------------------------------------- on-policy
+
+
+def test_on_policy_prompts_are_conversations_up_to_the_last_answer(tmp_path, bpe):
+    from distill.config.load import load_config
+    from distill.data.prompts import prompt_set
+
+    model_dir = _model_dir(tmp_path / "llama3", bpe, "llama3")
+    hf = _hf(model_dir)
+    records = [{"messages": c} for c in CONVERSATIONS]
+    source = _write_jsonl(tmp_path / "chat.jsonl", records)
+    data = {"source": str(source), "format": "chat", "tokenizer": str(model_dir)}
+    tree = tiny_config(str(source), str(tmp_path / "out"), data=data)
+    tree["data"].pop("include")
+    tree["distill"] = {"on_policy": {"fraction": 1.0, "prompt_len": 64}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    cfg = load_config(str(path))
+    prompts = prompt_set(cfg, load_tokenizer(str(model_dir)))
+    got = set()
+    for i in range(len(CONVERSATIONS)):
+        keep = prompts.segment_ids[i] > 0
+        got.add(tuple(prompts.tokens[i][keep].tolist()))
+        assert prompts.positions[i][keep][-1] >= keep.sum() - 1
+    want = set()
+    for c in CONVERSATIONS:
+        last = max(i for i, m in enumerate(c) if m["role"] == "assistant")
+        ids = _hf_ids(hf, c[:last], add_generation_prompt=True)["input_ids"]
+        want.add(tuple(list(ids)[-64:]))  # a prompt keeps its last prompt_len tokens
+    assert got == want
+
+
+@pytest.mark.slow  # a full run with sampling: 50 s on two shared cores
+def test_on_policy_run_on_chat(tmp_path, bpe):
+    """A distillation whose every step continues the conversations' prompts."""
+    from tests.conftest import read_train
+
+    model_dir = _model_dir(tmp_path / "gen", bpe, "generation")
+    records = [{"messages": c} for c in CONVERSATIONS] * 8
+    source = _write_jsonl(tmp_path / "chat.jsonl", records)
+    out = tmp_path / "out"
+    data = {"source": str(source), "format": "chat", "tokenizer": str(model_dir)}
+    on_policy = {"fraction": 1.0, "prompt_len": 48, "max_new_tokens": 8}
+    tree = tiny_config(str(source), str(out), data=data, distill={"on_policy": on_policy})
+    tree["data"].pop("include")
+    tree["teacher"]["model"]["vocab_size"] = 320
+    tree["train"].update(steps=2, seq_len=64, log_every=1, eval_every=2)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["run", str(path)]) == 0
+    train = read_train(out)
+    assert train and all(r["on_policy"] == 1.0 and np.isfinite(r["loss"]) for r in train)

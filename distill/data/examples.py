@@ -217,3 +217,23 @@ def load_examples(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> l
                 train = np.concatenate([[False], train, [True]])
             examples.append((ids.astype(np.int32), train))
     return examples
+
+
+def conversation_prompts(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> list[str]:
+    """On-policy prompts of chat data: each usable conversation up to its last assistant
+    turn, rendered with the template's generation prompt (the student answers from there)."""
+    template, bad = load_template(cfg, tokenizer), BadRecords()
+    out = []
+    for where, record in records(cfg, paths, [cfg.messages_field], "data.messages_field", bad):
+        messages = record.get(cfg.messages_field) if isinstance(record, dict) else None
+        if _message_problem(messages, template, "assistant") is not None:
+            continue  # counted and reported when the corpus was read
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        try:
+            out.append(template.render(messages[:last], add_generation_prompt=True))
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DistillError(
+                f"data.chat_template: {template.where} fails to render {where}: {first}"
+            ) from None
+    return out

@@ -127,7 +127,7 @@ def resolve_paths(cfg: DataConfig) -> list[Path]:
 
 
 def _format(path: Path, cfg: DataConfig) -> str:
-    if cfg.format != "auto":
+    if cfg.format != "auto" and not cfg.is_examples:  # examples: records of either kind
         return cfg.format
     if _ARRAYRECORD_NAME.search(path.name):
         return "arrayrecord"
