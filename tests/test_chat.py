@@ -2,6 +2,8 @@
 loss masks on the assistant's tokens, packing that keeps conversations whole, bad records,
 prepared corpora, and a run whose answers are learnt while its questions are noise."""
 
+import contextlib
+import io
 import json
 import logging
 import random
@@ -472,8 +474,9 @@ def test_prepare_writes_the_masks_with_the_rows(tmp_path, bpe):
 # ----------------------------------------------------------------------------- a run
 
 
-def _bootstrap_ce(tmp_path, source, model_dir, train_on, caplog) -> float:
-    """The last CE of the teacher bootstrap (a CE-only run of the loop) on ``source``."""
+def _bootstrap_ce(tmp_path, source, model_dir, train_on, caplog):
+    """The last CE of the teacher bootstrap (a CE-only run of the loop) on ``source``, and
+    the config it ran with."""
     from distill.config.load import load_config
     from pipelines.bootstrap import bootstrap_teacher
 
@@ -493,7 +496,7 @@ def _bootstrap_ce(tmp_path, source, model_dir, train_on, caplog) -> float:
     with caplog.at_level(logging.INFO, logger="distill"):
         bootstrap_teacher(cfg, corpus)
     (line,) = [r.getMessage() for r in caplog.records if "bootstrap step 60/60" in r.getMessage()]
-    return float(line.rsplit(" ", 1)[1])
+    return float(line.rsplit(" ", 1)[1]), cfg
 
 
 def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe, caplog):
@@ -511,9 +514,21 @@ def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe, caplog)
         for _ in range(64)
     ]
     source = _write_jsonl(tmp_path / "chat.jsonl", records)
-    answers = _bootstrap_ce(tmp_path, source, model_dir, "assistant", caplog)
-    everything = _bootstrap_ce(tmp_path, source, model_dir, "all", caplog)
+    answers, cfg = _bootstrap_ce(tmp_path, source, model_dir, "assistant", caplog)
+    everything, _ = _bootstrap_ce(tmp_path, source, model_dir, "all", caplog)
     assert answers < 0.1 and everything > 0.5, (answers, everything)
+
+    # `distill generate --chat` wraps a new question as a user turn and prints the answer
+    from distill import outputs
+
+    outputs.write_config(cfg)
+    out = cfg.run.output_dir
+    args = ["generate", out, "--chat", "--teacher", "--temperature", "0", "--json"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*args, "--prompt", "qwzx plk", "--max-new-tokens", "24"]) == 0
+    (sample,) = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
+    assert sample["stopped"] and sample["completion"] == ANSWER, sample
 
 
 # ----------------------------------------------------------------------------- on-policy
