@@ -583,3 +583,20 @@ def test_on_policy_run_on_chat(tmp_path, bpe):
     assert main(["run", str(path)]) == 0
     train = read_train(out)
     assert train and all(r["on_policy"] == 1.0 and np.isfinite(r["loss"]) for r in train)
+
+
+def test_evaluation_samples_answer_the_held_out_conversations(tmp_path, bpe):
+    from distill.data.prompts import answer_prompts
+
+    model_dir = _model_dir(tmp_path / "gen", bpe, "generation")
+    records = [{"messages": c} for c in CONVERSATIONS] * 4
+    _, corpus = _example_corpus(tmp_path, model_dir, records, seq_len=128, eval_fraction=0.3)
+    tok = corpus.tokenizer
+    rows = corpus.eval.gather(np.arange(len(corpus.eval)))
+    prompts = answer_prompts(rows, 40)
+    for i in range(len(corpus.eval)):
+        keep = prompts.segment_ids[i] > 0
+        text = tok._tok.decode(prompts.tokens[i][keep].tolist(), skip_special_tokens=False)
+        assert text.endswith("<|im_start|>assistant\n"), text
+        first = int(np.argmax(rows.mask[i]))  # the prompt's last token predicts the answer
+        assert prompts.tokens[i][-1] == rows.tokens[i][first]

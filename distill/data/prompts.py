@@ -83,3 +83,20 @@ def prompt_set(cfg, tokenizer: Tokenizer) -> PromptSet | None:
     if cfg.data.prompt_field is None:
         return None
     return PromptSet(load_prompts(cfg.data), tokenizer, prompt_len, cfg.run.seed)
+
+
+def answer_prompts(batch, prompt_len: int) -> Prompts:
+    """Prompts [B, prompt_len] of rows of examples (chat, pairs): each row's tokens up to
+    the one that predicts its first trained target (the first answer's start, after the
+    template's generation prompt), cut to the last ``prompt_len`` and left-padded."""
+    mask = np.asarray(batch.mask) > 0
+    tokens, seg, pos = (np.asarray(x) for x in (batch.tokens, batch.segment_ids, batch.positions))
+    b = mask.shape[0]
+    out = [np.zeros((b, prompt_len), np.int32) for _ in range(3)]
+    for i in range(b):
+        end = int(np.argmax(mask[i])) + 1 if mask[i].any() else int((seg[i] > 0).sum())
+        lo = max(end - prompt_len, 0)
+        n = end - lo
+        for dst, src in zip(out, (tokens, seg, pos), strict=True):
+            dst[i, prompt_len - n :] = src[i, lo:end]
+    return Prompts(*out)
