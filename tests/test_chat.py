@@ -600,3 +600,34 @@ def test_evaluation_samples_answer_the_held_out_conversations(tmp_path, bpe):
         assert text.endswith("<|im_start|>assistant\n"), text
         first = int(np.argmax(rows.mask[i]))  # the prompt's last token predicts the answer
         assert prompts.tokens[i][-1] == rows.tokens[i][first]
+
+
+def test_parquet_records_and_a_template_that_rewrites_earlier_turns(tmp_path, bpe):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model_dir = _model_dir(tmp_path / "llama3", bpe, "llama3")
+    table = pa.table({"conv": [c for c in CONVERSATIONS] * 2, "other": list(range(6))})
+    pq.write_table(table, tmp_path / "chat.parquet")
+    cfg = DataConfig(
+        source=str(tmp_path / "chat.parquet"),
+        format="chat",
+        messages_field="conv",
+        tokenizer=str(model_dir),
+    )
+    jsonl = _write_jsonl(tmp_path / "chat.jsonl", [{"conv": c} for c in CONVERSATIONS] * 2)
+    a, b = load_corpus(cfg, 128), load_corpus(cfg.model_copy(update={"source": str(jsonl)}), 128)
+    for x, y in ((a.train, b.train), (a.eval, b.eval)):
+        assert np.array_equal(x.ids, y.ids) and np.array_equal(x.train, y.train)
+
+    # a template whose text before a turn depends on the turns after it (here: the count)
+    counting = tmp_path / "counting.jinja"
+    counting.write_text(
+        "{{ messages|length }}\\n{% for m in messages %}{{ m['role'] + ': ' + m['content'] + "
+        "'\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    with pytest.raises(DistillError) as info:
+        load_corpus(cfg.model_copy(update={"chat_template": str(counting)}), 128)
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1 and f"{counting} fails to render" in msg
+    assert "row 0" in msg and "{% generation %}" in msg
