@@ -378,7 +378,7 @@ def test_long_conversations_cut_or_split(tmp_path, bpe, caplog):
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_bad_records_are_counted_and_refused_only_when_too_many(tmp_path, bpe, caplog):
+def test_bad_records_are_counted_and_refused_only_when_too_many(tmp_path, bpe, caplog, capsys):
     model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
     good = [{"messages": CONVERSATIONS[1]}] * 20
     bad = [
@@ -409,6 +409,16 @@ def test_bad_records_are_counted_and_refused_only_when_too_many(tmp_path, bpe, c
         f"not valid JSON (first: {source} line 27)",
     ):
         assert kind in msg
+    # the CLI: exit 2 before any device work, the same one line
+    tree = tiny_config(str(source), str(tmp_path / "out"), data=cfg)
+    tree["data"].pop("include")
+    tree["teacher"]["model"]["vocab_size"] = 320
+    tree["train"]["seq_len"] = 128
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["validate", str(tmp_path / "cfg.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(msg), err
+
     with caplog.at_level(logging.WARNING, logger="distill"):
         corpus = load_corpus(DataConfig(**cfg, max_bad_fraction=0.5), 128)
     assert corpus.train.num_documents + corpus.eval.num_documents == 20
