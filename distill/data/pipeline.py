@@ -422,7 +422,11 @@ def log_packing(corpus: Corpus, cfg: DataConfig) -> None:
     )
     long = stats["longer_than_row"] + getattr(corpus.eval, "num_long", 0)
     if long:
-        how = "split over rows" if cfg.long_conversations == "split" else "cut to one row"
+        how = (
+            "split over rows"
+            if cfg.long_conversations == "split"
+            else "cut to one row (left out where the cut kept no answer)"
+        )
         log.warning(
             "data: %d record(s) longer than a row (train.seq_len + 1 tokens) were %s "
             "(data.long_conversations)",
