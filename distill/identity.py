@@ -98,6 +98,8 @@ def data_hash(corpus) -> str:
         h.update(str(len(rows)).encode())
         if hasattr(rows, "stream"):
             h.update(rows.stream.tobytes())
+        if hasattr(rows, "train"):  # rows of examples: what the loss counts is data too
+            h.update(np.packbits(rows.train & rows.real).tobytes())
         else:
             h.update(rows.gather(np.arange(min(len(rows), 256))).tokens.tobytes())
     return "sha256:" + h.hexdigest()

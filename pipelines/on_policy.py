@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from distill.config import Config
 from distill.data.corpus import Corpus
-from distill.data.prompts import PromptSet, prompt_set
+from distill.data.prompts import PromptSet, answer_prompts, prompt_set
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
 from distill.models import decode
@@ -188,9 +188,12 @@ def sample_score(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, mesh: Mesh
 
 def eval_prompts(cfg: Config, batches: list[Batch]) -> list[Prompts]:
     """The evaluation's prompts, a chunk per evaluation chunk (`eval_batches`): the first
-    `distill.on_policy.prompt_len` tokens of every held-out row. All of them, not one
+    `distill.on_policy.prompt_len` tokens of every held-out row (of chat data and pairs,
+    its first conversation up to the answer, `answer_prompts`). All of them, not one
     chunk's: a mean over 16 prompts' samples has a standard error of about 0.1 nats."""
     p, _ = cfg.distill.on_policy.lengths(cfg.train.seq_len)
+    if cfg.data.is_examples:  # conversations and pairs: up to the first answer
+        return [answer_prompts(b, p) for b in batches]
     return [decode.prompts_of(b, p) for b in batches]
 
 

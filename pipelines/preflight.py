@@ -15,7 +15,7 @@ from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.data.pipeline import load_corpus
-from distill.data.prompts import load_prompts
+from distill.data.prompts import load_prompts, prompt_set
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit, check_hosts
 from distill.models import hf
@@ -136,7 +136,9 @@ def preflight(cfg: Config) -> Corpus:
     check_teacher_source(cfg)
     check_output_dir(cfg)
     corpus = _corpus(cfg)
-    if cfg.distill.on_policy.fraction > 0 and cfg.data.prompt_field is not None:
+    if cfg.distill.on_policy.fraction > 0 and cfg.data.format == "chat":
+        prompt_set(cfg, corpus.tokenizer)  # every prompt renders
+    elif cfg.distill.on_policy.fraction > 0 and cfg.data.prompt_field is not None:
         load_prompts(cfg.data)  # the field is there, in JSONL or Parquet records
     if uses_teacher(cfg):
         check_teacher_weights(cfg, corpus)

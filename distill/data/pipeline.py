@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import logging
 import os
 import re
 import sysconfig
@@ -28,9 +29,13 @@ import numpy as np
 
 from distill.config import DataConfig
 from distill.data.corpus import Corpus, PackedRows
+from distill.data.examples import load_examples
+from distill.data.packing import ExampleRows, packing_stats
 from distill.data.prepared import load_prepared
 from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
+
+log = logging.getLogger("distill")
 
 _GLOB_CHARS = "*?["
 _SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -122,7 +127,7 @@ def resolve_paths(cfg: DataConfig) -> list[Path]:
 
 
 def _format(path: Path, cfg: DataConfig) -> str:
-    if cfg.format != "auto":
+    if cfg.format != "auto" and not cfg.is_examples:  # examples: records of either kind
         return cfg.format
     if _ARRAYRECORD_NAME.search(path.name):
         return "arrayrecord"
@@ -320,14 +325,23 @@ def split_documents(
         k = max(int(np.ceil(eval_fraction * len(doc))), min_eval_tokens - 2)
         k = min(max(k, 1), max(len(doc) - 1, 0))
         return [doc[: len(doc) - k]], [doc[len(doc) - k :]]
+    is_eval = held_out(docs, eval_fraction, min_eval_tokens, extra=2)
+    return [docs[i] for i in np.flatnonzero(~is_eval)], [docs[i] for i in np.flatnonzero(is_eval)]
+
+
+def held_out(
+    docs: list[np.ndarray], eval_fraction: float, min_tokens: int, extra: int
+) -> np.ndarray:
+    """[n] bool: the documents held out for eval, ranked by a CRC32 of their tokens (see
+    ``split_documents``); each counts ``len + extra`` tokens towards ``min_tokens``."""
     n = len(docs)
     keys = np.array([zlib.crc32(d.tobytes()) for d in docs], dtype=np.int64)
     order = np.lexsort((np.arange(n), keys))
-    cum = np.cumsum(np.array([len(docs[i]) + 2 for i in order]))
-    n_eval = max(1, round(eval_fraction * n), int(np.searchsorted(cum, min_eval_tokens)) + 1)
+    cum = np.cumsum(np.array([len(docs[i]) + extra for i in order]))
+    n_eval = max(1, round(eval_fraction * n), int(np.searchsorted(cum, min_tokens)) + 1)
     is_eval = np.zeros(n, dtype=bool)
     is_eval[order[: min(n_eval, n - 1)]] = True
-    return [docs[i] for i in np.flatnonzero(~is_eval)], [docs[i] for i in np.flatnonzero(is_eval)]
+    return is_eval
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -345,6 +359,8 @@ def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:
     """Read, tokenize, split and pack ``data.source`` into rows of ``seq_len`` tokens.
     ``progress`` as for ``load_documents``: bars per file read and per document tokenised."""
     tokenizer = build_tokenizer(cfg)
+    if cfg.is_examples:
+        return _example_corpus(cfg, seq_len, tokenizer)
     docs = _encode(load_documents(cfg, tokenizer.vocab_size, progress), tokenizer, progress)
     need = seq_len + 1
     train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, need)
@@ -358,7 +374,65 @@ def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:
                 f" {split} row of train.seq_len={seq_len}; add data or lower train.seq_len"
             )
         packed[split] = rows
-    return Corpus(tokenizer=tokenizer, train=packed["train"], eval=packed["eval"])
+    corpus = Corpus(tokenizer=tokenizer, train=packed["train"], eval=packed["eval"])
+    log_packing(corpus, cfg)
+    return corpus
+
+
+def _example_corpus(cfg: DataConfig, seq_len: int, tokenizer: Tokenizer) -> Corpus:
+    """Conversations or prompt/completion pairs, whole ones held out for eval, each split
+    packed best-fit (``distill.data.packing``)."""
+    examples = load_examples(cfg, resolve_paths(cfg), tokenizer)
+    if len(examples) < 2:
+        raise DistillError(
+            f"data.source: '{cfg.source}' holds {len(examples)} usable {cfg.format} record(s);"
+            " need at least 2 (one for train, one for eval)"
+        )
+    is_eval = held_out([ids for ids, _ in examples], cfg.eval_fraction, 1, extra=0)
+    split_long = cfg.long_conversations == "split"
+    packed = {
+        split: ExampleRows.pack(
+            [e for e, ev in zip(examples, is_eval, strict=True) if ev == want], seq_len, split_long
+        )
+        for split, want in (("train", False), ("eval", True))
+    }
+    for split, rows in packed.items():
+        if len(rows) < 1:
+            raise DistillError(
+                f"data.source: no {split} row of train.seq_len={seq_len} tokens holds an answer"
+                f" to learn ({rows.num_documents} {split} records, {rows.num_long} longer than a"
+                " row); raise train.seq_len or set data.long_conversations: split"
+            )
+    corpus = Corpus(tokenizer=tokenizer, train=packed["train"], eval=packed["eval"])
+    log_packing(corpus, cfg)
+    return corpus
+
+
+def log_packing(corpus: Corpus, cfg: DataConfig) -> None:
+    """The packing efficiency of the train rows, and a counted warning for long examples."""
+    stats = packing_stats(corpus.train)
+    log.info(
+        "data: %d %s documents packed into %d train rows: %.1f%% of row tokens real, %.1f%% of"
+        " those trained on",
+        stats["documents"],
+        cfg.format,
+        stats["rows"],
+        100 * stats["real_fraction"],
+        100 * stats["trained_fraction"],
+    )
+    long = stats["longer_than_row"] + getattr(corpus.eval, "num_long", 0)
+    if long:
+        how = (
+            "split over rows"
+            if cfg.long_conversations == "split"
+            else "cut to one row (left out where the cut kept no answer)"
+        )
+        log.warning(
+            "data: %d record(s) longer than a row (train.seq_len + 1 tokens) were %s "
+            "(data.long_conversations)",
+            long,
+            how,
+        )
 
 
 def _encode(docs: list, tokenizer: Tokenizer, progress=None) -> list[np.ndarray]:

@@ -12,14 +12,18 @@ One record is one packed row ``i``: the S+1 token ids ``stream[i*S : i*S + S + 1
 ``token_dtype``: little-endian uint16 when the tokenizer's vocabulary fits, else int32),
 then the S+1 doc-start flags of the same positions packed 8 to a byte
 (``np.packbits(bitorder="little")``), so ``record_bytes = (S+1) * itemsize + ceil((S+1)/8)``.
-The rest of a row (targets, segment ids, positions, mask) is derived on reading, exactly as
-for rows in memory (``distill.data.corpus.rows_batch``).
+Rows of conversations or prompt/completion pairs (``distill.data.packing.ExampleRows``)
+store two more such planes, the loss flags and the real-token flags (``planes: 3`` in the
+manifest), so the loss masks are written with the rows. The rest of a row (targets,
+segment ids, positions, mask) is derived on reading, exactly as for rows in memory
+(``distill.data.corpus.rows_batch``, ``distill.data.packing.flagged_batch``).
 
 ``manifest.json`` holds ``kind`` and ``format``, ``seq_len``, ``token_dtype``,
 ``record_bytes``, the tokenizer's identity (kind, sha256 of its file, vocab size, BOS and
 EOS ids), the ``data`` config it was made from, ``data_hash`` (what a teacher cache built
 from the raw corpus records, so such a cache matches the prepared corpus too), and per split
-its rows, tokens, documents and shards. A run checks ``train.seq_len``, the tokenizer and
+its rows, tokens, documents and shards, and ``packing`` (its efficiency, as the run logs it).
+A run checks ``train.seq_len``, the tokenizer and
 the data settings that shape the rows against it before any device work.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -34,9 +39,12 @@ import numpy as np
 
 from distill.config import DataConfig
 from distill.data.corpus import Corpus, row_at, rows_batch
+from distill.data.packing import flagged_batch
 from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
 from distill.types import Batch
+
+log = logging.getLogger("distill")
 
 KIND = "distill prepared corpus"
 FORMAT = 1
@@ -44,6 +52,16 @@ MANIFEST = "manifest.json"
 WRITER_OPTIONS = "group_size:1,uncompressed"  # one row per chunk: random reads stay cheap
 # data.* keys whose value changes the rows (prepared_dir and eval_batches do not)
 DATA_KEYS = ("source", "include", "exclude", "format", "text_field", "max_bytes", "eval_fraction")
+# and those of conversations and pairs (compared only for such data, so that corpora
+# prepared before these keys existed still match)
+EXAMPLE_KEYS = (
+    "messages_field",
+    "prompt_field",
+    "completion_field",
+    "chat_template",
+    "train_on",
+    "long_conversations",
+)
 
 
 def root_of(cfg: DataConfig) -> Path:
@@ -58,19 +76,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<i4")
 
 
-def record_bytes(seq_len: int, dtype: np.dtype) -> int:
-    return (seq_len + 1) * dtype.itemsize + (seq_len + 8) // 8
+def record_bytes(seq_len: int, dtype: np.dtype, planes: int = 1) -> int:
+    return (seq_len + 1) * dtype.itemsize + planes * ((seq_len + 8) // 8)
 
 
-def encode_rows(ids: np.ndarray, starts: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Records [B, record_bytes] uint8 of rows given as ids and doc-start flags [B, S+1]."""
+def encode_rows(windows: tuple[np.ndarray, ...], dtype: np.dtype) -> np.ndarray:
+    """Records [B, record_bytes] uint8 of rows given as ids [B, S+1] and flag planes
+    [B, S+1] bool (the doc-start flags, then for example rows the loss and real flags)."""
+    ids, *flags = windows
     body = np.ascontiguousarray(ids.astype(dtype)).view(np.uint8).reshape(len(ids), -1)
-    return np.concatenate([body, np.packbits(starts, axis=1, bitorder="little")], axis=1)
+    bits = [np.packbits(f, axis=1, bitorder="little") for f in flags]
+    return np.concatenate([body, *bits], axis=1)
 
 
-def decode_rows(records: list[bytes], seq_len: int, dtype: np.dtype, where: Path):
-    """Token ids [B, S+1] int32 and doc-start flags [B, S+1] bool of ``records``."""
-    size = record_bytes(seq_len, dtype)
+def decode_rows(records: list[bytes], seq_len: int, dtype: np.dtype, where: Path, planes=1):
+    """Token ids [B, S+1] int32 and the ``planes`` flag planes [B, S+1] bool of ``records``."""
+    size = record_bytes(seq_len, dtype, planes)
     buf = np.frombuffer(b"".join(records), dtype=np.uint8)
     if buf.size != len(records) * size:
         raise DistillError(
@@ -80,8 +101,17 @@ def decode_rows(records: list[bytes], seq_len: int, dtype: np.dtype, where: Path
     buf = buf.reshape(len(records), size)
     n_ids = (seq_len + 1) * dtype.itemsize
     ids = np.ascontiguousarray(buf[:, :n_ids]).view(dtype).astype(np.int32)
-    starts = np.unpackbits(buf[:, n_ids:], axis=1, count=seq_len + 1, bitorder="little")
-    return ids, starts.astype(bool)
+    width = (seq_len + 8) // 8
+    flags = [
+        np.unpackbits(
+            buf[:, n_ids + p * width : n_ids + (p + 1) * width],
+            axis=1,
+            count=seq_len + 1,
+            bitorder="little",
+        ).astype(bool)
+        for p in range(planes)
+    ]
+    return (ids, *flags)
 
 
 def tokenizer_identity(tok: Tokenizer) -> dict:
@@ -99,7 +129,8 @@ def tokenizer_identity(tok: Tokenizer) -> dict:
 
 
 def data_settings(cfg: DataConfig) -> dict:
-    return {k: v for k, v in cfg.model_dump(mode="json").items() if k in DATA_KEYS}
+    keys = DATA_KEYS + (EXAMPLE_KEYS if cfg.is_examples else ())
+    return {k: v for k, v in cfg.model_dump(mode="json").items() if k in keys}
 
 
 def read_manifest(root: Path) -> dict | None:
@@ -124,14 +155,14 @@ class StoredRows:
     """Packed rows read from ArrayRecord shards on demand, like ``PackedRows`` (same
     ``len``, ``gather`` and rows) but holding no tokens in memory."""
 
-    def __init__(self, root: Path, split: dict, seq_len: int, dtype: np.dtype):
+    def __init__(self, root: Path, split: dict, seq_len: int, dtype: np.dtype, planes: int = 1):
         import grain
 
         self._where = root
         self._source = grain.sources.ArrayRecordDataSource(
             [str(root / s["file"]) for s in split["shards"]]
         )
-        self.seq_len, self.dtype = seq_len, dtype
+        self.seq_len, self.dtype, self.planes = seq_len, dtype, planes
         self.num_tokens, self.num_documents = split["tokens"], split["documents"]
 
     def __len__(self) -> int:
@@ -143,7 +174,8 @@ class StoredRows:
     def gather(self, rows: np.ndarray) -> Batch:
         """The Batch of rows ``rows`` [B]: every field [B, S]."""
         records = self._source.__getitems__([int(r) for r in np.asarray(rows).reshape(-1)])
-        return rows_batch(*decode_rows(records, self.seq_len, self.dtype, self._where))
+        rows = decode_rows(records, self.seq_len, self.dtype, self._where, self.planes)
+        return rows_batch(*rows) if self.planes == 1 else flagged_batch(*rows)
 
 
 def load_prepared(cfg: DataConfig, seq_len: int) -> Corpus:
@@ -189,10 +221,34 @@ def load_prepared(cfg: DataConfig, seq_len: int) -> Corpus:
                 raise DistillError(
                     f"data.prepared_dir: {root} lacks shard {shard['file']}; {again}"
                 )
-    dtype = np.dtype(manifest["token_dtype"])
+    if cfg.format == "chat" and manifest.get("chat_template_sha256") != template_sha(cfg, tok):
+        raise DistillError(
+            f"data.chat_template: the chat template differs from the one the prepared corpus "
+            f"{path} was rendered with; {again}"
+        )
+    dtype, planes = np.dtype(manifest["token_dtype"]), manifest.get("planes", 1)
+    packing = manifest.get("packing")
+    if packing:
+        log.info(
+            "data: prepared corpus %s: %d train rows, %.1f%% of row tokens real, %.1f%% of "
+            "those trained on",
+            root,
+            packing["rows"],
+            100 * packing["real_fraction"],
+            100 * packing["trained_fraction"],
+        )
     return Corpus(
         tokenizer=tok,
-        train=StoredRows(root, manifest["train"], seq_len, dtype),
-        eval=StoredRows(root, manifest["eval"], seq_len, dtype),
+        train=StoredRows(root, manifest["train"], seq_len, dtype, planes),
+        eval=StoredRows(root, manifest["eval"], seq_len, dtype, planes),
         fingerprint=manifest["data_hash"],
     )
+
+
+def template_sha(cfg: DataConfig, tok: Tokenizer) -> str | None:
+    """The sha256 of the chat template chat data is rendered with (None for other data)."""
+    if cfg.format != "chat":
+        return None
+    from distill.data.chat import load_template
+
+    return load_template(cfg, tok).sha256

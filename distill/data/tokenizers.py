@@ -46,6 +46,16 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
+    def encode_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids [n] int32, character offsets [n, 2] int64) of each text: every byte of a
+        character spans that character."""
+        out = []
+        for t in texts:
+            widths = np.fromiter((len(c.encode("utf-8")) for c in t), np.int64, count=len(t))
+            char = np.repeat(np.arange(len(t), dtype=np.int64), widths)
+            out.append((self.encode(t), np.stack([char, char + 1], axis=1)))
+        return out
+
     def decode(self, ids) -> str:
         """Text of ``ids``; special ids are skipped, invalid UTF-8 becomes U+FFFD."""
         ids = np.asarray(ids).reshape(-1)
@@ -102,6 +112,14 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
+
+    def encode_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids [n] int32, character offsets [n, 2] int64) of each text, without specials."""
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [
+            (np.asarray(e.ids, np.int32), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+            for e in encs
+        ]
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in np.asarray(ids).reshape(-1) if 0 <= i < self.vocab_size]

@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--teacher", action="store_true", help="sample from the run's teacher")
     g.add_argument("--json", action="store_true", help="one JSON object per sample")
+    g.add_argument(
+        "--chat", action="store_true", help="each prompt is a user message through the template"
+    )
+    g.add_argument("--system", default=None, metavar="TEXT", help="--chat: a system message")
     d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
     d.add_argument("output_dir")
     d.add_argument("--host", default="127.0.0.1")
@@ -154,10 +158,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         teacher=args.teacher,
         seed=args.seed,
+        chat=args.chat,
+        system=args.system,
     )
     for s in samples:
-        print(json.dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n"
-              f"{s['prompt']}{s['completion']}")  # fmt: skip
+        text = s["completion"] if args.chat else s["prompt"] + s["completion"]
+        print(json.dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n{text}")
 
 
 def cmd_validate(args: argparse.Namespace) -> None:

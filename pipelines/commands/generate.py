@@ -1,10 +1,13 @@
 """`distill generate`: continue prompts with a run's latest student checkpoint (or its
 teacher), through the run's tokenizer.
 
-Each prompt is one document's start, `[BOS] + tokens`, as the corpus packs documents; the
-prompts are left-padded to one length and continued by `distill.models.decode.generate` (a KV
-cache) until a stop id (EOS or BOS) or `max_new_tokens`. The student is restored onto one
-device; the teacher onto the first `mesh.teacher.tp` devices (one when fewer are here).
+Each prompt is one document's start, `[BOS] + tokens`, as the corpus packs documents; with
+`--chat` it is instead a user message (after `--system`, when given) rendered through the
+run's chat template with its generation prompt (`distill.data.chat`), and the completion
+printed is the assistant's answer alone. The prompts are left-padded to one length and
+continued by `distill.models.decode.generate` (a KV cache) until a stop id (EOS or BOS) or
+`max_new_tokens`. The student is restored onto one device; the teacher onto the first
+`mesh.teacher.tp` devices (one when fewer are here).
 """
 
 from __future__ import annotations
@@ -23,8 +26,22 @@ from student.state import latest_params
 from teacher.weights import load_teacher
 
 
-def _prompts(tokenizer, texts: list[str]) -> Prompts:
-    docs = [np.concatenate([[tokenizer.bos_id], tokenizer.encode(t)]) for t in texts]
+def _docs(cfg: Config, tokenizer, texts: list[str], chat: bool, system: str | None) -> list:
+    """The prompt ids of ``texts``: documents' starts, or user turns through the template."""
+    if not chat:
+        return [np.concatenate([[tokenizer.bos_id], tokenizer.encode(t)]) for t in texts]
+    from distill.data.chat import load_template
+
+    template = load_template(cfg.data, tokenizer)
+    head = [{"role": "system", "content": system}] if system is not None else []
+    rendered = [
+        template.render([*head, {"role": "user", "content": t}], add_generation_prompt=True)
+        for t in texts
+    ]
+    return [ids for ids, _ in tokenizer.encode_offsets(rendered)]
+
+
+def _prompts(docs: list) -> Prompts:
     p = max(len(d) for d in docs)
     tokens = np.zeros((len(docs), p), np.int32)
     seg = np.zeros((len(docs), p), np.int32)
@@ -60,8 +77,11 @@ def generate_text(
     top_p: float = 1.0,
     teacher: bool = False,
     seed: int = 0,
+    chat: bool = False,
+    system: str | None = None,
 ) -> list[dict]:
-    """One {"prompt", "completion", "tokens", "stopped"} per prompt."""
+    """One {"prompt", "completion", "tokens", "stopped"} per prompt; with ``chat`` each
+    prompt is a user message through the chat template (after ``system``)."""
     cfg.resolve_dtypes(jax.devices()[0].platform)
     tokenizer = build_tokenizer(cfg.data)
     mcfg, params, dtype, step = _model(cfg, teacher)
@@ -73,7 +93,7 @@ def generate_text(
             stop_ids=stops, vocab_limit=vocab_limit(tokenizer, mcfg.vocab_size), dtype=dtype,
         )
     )  # fmt: skip
-    prompts = jax.tree.map(jnp.asarray, _prompts(tokenizer, texts))
+    prompts = jax.tree.map(jnp.asarray, _prompts(_docs(cfg, tokenizer, texts, chat, system)))
     tokens, valid, _ = jax.device_get(run(params, prompts, jax.random.key(seed)))
     out = []
     for text, ids, ok in zip(texts, tokens, valid, strict=True):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from distill.config import Config
 from distill.data import prepared
 from distill.data.corpus import PackedRows
+from distill.data.packing import packing_stats
 from distill.data.pipeline import tokenize_corpus
 from distill.errors import DistillError
 from distill.identity import data_hash
@@ -77,7 +78,7 @@ def _write_split(root: Path, split: str, rows: PackedRows, per_shard: int, dtype
         writer = ArrayRecordWriter(str(root / (name + ".tmp")), prepared.WRITER_OPTIONS)
         for start in range(lo, hi, _WRITE_ROWS):
             chunk = np.arange(start, min(start + _WRITE_ROWS, hi))
-            for record in prepared.encode_rows(*rows.windows(chunk), dtype):
+            for record in prepared.encode_rows(rows.windows(chunk), dtype):
                 writer.write(record.tobytes())
             bar.update(len(chunk))
         writer.close()
@@ -102,9 +103,11 @@ def prepare(cfg: Config, rows_per_shard: int | None = None) -> dict:
     corpus = tokenize_corpus(cfg.data, seq, progress=_bar)  # bad data fails before any write
     _clear(root)
     dtype = prepared.token_dtype(corpus.tokenizer.vocab_size)
-    size = prepared.record_bytes(seq, dtype)
+    planes = getattr(corpus.train, "planes", 1)
+    size = prepared.record_bytes(seq, dtype, planes)
     per_shard = rows_per_shard or max(1, SHARD_BYTES // size)
     n_rows = corpus.train_rows + corpus.eval_rows
+    packing = packing_stats(corpus.train)
     log.info(
         "prepare: %d documents -> %d train and %d eval rows of %d tokens; writing %s",
         corpus.train.num_documents + corpus.eval.num_documents,
@@ -131,9 +134,12 @@ def prepare(cfg: Config, rows_per_shard: int | None = None) -> dict:
         "seq_len": seq,
         "token_dtype": dtype.str,
         "record_bytes": size,
+        "planes": planes,
         "tokenizer": prepared.tokenizer_identity(corpus.tokenizer),
+        "chat_template_sha256": prepared.template_sha(cfg.data, corpus.tokenizer),
         "data": cfg.data.model_dump(mode="json"),
         "data_hash": data_hash(corpus),
+        "packing": packing,
         **splits,
     }
     prepared.write_manifest(root, manifest)
@@ -147,5 +153,6 @@ def prepare(cfg: Config, rows_per_shard: int | None = None) -> dict:
         "shards": len(files),
         "bytes_on_disk": on_disk,
         "bytes_per_row": on_disk / max(n_rows, 1),
+        "packing": packing,
         "wall_time_s": time.perf_counter() - t0,
     }
