@@ -11,6 +11,7 @@ from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.data.tokenizers import vocab_limit
 from distill.mesh import Meshes
+from pipelines.divergence import DivergenceGuard
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Hooks, Loop
@@ -55,6 +56,7 @@ def distill_hooks(cfg: Config, corpus: Corpus, source, executor, store, samples=
         evaluate=Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples),
         end_of_step=[lambda step, _: store.update(step=step, in_flight=source.in_flight())],
         profile=str(outputs.out_dir(cfg) / "profile"),
+        check=DivergenceGuard(cfg.train.max_nonfinite_steps).check,
     )
 
 

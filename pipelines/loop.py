@@ -18,6 +18,10 @@ Step n, in dispatch order:
 
 A checkpoint records the data state before the oldest in-flight item: where a resume
 restarts, so nothing in flight is lost or trained on twice.
+
+When `Hooks.check` gives a reason at a recorded step (a diverged run), the loop stops
+there: no evaluation and no checkpoint of the state it has, the checkpoints already being
+written completed, and the summary says `"completed": false` with the `"failure"`.
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ class Hooks:
     profile: str | None = None  # where `train.profile` writes its trace; None: no trace
     after_dispatch: list[Callable[[int], None]] = field(default_factory=list)
     end_of_step: list[Callable[[int, int], None]] = field(default_factory=list)
+    # (step, metrics) of each recorded step -> why the run must stop (`pipelines.divergence`)
+    check: Callable[[int, dict], str | None] | None = None
 
 
 class Loop:
@@ -199,6 +205,8 @@ class Loop:
                 for fn in hooks.after_dispatch:
                     fn(step)
                 self._read_metrics(state)  # (4)
+                if state.failure is not None:  # no evaluation, no checkpoint of this state
+                    break
                 if step % cfg.train.eval_every == 0 and step != steps:
                     state.last_eval = self._evaluate(step, progress)
                 if hooks.checkpoints and (
@@ -211,12 +219,14 @@ class Loop:
                     break
                 for fn in hooks.end_of_step:
                     fn(step, len(state.pending))
-            self._read_metrics(state, drain=True)
-            if not state.stopped_early:
+            if state.failure is None:
+                self._read_metrics(state, drain=True)
+            failed = state.failure is not None
+            if not (state.stopped_early or failed):
                 state.last_eval = self._evaluate(step, progress)
-            if hooks.checkpoints and state.last_saved != step:
+            if hooks.checkpoints and state.last_saved != step and not failed:
                 self._save(step, state)
-            executor.finish()
+            executor.finish()  # the checkpoints being written, complete on disk
             for fn in hooks.end_of_step:
                 fn(step, 0)
         finally:
@@ -224,7 +234,8 @@ class Loop:
                 progress.close()
         return {
             "steps": step,
-            "completed": not state.stopped_early,
+            "completed": not state.stopped_early and state.failure is None,
+            "failure": state.failure,
             "final_eval": state.last_eval,
             "bytes_per_token": state.bytes_per_token,
         }
@@ -233,7 +244,9 @@ class Loop:
 
     def _read_metrics(self, state: _PassState, drain: bool = False) -> None:
         cfg, hooks = self.cfg, self.hooks
-        while len(state.pending) > (0 if drain else cfg.train.metrics_lag):
+        while state.failure is None and len(state.pending) > (
+            0 if drain else cfg.train.metrics_lag
+        ):
             step, handle = state.pending.popleft()
             wanted = step % cfg.train.log_every == 0 or step == self.steps
             m = self.executor.read(handle, wanted)
@@ -258,6 +271,8 @@ class Loop:
             if hooks.report is not None:
                 hooks.report(step, record)
             state.last_log_t, state.last_log_step = now, step
+            if hooks.check is not None:
+                state.failure = hooks.check(step, m)
 
     def _evaluate(self, step: int, progress: Progress | None) -> dict | None:
         if self.hooks.evaluate is None:
@@ -279,8 +294,8 @@ class Loop:
 
     def _save(self, step: int, state: _PassState) -> None:
         self._set_phase("checkpoint")
-        self.executor.save(step, self.source.resume_point())
-        if self.store is not None:
+        written = self.executor.save(step, self.source.resume_point())
+        if self.store is not None and written is not False:
             self.store.set_checkpoint(step, time.time())
         self._set_phase(self.hooks.phase)
         state.last_saved = step
@@ -319,4 +334,5 @@ class _PassState:
         self.last_log_t, self.last_log_step = time.perf_counter(), start
         self.last_saved = start
         self.stopped_early = False
+        self.failure: str | None = None  # why the run must stop (`Hooks.check`)
         self.bytes_per_token: float | None = None

@@ -36,6 +36,7 @@ from distill.config import DataConfig
 from distill.data.corpus import Corpus, row_at, rows_batch
 from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
+from distill.observability.metrics_log import dumps
 from distill.types import Batch
 
 KIND = "distill prepared corpus"
@@ -116,7 +117,7 @@ def read_manifest(root: Path) -> dict | None:
 
 def write_manifest(root: Path, manifest: dict) -> None:
     tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.write_text(dumps(manifest, indent=1))
     os.replace(tmp, root / MANIFEST)
 
 

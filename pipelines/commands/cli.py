@@ -8,13 +8,13 @@ right number of simulated CPU devices can be requested first.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
 from distill.config import Config
 from distill.config.load import load_config
-from distill.errors import DistillError
+from distill.errors import RUN_FAILED, DistillError, RunFailed
+from distill.observability.metrics_log import dumps
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,7 +135,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     cfg = load_config(f"{args.output_dir}/config.yaml")
     cfg.run.output_dir = args.output_dir  # the run may have moved since
-    print(json.dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
+    print(dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -156,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     for s in samples:
-        print(json.dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n"
+        print(dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n"
               f"{s['prompt']}{s['completion']}")  # fmt: skip
 
 
@@ -181,7 +181,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from pipelines.commands import run
 
-    print(json.dumps(run.evaluate(_config(args))))
+    print(dumps(run.evaluate(_config(args))))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -210,7 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result.update(bench_on_policy(cfg, corpus, meshes, repeats=args.repeats))
         text += "\n" + format_on_policy(result)
     print(text)
-    print(json.dumps(result))
+    print(dumps(result))
 
 
 def _bench_role(cfg, args: argparse.Namespace) -> None:
@@ -223,19 +223,19 @@ def _bench_role(cfg, args: argparse.Namespace) -> None:
         )
     result = bench_role(cfg, args.role, repeats=args.repeats)
     print(format_role(result))
-    print(json.dumps(result))
+    print(dumps(result))
 
 
 def cmd_cache_teacher(args: argparse.Namespace) -> None:
     from pipelines.offline.cache_writer import cache_teacher
 
-    print(json.dumps(cache_teacher(_config(args), args.batches_per_shard)))
+    print(dumps(cache_teacher(_config(args), args.batches_per_shard)))
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from pipelines.commands.prepare import prepare
 
-    print(json.dumps(prepare(_config(args), args.rows_per_shard)))
+    print(dumps(prepare(_config(args), args.rows_per_shard)))
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -244,7 +244,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     cfg = _config(args)
     summary = run.run(cfg)
     out = {"summary": f"{cfg.run.output_dir}/summary.json", "final_eval": summary.get("final_eval")}
-    print(json.dumps(out))
+    print(dumps(out))
+    if summary.get("failure"):
+        raise RunFailed(summary["failure"])
 
 
 COMMANDS = {
@@ -273,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(e).splitlines() or [""]:
             print(f"distill: error: {line}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"distill: error: {e}", file=sys.stderr)
+        return RUN_FAILED
 
 
 if __name__ == "__main__":
