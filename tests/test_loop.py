@@ -154,3 +154,25 @@ def test_lost_student_restarts_from_its_checkpoint():
     log, _, executor, summary = _run(_cfg(prefetch=2), lose_at=5)
     assert ("restart", 3) in log and ("start", 3) in log  # the source rewound to batch 3
     assert executor.trained == list(range(8)) and summary["steps"] == 8
+
+
+def test_a_check_that_fails_stops_the_run_without_final_evaluation_or_checkpoint():
+    """`Hooks.check` names a reason at step 4's (lagged) read, during step 6: the loop stops
+    there, before step 6's checkpoint, reads nothing more, makes no final evaluation or
+    checkpoint, still waits for the checkpoints being written, and says why."""
+    log: list = []
+    source, executor = Source(log), Executor(log)
+    executor.finish = lambda: log.append(("finish",))
+    evaluated: list[int] = []
+    hooks = Hooks(
+        record=lambda step, m, figures: {"step": step, **m},
+        evaluate=lambda step: evaluated.append(step),
+        check=lambda step, m: f"diverged at {step}" if m["loss"] >= 4 else None,
+        progress=False,
+    )
+    summary = Loop(_cfg(), source, executor, None, hooks).run()
+    assert summary["completed"] is False and summary["failure"] == "diverged at 4"
+    assert summary["steps"] == 6 and evaluated == [0]
+    assert [e for e in log if e[0] == "save"] == [("save", 3, 3)]
+    assert [e[1] for e in log if e[0] == "read"] == [1, 2, 3, 4]
+    assert log[-1] == ("finish",)
