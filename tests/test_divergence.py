@@ -268,3 +268,36 @@ def _restore_params(out, step: int):
     finally:
         ckpt.close()
     return jax.device_get(state.params)
+
+
+def test_a_diverged_teacher_bootstrap_stops_with_status_3(tmp_path, corpus_dir):
+    """The teacher bootstrap runs the same step and guard: too high a `teacher.pretrain_lr`
+    stops it with one line, exit status 3, and no teacher saved."""
+    out = tmp_path / "out"
+    cfg = tiny_config(str(corpus_dir), str(out), train={"max_nonfinite_steps": 2})
+    cfg["teacher"]["pretrain_lr"] = 1e6
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["run", write_config(tmp_path, cfg)]) == RUN_FAILED
+    (line,) = [x for x in err.getvalue().splitlines() if x.startswith("distill: error:")]
+    assert line.startswith("distill: error: teacher bootstrap: training diverged: non-finite ")
+    assert f"no teacher was saved at {out}/teacher" in line
+    assert not (out / "teacher").exists()
+    status = MetricsStore.from_run_dir(str(out)).status()
+    assert status["phase"] == "failed" and not status["healthy"]
+
+
+def test_every_json_record_is_made_by_the_strict_helper():
+    """`json.dump(s)` appears once in the product, in `metrics_log.dumps` (allow_nan=False):
+    every record, summary, manifest and command output goes through it."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    calls = [
+        str(path.relative_to(root))
+        for folder in ("distill", "pipelines", "student", "teacher")
+        for path in sorted((root / folder).rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if re.search(r"\bjson\.dumps?\(", line) and "`json.dumps`" not in line
+    ]
+    assert calls == ["distill/observability/metrics_log.py"]
