@@ -42,7 +42,8 @@ class Skips(NamedTuple):
     """Steps skipped for a non-finite loss or gradient norm, counted on device from step to
     step (int32 scalars, replicated), so that the loop, which reads only some steps' metrics
     and never the current one's, still sees a run of skipped steps that ended between two
-    of its reads. Not checkpointed: a resumed run counts afresh."""
+    of its reads. Not checkpointed: no checkpoint is written within a run of skips
+    (`unsaved_reason`), so a resumed run starts with none in progress and counts afresh."""
 
     run: jax.Array  # consecutive skipped steps up to this one (0 after a step that updated)
     longest: jax.Array  # the longest such run since the state was made or restored
@@ -229,8 +230,9 @@ def _unless_nonfinite(
     A skipped step advances neither the step counter nor the optimizer state, whose count
     drives the learning-rate schedule: the schedule follows the updates actually made, as
     optax's `apply_if_finite` and Megatron's skipped iterations do, so no warm-up step is
-    lost to a bad batch and the lr a record shows is the one the optimizer used. The run
-    stops long before skips could shift the schedule much (`train.max_nonfinite_steps`).
+    lost to a bad batch and the lr a record shows is the one the optimizer used. An isolated
+    skip shifts the rest of the schedule by one step; a run of them stops the run
+    (`train.max_nonfinite_steps`).
     A select rather than a `lax.cond`: it fuses into the update's own elementwise work."""
     kinds = jnp.where(jnp.isfinite(loss), 0, LOSS) | jnp.where(
         jnp.isfinite(grad_norm), 0, GRAD_NORM
