@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -69,6 +70,14 @@ def _not_abandoned(record: logging.LogRecord) -> bool:
     return not (unretrieved and ("orbax" in text or "tensorstore_spec" in text))
 
 
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point value of `tree` is finite: one boolean scalar, computed
+    where the arrays are."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves] or [jnp.bool_(True)]))
+
+
 class Checkpointer:
     def __init__(
         self, directory: str, keep: int = 3, async_save: bool = True, meta: dict | None = None
@@ -87,7 +96,12 @@ class Checkpointer:
         self, step: int, state: Any, data_state: dict, *, force: bool = False, extra: Any = None
     ) -> bool:
         """`extra`: a pytree saved beside the state (e.g. the recent parameters an
-        on-policy run generates with), read back by `restore_extra`."""
+        on-policy run generates with), read back by `restore_extra`. A state holding a
+        non-finite value is not written (False, with a warning): the newest checkpoint is
+        then always a finite one, and retention (`keep`) only ever deletes older ones."""
+        if not bool(_all_finite(state)):  # one scalar: the save waits for the state anyway
+            log.warning("checkpoint step %d not written: the state holds non-finite values", step)
+            return False
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
         if self.meta is not None:
             items["meta"] = ocp.args.JsonSave(self.meta)

@@ -3,11 +3,10 @@ the default place of a bootstrapped teacher."""
 
 from __future__ import annotations
 
-import json
-
 from etils import epath
 
 from distill.config import Config
+from distill.observability.metrics_log import dumps
 
 
 def out_dir(cfg: Config) -> epath.Path:
@@ -29,4 +28,4 @@ def write_config(cfg: Config) -> None:
 
 
 def write_summary(cfg: Config, summary: dict) -> None:
-    (out_dir(cfg) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir(cfg) / "summary.json").write_text(dumps(summary, indent=2) + "\n")

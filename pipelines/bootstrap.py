@@ -20,11 +20,12 @@ from jax.sharding import Mesh
 from distill.checkpoint import params_exist, save_params
 from distill.config import Config
 from distill.data.corpus import Corpus
-from distill.errors import DistillError
+from distill.errors import DistillError, RunFailed
 from distill.mesh import DP, all_devices_mesh, available_devices
 from distill.models import model
 from distill.outputs import teacher_path
 from pipelines import hooks as h
+from pipelines.divergence import Divergence
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Loop, LoopSpec
 from pipelines.sources import NoTeacher
@@ -70,7 +71,8 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, record: dict | No
     report = h.Report(
         lambda step, r: log.info("bootstrap step %d/%d loss %.4f", step, steps, r["loss"])
     )
-    hooks = [*([h.Records()] if store is not None else []), report, h.StopRequests()]
+    guard = Divergence(cfg.train.max_nonfinite_steps)
+    hooks = [*([h.Records()] if store is not None else []), report, guard, h.StopRequests()]
     log.info("bootstrap: training the teacher for %d steps on %d devices", steps, mesh.size)
     t0 = time.perf_counter()
     try:
@@ -78,6 +80,11 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, record: dict | No
         summary = Loop(spec, source, executor, hooks, record=_record, store=store).run()
     finally:
         source.close()
+    if summary["failure"] is not None:
+        raise RunFailed(
+            f"teacher bootstrap: {summary['failure']}; no teacher was saved at "
+            f"{teacher_path(cfg)} (teacher.pretrain_lr is {cfg.teacher.pretrain_lr:g})"
+        )
     if not summary["completed"]:
         raise DistillError(
             f"stopped during the teacher bootstrap at step {summary['steps']} of {steps}: "

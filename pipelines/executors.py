@@ -8,6 +8,7 @@ is the other executor (`pipelines.ray.mode`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import jax
@@ -19,6 +20,8 @@ from pipelines.timing import ReadyWatcher
 from student import train
 from student.evaluate import StudentEval
 from student.generate import ParamHistory
+
+log = logging.getLogger("distill")
 
 
 class LocalExecutor:
@@ -92,9 +95,14 @@ class LocalExecutor:
         moved = (self.hop(t) for t in teacher_logits)  # one batch at a time, as consumed
         return self._evaluator(self.state.params, batches, moved, keep)
 
-    def save(self, step: int, data_state: dict) -> None:
+    def save(self, step: int, data_state: dict) -> bool:
+        """Start writing a checkpoint; False when none is written (`train.unsaved_reason`,
+        or a non-finite state)."""
+        if (why := train.unsaved_reason(self.state)) is not None:
+            log.warning("checkpoint step %d not written: %s", step, why)
+            return False
         extra = None if self.history is None else self.history.extra(step)
-        self._ckpt.save(step, self.state, data_state, force=True, extra=extra)
+        return self._ckpt.save(step, train.saved(self.state), data_state, force=True, extra=extra)
 
     def finish(self) -> None:
         if self._ckpt is not None:

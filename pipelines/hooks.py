@@ -180,9 +180,11 @@ class Checkpoints(Hook):
             self._save(loop, step)
 
     def _save(self, loop: Loop, step: int) -> None:
+        """`executor.save` returns False when it wrote nothing (a non-finite state, or
+        steps being skipped): the store then records no checkpoint."""
         with loop.phase("checkpoint"):
-            loop.executor.save(step, loop.source.resume_point())
-            if loop.store is not None:
+            written = loop.executor.save(step, loop.source.resume_point())
+            if loop.store is not None and written is not False:
                 loop.store.set_checkpoint(step, time.time())
         self.last_saved = step
 

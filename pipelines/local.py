@@ -17,6 +17,7 @@ from distill.data.tokenizers import vocab_limit
 from distill.mesh import Meshes
 from distill.observability.metrics import MetricsStore
 from pipelines import hooks as h
+from pipelines.divergence import Divergence
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
 from pipelines.loop import Loop, LoopSpec
@@ -55,13 +56,14 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
 def distill_hooks(
     cfg: Config, evaluate, store, source, extra: Sequence[h.Hook] = ()
 ) -> list[h.Hook]:
-    """The hooks of a distillation run, local and ray modes alike: records, progress,
-    evaluation (`evaluate`, a `pipelines.evaluation.Evaluation`), checkpoints, stop
-    requests, status, the profile if asked for, then `extra` (ray's own status, tests'
-    faults)."""
+    """The hooks of a distillation run, local and ray modes alike: records, progress, the
+    divergence guard, evaluation (`evaluate`, a `pipelines.evaluation.Evaluation`),
+    checkpoints, stop requests, status, the profile if asked for, then `extra` (ray's own
+    status, tests' faults)."""
     hooks = [
         h.Records(),
         h.ProgressBar(cfg.run.name),
+        Divergence(cfg.train.max_nonfinite_steps),
         h.Evaluate(evaluate, cfg.train.eval_every),
         h.Checkpoints(cfg.train.checkpoint_every),
         h.StopRequests(),

@@ -98,7 +98,8 @@ class StudentExecutor(Protocol):
 
     def evaluate(self, batches: list, teacher_logits: Any, keep: bool) -> dict: ...
 
-    def save(self, step: int, data_state: dict) -> None: ...
+    def save(self, step: int, data_state: dict) -> bool | None:
+        """Start writing a checkpoint; False when none is written (a non-finite state)."""
 
     def finish(self) -> None:
         """Wait for the checkpoints started; release what the executor holds."""
@@ -271,8 +272,7 @@ class Loop:
         }
         for hook in self.hooks:
             summary.update(getattr(hook, "summary", dict)())
-        if self.failure:
-            summary["failure"] = self.failure
+        summary["failure"] = self.failure
         return summary
 
     def _emit(self, event: str, *args) -> None:

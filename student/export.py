@@ -17,7 +17,6 @@ training (training also appends EOS after each document; generation stops there)
 from __future__ import annotations
 
 import functools
-import json
 import tempfile
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from distill.config import Config, ModelConfig
 from distill.data.tokenizers import ByteTokenizer, export_files, load_tokenizer, vocab_limit
 from distill.errors import DistillError
 from distill.models import hf
+from distill.observability.metrics_log import dumps
 
 PROVENANCE = "distill.json"  # the teacher and tokenizer the exported student was distilled with
 
@@ -87,7 +87,7 @@ def write_hf(
     if provenance is not None:
         files[PROVENANCE] = provenance
     for name, content in files.items():
-        (out / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+        (out / name).write_text(dumps(content, indent=2, ensure_ascii=False) + "\n")
     tensors = {k: v.astype(np.float32) for k, v in hf_tensors(cfg, params).items()}
     save_file(tensors, str(out / hf.SINGLE_FILE), metadata={"format": "pt"})
     return out
@@ -119,7 +119,7 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
             "config.yaml to export it anyway"
         )
         check_pinned(cfg, stored, current, how)
-        state, _, step = ckpt.restore(train.abstract_state(scfg, tx, mesh))
+        state, _, step = ckpt.restore(train.saved(train.abstract_state(scfg, tx, mesh)))
     finally:
         ckpt.close()
     # what the student was distilled with: its checkpoint's record, else (a checkpoint from

@@ -32,11 +32,11 @@ def start_student(
     tokenizer is refused (one DistillError line) unless `run.allow_teacher_change`."""
     scfg = cfg.student_model()
     if ckpt.latest_step() is not None:
-        state, data_state, step = ckpt.restore(train.abstract_state(scfg, tx, mesh))
+        restored, data_state, step = ckpt.restore(train.saved(train.abstract_state(scfg, tx, mesh)))
         current = ckpt.meta if ckpt.meta is not None else run_identity(cfg)
         how = "set run.allow_teacher_change=true to go on with it anyway"
         check_pinned(cfg, ckpt.stored_meta(step), current, how)  # of the step restored
-        return state, data_state, step
+        return train.resumed(restored, mesh), data_state, step
     return train.init_state(scfg, tx, cfg.run.seed, mesh, init_params()), None, 0
 
 
@@ -53,7 +53,8 @@ def latest_params(cfg: Config, mesh) -> tuple[dict, int]:
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     ckpt = Checkpointer(where)
     try:
-        state, _, step = ckpt.restore(train.abstract_state(cfg.student_model(), tx, mesh))
+        abstract = train.saved(train.abstract_state(cfg.student_model(), tx, mesh))
+        state, _, step = ckpt.restore(abstract)
     finally:
         ckpt.close()
     return state.params, step

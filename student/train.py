@@ -8,7 +8,9 @@ loss into per-device gradients, all-gathering each weight where it is used and
 reduce-scattering its gradient (ZeRO-3; with `fsdp` = 1, an all-reduce mean over `dp`):
 the same numbers as one device on the whole batch. With `grad_accum` > 1 each device's
 rows run as that many microbatches under `jax.lax.scan`, their token-weighted gradients
-summed in float32 before the one optimizer update. The state buffers are donated.
+summed in float32 before the one optimizer update. The state buffers are donated. A step
+whose loss or gradient norm is not finite leaves the parameters and the optimizer state as
+they were (`Skips`: the loop stops a run whose skipped steps run too long).
 `teacher_out=None` trains on hard labels only (the teacher bootstrap, and the CE
 baseline); the same step serves online and offline distillation, since it only sees a
 `TeacherOutput`, wherever it came from.
@@ -32,11 +34,71 @@ from distill.models import model, vocab_loss
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, sharding
 
+# What a skipped step found not finite: bits of `Skips.kinds`.
+LOSS, GRAD_NORM = 1, 2
 
-class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: optimizer steps taken
+
+class Skips(NamedTuple):
+    """Steps skipped for a non-finite loss or gradient norm, counted on device from step to
+    step (int32 scalars, replicated), so that the loop, which reads only some steps' metrics
+    and never the current one's, still sees a run of skipped steps that ended between two
+    of its reads. Not checkpointed: no checkpoint is written within a run of skips
+    (`unsaved_reason`), so a resumed run starts with none in progress and counts afresh."""
+
+    run: jax.Array  # consecutive skipped steps up to this one (0 after a step that updated)
+    longest: jax.Array  # the longest such run since the state was made or restored
+    kinds: jax.Array  # LOSS | GRAD_NORM: what any skipped step found not finite
+
+
+class Saved(NamedTuple):
+    """What a checkpoint holds of a TrainState: everything but its `Skips` (the fields'
+    names are the checkpoint's keys)."""
+
+    step: jax.Array
     params: dict
     opt_state: optax.OptState
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer updates made (skipped steps not counted)
+    params: dict
+    opt_state: optax.OptState
+    skips: Skips
+
+
+def no_skips() -> Skips:
+    """The counters of a state that has skipped no step."""
+    return Skips(*(jnp.zeros((), jnp.int32) for _ in Skips._fields))
+
+
+def _each_skip(value) -> Skips:
+    """`value` (a shape, spec or sharding) for every counter of a Skips."""
+    return Skips(*(value for _ in Skips._fields))
+
+
+def saved(state: TrainState) -> Saved:
+    """The part of `state` a checkpoint holds; `abstract_state(...)` through it is the
+    target to restore a checkpoint onto, and `resumed` makes the restored part whole."""
+    return Saved(state.step, state.params, state.opt_state)
+
+
+def unsaved_reason(state: TrainState) -> str | None:
+    """Why `state` is not worth a checkpoint, or None. Within a run of skipped steps its
+    weights are the ones from before the run, already saved or savable then; a checkpoint
+    now would only push an older one out of retention (`train.keep_checkpoints`), which may
+    be the last good one when the update before the run already spoilt the weights (a
+    learning rate far too high). One scalar read: a save waits for the state anyway."""
+    run = int(state.skips.run)
+    return f"the last {run} steps were skipped (non-finite)" if run else None
+
+
+def resumed(restored: Saved, mesh) -> TrainState:
+    """A TrainState from a restored checkpoint, on `mesh`, with no steps skipped yet."""
+    return TrainState(*restored, programs.cached(_no_skips_program, mesh)())
+
+
+def _no_skips_program(mesh):
+    return jax.jit(no_skips, out_shardings=_each_skip(NamedSharding(mesh, P())))
 
 
 def init_state(
@@ -55,7 +117,7 @@ def init_state(
 def _init_program(cfg: ModelConfig, tx, seed: int, mesh, fresh: bool):
     def init(params):
         params = model.init_params(cfg, seed) if fresh else params
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), no_skips())
 
     return jax.jit(init, out_shardings=state_shardings(cfg, tx, mesh))
 
@@ -70,15 +132,18 @@ def _host_param(expected: jax.ShapeDtypeStruct, given) -> np.ndarray:
 def state_shapes(cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
     """Shapes and dtypes of a TrainState, without allocating it."""
     params = model.abstract_params(cfg)
-    return TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(tx.init, params))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return TrainState(scalar, params, jax.eval_shape(tx.init, params), _each_skip(scalar))
 
 
 def state_specs(cfg: ModelConfig, tx: optax.GradientTransformation, fsdp: int) -> TrainState:
     """PartitionSpecs of a TrainState for an `fsdp`-way split: the parameters by the
-    student's table, the optimizer state like the parameters it tracks, the step replicated."""
+    student's table, the optimizer state like the parameters it tracks, the counters
+    replicated."""
     shapes = state_shapes(cfg, tx)
     params = sharding.param_specs(cfg, fsdp)
-    return TrainState(P(), params, sharding.like_params(shapes.opt_state, shapes.params, params))
+    opt = sharding.like_params(shapes.opt_state, shapes.params, params)
+    return TrainState(P(), params, opt, _each_skip(P()))
 
 
 def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:
@@ -139,8 +204,11 @@ def make_train_step(
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, lr=lr_schedule(state.step), grad_norm=optax.tree.norm(grads))
-        return TrainState(state.step + 1, params, opt_state), metrics
+        grad_norm = optax.tree.norm(grads)
+        metrics = dict(metrics, lr=lr_schedule(state.step), grad_norm=grad_norm)
+        updated = TrainState(state.step + 1, params, opt_state, state.skips)
+        state = _unless_nonfinite(updated, state, metrics["loss"], grad_norm)
+        return state, {**metrics, **skip_metrics(state.skips)}
 
     if with_teacher:
         fn = step
@@ -151,6 +219,35 @@ def make_train_step(
     return jax.jit(
         fn, in_shardings=in_shardings, out_shardings=(placed, replicated), donate_argnums=0
     )
+
+
+def _unless_nonfinite(
+    updated: TrainState, state: TrainState, loss: jax.Array, grad_norm: jax.Array
+) -> TrainState:
+    """`updated` when the step's loss and gradient norm are finite; otherwise `state` as it
+    was, the skip counted in its `Skips`.
+
+    A skipped step advances neither the step counter nor the optimizer state, whose count
+    drives the learning-rate schedule: the schedule follows the updates actually made, as
+    optax's `apply_if_finite` and Megatron's skipped iterations do, so no warm-up step is
+    lost to a bad batch and the lr a record shows is the one the optimizer used. An isolated
+    skip shifts the rest of the schedule by one step; a run of them stops the run
+    (`train.max_nonfinite_steps`).
+    A select rather than a `lax.cond`: it fuses into the update's own elementwise work."""
+    kinds = jnp.where(jnp.isfinite(loss), 0, LOSS) | jnp.where(
+        jnp.isfinite(grad_norm), 0, GRAD_NORM
+    )
+    ok = kinds == 0
+    run = jnp.where(ok, 0, state.skips.run + 1)
+    skips = Skips(run, jnp.maximum(state.skips.longest, run), state.skips.kinds | kinds)
+    kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), saved(updated), saved(state))
+    return TrainState(*kept, skips)
+
+
+def skip_metrics(skips: Skips) -> dict:
+    """The step's `Skips` as metrics: `nonfinite_run`, `nonfinite_longest`, `nonfinite_kinds`
+    (read by `pipelines.divergence.Divergence`)."""
+    return {f"nonfinite_{k}": v for k, v in skips._asdict().items()}
 
 
 # `train.layer_loop: auto` unrolls models up to this deep on CPU. There the scanned backward

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from distill.observability.metrics_log import dumps
+
 
 def bench_config(gb: float):
     """A Llama-7B-shaped layer (narrowed to d_model 2048) stack of about `gb` GB in bf16."""
@@ -48,7 +50,7 @@ def write_checkpoint(path: Path, cfg, shard_bytes: int) -> dict:
 
     path.mkdir(parents=True, exist_ok=True)
     config = hf.to_hf_config(cfg, max_position_embeddings=4096, bos_id=1, eos_id=2)
-    (path / hf.CONFIG).write_text(json.dumps(config, indent=2))
+    (path / hf.CONFIG).write_text(dumps(config, indent=2))
     rng = np.random.default_rng(0)
     shards, current, size = [], {}, 0
     for name, (key, _, _) in hf.weight_names(cfg).items():
@@ -68,7 +70,7 @@ def write_checkpoint(path: Path, cfg, shard_bytes: int) -> dict:
         nbytes = sum(t.nbytes for t in tensors.values())
         total, largest = total + nbytes, max(largest, nbytes)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / hf.INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (path / hf.INDEX_FILE).write_text(dumps(index, indent=2))
     return {"checkpoint_bytes": total, "largest_shard_bytes": largest, "shards": len(shards)}
 
 
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(load_child(args.child, args.tp)))
+        print(dumps(load_child(args.child, args.tp)))
         return 0
     with tempfile.TemporaryDirectory(prefix="distill-load-bench-", dir=args.dir) as tmp:
         cfg = bench_config(args.gb)
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         f"safetensors pages at most {result['peak_mapped_file_bytes'] * gb:.2f} GB, other "
         f"transient memory at most {result['peak_anon_beyond_weights_bytes'] * gb:.2f} GB"
     )
-    print(json.dumps(result))
+    print(dumps(result))
     return 0
 
 

@@ -26,6 +26,7 @@ from distill.config import RUNTIME_KEYS, Config
 from distill.data.prepared import data_settings
 from distill.errors import DistillError
 from distill.models import model
+from distill.observability.metrics_log import dumps
 
 FILE = "distill_provenance.json"
 KIND = "distill teacher bootstrap"
@@ -73,7 +74,7 @@ def read(path: str) -> dict | None:
 def write(path: str, rec: dict) -> None:
     """Write `rec` (with the time) into the checkpoint directory `path`, replacing any."""
     stamped = {**rec, "created": datetime.datetime.now(datetime.UTC).isoformat()}
-    (epath.Path(path) / FILE).write_text(json.dumps(stamped, indent=1) + "\n")
+    (epath.Path(path) / FILE).write_text(dumps(stamped, indent=1) + "\n")
 
 
 def _show(value) -> str:
@@ -81,7 +82,7 @@ def _show(value) -> str:
         return str(value.get("sha256") or value.get("kind"))[:12]
     if isinstance(value, str) and value.startswith("sha256:"):
         return value[:19]
-    return json.dumps(value)
+    return dumps(value)
 
 
 def check(stored: dict, expected: dict, path: str) -> None:

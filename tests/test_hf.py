@@ -281,7 +281,7 @@ def test_run_with_hf_teacher_then_export(hf_teacher, corpus_dir, tmp_path, capsy
 
     ckpt = Checkpointer(str(out / "checkpoints"))
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
-    state, _, step = ckpt.restore(train.abstract_state(scfg, tx, _mesh(1)))
+    state, _, step = ckpt.restore(train.saved(train.abstract_state(scfg, tx, _mesh(1))))
     ckpt.close()
     assert step == 2
     batch = _batch(live, b=1, s=12)

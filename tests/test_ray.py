@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from distill.errors import RUN_FAILED
 from pipelines.commands.cli import main
 from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
@@ -183,6 +184,23 @@ def test_teacher_that_keeps_dying_ends_the_run(
     assert "ray.max_teacher_restarts" in err and "Latest checkpoint: step" in err
     ckpts = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
     assert ckpts and max(ckpts) >= 2
+
+
+def test_a_diverged_run_stops_as_in_local_mode(ray_cluster, local_run, corpus_dir, tmp_path):
+    """A learning rate far too high: the Ray student actor skips the non-finite steps and
+    reports them as the local executor does, so both modes stop with the same line and
+    exit status, and keep the same checkpoints (none written during the skipped steps)."""
+    train = {"steps": 12, "checkpoint_every": 1, "keep_checkpoints": 2, "max_nonfinite_steps": 2}
+    outcome = {}
+    for mode in ("local", "ray"):
+        out = tmp_path / mode
+        cfg = _ray_config(corpus_dir, out, local_run, train=train, optim={"lr": 1e6})
+        cfg["pipeline"]["mode"] = mode
+        assert _run(tmp_path, cfg) == RUN_FAILED, mode
+        ckpts = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+        outcome[mode] = (_summary(out)["failure"], ckpts)
+    assert outcome["ray"] == outcome["local"]
+    assert outcome["ray"][0].startswith("training diverged: non-finite grad_norm at steps ")
 
 
 def test_device_options_give_each_actor_its_devices(monkeypatch):

@@ -268,7 +268,7 @@ def test_padded_and_masked_equals_unpadded(loss, top_k):
             cfg, tx, s_mesh, loss_cfg=lcfg, lr_schedule=sched, vocab_limit=lim
         )
         state = jax.device_put(
-            train.TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+            train.TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), train.no_skips()),
             NamedSharding(s_mesh, PartitionSpec()),
         )
         new, metrics = step(state, batch, t_out)

@@ -314,6 +314,13 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep.")
     metrics_lag: int = Field(2, ge=1, description="Read step n-lag's metrics at step n.")
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="A step whose loss or gradient norm is not finite leaves the weights as "
+        "they were; after this many such steps in a row the run stops (exit status 3) "
+        "without a final checkpoint, its newest checkpoint the last finite one.",
+    )
     grad_accum: int = Field(
         1,
         ge=1,

@@ -42,6 +42,7 @@ from distill.data.corpus import Corpus, row_at, rows_batch
 from distill.data.packing import flagged_batch
 from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
+from distill.observability.metrics_log import dumps
 from distill.types import Batch
 
 log = logging.getLogger("distill")
@@ -147,7 +148,7 @@ def read_manifest(root: Path) -> dict | None:
 
 def write_manifest(root: Path, manifest: dict) -> None:
     tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.write_text(dumps(manifest, indent=1))
     os.replace(tmp, root / MANIFEST)
 
 

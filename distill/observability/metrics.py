@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import json
 import threading
 import time
 from typing import Any
@@ -42,7 +41,7 @@ from etils import epath
 
 from distill import storage
 from distill.errors import DistillError
-from distill.observability.metrics_log import PHASES, SERIES, Follower, redact, to_plain
+from distill.observability.metrics_log import PHASES, SERIES, Follower, dumps, redact, to_plain
 
 _ETA_WINDOW = 20  # records used for the steps-per-second estimate
 
@@ -165,11 +164,16 @@ class MetricsStore:
         with self._lock:
             self._progress_at = time.monotonic()
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, summary: dict | None = None) -> None:
+        """The run failed (`reason`, one line; /healthz answers 503 with it); `summary`:
+        the summary of a run that stopped cleanly (a diverged one)."""
         with self._lock:
             self._phase, self._failure = "failed", str(reason)
             self._ended_at = time.time()
-            self._write({"event": "failed", "reason": self._failure})
+            line = {"event": "failed", "reason": self._failure}
+            if summary is not None:
+                self._summary = line["summary"] = redact(to_plain(summary))
+            self._write(line)
 
     def finish(self, summary: dict) -> None:
         with self._lock:
@@ -327,7 +331,7 @@ class MetricsStore:
             return
         line.setdefault("step", self._step)
         line.setdefault("time", time.time())
-        self._file.write(json.dumps(to_plain(line, finite=False)) + "\n")
+        self._file.write(dumps(line) + "\n")
         self._file.flush()
 
     def _family(self) -> str:

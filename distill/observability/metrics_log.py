@@ -4,9 +4,9 @@ A ``Follower`` replays a run directory's ``metrics.jsonl`` (and ``summary.json``
 ``metrics.MetricsStore``, incrementally, so a dashboard follows a run going on in another
 process, on local disk or in a bucket; the store uses the same follower to pick up its own
 history when a run resumes. The line format is described in ``metrics``; the vocabulary both
-sides share (phases, series, JSON-safe values, redaction) lives here so that imports run one
-way: ``metrics`` imports this module, never the reverse.
-"""
+sides share (phases, series, JSON-safe values and strict JSON, redaction) lives here so
+that imports run one way: ``metrics`` imports this module, never the reverse. Every JSON
+distill writes (records, summaries, manifests, command output) is made by `dumps`."""
 
 from __future__ import annotations
 
@@ -63,6 +63,13 @@ def to_plain(value: Any, *, finite: bool = True) -> Any:
     if hasattr(value, "tolist"):  # numpy / JAX scalars and arrays
         return to_plain(value.tolist(), finite=finite)
     return str(value)
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """`value` as strict JSON (RFC 8259, what `jq` and browsers parse): through `to_plain`,
+    so NaN and infinities are null; `json.dumps`'s keywords (`indent`, ...) pass through.
+    Every JSON record distill writes is made here."""
+    return json.dumps(to_plain(value), allow_nan=False, **kwargs)
 
 
 class Follower:
@@ -162,6 +169,8 @@ class Follower:
             self._phase_events = True
             store._phase, store._failure = "failed", str(line.get("reason"))
             store._ended_at = line.get("time")
+            if isinstance(line.get("summary"), dict):
+                store._summary = redact(line["summary"])
         elif event == "done":
             self._phase_events = True
             store._phase = "done"

@@ -8,13 +8,13 @@ right number of simulated CPU devices can be requested first.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
 from distill.config import Config
 from distill.config.load import load_config
-from distill.errors import DistillError
+from distill.errors import RUN_FAILED, DistillError, RunFailed
+from distill.observability.metrics_log import dumps
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,7 +139,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     cfg = load_config(f"{args.output_dir}/config.yaml")
     cfg.run.output_dir = args.output_dir  # the run may have moved since
-    print(json.dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
+    print(dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -163,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     for s in samples:
         text = s["completion"] if args.chat else s["prompt"] + s["completion"]
-        print(json.dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n{text}")
+        print(dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n{text}")
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
@@ -187,7 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from pipelines.commands import run
 
-    print(json.dumps(run.evaluate(_config(args))))
+    print(dumps(run.evaluate(_config(args))))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -216,7 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result.update(bench_on_policy(cfg, corpus, meshes, repeats=args.repeats))
         text += "\n" + format_on_policy(result)
     print(text)
-    print(json.dumps(result))
+    print(dumps(result))
 
 
 def _bench_role(cfg, args: argparse.Namespace) -> None:
@@ -229,19 +229,19 @@ def _bench_role(cfg, args: argparse.Namespace) -> None:
         )
     result = bench_role(cfg, args.role, repeats=args.repeats)
     print(format_role(result))
-    print(json.dumps(result))
+    print(dumps(result))
 
 
 def cmd_cache_teacher(args: argparse.Namespace) -> None:
     from pipelines.offline.cache_writer import cache_teacher
 
-    print(json.dumps(cache_teacher(_config(args), args.batches_per_shard)))
+    print(dumps(cache_teacher(_config(args), args.batches_per_shard)))
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from pipelines.commands.prepare import prepare
 
-    print(json.dumps(prepare(_config(args), args.rows_per_shard)))
+    print(dumps(prepare(_config(args), args.rows_per_shard)))
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -250,7 +250,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     cfg = _config(args)
     summary = run.run(cfg)
     out = {"summary": f"{cfg.run.output_dir}/summary.json", "final_eval": summary.get("final_eval")}
-    print(json.dumps(out))
+    print(dumps(out))
+    if summary.get("failure"):
+        raise RunFailed(summary["failure"])
 
 
 COMMANDS = {
@@ -267,8 +269,9 @@ COMMANDS = {
 }
 
 
-def print_error(e: DistillError) -> None:
-    """A user's mistake as the CLI shows it: `distill: error: ...` lines on stderr."""
+def print_error(e: DistillError | RunFailed) -> None:
+    """A user's mistake, or a run that failed, as the CLI shows it: `distill: error: ...`
+    lines on stderr."""
     for line in str(e).splitlines() or [""]:
         print(f"distill: error: {line}", file=sys.stderr)
 
@@ -284,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     except DistillError as e:
         print_error(e)
         return 2
+    except RunFailed as e:
+        print_error(e)
+        return RUN_FAILED
 
 
 if __name__ == "__main__":

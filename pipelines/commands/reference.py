@@ -24,8 +24,9 @@ _HEADER = f"""# CLI reference
 Every command that takes a `CONFIG` also takes `--set key.path=value` (repeatable) to
 override any key of the [configuration](config.md). A mistake a user can make (a config
 key, a data file, a device count, a checkpoint) is printed as one line,
-`distill: error: ...`, with exit status 2, before any device work. The guides show what
-each command is for: [docs/README.md](../README.md).
+`distill: error: ...`, with exit status 2, before any device work. A run that fails once
+started (it [diverged](outputs.md#a-run-that-diverges)) prints one such line with exit
+status 3. The guides show what each command is for: [docs/README.md](../README.md).
 """
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
 from distill.mesh import Meshes, build_meshes
 from distill.observability.metrics import MetricsStore
+from distill.observability.metrics_log import dumps
 from pipelines import plan_memory
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.hooks import Hook
@@ -79,7 +79,8 @@ def _start_server(cfg: Config, store: MetricsStore):
 
 def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
     """`distill run`: preflight, server, teacher (load or bootstrap), distil, summary.
-    `extra`: hooks the distillation loop runs after its own (tests inject faults so)."""
+    `extra`: hooks the distillation loop runs after its own (tests inject faults so). A run
+    that diverged returns its summary with its `failure` (the caller's exit status)."""
     host_cfg = cfg
     _require_ray(cfg)
     if cfg.pipeline.mode == "ray":  # the driver stays on CPU; the actors own the devices
@@ -123,7 +124,10 @@ def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
             **summary,
         }
         outputs.write_summary(cfg, summary)
-        store.finish(summary)
+        if summary.get("failure"):  # /healthz 503 with the reason, W&B marked failed
+            store.fail(summary["failure"], summary)
+        else:
+            store.finish(summary)
         return summary
     except BaseException as e:
         store.fail(f"{type(e).__name__}: {e}")
@@ -170,4 +174,4 @@ def plan_json(cfg: Config) -> str:
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
-    return format_plan(p) + "\n" + plan_memory.format_memory(mem) + "\n" + json.dumps(p)
+    return format_plan(p) + "\n" + plan_memory.format_memory(mem) + "\n" + dumps(p)

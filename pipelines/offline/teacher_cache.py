@@ -51,6 +51,7 @@ from distill.config import Config
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
 from distill.identity import data_hash
+from distill.observability.metrics_log import dumps
 from distill.types import Batch, TeacherOutput
 
 log = logging.getLogger("distill")
@@ -96,7 +97,7 @@ def cache_dir(cfg: Config) -> Path:
 
 def encode(arrays: dict[str, np.ndarray]) -> bytes:
     """One record: a 4-byte header length, a JSON header {name: [dtype, shape]}, raw bytes."""
-    header = json.dumps({k: [v.dtype.str, list(v.shape)] for k, v in arrays.items()}).encode()
+    header = dumps({k: [v.dtype.str, list(v.shape)] for k, v in arrays.items()}).encode()
     body = b"".join(np.ascontiguousarray(v).tobytes() for v in arrays.values())
     return struct.pack("<I", len(header)) + header + body
 
@@ -208,7 +209,7 @@ def check_manifest(manifest: dict, expected: dict, root: Path) -> None:
 
 def write_manifest(root: Path, manifest: dict) -> None:
     tmp = root / (_MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.write_text(dumps(manifest, indent=1))
     os.replace(tmp, root / _MANIFEST)
 
 

@@ -24,6 +24,7 @@ so both modes compute the same numbers.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -37,6 +38,8 @@ from distill.errors import DistillError
 from distill.mesh import DP, TP, device_grid, student_shape, teacher_shape
 from distill.types import Batch, TeacherOutput
 from pipelines.ray import rows as ray_rows
+
+log = logging.getLogger("distill")
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -359,9 +362,15 @@ class StudentActor(_Member):
 
     def save(self, step: int, data_state: dict) -> None:
         """Start an asynchronous checkpoint of the state after `step` (every process of the
-        group writes its own shards)."""
+        group writes its own shards); none within a run of skipped steps
+        (`student.train.unsaved_reason`) nor of a state holding a non-finite value."""
+        from student import train
+
+        if (why := train.unsaved_reason(self._state)) is not None:
+            log.warning("checkpoint step %d not written: %s", step, why)
+            return
         extra = None if self._history is None else self._history.extra(step)
-        self._ckpt.save(step, self._state, data_state, force=True, extra=extra)
+        self._ckpt.save(step, train.saved(self._state), data_state, force=True, extra=extra)
 
     def wait_for_checkpoints(self) -> int | None:
         """Block until every started checkpoint is written; the latest step on disk."""
