@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from distill.config.model import (
     DTYPE_DOC,
@@ -147,8 +147,18 @@ class StudentConfig(Section):
     init: Literal["random", "from_teacher"] = Field(
         "random",
         description="random: fresh weights. from_teacher: the teacher's embeddings, final norm, "
-        "head and a subset of its layers (depth pruning); the student keeps the teacher's width.",
+        "head and a subset of its layers (depth pruning); the student keeps the teacher's width. "
+        "Ignored with student.checkpoint.",
     )
+    checkpoint: str | None = Field(
+        None,
+        description="A pretrained student: a local Hugging Face directory (config.json + "
+        "*.safetensors) of any supported family, the student's starting weights; student.model "
+        "is read from its config.json (keys set here must agree with it). It must share the "
+        "teacher's tokenizer (data.tokenizer); a resume starts from the run's own checkpoint.",
+    )
+    # The ModelConfig read from `checkpoint`'s config.json (set by `distill.config.load`).
+    _pretrained: ModelConfig | None = PrivateAttr(None)
     init_layers: list[int] | None = Field(
         None,
         description="from_teacher: the teacher layers to keep, increasing; default: "
@@ -421,13 +431,24 @@ class Config(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     def student_model(self) -> ModelConfig:
-        """The teacher's model schema with the student's overrides applied."""
+        """The teacher's model schema with the student's overrides applied; a pretrained
+        student's (`student.checkpoint`) is its config.json's, with only the runtime keys
+        (`RUNTIME_KEYS`) taken from the overrides."""
         overrides = self.student.model.model_dump(exclude_none=True)
-        merged = {**self.teacher.model.model_dump(), **overrides}
+        pretrained = self.student._pretrained
+        if pretrained is not None:
+            runtime = {k: overrides[k] for k in RUNTIME_KEYS if k in overrides}
+            merged = {**pretrained.model_dump(), **runtime}
+        else:
+            merged = {**self.teacher.model.model_dump(), **overrides}
         try:
             return ModelConfig(**merged)
         except ValidationError as e:
             raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
+
+    def vocab_sizes(self) -> tuple[int, int]:
+        """(teacher's, student's) model vocabulary sizes: equal, or differing by padding."""
+        return self.teacher.model.vocab_size, self.student_model().vocab_size
 
     def init_layers(self) -> list[int]:
         """The teacher layers a `from_teacher` student starts from (validated)."""

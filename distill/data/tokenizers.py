@@ -218,12 +218,13 @@ def build_tokenizer(cfg) -> Tokenizer:
     return load_tokenizer(cfg.tokenizer)
 
 
-def vocab_limit(tokenizer: Tokenizer, model_vocab: int) -> int | None:
-    """The ids a model must keep: the tokenizer's vocabulary size when the model's vocabulary
-    is padded past it (to a multiple of 64 or of ``tp``, as released checkpoints often are),
+def vocab_limit(tokenizer: Tokenizer, *model_vocabs: int) -> int | None:
+    """The ids the models must keep: the tokenizer's vocabulary size when any of the models'
+    vocabularies (the teacher's and the student's, which may be padded differently) is
+    padded past it (to a multiple of 64 or of ``tp``, as released checkpoints often are),
     else None. Logits of the padded ids are masked everywhere (teacher, student, evaluation),
     so no probability mass lands on ids the tokenizer never produces."""
-    return tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else None
+    return tokenizer.vocab_size if tokenizer.vocab_size < max(model_vocabs) else None
 
 
 # ----------------------------------------------------------------------------- export

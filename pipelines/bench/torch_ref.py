@@ -98,7 +98,7 @@ def torch_kd_bench(cfg: Config, repeats: int) -> dict:
     passive when torch was first imported by `modules`."""
     torch, transformers = modules()
     bsz, seq = cfg.train.batch_size, cfg.train.seq_len
-    live = vocab_limit(build_tokenizer(cfg.data), cfg.teacher.model.vocab_size)
+    live = vocab_limit(build_tokenizer(cfg.data), *cfg.vocab_sizes())
     threads, before = os.cpu_count() or 1, torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
