@@ -259,6 +259,8 @@ def export_files(tok: Tokenizer, out_dir: Path, max_length: int) -> dict[str, di
         }
         return {"tokenizer_config.json": config, "special_tokens_map.json": specials}
     shutil.copyfile(src, out_dir / "tokenizer.json")
+    if (src.parent / "chat_template.jinja").is_file():  # transformers 5 keeps it apart
+        shutil.copyfile(src.parent / "chat_template.jinja", out_dir / "chat_template.jinja")
     files = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (src.parent / name).is_file():

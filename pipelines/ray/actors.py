@@ -226,7 +226,6 @@ class StudentActor(_Member):
         from teacher.weights import student_init_params
 
         cfg = self._join(coordinator, n, i, platform)
-        scfg = cfg.student_model()
         tokenizer = self._load_data(cfg)
         limit = vocab_limit(tokenizer, *cfg.vocab_sizes())
         self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
