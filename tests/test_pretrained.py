@@ -133,3 +133,29 @@ def test_distil_resume_and_export_as_qwen3(dirs, corpus_dir, tmp_path, capsys):
     want = torch.log_softmax(torch.tensor(ours), -1).numpy()
     theirs = torch.log_softmax(torch.tensor(_hf_logits(got, batch.tokens)), -1).numpy()
     np.testing.assert_allclose(theirs, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("role", ["teacher", "student"])
+def test_score_matches_transformers(dirs, corpus_dir, tmp_path, capsys, role):
+    """`distill score --json`: the teacher on its tp=2 mesh, the student from its pretrained
+    weights (the run has no checkpoint); transformers' log-probs over the tokenizer's ids."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(_tree(dirs, corpus_dir, tmp_path / "out")))
+    text = tmp_path / "held_out.txt"
+    text.write_text("Distillation keeps what the teacher knows. ñ€ bytes too.\n")
+    assert main(["score", str(path), "--file", str(text), "--model", role, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = got["tokens"]
+    assert ids[0] == ByteTokenizer.bos_id and ids[-1] == ByteTokenizer.eos_id
+    assert len(got["logprobs"]) == len(ids) - 1
+    ref = (
+        dirs[2]
+        if role == "student"
+        else transformers.AutoModelForCausalLM.from_pretrained(str(dirs[0]), dtype=torch.float32)
+    )
+    z = torch.tensor(_hf_logits(ref, np.array([ids])))[0, :, :LIVE]
+    want = torch.log_softmax(z, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    np.testing.assert_allclose(got["logprobs"], want, atol=1e-4)
+    assert got["nll"] == pytest.approx(-want.mean(), abs=1e-4)
+    assert got["perplexity"] == pytest.approx(np.exp(-want.mean()), rel=1e-4)
+    assert main(["score", str(path), "--file", str(tmp_path / "missing.txt")]) == 2
