@@ -152,13 +152,11 @@ class StudentConfig(Section):
     )
     checkpoint: str | None = Field(
         None,
-        description="A pretrained student: a local Hugging Face directory (config.json + "
-        "*.safetensors) of any supported family, the student's starting weights; student.model "
-        "is read from its config.json (keys set here must agree with it). It must share the "
-        "teacher's tokenizer (data.tokenizer); a resume starts from the run's own checkpoint.",
+        description="A pretrained student's local Hugging Face directory (any supported "
+        "family): its starting weights, and student.model from its config.json (keys set here "
+        "must agree). Shares data.tokenizer; a resume starts from the run's own checkpoint.",
     )
-    # The ModelConfig read from `checkpoint`'s config.json (set by `distill.config.load`).
-    _pretrained: ModelConfig | None = PrivateAttr(None)
+    _pretrained: ModelConfig | None = PrivateAttr(None)  # config.json's, set by the loader
     init_layers: list[int] | None = Field(
         None,
         description="from_teacher: the teacher layers to keep, increasing; default: "
@@ -446,8 +444,8 @@ class Config(Section):
         except ValidationError as e:
             raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
 
-    def vocab_sizes(self) -> tuple[int, int]:
-        """(teacher's, student's) model vocabulary sizes: equal, or differing by padding."""
+    def vocab_sizes(self) -> tuple[int, int]:  # equal, or differing by padding
+        """(teacher's, student's) model vocabulary sizes."""
         return self.teacher.model.vocab_size, self.student_model().vocab_size
 
     def init_layers(self) -> list[int]:
