@@ -35,7 +35,7 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
     """The run's student on the training mesh: its state (resumed, or initialised), its
     compiled distillation step, its checkpoints and its side of evaluation; for on-policy
     runs, the recent parameters it generates with."""
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit)
     ckpt = run_checkpointer(cfg)
     history = None
@@ -84,7 +84,7 @@ def online_sources(
     samples = lambda: score(executor.state.params)  # noqa: E731
     if cfg.distill.on_policy.fraction == 0:
         return OnlineSource(cfg, corpus, teacher), samples
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     sampler = sampler_for(cfg, mesh, corpus.tokenizer, limit)
     return OnPolicySource(cfg, corpus, teacher, sampler, executor.history), samples
 

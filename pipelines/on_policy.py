@@ -181,7 +181,7 @@ class OnPolicySource(QueueSource):
 def sample_score(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, mesh: Mesh) -> SampleScore:
     """The run's sample metrics: the evaluation rows' prompts, continued on the training
     mesh `mesh` at temperature 1."""
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     sampler = sampler_for(cfg, mesh, corpus.tokenizer, limit, temperature=1.0)
     return SampleScore(cfg, eval_batches(cfg, corpus), sampler, teacher)
 

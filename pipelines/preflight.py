@@ -31,16 +31,13 @@ def check_shapes(cfg: Config) -> None:
     if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
         hf.check_checkpoint(cfg.teacher.checkpoint, t, tp)
     check_divisible(t, tp)
-    if s.vocab_size != t.vocab_size:
-        raise DistillError(
-            f"student.model.vocab_size: {s.vocab_size} differs from teacher.model.vocab_size "
-            f"{t.vocab_size}; teacher and student must share one vocabulary"
-        )
     check_batch_split(cfg)
     check_teacher_split(cfg)
-    if cfg.teacher.top_k is not None and cfg.teacher.top_k > t.vocab_size:
+    smallest = min(t.vocab_size, s.vocab_size)
+    if cfg.teacher.top_k is not None and cfg.teacher.top_k > smallest:
         raise DistillError(
-            f"teacher.top_k: {cfg.teacher.top_k} exceeds teacher.model.vocab_size {t.vocab_size}"
+            f"teacher.top_k: {cfg.teacher.top_k} exceeds the smaller model vocabulary "
+            f"({smallest}; teacher {t.vocab_size}, student {s.vocab_size})"
         )
 
 
@@ -160,10 +157,25 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
 
 def _corpus(cfg: Config) -> Corpus:
     corpus = load_corpus(cfg.data, cfg.train.seq_len)
-    if corpus.tokenizer.vocab_size > cfg.teacher.model.vocab_size:
-        raise DistillError(
-            f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "
-            f"tokenizer's vocabulary ({corpus.tokenizer.vocab_size}, data.tokenizer="
-            f"{cfg.data.tokenizer})"
-        )
+    check_vocabularies(cfg, corpus.tokenizer.vocab_size)
     return corpus
+
+
+def check_vocabularies(cfg: Config, live: int) -> None:
+    """Both models cover the tokenizer's `live` ids; their vocabularies may differ by padding
+    (masked everywhere). With differing vocabularies a top-k teacher keeps k <= `live`, so
+    that its ids are all live ones, which the student's vocabulary holds: a padded id is
+    masked to -inf and never outranks a live one."""
+    t, s = cfg.teacher.model, cfg.student_model()
+    for role, m in (("teacher", t), ("student", s)):
+        if live > m.vocab_size:
+            raise DistillError(
+                f"{role}.model.vocab_size: {m.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({live}, data.tokenizer={cfg.data.tokenizer})"
+            )
+    k = cfg.teacher.top_k
+    if t.vocab_size != s.vocab_size and k is not None and k > live:
+        raise DistillError(
+            f"teacher.top_k: {k} exceeds the tokenizer's {live} ids, and the teacher's and "
+            f"student's vocabularies differ ({t.vocab_size} vs {s.vocab_size})"
+        )

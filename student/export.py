@@ -1,6 +1,8 @@
-"""`distill export --format hf`: the student as a Hugging Face Llama directory.
+"""`distill export --format hf`: the student as a Hugging Face directory of its own family
+(`ModelConfig.family`: a pretrained student's, else its teacher's).
 
-The directory holds what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer` load:
+The directory holds what `AutoModelForCausalLM.from_pretrained` (as `Qwen3ForCausalLM`,
+`Gemma3ForCausalLM`, ...: `distill.models.hf_config`) and `AutoTokenizer` load:
 config.json, generation_config.json, model.safetensors (float32, one file: students are
 small, and the whole student passes through host memory once), the tokenizer, and
 distill.json: the step, and the identities of the teacher and tokenizer the student was
@@ -17,6 +19,7 @@ training (training also appends EOS after each document; generation stops there)
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from distill import storage
 from distill.config import Config, ModelConfig
 from distill.data.tokenizers import ByteTokenizer, export_files, load_tokenizer, vocab_limit
 from distill.errors import DistillError
-from distill.models import hf
+from distill.models import hf, hf_config
 from distill.observability.metrics_log import dumps
 
 PROVENANCE = "distill.json"  # the teacher and tokenizer the exported student was distilled with
@@ -50,8 +53,13 @@ def write_hf(
     max_position_embeddings: int,
     tokenizer: str = "bytes",
     provenance: dict | None = None,
+    generation_from: tuple[str | Path, ...] = (),
 ) -> Path:
-    """Write `params` as a Hugging Face Llama directory; returns its path.
+    """Write `params` as a Hugging Face directory of `cfg.family`; returns its path.
+
+    generation_config.json is copied from the first of the tokenizer's directory and
+    `generation_from` (e.g. a pretrained student's checkpoint) that holds one, so sampling
+    defaults and stop ids survive; else it names the tokenizer's BOS, EOS and PAD.
 
     A vocabulary padded past the tokenizer's is trimmed to it: training masks the padded
     ids, so the trimmed model's softmax is exactly the trained one's, and a sampler can
@@ -69,12 +77,8 @@ def write_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
-    config = hf.to_hf_config(cfg, max_position_embeddings=max_position_embeddings, **ids)
-    generation = {
-        "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eos_id,
-        "pad_token_id": tok.pad_id,
-    }
+    config = hf_config.to_hf_config(cfg, max_position_embeddings=max_position_embeddings, **ids)
+    generation = _generation_config(tok, (*(Path(f).parent for f in tok.files), *generation_from))
     files = {
         hf.CONFIG: config,
         "generation_config.json": generation,
@@ -91,6 +95,15 @@ def write_hf(
     tensors = {k: v.astype(np.float32) for k, v in hf_tensors(cfg, params).items()}
     save_file(tensors, str(out / hf.SINGLE_FILE), metadata={"format": "pt"})
     return out
+
+
+def _generation_config(tok, dirs) -> dict:
+    """The first generation_config.json found in `dirs`, else the tokenizer's special ids."""
+    for d in dirs:
+        found = Path(d) / "generation_config.json"
+        if found.is_file():
+            return json.loads(found.read_text())
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
 
 
 def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Path:
@@ -133,6 +146,7 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
         max_position_embeddings=cfg.train.seq_len,
         tokenizer=cfg.data.tokenizer,
         provenance=provenance,
+        generation_from=(cfg.student.checkpoint,) if cfg.student.checkpoint else (),
     )
     if not storage.is_remote(out):
         return write(Path(out))

@@ -46,10 +46,10 @@ def write_checkpoint(path: Path, cfg, shard_bytes: int) -> dict:
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from distill.models import hf
+    from distill.models import hf, hf_config
 
     path.mkdir(parents=True, exist_ok=True)
-    config = hf.to_hf_config(cfg, max_position_embeddings=4096, bos_id=1, eos_id=2)
+    config = hf_config.to_hf_config(cfg, max_position_embeddings=4096, bos_id=1, eos_id=2)
     (path / hf.CONFIG).write_text(dumps(config, indent=2))
     rng = np.random.default_rng(0)
     shards, current, size = [], {}, 0

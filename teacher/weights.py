@@ -4,8 +4,9 @@
 `<output_dir>/teacher`) or a Hugging Face directory (`teacher.hf`). `load_teacher` reads it
 straight into the layout of the inference mesh (split over `tp`, replicated over `dp`:
 `teacher.sharding`); `random_teacher` makes random weights in that layout (benchmarks);
-`student_init_params` reads the layers a `student.init: from_teacher` student starts from,
-into host memory.
+`student_init_params` reads what a student starts from into host memory: a pretrained
+student's own Hugging Face checkpoint (`student.checkpoint`), or the layers a
+`student.init: from_teacher` student keeps.
 """
 
 from __future__ import annotations
@@ -72,11 +73,17 @@ def random_teacher(cfg: Config, mesh) -> dict:
 
 
 def student_init_params(cfg: Config) -> dict | None:
-    """`student.init: from_teacher`: host float32 parameters of the student made of the
+    """Host float32 parameters the student starts from: a pretrained student's checkpoint
+    (`student.checkpoint`, read tensor by tensor); with `student.init: from_teacher` the
     teacher's embeddings, final norm, head and the layers `cfg.init_layers()`; None: random.
 
     A Hugging Face teacher is read tensor by tensor, only the tensors the student keeps; a
     distill checkpoint is read whole into host memory first."""
+    if cfg.student.checkpoint is not None:
+        from teacher.hf import read_hf_layers
+
+        scfg = cfg.student_model()
+        return read_hf_layers(cfg.student.checkpoint, scfg, list(range(scfg.n_layers)))
     if cfg.student.init != "from_teacher":
         return None
     layers, mcfg = cfg.init_layers(), cfg.teacher.model

@@ -52,7 +52,7 @@ CASES = [  # (--set overrides, text the one-line message must contain)
         "x 4 B x 2 buffers = 7.8 GiB per student device, over the fixed budget of a cpu device "
         "(4.0 GiB); set teacher.top_k",
     ),
-    (["student.model.vocab_size=300"], "student.model.vocab_size"),
+    (["student.model.vocab_size=200"], "student.model.vocab_size: 200 is smaller"),
     (["teacher.model.vocab_size=128"], "tokenizer"),
     (["data.source=/nonexistent/corpus"], "/nonexistent/corpus"),
     (["teacher.pretrain_steps=0", "teacher.checkpoint=/nonexistent/teacher"], "teacher.checkpoint"),

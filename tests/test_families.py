@@ -239,3 +239,35 @@ def test_depth_pruned_student_keeps_the_teachers_layer_types(gemma3_dir, corpus_
     tokens = _batch(LIVE).tokens
     out = model.apply(scfg, params, tokens, np.ones_like(tokens), np.arange(20)[None] + 0 * tokens)
     assert np.isfinite(np.asarray(out)).all()
+
+
+def test_export_in_the_students_own_family(family, tmp_path):
+    """`student.export.write_hf` of a model read from each family's checkpoint: transformers
+    loads it as that family's class and gives the original's log-probs."""
+    from student.export import write_hf
+
+    name, path, ref, want, batch = family
+    cfg = hf.read_model_config(path)
+    params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
+    out = write_hf(tmp_path / "export", cfg, params, max_position_embeddings=64)
+    got = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assert type(got) is type(ref), name
+    logp = torch.log_softmax(torch.tensor(_hf_logits(got, batch.tokens)), -1).numpy()
+    np.testing.assert_allclose(logp, want, atol=2e-5, rtol=1e-5, err_msg=name)
+    assert hf.read_model_config(out) == cfg
+
+
+def test_a_config_its_family_cannot_write_is_one_line():
+    from distill.models.hf_config import to_hf_config
+
+    with pytest.raises(
+        DistillError, match=r"student.model.qk_norm=True cannot be written as a llama"
+    ):
+        to_hf_config(ModelConfig(qk_norm=True), max_position_embeddings=64)
+    mixed = ModelConfig(
+        family="mistral", sliding_window=4, layer_types=("full",) * 3 + ("sliding",)
+    )
+    with pytest.raises(DistillError, match=r"layer_types=.*cannot be written as a mistral"):
+        to_hf_config(mixed, max_position_embeddings=64)

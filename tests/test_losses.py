@@ -246,3 +246,23 @@ def test_eval_metrics_matches_numpy():
     assert set(got) == set(want)
     for key, value in want.items():
         np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("v_teacher", [12, 16])
+def test_dense_teacher_of_another_padding_gives_the_same_divergence(v_teacher):
+    """Teacher and student vocabularies padded differently past 10 live ids (12 vs 14, 16 vs
+    14): the divergence equals the one with the teacher at the student's width."""
+    live, v_student = 10, 14
+    rng = np.random.default_rng(0)
+    zt = rng.normal(size=(2, 3, v_teacher)).astype(np.float32)
+    zt[..., live:] = -np.inf
+    lp = jax.nn.log_softmax(jnp.asarray(zt), axis=-1)
+    same = np.full((2, 3, v_student), -np.inf, np.float32)
+    same[..., :live] = np.asarray(lp)[..., :live]
+    zs = jnp.asarray(rng.normal(size=(2, 3, v_student)).astype(np.float32))
+    for loss in ("forward_kl", "reverse_kl", "jsd"):
+        cfg = DistillLossConfig(loss=loss)
+        got = kd_divergence(zs, TeacherOutput(lp, None), cfg, vocab_limit=live)
+        want = kd_divergence(zs, TeacherOutput(jnp.asarray(same), None), cfg, vocab_limit=live)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert np.isfinite(np.asarray(got)).all()

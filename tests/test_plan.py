@@ -65,3 +65,24 @@ def test_a_role_over_the_device_memory_is_one_line_naming_its_keys():
     on_policy = {**mem, "student": {**role, "param_history_bytes_per_device": 2**20}}
     with pytest.raises(DistillError, match="pipeline.max_staleness / distill.on_policy"):
         check_fits({**on_policy, "device_memory_bytes": 2 * 2**30})
+
+
+@pytest.mark.slow  # about a minute each on 2 cores: both real-size programs are compiled
+@pytest.mark.parametrize(
+    "path, teacher, student",
+    [
+        ("pipelines/qwen3-8b-to-1.7b.yaml", 8.191e9, 1.721e9),
+        ("pipelines/gemma3-12b-to-1b.yaml", 11.766e9, 0.9999e9),
+    ],
+)
+def test_shipped_family_pipelines_fit_80_gb_planned_on_cpu(capsys, path, teacher, student):
+    """Qwen3 8B -> 1.7B and Gemma 3 12B -> 1B at their released shapes, planned from shapes
+    alone on simulated CPU devices: both roles' compiled peaks fit an 80 GB GPU (in float32,
+    CPU's compute dtype; bfloat16 on the GPUs halves the teacher's weights)."""
+    cfg = load_config(path)
+    assert cfg.teacher.model.family == cfg.student_model().family
+    p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
+    for role in ("teacher", "student"):
+        assert p[role]["peak_bytes_per_device"] < 80e9, role
+    assert p["teacher"]["params"] == pytest.approx(teacher, rel=1e-3)
+    assert p["student"]["params"] == pytest.approx(student, rel=1e-3)

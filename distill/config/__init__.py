@@ -1,9 +1,11 @@
-"""The config tree: its schema (`schema`, with the shared model schema in `model`) and how
-a YAML file becomes a validated `Config` (`load`).
+"""The config tree: its schema (`schema`, with the shared model schema in `model` and the
+data section in `data`), how a YAML file becomes a validated `Config` (`load`), and the
+generated reference (`reference`).
 
 The schema's classes are importable from here: `from distill.config import Config`.
 """
 
+from distill.config.data import DataConfig
 from distill.config.model import (
     DTYPE_DOC,
     RUNTIME_KEYS,
@@ -16,7 +18,6 @@ from distill.config.model import (
 )
 from distill.config.schema import (
     Config,
-    DataConfig,
     DistillLossConfig,
     MeshConfig,
     OnPolicyConfig,

@@ -82,8 +82,12 @@ def config_from_dict(tree: dict) -> Config:
     except ValidationError as e:
         raise DistillError("\n".join(error_lines(e))) from None
     _resolve_teacher(cfg)
+    _resolve_student(cfg)
     cfg.student_model()  # validates the merged student shape
-    if cfg.student.init == "from_teacher":
+    if cfg.student.checkpoint is not None:
+        if cfg.student.init_layers is not None:
+            raise DistillError("student.init_layers: set, but student.checkpoint is set")
+    elif cfg.student.init == "from_teacher":
         cfg.init_layers()
     elif cfg.student.init_layers is not None:
         raise DistillError(
@@ -110,6 +114,61 @@ def _resolve_teacher(cfg: Config) -> None:
             "from a local directory; copy it to local disk first"
         )
     _teacher_model_from_hf(cfg)
+
+
+def _resolve_student(cfg: Config) -> None:
+    """A pretrained student (`student.checkpoint`): its model from its config.json, keys set
+    in `student.model` agreeing with it, and its tokenizer the run's."""
+    ckpt = cfg.student.checkpoint
+    if ckpt is None:
+        return
+    if "://" in ckpt or not hf.config_file(ckpt).is_file():
+        raise DistillError(
+            f"student.checkpoint: {ckpt} is not a local Hugging Face directory with a config.json"
+        )
+    derived = hf.read_model_config(ckpt)
+    given = cfg.student.model
+    for key in sorted(given.model_fields_set - set(RUNTIME_KEYS)):
+        value = getattr(given, key)
+        if value is not None and value != getattr(derived, key):
+            raise DistillError(
+                f"student.model.{key}: {value} differs from {getattr(derived, key)} in "
+                f"{hf.config_file(ckpt)}; a pretrained student's shape comes from its "
+                "config.json: leave student.model unset"
+            )
+    _check_student_tokenizer(cfg)
+    cfg.student._pretrained = derived
+
+
+def _check_student_tokenizer(cfg: Config) -> None:
+    """The student's own tokenizer.json, when its directory has one, must be the run's
+    (`data.tokenizer`): distillation here compares the two models id by id."""
+    own = Path(cfg.student.checkpoint) / "tokenizer.json"
+    if not own.is_file():
+        return
+    run = Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer != "bytes" else None
+    if run is not None and run.is_dir():
+        run = run / "tokenizer.json"
+    if run is None or not run.is_file() or _vocabulary(run) != _vocabulary(own):
+        raise DistillError(
+            f"student.checkpoint: {own} is not the run's tokenizer (data.tokenizer="
+            f"{cfg.data.tokenizer}); teacher and student must share one tokenizer here "
+            "(distilling across tokenizers is cross-tokenizer distillation, not supported by "
+            "this mode)"
+        )
+
+
+def _vocabulary(path: Path) -> object:
+    """What makes a tokenizer.json's ids: its model (vocabulary, merges) and added tokens;
+    None for a file that is not one (a SentencePiece model)."""
+    import json
+
+    try:
+        tree = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    added = [(t.get("id"), t.get("content")) for t in tree.get("added_tokens") or []]
+    return tree.get("model"), added
 
 
 def _teacher_model_from_hf(cfg: Config) -> None:

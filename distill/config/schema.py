@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
+from distill.config.data import DataConfig
 from distill.config.model import (
     DTYPE_DOC,
     RUNTIME_KEYS,
@@ -147,103 +148,21 @@ class StudentConfig(Section):
     init: Literal["random", "from_teacher"] = Field(
         "random",
         description="random: fresh weights. from_teacher: the teacher's embeddings, final norm, "
-        "head and a subset of its layers (depth pruning); the student keeps the teacher's width.",
+        "head and a subset of its layers (depth pruning); the student keeps the teacher's width. "
+        "Ignored with student.checkpoint.",
     )
+    checkpoint: str | None = Field(
+        None,
+        description="A pretrained student's local Hugging Face directory (any supported "
+        "family): its starting weights, and student.model from its config.json (keys set here "
+        "must agree). Shares data.tokenizer; a resume starts from the run's own checkpoint.",
+    )
+    _pretrained: ModelConfig | None = PrivateAttr(None)  # config.json's, set by the loader
     init_layers: list[int] | None = Field(
         None,
         description="from_teacher: the teacher layers to keep, increasing; default: "
         "student.model.n_layers of them evenly spaced, the first and last included.",
     )
-
-
-class DataConfig(Section):
-    source: str = Field(
-        ...,
-        description="A file, a directory, or a glob. '{stdlib}' expands to the Python "
-        "standard library directory of the running interpreter.",
-    )
-    include: list[str] = Field(
-        default_factory=lambda: ["**/*"], description="Glob patterns within a directory."
-    )
-    exclude: list[str] = Field(default_factory=list, description="Glob patterns to skip.")
-    format: Literal[
-        "auto", "text", "jsonl", "parquet", "arrayrecord", "chat", "prompt_completion"
-    ] = Field(
-        "auto",
-        description="auto: .jsonl/.json files are JSONL, .parquet Parquet, .array_record/"
-        ".arrayrecord ArrayRecord of token ids (docs/guides/teacher-and-data.md), the rest text. "
-        "chat: conversations (data.messages_field) of JSONL or Parquet records through the chat "
-        "template; prompt_completion: plain-text pairs (data.prompt_field, data.completion_field"
-        "). See docs/guides/chat-data.md.",
-    )
-    text_field: str = Field(
-        "text", description="The text field of JSONL records and the text column of Parquet."
-    )
-    prompt_field: str | None = Field(
-        None,
-        description="On-policy prompts: this field of the JSONL records / column of the Parquet "
-        "files of data.source; None: the first distill.on_policy.prompt_len tokens of rows. "
-        "With data.format prompt_completion it is the pairs' prompt (default 'prompt'), which "
-        "on-policy steps then continue.",
-    )
-    completion_field: str = Field(
-        "completion", description="data.format prompt_completion: the pairs' completion field."
-    )
-    messages_field: str = Field(
-        "messages",
-        description="data.format chat: the field (column) holding each conversation, a list of "
-        "{role, content} messages.",
-    )
-    chat_template: str | None = Field(
-        None,
-        description="A Jinja chat template file; None: the template saved beside data.tokenizer "
-        "(chat_template.jinja, or chat_template in tokenizer_config.json).",
-    )
-    train_on: Literal["assistant", "all"] = Field(
-        "assistant",
-        description="chat and prompt_completion data: the loss counts the assistant's tokens "
-        "(the completion of a pair), or all tokens. Plain text always trains on every token.",
-    )
-    long_conversations: Literal["truncate", "split"] = Field(
-        "truncate",
-        description="A conversation longer than a row (train.seq_len + 1 tokens) is cut to one "
-        "row (counted and warned), or split over rows.",
-    )
-    max_bad_fraction: float = Field(
-        0.01,
-        ge=0,
-        le=1,
-        description="chat and prompt_completion data: the run stops before device work when a "
-        "larger share of records is malformed (each kind is counted and reported).",
-    )
-    tokenizer: str = Field(
-        "bytes",
-        description="'bytes' (built-in byte-level), or a path to a Hugging Face tokenizer.json "
-        "or a SentencePiece .model.",
-    )
-    max_bytes: int | None = Field(
-        None, ge=1, description="Stop reading the corpus after this many bytes."
-    )
-    eval_fraction: float = Field(
-        0.02, gt=0, lt=1, description="Fraction of documents held out for evaluation."
-    )
-    eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
-    prepared_dir: str | None = Field(
-        None,
-        description="Directory of the corpus tokenised and packed by `distill prepare`. Set: "
-        "`distill prepare` writes it and runs read their rows from it, not from data.source.",
-    )
-
-    @property
-    def is_examples(self) -> bool:
-        """Whether the data are conversations or pairs (packed whole, with loss masks)."""
-        return self.format in ("chat", "prompt_completion")
-
-    @model_validator(mode="after")
-    def _pairs_prompt(self) -> DataConfig:
-        if self.format == "prompt_completion" and self.prompt_field is None:
-            self.prompt_field = "prompt"
-        return self
 
 
 class OnPolicyConfig(Section):
@@ -428,13 +347,24 @@ class Config(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     def student_model(self) -> ModelConfig:
-        """The teacher's model schema with the student's overrides applied."""
+        """The teacher's model schema with the student's overrides applied; a pretrained
+        student's (`student.checkpoint`) is its config.json's, with only the runtime keys
+        (`RUNTIME_KEYS`) taken from the overrides."""
         overrides = self.student.model.model_dump(exclude_none=True)
-        merged = {**self.teacher.model.model_dump(), **overrides}
+        pretrained = self.student._pretrained
+        if pretrained is not None:
+            runtime = {k: overrides[k] for k in RUNTIME_KEYS if k in overrides}
+            merged = {**pretrained.model_dump(), **runtime}
+        else:
+            merged = {**self.teacher.model.model_dump(), **overrides}
         try:
             return ModelConfig(**merged)
         except ValidationError as e:
             raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
+
+    def vocab_sizes(self) -> tuple[int, int]:  # equal, or differing by padding
+        """(teacher's, student's) model vocabulary sizes."""
+        return self.teacher.model.vocab_size, self.student_model().vocab_size
 
     def init_layers(self) -> list[int]:
         """The teacher layers a `from_teacher` student starts from (validated)."""

@@ -218,12 +218,13 @@ def build_tokenizer(cfg) -> Tokenizer:
     return load_tokenizer(cfg.tokenizer)
 
 
-def vocab_limit(tokenizer: Tokenizer, model_vocab: int) -> int | None:
-    """The ids a model must keep: the tokenizer's vocabulary size when the model's vocabulary
-    is padded past it (to a multiple of 64 or of ``tp``, as released checkpoints often are),
+def vocab_limit(tokenizer: Tokenizer, *model_vocabs: int) -> int | None:
+    """The ids the models must keep: the tokenizer's vocabulary size when any of the models'
+    vocabularies (the teacher's and the student's, which may be padded differently) is
+    padded past it (to a multiple of 64 or of ``tp``, as released checkpoints often are),
     else None. Logits of the padded ids are masked everywhere (teacher, student, evaluation),
     so no probability mass lands on ids the tokenizer never produces."""
-    return tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else None
+    return tokenizer.vocab_size if tokenizer.vocab_size < max(model_vocabs) else None
 
 
 # ----------------------------------------------------------------------------- export
@@ -258,6 +259,8 @@ def export_files(tok: Tokenizer, out_dir: Path, max_length: int) -> dict[str, di
         }
         return {"tokenizer_config.json": config, "special_tokens_map.json": specials}
     shutil.copyfile(src, out_dir / "tokenizer.json")
+    if (src.parent / "chat_template.jinja").is_file():  # transformers 5 keeps it apart
+        shutil.copyfile(src.parent / "chat_template.jinja", out_dir / "chat_template.jinja")
     files = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (src.parent / name).is_file():

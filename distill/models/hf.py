@@ -2,8 +2,9 @@
 Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3 text (`MODEL_TYPES`).
 
 Only the format lives here, without JAX, because the config loader reads config.json before
-JAX starts. `teacher.hf` loads a checkpoint into the tensor-parallel layout and
-`student.export` writes one.
+JAX starts. `teacher.hf` loads a checkpoint into the tensor-parallel layout,
+`distill.models.hf_config` writes a config.json back, and `student.export` writes a
+checkpoint with these names.
 
 Weights: Hugging Face stores `nn.Linear` weights as [out, in] per layer
 (`model.layers.{i}.self_attn.q_proj.weight`, ...); distill stores `x @ W` weights as
@@ -174,6 +175,11 @@ def read_model_config(path: str | Path) -> ModelConfig:
         raw = json.loads(where.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DistillError(f"{where}: not readable JSON: {e}") from None
+    return model_config_from_raw(raw, where)
+
+
+def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
+    """`read_model_config` of a parsed config.json; `where` names it in errors."""
     kind = raw.get("model_type")
     if kind not in MODEL_TYPES:
         raise DistillError(
@@ -284,70 +290,6 @@ def _local_theta(raw: dict, where: Path) -> float | None:
             f"{local['rope_type']!r} is not supported (only default)"
         )
     return float(local.get("rope_theta", 10000.0))
-
-
-# The ModelConfig keys a Llama config.json holds; the rest must keep their defaults to export.
-LLAMA_KEYS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-    "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "attention",
-)  # fmt: skip
-
-
-def _non_llama(cfg: ModelConfig) -> str:
-    default = ModelConfig()
-    return ", ".join(
-        f"{k}={getattr(cfg, k)!r}"
-        for k in ModelConfig.model_fields
-        if k not in (*LLAMA_KEYS, "family") and getattr(cfg, k) != getattr(default, k)
-    )
-
-
-def to_hf_config(
-    cfg: ModelConfig,
-    *,
-    max_position_embeddings: int,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
-    dtype: str = "float32",
-) -> dict:
-    """A LlamaForCausalLM config.json for `cfg` (the older rope_theta/rope_scaling layout,
-    which transformers 4 reads and transformers 5 converts)."""
-    llama = ModelConfig(**{k: getattr(cfg, k) for k in LLAMA_KEYS})
-    if cfg.model_copy(update={"family": "llama", "attention": cfg.attention}) != llama:
-        raise DistillError(
-            f"export: a {cfg.family} model (with {_non_llama(cfg)}) is written as Llama only; "
-            "export in its own family is not supported yet"
-        )
-    scaling = None
-    if cfg.rope_scaling is not None:
-        scaling = cfg.rope_scaling.model_dump()
-        scaling["rope_type"] = scaling.pop("type")
-        if scaling["rope_type"] == "linear":
-            scaling = {"rope_type": "linear", "factor": scaling["factor"]}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.hd,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "torch_dtype": dtype,
-    }
 
 
 # ----------------------------------------------------------------------------- weights

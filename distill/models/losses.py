@@ -29,6 +29,20 @@ PADDED_LOGIT = -1e30
 TAIL_FLOOR = float(jnp.finfo(jnp.float32).eps)
 
 
+def fit_vocab(x_bsv: jax.Array, v: int, fill: float = -jnp.inf) -> jax.Array:
+    """Teacher log-probs or logits [B, S, V_teacher] at the student's vocabulary width `v`:
+    the vocabularies differ only in padding past the tokenizer's ids (masked in both), so
+    the teacher's extra padded ids are dropped, or the student's extra ones given `fill`
+    (the teacher's masked value)."""
+    have = x_bsv.shape[-1]
+    if have > v:
+        return x_bsv[..., :v]
+    if have < v:
+        pad = [(0, 0)] * (x_bsv.ndim - 1) + [(0, v - have)]
+        return jnp.pad(x_bsv, pad, constant_values=fill)
+    return x_bsv
+
+
 def _masked_mean(x_bs: jax.Array, mask_bs: jax.Array) -> jax.Array:
     mask_bs = mask_bs.astype(jnp.float32)
     total = jnp.sum(jnp.where(mask_bs > 0, x_bs * mask_bs, 0.0))
@@ -124,6 +138,8 @@ def kd_divergence(
     lse = jax.nn.logsumexp(zt, axis=-1)
     lq = zt - lse[..., None]
     lp = jax.lax.stop_gradient(teacher.logprobs.astype(jnp.float32))
+    if teacher.ids is None:
+        lp = fit_vocab(lp, zt.shape[-1])
     live = zt.shape[-1] if vocab_limit is None else min(vocab_limit, zt.shape[-1])
     if teacher.ids is not None and teacher.ids.shape[-1] < zt.shape[-1]:
         ids = teacher.ids.astype(jnp.int32)
@@ -181,7 +197,7 @@ def eval_metrics(
     argmaxes agree.
     """
     s = student_logits.astype(jnp.float32)
-    t = teacher_logits.astype(jnp.float32)
+    t = fit_vocab(teacher_logits.astype(jnp.float32), s.shape[-1])
     kl = _kl(jax.nn.log_softmax(t, axis=-1), jax.nn.log_softmax(s, axis=-1))
     agree = (jnp.argmax(s, axis=-1) == jnp.argmax(t, axis=-1)).astype(jnp.float32)
     return {

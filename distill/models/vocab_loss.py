@@ -32,7 +32,7 @@ import numpy as np
 
 from distill.collectives import mask_vocab
 from distill.config import DistillLossConfig
-from distill.models.losses import PADDED_LOGIT, _kl, _token_ce, kd_divergence
+from distill.models.losses import PADDED_LOGIT, _kl, _token_ce, fit_vocab, kd_divergence
 from distill.types import TeacherOutput
 
 # One chunk's float32 logits on one device, by default: a few such temporaries live at once.
@@ -240,7 +240,7 @@ def eval_metrics_chunked(
     raw logits [B, S, V] (read one chunk at a time), never whole. Same keys."""
 
     def token_fn(s_bcv: jax.Array, t: Tree) -> Tree:
-        t_bcv = t["teacher"].astype(jnp.float32)
+        t_bcv = fit_vocab(t["teacher"].astype(jnp.float32), s_bcv.shape[-1])
         ls, lt = jax.nn.log_softmax(s_bcv, axis=-1), jax.nn.log_softmax(t_bcv, axis=-1)
         agree = jnp.argmax(s_bcv, axis=-1) == jnp.argmax(t_bcv, axis=-1)
         return {

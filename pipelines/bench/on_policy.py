@@ -50,7 +50,7 @@ def bench_on_policy(cfg: Config, corpus: Corpus, meshes: Meshes, repeats: int = 
 
 
 def _parts_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: int) -> dict:
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     scfg = cfg.student_model()
     t_params = _teacher_params(cfg, meshes, tmp)
     prompt_len, _ = cfg.distill.on_policy.lengths(cfg.train.seq_len)

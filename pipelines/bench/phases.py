@@ -230,7 +230,7 @@ def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
     host_batch = next(it)
     t_batch = jax.device_put(host_batch, teacher_sharding.batch_sharding(meshes.teacher))
     s_put = train.batch_sharding(meshes.student)
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     res, fwd = teacher_phases_ms(cfg, meshes.teacher, t_params, t_batch, limit, repeats)
     outs = {m: handoff.hop(fwd[m](t_params, t_batch), s_put) for m in ("dense", "topk")}
     s_batch = jax.device_put(host_batch, s_put)

@@ -47,7 +47,7 @@ def bench_role(cfg: Config, role: str, repeats: int = 10) -> dict:
     """Every figure of `distill bench --role ROLE` (module docstring)."""
     corpus = preflight_role(cfg, role)
     mesh = role_mesh(cfg, role)
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
+    limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     host_batch = next(corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed))
     if role == "teacher":
         mem, _ = plan_memory.teacher_memory(cfg, mesh, limit)

@@ -7,7 +7,8 @@ vocabulary + (1 - alpha) * CE on the next tokens, gradient clipping (`optim.clip
 then `torch.optim.AdamW` (`optim.lr` held constant, betas, weight decay on matrices only, as
 distill's optimizer) and `zero_grad(set_to_none=True)`. Both models are random
 `LlamaForCausalLM`s in float32 with SDPA attention, built from the config.json distill
-exports (`distill.models.hf.to_hf_config`), so their shapes are the teacher's and the student's.
+exports (`distill.models.hf_config.to_hf_config`), so their shapes are the teacher's and
+the student's.
 
 A batch is `train.batch_size` rows of `train.seq_len` + 1 random token ids (seeded by
 `run.seed`) below the tokenizer's vocabulary: the first `seq_len` are the input and the last
@@ -28,7 +29,7 @@ import time
 from distill.config import Config, ModelConfig, OptimConfig
 from distill.data.tokenizers import build_tokenizer, vocab_limit
 from distill.errors import DistillError
-from distill.models import hf
+from distill.models import hf_config
 
 WARMUP_STEPS = 3
 WINDOW_STEPS = 5
@@ -53,7 +54,7 @@ def kd_loss(student_logits, teacher_logits, targets, alpha: float, temperature: 
 def hf_llama(transformers, mcfg: ModelConfig, seq_len: int):
     """A random float32 `LlamaForCausalLM` of `mcfg`'s shape, SDPA attention."""
     config = transformers.LlamaConfig.from_dict(
-        hf.to_hf_config(mcfg, max_position_embeddings=seq_len),
+        hf_config.to_hf_config(mcfg, max_position_embeddings=seq_len),
         attn_implementation="sdpa",
         use_cache=False,
     )
@@ -98,7 +99,7 @@ def torch_kd_bench(cfg: Config, repeats: int) -> dict:
     passive when torch was first imported by `modules`."""
     torch, transformers = modules()
     bsz, seq = cfg.train.batch_size, cfg.train.seq_len
-    live = vocab_limit(build_tokenizer(cfg.data), cfg.teacher.model.vocab_size)
+    live = vocab_limit(build_tokenizer(cfg.data), *cfg.vocab_sizes())
     threads, before = os.cpu_count() or 1, torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

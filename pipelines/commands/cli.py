@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         "bench": "time each phase and the pipelined step; prints one JSON object last",
         "cache-teacher": "store top-k teacher outputs for teacher.source cache; one JSON line",
         "prepare": "tokenise and pack the corpus into data.prepared_dir once; one JSON line",
+        "score": "print a model's mean NLL and perplexity on a text file (one document)",
     }
     for name, text in helps.items():
         c = sub.add_parser(name, help=text, description=text)
@@ -47,9 +48,22 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["prepare"].add_argument(
         "--rows-per-shard", type=int, default=None, metavar="N", help="rows per shard"
     )
+    sc = sub.choices["score"]
+    sc.add_argument("--file", required=True, metavar="TEXT", help="a UTF-8 text file")
+    sc.add_argument(
+        "--model",
+        choices=["teacher", "student"],
+        default="teacher",
+        help="student: the run's latest checkpoint, else its initial weights",
+    )
+    sc.add_argument(
+        "--json", action="store_true", help="one object: tokens and each next token's log-prob"
+    )
     e = sub.add_parser("export", help="write a run's latest student checkpoint as a model dir")
     e.add_argument("output_dir", help="the run's output_dir (config.yaml and checkpoints/)")
-    e.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face Llama")
+    e.add_argument(
+        "--format", choices=["hf"], default="hf", help="hf: Hugging Face, the student's family"
+    )
     e.add_argument("--out", default=None, help="destination (default: OUTPUT_DIR/hf)")
     g = sub.add_parser(
         "generate", help="print samples from a run's latest student checkpoint (or teacher)"
@@ -166,6 +180,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(dumps(s) if args.json else f"--- {s['model']}, {s['tokens']} tokens\n{text}")
 
 
+def cmd_score(args: argparse.Namespace) -> None:
+    from pipelines.commands.score import score
+
+    result = score(_config(args), args.file, args.model)
+    if args.json:
+        print(dumps(result))
+    else:
+        n = len(result["logprobs"])
+        print(
+            f"{result['model']}: {n} tokens, mean NLL {result['nll']:.4f} nats, "
+            f"perplexity {result['perplexity']:.3f}"
+        )
+
+
 def cmd_validate(args: argparse.Namespace) -> None:
     from pipelines.commands import run
 
@@ -265,6 +293,7 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "export": cmd_export,
     "generate": cmd_generate,
+    "score": cmd_score,
     "dashboard": cmd_dashboard,
 }
 

@@ -58,7 +58,7 @@ def _tokenizer_if_present(cfg: Config):
 
 
 def _memory(cfg: Config, meshes: Meshes, tokenizer) -> dict:
-    limit = vocab_limit(tokenizer, cfg.teacher.model.vocab_size) if tokenizer else None
+    limit = vocab_limit(tokenizer, *cfg.vocab_sizes()) if tokenizer else None
     return plan_memory.memory(cfg, meshes, limit)
 
 

@@ -229,9 +229,8 @@ class StudentActor(_Member):
         from teacher.weights import student_init_params
 
         cfg = self._join(coordinator, n, i, platform)
-        scfg = cfg.student_model()
         tokenizer = self._load_data(cfg)
-        limit = vocab_limit(tokenizer, scfg.vocab_size)
+        limit = vocab_limit(tokenizer, *cfg.vocab_sizes())
         self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
         self._owners = ray_rows.row_owners(self._split)

@@ -1,0 +1,100 @@
+"""The `data` section: where the corpus is, its format (text, JSONL, Parquet, ArrayRecord,
+chat, prompt/completion pairs), its tokenizer and chat template, and the held-out split."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from distill.config.model import Section
+
+
+class DataConfig(Section):
+    source: str = Field(
+        ...,
+        description="A file, a directory, or a glob. '{stdlib}' expands to the Python "
+        "standard library directory of the running interpreter.",
+    )
+    include: list[str] = Field(
+        default_factory=lambda: ["**/*"], description="Glob patterns within a directory."
+    )
+    exclude: list[str] = Field(default_factory=list, description="Glob patterns to skip.")
+    format: Literal[
+        "auto", "text", "jsonl", "parquet", "arrayrecord", "chat", "prompt_completion"
+    ] = Field(
+        "auto",
+        description="auto: .jsonl/.json files are JSONL, .parquet Parquet, .array_record/"
+        ".arrayrecord ArrayRecord of token ids (docs/guides/teacher-and-data.md), the rest text. "
+        "chat: conversations (data.messages_field) of JSONL or Parquet records through the chat "
+        "template; prompt_completion: plain-text pairs (data.prompt_field, data.completion_field"
+        "). See docs/guides/chat-data.md.",
+    )
+    text_field: str = Field(
+        "text", description="The text field of JSONL records and the text column of Parquet."
+    )
+    prompt_field: str | None = Field(
+        None,
+        description="On-policy prompts: this field of the JSONL records / column of the Parquet "
+        "files of data.source; None: the first distill.on_policy.prompt_len tokens of rows. "
+        "With data.format prompt_completion it is the pairs' prompt (default 'prompt'), which "
+        "on-policy steps then continue.",
+    )
+    completion_field: str = Field(
+        "completion", description="data.format prompt_completion: the pairs' completion field."
+    )
+    messages_field: str = Field(
+        "messages",
+        description="data.format chat: the field (column) holding each conversation, a list of "
+        "{role, content} messages.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file; None: the template saved beside data.tokenizer "
+        "(chat_template.jinja, or chat_template in tokenizer_config.json).",
+    )
+    train_on: Literal["assistant", "all"] = Field(
+        "assistant",
+        description="chat and prompt_completion data: the loss counts the assistant's tokens "
+        "(the completion of a pair), or all tokens. Plain text always trains on every token.",
+    )
+    long_conversations: Literal["truncate", "split"] = Field(
+        "truncate",
+        description="A conversation longer than a row (train.seq_len + 1 tokens) is cut to one "
+        "row (counted and warned), or split over rows.",
+    )
+    max_bad_fraction: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="chat and prompt_completion data: the run stops before device work when a "
+        "larger share of records is malformed (each kind is counted and reported).",
+    )
+    tokenizer: str = Field(
+        "bytes",
+        description="'bytes' (built-in byte-level), or a path to a Hugging Face tokenizer.json "
+        "or a SentencePiece .model.",
+    )
+    max_bytes: int | None = Field(
+        None, ge=1, description="Stop reading the corpus after this many bytes."
+    )
+    eval_fraction: float = Field(
+        0.02, gt=0, lt=1, description="Fraction of documents held out for evaluation."
+    )
+    eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
+    prepared_dir: str | None = Field(
+        None,
+        description="Directory of the corpus tokenised and packed by `distill prepare`. Set: "
+        "`distill prepare` writes it and runs read their rows from it, not from data.source.",
+    )
+
+    @property
+    def is_examples(self) -> bool:
+        """Whether the data are conversations or pairs (packed whole, with loss masks)."""
+        return self.format in ("chat", "prompt_completion")
+
+    @model_validator(mode="after")
+    def _pairs_prompt(self) -> DataConfig:
+        if self.format == "prompt_completion" and self.prompt_field is None:
+            self.prompt_field = "prompt"
+        return self

@@ -1,0 +1,146 @@
+"""ModelConfig -> a Hugging Face config.json in the model's own family (`ModelConfig.family`):
+the inverse of `distill.models.hf.read_model_config`, which checks every file written here.
+
+Each family's keys are written as its transformers configuration class reads them (Qwen's
+`use_sliding_window` and explicit `layer_types`, Gemma's `query_pre_attn_scalar` and
+soft-caps, Gemma 3's per-layer-type `rope_parameters`). The written file is read back by the
+loader and must give the same model: a config its family cannot express (a Llama with query
+norms, a Mistral mixing full and sliding layers) is one DistillError line naming the key.
+"""
+
+from __future__ import annotations
+
+from distill.config import RUNTIME_KEYS, ModelConfig
+from distill.errors import DistillError
+from distill.models import hf
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+_TYPE_NAMES = {v: k for k, v in hf.LAYER_TYPES.items()}  # full -> full_attention, ...
+_ACT_NAMES = {v: k for k, v in hf.ACTIVATIONS.items()}
+
+
+def to_hf_config(
+    cfg: ModelConfig,
+    *,
+    max_position_embeddings: int,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    dtype: str = "float32",
+) -> dict:
+    """A config.json of `cfg`'s family that transformers loads as that family's model and
+    that `hf.read_model_config` reads back as `cfg` (runtime keys aside)."""
+    raw = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.hd,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,  # Qwen2's q, k, v biases are implied by its model_type
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": dtype,
+        **_rope(cfg),
+        **_windows(cfg),
+    }
+    act = "hidden_activation" if cfg.family in hf.GEMMA else "hidden_act"
+    raw[act] = _ACT_NAMES[cfg.activation]
+    if cfg.family == "llama":
+        raw["mlp_bias"] = False
+    if cfg.family in hf.GEMMA:
+        scalar = cfg.scale() ** -2
+        whole = abs(scalar - round(scalar)) < 1e-6  # written as the integer it was read from
+        raw["query_pre_attn_scalar"] = round(scalar) if whole else scalar
+        raw["final_logit_softcapping"] = cfg.final_softcap
+        if cfg.family == "gemma2":
+            raw["attn_logit_softcapping"] = cfg.attn_softcap
+    _check_round_trip(cfg, raw)
+    return raw
+
+
+def _scaling(cfg: ModelConfig) -> dict | None:
+    if cfg.rope_scaling is None:
+        return None
+    scaling = cfg.rope_scaling.model_dump()
+    scaling["rope_type"] = scaling.pop("type")
+    if scaling["rope_type"] == "linear":
+        scaling = {"rope_type": "linear", "factor": scaling["factor"]}
+    return scaling
+
+
+def _rope(cfg: ModelConfig) -> dict:
+    """The older rope_theta/rope_scaling layout (transformers 4 reads it, 5 converts it),
+    except for Gemma 3 with its own local base: transformers 5's per-layer-type
+    `rope_parameters`."""
+    scaling = _scaling(cfg)
+    if cfg.family != "gemma3_text" or "full" not in cfg.types():
+        return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
+    full = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
+    local = cfg.rope_local_theta
+    if local is None:  # the sliding layers share the full layers' RoPE
+        local = cfg.rope_theta
+    return {
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+    }
+
+
+def _windows(cfg: ModelConfig) -> dict:
+    """sliding_window and the per-layer types, in the keys each family reads."""
+    types = cfg.types()
+    if "sliding" not in types:
+        keys = {"sliding_window": None}
+        if cfg.family in ("qwen2", "qwen3"):
+            keys["use_sliding_window"] = False
+        if cfg.family not in ("llama", "mistral"):
+            keys["layer_types"] = [_TYPE_NAMES[t] for t in types]
+        return keys
+    keys = {"sliding_window": cfg.sliding_window}
+    if cfg.family in ("qwen2", "qwen3"):
+        keys["use_sliding_window"] = True
+        keys["max_window_layers"] = types.index("sliding")
+    if cfg.family not in ("llama", "mistral"):
+        keys["layer_types"] = [_TYPE_NAMES[t] for t in types]
+    return keys
+
+
+def _comparable(cfg: ModelConfig) -> dict:
+    """`cfg`'s keys that say what the model computes, in one spelling: per-layer types
+    whatever says them, a local RoPE base equal to the global one when unset."""
+    keys = cfg.model_dump(exclude=set(RUNTIME_KEYS))
+    keys["layer_types"] = cfg.types()
+    if keys["rope_local_theta"] is None and cfg.rope_scaling is None:
+        keys["rope_local_theta"] = cfg.rope_theta
+    if "sliding" not in cfg.types():
+        keys["sliding_window"] = keys["rope_local_theta"] = None
+    return keys
+
+
+def _check_round_trip(cfg: ModelConfig, raw: dict) -> None:
+    """The loader reads `raw` back as `cfg`, else one line naming the first key lost."""
+    where = f"export ({cfg.family} config.json)"
+    back = _comparable(hf.model_config_from_raw(raw, where))
+    want = _comparable(cfg)
+    for key, value in want.items():
+        if back[key] != value:
+            raise DistillError(
+                f"export: student.model.{key}={value!r} cannot be written as a {cfg.family} "
+                f"checkpoint (its config.json would say {back[key]!r})"
+            )
