@@ -11,8 +11,9 @@ each KV head is repeated so that every shard holds the one KV head its query hea
 (`expand_kv_heads`).
 
 Activations: the batch comes in rows split over `dp` and `ep` (each tensor-parallel group
-runs its own rows, replicated over its `tp` devices; attention is data-parallel over `ep`); outputs go out batch-major, whole rows split
-over every device of the mesh (`dp` major, `tp` minor), so that moving them to the
+runs its own rows, replicated over its `tp` devices; attention is data-parallel over
+`ep`); outputs go out batch-major, whole rows split over every device of the mesh (`dp`
+major, `tp` minor), so that moving them to the
 student's batch sharding is a copy of each device's buffer (`distill.handoff`).
 """
 
@@ -96,9 +97,7 @@ def layer_spec(cfg: ModelConfig, key: str) -> P:
     return LAYER_SPECS[key]
 
 
-def check_divisible(
-    cfg: ModelConfig, tp: int, where: str = "teacher.model", ep: int = 1
-) -> None:
+def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model", ep: int = 1) -> None:
     """Raise DistillError naming the field that `tp` (or `ep`) does not divide."""
     if cfg.n_experts and cfg.n_experts % ep:
         raise DistillError(

@@ -140,7 +140,9 @@ def test_dispatch_equals_the_per_token_reference(ep):
         y, (load, dropped) = moe.moe_ffn(h, p, cfg, tp_axis=None, ep_axis=EP)
         return y, jax.lax.psum(load, EP), jax.lax.psum(dropped, EP)
 
-    run = jax.shard_map(f, mesh=mesh, in_specs=(jax.P(EP), specs), out_specs=(jax.P(EP), jax.P(), jax.P()))
+    run = jax.shard_map(
+        f, mesh=mesh, in_specs=(jax.P(EP), specs), out_specs=(jax.P(EP), jax.P(), jax.P())
+    )
     y, load, dropped = jax.jit(run)(h, p)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5, rtol=1e-5)
     assert int(load.sum()) == 24 * 3 and int(dropped) == 0

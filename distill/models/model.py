@@ -202,7 +202,8 @@ class Block(nnx.Module):
         dense MLP, the routed experts (`distill.models.moe`), or in a model mixing both,
         the one this layer's scanned flag picks (`jax.lax.cond`: one compiled block)."""
         cfg = self.cfg
-        none = (jnp.zeros((cfg.n_experts,), jnp.int32), jnp.zeros((), jnp.int32))
+        zero = jnp.zeros_like(h_bsd[0, 0, 0], jnp.int32)  # varying over the mesh as h is
+        none = (jnp.broadcast_to(zero, (cfg.n_experts,)), zero)
 
         def routed(h):
             experts = {k: getattr(self, k) for k in ("router", "we_gate", "we_up", "we_down")}

@@ -81,7 +81,7 @@ def _slots(ids_a, weights_a, n_local: int, n_shards: int, cap: int | None, slots
     return order, dest, slot, keep
 
 
-def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis, capacity_factor=None, act=jax.nn.silu):
+def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None, act=jax.nn.silu):
     """The mixture of experts' output [B, S, D] on h [B, S, D] (the normed residual) and
     (tokens per expert [E] routed from these rows, assignments dropped): weights `p` with
     router [D, E], we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]."""
