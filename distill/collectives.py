@@ -114,3 +114,20 @@ def gather_vocab(x_bsv: jax.Array, axis: str) -> jax.Array:
     """[B, S, V/n] vocabulary shards -> [B, S, V] on every shard of `axis` (when the rows
     do not split n ways): an all-gather, typed replicated."""
     return jax.lax.all_gather(x_bsv, axis, axis=x_bsv.ndim - 1, tiled=True, to="invarying")
+
+
+# -- expert parallelism ---------------------------------------------------------------------
+
+
+def all_to_all(x_n: jax.Array, axis: str | None) -> jax.Array:
+    """Block j of the leading axis [n, ...] goes to shard j of `axis`; what arrives is
+    stacked in sender order (expert dispatch and its return trip). With `axis` None, n is 1
+    and nothing moves."""
+    if axis is None:
+        return x_n
+    return jax.lax.all_to_all(x_n, axis, split_axis=0, concat_axis=0, tiled=True)
+
+
+def axis_size(axis: str | None) -> int:
+    """Shards along `axis`; 1 on the unsharded path."""
+    return 1 if axis is None else jax.lax.axis_size(axis)

@@ -18,6 +18,9 @@ from distill.config import Config
 from distill.errors import DistillError
 
 TP = "tp"  # the inference mesh's tensor-parallel axis
+# The inference mesh's expert-parallel axis: a mixture of experts' experts split over it,
+# its tokens (rows) split over it for attention (data-parallel there).
+EP = "ep"
 # The data-parallel axis of both meshes: batch rows split over it. One name serves both
 # because the meshes are separate objects and a sharding names its own mesh.
 DP = "dp"
@@ -35,14 +38,16 @@ def devices_needed(cfg: Config) -> int:
 
 
 def teacher_shape(cfg: Config) -> dict[str, int]:
-    """The inference mesh's axes and sizes: {dp: ..., tp: ...} (tp innermost, so each
-    tensor-parallel group is a run of neighbouring devices)."""
-    return {DP: cfg.mesh.teacher.dp, TP: cfg.mesh.teacher.tp}
+    """The inference mesh's axes and sizes: {dp: ..., ep: ..., tp: ...} (tp innermost, so
+    each tensor-parallel group is a run of neighbouring devices; ep next, as the all-to-all
+    of expert dispatch is the next busiest)."""
+    t = cfg.mesh.teacher
+    return {DP: t.dp, EP: t.ep, TP: t.tp}
 
 
 def teacher_size(cfg: Config) -> int:
-    """Devices of the inference mesh: dp * tp."""
-    return cfg.mesh.teacher.dp * cfg.mesh.teacher.tp
+    """Devices of the inference mesh: dp * ep * tp."""
+    return math.prod(teacher_shape(cfg).values())
 
 
 def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
@@ -52,12 +57,12 @@ def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
     return " x ".join(keys)
 
 
-def teacher_mesh(devices: list, dp: int, tp: int):
-    """The inference mesh over `devices` (dp * tp of them): axes (DP, TP), laid out by
-    `device_grid`."""
+def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1):
+    """The inference mesh over `devices` (dp * ep * tp of them): axes (DP, EP, TP), laid out
+    by `device_grid`."""
     from jax.sharding import Mesh
 
-    return Mesh(device_grid(devices, (dp, tp)), (DP, TP))
+    return Mesh(device_grid(devices, (dp, ep, tp)), (DP, EP, TP))
 
 
 def student_mesh(devices: list, dp: int, fsdp: int):
@@ -230,7 +235,7 @@ def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class Meshes:
-    teacher: object  # jax.sharding.Mesh, axes (DP, TP)
+    teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP)
     student: object  # jax.sharding.Mesh, axes (DP, FSDP)
     platform: str
 
@@ -252,13 +257,18 @@ class Meshes:
         }
 
 
+def _dp_tp_ep(cfg: Config) -> tuple[int, int, int]:
+    t = cfg.mesh.teacher
+    return t.dp, t.tp, t.ep
+
+
 def build_meshes(cfg: Config) -> Meshes:
     devices = available_devices(cfg.mesh.platform)
     platform = devices[0].platform
     check_fit(cfg, len(devices), platform)
     t, s = _device_ids(cfg)
     return Meshes(
-        teacher=teacher_mesh([devices[i] for i in t], cfg.mesh.teacher.dp, cfg.mesh.teacher.tp),
+        teacher=teacher_mesh([devices[i] for i in t], *_dp_tp_ep(cfg)),
         student=student_mesh([devices[i] for i in s], cfg.mesh.student.dp, cfg.mesh.student.fsdp),
         platform=platform,
     )
@@ -276,7 +286,7 @@ def role_mesh(cfg: Config, role: str):
         )
     r = getattr(cfg.mesh, role)
     if role == "teacher":
-        return teacher_mesh(devices[:size], r.dp, r.tp)
+        return teacher_mesh(devices[:size], *_dp_tp_ep(cfg))
     return student_mesh(devices[:size], r.dp, r.fsdp)
 
 

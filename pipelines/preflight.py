@@ -30,7 +30,7 @@ def check_shapes(cfg: Config) -> None:
     tp = cfg.mesh.teacher.tp
     if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
         hf.check_checkpoint(cfg.teacher.checkpoint, t, tp)
-    check_divisible(t, tp)
+    check_divisible(t, tp, ep=cfg.mesh.teacher.ep)
     check_batch_split(cfg)
     check_teacher_split(cfg)
     smallest = min(t.vocab_size, s.vocab_size)
@@ -63,8 +63,11 @@ def check_teacher_split(cfg: Config) -> None:
     """Every dp group of the inference mesh gets its own rows, `teacher.microbatch` of
     them per forward (a microbatch as large as the group's rows is all of them)."""
     bsz, dp, micro = cfg.train.batch_size, cfg.mesh.teacher.dp, cfg.teacher.microbatch
-    if bsz % dp:
-        raise DistillError(f"train.batch_size: {bsz} is not divisible by mesh.teacher.dp={dp}")
+    ep = cfg.mesh.teacher.ep  # attention is data-parallel over ep: its groups own rows too
+    if bsz % (dp * ep):
+        keys = f"mesh.teacher.dp={dp}" + (f" x mesh.teacher.ep={ep}" if ep > 1 else "")
+        raise DistillError(f"train.batch_size: {bsz} is not divisible by {keys}")
+    dp *= ep
     if micro is not None and micro < bsz // dp and (bsz // dp) % micro:
         raise DistillError(
             f"teacher.microbatch: {micro} does not divide the {bsz // dp} rows of each teacher "

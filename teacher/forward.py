@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill import programs
 from distill.config import Config, ModelConfig
-from distill.mesh import TP
+from distill.mesh import EP, TP
 from distill.models import model
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
@@ -44,6 +44,7 @@ def make_forward(
     dtype: str = "float32",
     vocab_limit: int | None = None,
     microbatch: int | None = None,
+    capacity_factor: float | None = None,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
     (axes `dp` x `tp`: `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp`.
@@ -54,6 +55,9 @@ def make_forward(
 
     `microbatch`: rows per forward in each dp group (at most: the largest divisor of the
     group's rows not above it); None: all of them at once.
+
+    `capacity_factor`: a mixture of experts' per-expert capacity (`distill.models.moe`);
+    None: dropless. Its experts are split over the mesh's `ep` axis.
 
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
@@ -66,9 +70,11 @@ def make_forward(
     def outputs(params, batch: Batch):
         """What `mode` returns for some rows: top-k replicated over `tp`, else
         vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at a time."""
+        moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
         x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP, dtype=dtype
-        )  # [b, S, D], [D, V/tp]
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
+            dtype=dtype, moe_opts=moe_opts,
+        )  # fmt: skip  # [b, S, D], [D, V/tp]
         chunk = default_chunk(head.shape[-1], x.shape[0])
         return by_positions(lambda x_c: head_outputs(x_c, head), x, chunk)
 
@@ -170,4 +176,5 @@ def make_output_forward(cfg: Config, mesh, vocab_limit: int | None):
         dtype=cfg.teacher.dtype,
         vocab_limit=vocab_limit,
         microbatch=cfg.teacher.microbatch,
+        capacity_factor=cfg.teacher.moe_capacity_factor,
     )

@@ -63,7 +63,7 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
         with safe_open(Path(path) / file, framework="numpy") as f:
             for name in by_file[file]:
                 key, layer, transposed = needed[name]
-                key_reps = reps if key in sharding.KV_KEYS else 1
+                key_reps = reps if key in sharding.kv_keys(cfg) else 1
                 read = _reader(f.get_slice(name), key_reps, cfg.hd, dtype)
                 shape = _stored_shape(cfg, key, key_reps)
                 if layer is None:  # transposed on the host, one device's slice at a time
@@ -74,14 +74,19 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
                     )
                     continue
                 target = targets["layers"][key]
+                slot = layer if isinstance(layer, tuple) else (layer,)  # (layer, expert)
+                lead = (1,) * len(slot)
                 one = jax.make_array_from_callback(
-                    (1, *shape), _as_stored(target, transposed), _once_per_index(_one_layer(read))
+                    (*lead, *shape),
+                    _as_stored(target, transposed, len(slot)),
+                    _once_per_index(_leading(read, len(slot))),
                 )
                 stacked = params["layers"].get(key)
                 if stacked is None:
                     layout = shape[::-1] if transposed else shape
-                    stacked = jnp.zeros((cfg.n_layers, *layout), one.dtype, device=target)
-                stacked = _set_layer(stacked, one, np.int32(layer), transposed)
+                    outer = (cfg.n_layers, cfg.n_experts)[: len(slot)]
+                    stacked = jnp.zeros((*outer, *layout), one.dtype, device=target)
+                stacked = _set_layer(stacked, one, tuple(map(np.int32, slot)), transposed)
                 params["layers"][key] = stacked.block_until_ready()
     return params
 
@@ -97,17 +102,17 @@ def read_hf_layers(path: str | Path, cfg: ModelConfig, layers: list[int]) -> dic
     for file in sorted(set(files[n] for n in needed)):
         with safe_open(Path(path) / file, framework="numpy") as f:
             for name, (key, layer, transposed) in needed.items():
-                if files[name] != file or (layer is not None and layer not in slot):
+                i, expert = layer if isinstance(layer, tuple) else (layer, None)
+                if files[name] != file or (layer is not None and i not in slot):
                     continue
                 x = np.asarray(f.get_tensor(name), np.float32)
                 x = x.T if transposed else x
                 if layer is None:
                     params[key] = x
-                else:
-                    stacked = params["layers"].setdefault(
-                        key, np.empty((len(layers), *x.shape), np.float32)
-                    )
-                    stacked[slot[layer]] = x
+                    continue
+                outer = (len(layers),) if expert is None else (len(layers), cfg.n_experts)
+                stacked = params["layers"].setdefault(key, np.zeros((*outer, *x.shape), np.float32))
+                stacked[(slot[i],) if expert is None else (slot[i], expert)] = x
     return params
 
 
@@ -117,12 +122,14 @@ def _stored_shape(cfg: ModelConfig, key: str, reps: int) -> tuple[int, ...]:
     return (rows * reps, *rest)
 
 
-def _as_stored(target: NamedSharding, transposed: bool) -> NamedSharding:
-    """The sharding of the stored [out, in] layout whose transpose has `target`'s layout."""
-    if not transposed:
-        return target
-    *lead, a, b = target.spec  # every transposed weight's spec names both matrix axes
-    return NamedSharding(target.mesh, P(*lead, b, a))
+def _as_stored(target: NamedSharding, transposed: bool, lead: int = 1) -> NamedSharding:
+    """The sharding of one stored tensor, with `lead` leading axes of size 1 (its layer, its
+    expert), in the stored [out, in] layout whose transpose has `target`'s layout. The
+    size-1 axes are unsplit (one expert is not split over `ep`)."""
+    *_, a, b = target.spec  # every stacked weight's spec names both matrix axes
+    if len(target.spec) == lead + 1:  # a vector (norm, bias)
+        return NamedSharding(target.mesh, P(*(None,) * lead, b))
+    return NamedSharding(target.mesh, P(*(None,) * lead, *((b, a) if transposed else (a, b))))
 
 
 def _reader(sl, reps: int, hd: int, dtype) -> Callable[[Index], np.ndarray]:
@@ -162,9 +169,9 @@ def _once_per_index(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np
     return read_once
 
 
-def _one_layer(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.ndarray]:
-    """The callback of a [1, ...] single-layer array."""
-    return lambda index: read(index[1:])[None]
+def _leading(read: Callable[[Index], np.ndarray], n: int) -> Callable[[Index], np.ndarray]:
+    """The callback of a [1, ...] single-layer array ([1, 1, ...]: one layer's expert)."""
+    return lambda index: read(index[n:])[(None,) * n]
 
 
 def _transposed(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.ndarray]:
@@ -175,8 +182,9 @@ def _transposed(read: Callable[[Index], np.ndarray]) -> Callable[[Index], np.nda
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _set_layer(stacked_l: jax.Array, one_1: jax.Array, layer, transposed: bool) -> jax.Array:
-    """stacked[layer] = one[0] (transposed from [out, in] on the devices), in place: the
-    stacked buffer is donated."""
-    one_1 = jnp.swapaxes(one_1, 1, 2) if transposed else one_1
-    return jax.lax.dynamic_update_slice_in_dim(stacked_l, one_1.astype(stacked_l.dtype), layer, 0)
+def _set_layer(stacked_l: jax.Array, one_1: jax.Array, slot, transposed: bool) -> jax.Array:
+    """stacked[slot] = one[0] (slot: a layer, or a layer and an expert; transposed from
+    [out, in] on the devices), in place: the stacked buffer is donated."""
+    one_1 = jnp.swapaxes(one_1, -1, -2) if transposed else one_1
+    starts = (*slot, *(0,) * (stacked_l.ndim - len(slot)))
+    return jax.lax.dynamic_update_slice(stacked_l, one_1.astype(stacked_l.dtype), starts)

@@ -1,16 +1,19 @@
-"""The teacher's layout on the inference mesh (axes `dp` x `tp`): one PartitionSpec per
+"""The teacher's layout on the inference mesh (axes `dp` x `ep` x `tp`): one PartitionSpec per
 weight, and the specs of the batch going in and the outputs coming out.
 
 Weights, Megatron-style over `tp` and replicated over `dp`: column-parallel in (QKV, gate,
 up: output features split over `tp`), row-parallel out (attention output and down
 projections: input features split, summed by `psum`), vocab-parallel embedding and LM head.
-Layer weights carry a leading stacked-layer axis. When there are fewer KV heads than `tp`,
+Layer weights carry a leading stacked-layer axis. A mixture of experts' expert weights
+[L, E, ...] are split over `ep` by expert and over `tp` as a dense MLP's; its router is
+replicated. When there are fewer KV heads than `tp`,
 each KV head is repeated so that every shard holds the one KV head its query heads use
 (`expand_kv_heads`).
 
-Activations: the batch comes in rows split over `dp` (each tensor-parallel group runs its
-own rows, replicated over its `tp` devices); outputs go out batch-major, whole rows split
-over every device of the mesh (`dp` major, `tp` minor), so that moving them to the
+Activations: the batch comes in rows split over `dp` and `ep` (each tensor-parallel group
+runs its own rows, replicated over its `tp` devices; attention is data-parallel over
+`ep`); outputs go out batch-major, whole rows split over every device of the mesh (`dp`
+major, `tp` minor), so that moving them to the
 student's batch sharding is a copy of each device's buffer (`distill.handoff`).
 """
 
@@ -23,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.mesh import DP, TP
+from distill.mesh import DP, EP, TP
 from distill.models import model
 
 LAYER_SPECS = {
@@ -43,14 +46,26 @@ LAYER_SPECS = {
     "w_gate": P(None, None, TP),  # [L, D, F]
     "w_up": P(None, None, TP),
     "w_down": P(None, TP, None),  # [L, F, D]
+    "router": P(None, None, None),  # [L, D, E] replicated: every device routes its tokens
+    "we_gate": P(None, EP, None, TP),  # [L, E, D, F] experts over ep, columns over tp
+    "we_up": P(None, EP, None, TP),
+    "we_down": P(None, EP, TP, None),  # [L, E, F, D]
 }
+# OLMoE's query/key norms span all heads' features: split over tp as the projections.
+FULL_QK_NORM_SPECS = {"q_norm": P(None, TP), "k_norm": P(None, TP)}
 
 # The layer weights whose columns are KV heads: repeated when there are fewer than `tp`.
 KV_KEYS = ("wk", "wv", "bk", "bv")
 
-BATCH_BS = P(DP)  # [B, S] batch fields: rows split over dp, replicated over tp
-OUT_ROWS = P((DP, TP))  # [B, S, k or V] outputs: whole rows split over every device
-OUT_ROWS_DP = P(DP)  # the same when B is not a multiple of dp * tp: replicated over tp
+
+def kv_keys(cfg: ModelConfig) -> tuple[str, ...]:
+    """`KV_KEYS`, and OLMoE's key norm, which spans the KV heads' features."""
+    return (*KV_KEYS, "k_norm") if cfg.qk_norm_full else KV_KEYS
+
+
+BATCH_BS = P((DP, EP))  # [B, S] batch fields: rows split over dp and ep, replicated over tp
+OUT_ROWS = P((DP, EP, TP))  # [B, S, k or V] outputs: whole rows split over every device
+OUT_ROWS_DP = P((DP, EP))  # the same when B is not a multiple of the devices: kept over tp
 
 
 def out_spec(rows: int, mesh) -> P:
@@ -68,17 +83,33 @@ def param_specs(cfg: ModelConfig) -> dict:
     specs = {
         "embed": P(TP, None),  # [V, D] vocab-parallel
         "final_norm": P(None),
-        "layers": {k: LAYER_SPECS[k] for k in model.abstract_params(cfg)["layers"]},
+        "layers": {k: layer_spec(cfg, k) for k in model.abstract_params(cfg)["layers"]},
     }
     if not cfg.tie_embeddings:
         specs["lm_head"] = P(None, TP)  # [D, V] vocab-parallel
     return specs
 
 
-def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model") -> None:
-    """Raise DistillError naming the field that `tp` does not divide."""
-    for field in ("n_heads", "d_ff", "vocab_size"):
-        value = getattr(cfg, field)
+def layer_spec(cfg: ModelConfig, key: str) -> P:
+    """The PartitionSpec of layer weight `key` of `cfg`'s model."""
+    if cfg.qk_norm_full and key in FULL_QK_NORM_SPECS:
+        return FULL_QK_NORM_SPECS[key]
+    return LAYER_SPECS[key]
+
+
+def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model", ep: int = 1) -> None:
+    """Raise DistillError naming the field that `tp` (or `ep`) does not divide."""
+    if cfg.n_experts and cfg.n_experts % ep:
+        raise DistillError(
+            f"{where}.n_experts: {cfg.n_experts} is not divisible by mesh.teacher.ep={ep}"
+        )
+    if ep > 1 and not cfg.n_experts:
+        raise DistillError(f"mesh.teacher.ep: {ep} needs a mixture of experts (n_experts > 0)")
+    fields = ["n_heads", "vocab_size"]
+    fields += ["d_ff"] if cfg.has_dense_ffn() else []
+    fields += ["d_ff_expert"] if cfg.n_experts else []
+    for field in fields:
+        value = cfg.f_expert if field == "d_ff_expert" else getattr(cfg, field)
         if value % tp:
             raise DistillError(f"{where}.{field}: {value} is not divisible by mesh.teacher.tp={tp}")
     kv = cfg.n_kv_heads
@@ -103,7 +134,7 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
         return jnp.repeat(w.reshape(*lead, cfg.n_kv_heads, hd), reps, axis=-2).reshape(*lead, -1)
 
     layers = dict(params["layers"])
-    for key in KV_KEYS:
+    for key in kv_keys(cfg):
         if key in layers:
             layers[key] = rep(layers[key])
     return dict(params, layers=layers)

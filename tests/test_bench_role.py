@@ -40,7 +40,7 @@ def test_one_role_alone(tmp_path, corpus_dir, capsys, role):
     text, result = out.out.strip().splitlines(), json.loads(out.out.strip().splitlines()[-1])
     assert result["role"] == role
     if role == "teacher":
-        assert result["mesh"] == {"dp": 1, "tp": 4}
+        assert result["mesh"] == {"dp": 1, "ep": 1, "tp": 4}
         keys = ("teacher_plain_ms", "teacher_dense_ms", "teacher_topk_ms", "teacher_ms")
         mfu, mem = result["teacher_mfu"], result["teacher_forward_temp_bytes_per_device"]
     else:

@@ -170,7 +170,7 @@ def test_load_teacher_dispatches_to_hf(hf_teacher, corpus_dir, tmp_path, dp):
     mesh = _mesh(2, dp)
     params = load_teacher(cfg, mesh)
     assert params["layers"]["wq"].sharding.spec == P(None, None, "tp")
-    assert params["layers"]["wq"].sharding.mesh.shape == {"dp": dp, "tp": 2}
+    assert params["layers"]["wq"].sharding.mesh.shape == {"dp": dp, "ep": 1, "tp": 2}
     batch = _batch(260, b=2, s=8)
     ref = _hf_logits(transformers.LlamaForCausalLM.from_pretrained(str(hf_teacher)), batch.tokens)
     out = make_forward(cfg.teacher.model, mesh, mode="logits")(params, batch)

@@ -47,7 +47,7 @@ def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
     for role in ("teacher", "student"):
         assert p[role]["peak_bytes_per_device"] < 80e9, role
-    assert p["layout"]["teacher"]["shape"] == {"dp": 4, "tp": 1}
+    assert p["layout"]["teacher"]["shape"] == {"dp": 4, "ep": 1, "tp": 1}
     assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 4}
     assert p["student"]["params"] == pytest.approx(1.236e9, rel=1e-3)
 

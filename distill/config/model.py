@@ -58,7 +58,9 @@ def backend_problem(backend: str, softcap: bool, mixed_windows: bool) -> str | N
 
 
 # Checkpoint families whose config.json and tensor names `distill.models.hf` reads.
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+Family = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"
+]
 LayerType = Literal["full", "sliding"]
 
 # ModelConfig keys that say how the model runs, not what its weights are: never compared
@@ -128,6 +130,28 @@ class ModelConfig(Section):
         gt=0,
         description="Sliding layers' RoPE base, unscaled (Gemma 3); None: as the full layers.",
     )
+    qk_norm_full: bool = Field(
+        False,
+        description="The query/key RMSNorm spans all heads' features together, not each head "
+        "(OLMoE); with qk_norm.",
+    )
+    n_experts: int = Field(
+        0, ge=0, description="Routed experts per MoE layer; 0: every feed-forward is dense."
+    )
+    experts_per_token: int = Field(2, ge=1, description="Experts each token is routed to (top-k).")
+    d_ff_expert: int | None = Field(
+        None, ge=1, description="Each expert's SwiGLU hidden width; None: d_ff."
+    )
+    norm_topk_prob: bool = Field(
+        False,
+        description="Renormalise the top-k router probabilities to sum to 1 (Mixtral always; "
+        "Qwen3-MoE and OLMoE per their config).",
+    )
+    dense_layers: tuple[int, ...] = Field(
+        (),
+        description="In an MoE model, the layers whose feed-forward is the dense one (d_ff) "
+        "(Qwen's mlp_only_layers and decoder_sparse_step).",
+    )
     attention: AttentionBackend = Field(
         "auto",
         description="Attention kernel. auto: cuDNN flash on GPU (bfloat16, no soft-cap), splash "
@@ -151,6 +175,15 @@ class ModelConfig(Section):
                 )
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types: sliding layers need sliding_window")
+        if self.n_experts:
+            if self.experts_per_token > self.n_experts:
+                raise ValueError(
+                    f"experts_per_token: {self.experts_per_token} exceeds n_experts "
+                    f"{self.n_experts}"
+                )
+            bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise ValueError(f"dense_layers: layer {bad[0]} is not in 0..{self.n_layers - 1}")
         softcap = self.attn_softcap is not None
         problem = backend_problem(self.attention, softcap, self.mixed_layers())
         if problem:
@@ -170,6 +203,23 @@ class ModelConfig(Section):
     def mixed_layers(self) -> bool:
         """Whether layers differ in window or RoPE (then each layer's are scanned data)."""
         return len(set(self.types())) > 1
+
+    @property
+    def f_expert(self) -> int:
+        return self.d_ff_expert or self.d_ff
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its feed-forward is the routed mixture of experts."""
+        dense = set(self.dense_layers)
+        return tuple(bool(self.n_experts) and i not in dense for i in range(self.n_layers))
+
+    def has_dense_ffn(self) -> bool:
+        """Whether any layer runs the dense feed-forward (every layer of a dense model)."""
+        return not all(self.moe_layers())
+
+    def mixed_ffn(self) -> bool:
+        """Whether dense and MoE feed-forwards alternate (then a per-layer flag is scanned)."""
+        return len(set(self.moe_layers())) > 1
 
     def scale(self) -> float:
         """The attention score scale."""

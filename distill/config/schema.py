@@ -53,6 +53,13 @@ class TeacherMesh(Section):
         description="Data-parallel degree of the inference mesh (dp x tp devices): the "
         "teacher's batch split over dp groups of tp devices, its weights replicated over dp.",
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel degree of the inference mesh (dp x ep x tp devices): a "
+        "mixture of experts' experts split over ep, tokens sent to their experts' devices and "
+        "back (all-to-all); attention data-parallel over ep. Divides teacher.model.n_experts.",
+    )
     tp: int = Field(1, ge=1, description="Tensor-parallel degree of the inference mesh.")
     hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(
@@ -111,6 +118,14 @@ class TeacherConfig(Section):
         description="Rows per teacher forward in each mesh.teacher.dp group: the group's rows "
         "of a batch run this many at a time (peak memory bounded by one microbatch); None: all "
         "at once.",
+    )
+    moe_capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        description="A mixture-of-experts teacher's per-expert capacity, as a multiple of an "
+        "even share of each device's tokens: assignments past it are dropped (lowest router "
+        "probability first) for throughput, so the student's target is no longer the model's "
+        "own. None: dropless, exact.",
     )
     pretrain_steps: int = Field(
         0, ge=0, description="If the checkpoint is missing, train the teacher this long first."

@@ -110,7 +110,7 @@ def decode_step(
             q, k_l, v_l, valid, scale=cfg.query_scale, softcap=cfg.attn_softcap, window=window,
             index=index,
         )  # fmt: skip
-        x = block.finish(x, o, None)
+        x, _ = block.finish(x, o, None, layer)
         return _constrain(x, rows), (k_l, v_l)
 
     x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, model.layer_data(cfg))

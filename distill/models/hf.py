@@ -1,5 +1,6 @@
 """The Hugging Face format on disk: config.json <-> ModelConfig, weight names, shards, for
-Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3 text (`MODEL_TYPES`).
+Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3 text, and the mixtures of experts
+Mixtral, Qwen3-MoE and OLMoE (`MODEL_TYPES`).
 
 Only the format lives here, without JAX, because the config loader reads config.json before
 JAX starts. `teacher.hf` loads a checkpoint into the tensor-parallel layout,
@@ -26,7 +27,9 @@ CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # config.json model_type: what `distill.config.ModelConfig.family` records.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"
+)  # fmt: skip
 GEMMA = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -63,6 +66,19 @@ QK_NORMS = {
     "q_norm": ("self_attn.q_norm.weight", False),
     "k_norm": ("self_attn.k_norm.weight", False),
 }
+# A mixture of experts' layer: the router after `model.layers.{i}.{prefix}`, each expert's
+# weights after `model.layers.{i}.{prefix}experts.{j}.` (transformers 5 fuses the experts in
+# memory but saves them one by one, as the published checkpoints are).
+MOE_PREFIX = {"mixtral": "block_sparse_moe."}  # others: "mlp."
+EXPERT_WEIGHTS = {
+    "mixtral": {"we_gate": "w1.weight", "we_up": "w3.weight", "we_down": "w2.weight"},
+    "default": {
+        "we_gate": "gate_proj.weight",
+        "we_up": "up_proj.weight",
+        "we_down": "down_proj.weight",
+    },
+}
+DENSE_FFN = ("w_gate", "w_up", "w_down")
 # distill top-level weight -> (name, stored transposed)
 TOP_WEIGHTS = {
     "embed": ("model.embed_tokens.weight", False),
@@ -94,16 +110,27 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     for key, (name, transposed) in TOP_WEIGHTS.items():
         if key != "lm_head" or not cfg.tie_embeddings:
             names[name] = (key, None, transposed)
+    moe_layers = cfg.moe_layers()
+    prefix = MOE_PREFIX.get(cfg.family, "mlp.")
+    experts = EXPERT_WEIGHTS.get(cfg.family, EXPERT_WEIGHTS["default"])
     for i in range(cfg.n_layers):
         for key, (name, transposed) in layer_weights(cfg).items():
-            names[f"model.layers.{i}.{name}"] = (key, i, transposed)
+            if not (moe_layers[i] and key in DENSE_FFN):
+                names[f"model.layers.{i}.{name}"] = (key, i, transposed)
+        if not moe_layers[i]:
+            continue
+        names[f"model.layers.{i}.{prefix}gate.weight"] = ("router", i, True)
+        for j in range(cfg.n_experts):  # an expert's weight: its layer and expert, (i, j)
+            for key, name in experts.items():
+                names[f"model.layers.{i}.{prefix}experts.{j}.{name}"] = (key, (i, j), True)
     return names
 
 
 def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     """The Hugging Face shape of one layer's (or a top-level) weight."""
-    d, v, f = cfg.d_model, cfg.vocab_size, cfg.d_ff
+    d, v, f, fe = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.f_expert
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
+    full = cfg.qk_norm_full
     return {
         "embed": (v, d),
         "final_norm": (d,),
@@ -112,8 +139,8 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "mlp_norm": (d,),
         "post_attn_norm": (d,),
         "post_mlp_norm": (d,),
-        "q_norm": (cfg.hd,),
-        "k_norm": (cfg.hd,),
+        "q_norm": (q if full else cfg.hd,),
+        "k_norm": (kv if full else cfg.hd,),
         "bq": (q,),
         "bk": (kv,),
         "bv": (kv,),
@@ -124,6 +151,10 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "w_gate": (f, d),
         "w_up": (f, d),
         "w_down": (d, f),
+        "router": (cfg.n_experts, d),
+        "we_gate": (fe, d),
+        "we_up": (fe, d),
+        "we_down": (d, fe),
     }[key]
 
 
@@ -193,6 +224,8 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
         "attention_bias": bool(raw.get("attention_bias")),
         "mlp_bias": bool(raw.get("mlp_bias")),
         "use_bidirectional_attention": bool(raw.get("use_bidirectional_attention")),
+        "clip_qkv": raw.get("clip_qkv") is not None,
+        "shared_expert_intermediate_size": bool(raw.get("shared_expert_intermediate_size")),
     }
     for key, bad in unsupported.items():
         if bad:
@@ -228,8 +261,10 @@ def _family_keys(raw: dict, kind: str, where: Path) -> dict:
     keys: dict = {"family": kind, **_windows(raw, kind, where)}
     if kind == "qwen2":
         keys["qkv_bias"] = True  # Qwen2's q, k, v projections always have biases
-    if kind in ("qwen3", "gemma3_text"):
+    if kind in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"):
         keys["qk_norm"] = True
+    if kind in MOE_TYPES:
+        keys.update(_experts(raw, kind))
     if kind in GEMMA:
         scalar = raw.get("query_pre_attn_scalar", 256)
         keys.update(
@@ -243,6 +278,29 @@ def _family_keys(raw: dict, kind: str, where: Path) -> dict:
     return keys
 
 
+MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+
+
+def _experts(raw: dict, kind: str) -> dict:
+    """The mixture-of-experts keys: Mixtral always renormalises its top-k probabilities (it
+    takes the softmax of the top-k logits); OLMoE's query/key norms span all heads; Qwen
+    keeps the layers of `mlp_only_layers`, and those off its `decoder_sparse_step`, dense."""
+    n = raw.get("num_experts", raw.get("num_local_experts"))
+    keys = {
+        "n_experts": n,
+        "experts_per_token": raw.get("num_experts_per_tok", 2),
+        "norm_topk_prob": kind == "mixtral" or bool(raw.get("norm_topk_prob")),
+    }
+    if kind == "qwen3_moe":
+        keys["d_ff_expert"] = raw["moe_intermediate_size"]
+        only, step = set(raw.get("mlp_only_layers") or []), raw.get("decoder_sparse_step", 1)
+        moe = [i not in only and (i + 1) % step == 0 for i in range(raw["num_hidden_layers"])]
+        keys["dense_layers"] = tuple(i for i, m in enumerate(moe) if not m)
+    if kind == "olmoe":
+        keys["qk_norm_full"] = True
+    return keys
+
+
 def _windows(raw: dict, kind: str, where: Path) -> dict:
     """sliding_window, layer_types and the sliding layers' RoPE base, from `layer_types` when
     config.json has it, else from each family's own keys."""
@@ -252,17 +310,17 @@ def _windows(raw: dict, kind: str, where: Path) -> dict:
         if bad:
             raise DistillError(f"{where}: layer_types entry {bad[0]!r} is not supported")
         types = [LAYER_TYPES[t] for t in raw["layer_types"]]
-    elif kind == "mistral":
+    elif kind in ("mistral", "mixtral"):
         types = ["sliding" if window else "full"] * n
-    elif kind in ("qwen2", "qwen3"):
+    elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         first = raw.get("max_window_layers", n) if raw.get("use_sliding_window") else n
         types = ["sliding" if window and i >= first else "full" for i in range(n)]
     elif kind in GEMMA:
         every = 2 if kind == "gemma2" else raw.get("sliding_window_pattern", 6)
         types = ["full" if (i + 1) % every == 0 else "sliding" for i in range(n)]
-    else:  # llama has no sliding attention
+    else:  # llama and OLMoE have no sliding attention
         if window is not None:
-            raise DistillError(f"{where}: sliding_window={window!r} is not supported by llama")
+            raise DistillError(f"{where}: sliding_window={window!r} is not supported by {kind}")
         types = ["full"] * n
     if "sliding" not in types:
         return {}
@@ -323,11 +381,11 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
     from safetensors import safe_open
 
     where = config_file(path)
-    sizes = {
-        "vocab_size": cfg.vocab_size,
-        "num_attention_heads": cfg.n_heads,
-        "intermediate_size": cfg.d_ff,
-    }
+    sizes = {"vocab_size": cfg.vocab_size, "num_attention_heads": cfg.n_heads}
+    if cfg.has_dense_ffn():
+        sizes["intermediate_size"] = cfg.d_ff
+    if cfg.n_experts:
+        sizes["moe_intermediate_size" if cfg.d_ff_expert else "intermediate_size"] = cfg.f_expert
     for key, value in sizes.items():
         if value % tp:
             raise DistillError(f"{where}: {key}={value} is not divisible by mesh.teacher.tp={tp}")

@@ -28,6 +28,7 @@ from flax import nnx
 from distill import collectives as cc
 from distill import programs
 from distill.config import ModelConfig, RopeScaling
+from distill.models import moe
 from distill.models.attention import attention, resolve_backend
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
@@ -123,15 +124,24 @@ class Block(nnx.Module):
             self.bq = nnx.Param(jnp.zeros((cfg.n_heads * hd,), jnp.float32))
             self.bk = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
             self.bv = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = norm(hd), norm(hd)
+        if cfg.qk_norm:  # OLMoE's span all heads' features, the others' each head's
+            full = cfg.qk_norm_full
+            self.q_norm = norm(cfg.n_heads * hd if full else hd)
+            self.k_norm = norm(cfg.n_kv_heads * hd if full else hd)
         self.wo = _normal(rngs, (cfg.n_heads * hd, d), out_std)
         if cfg.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
         self.mlp_norm = norm(d)
-        self.w_gate = _normal(rngs, (d, f), std)
-        self.w_up = _normal(rngs, (d, f), std)
-        self.w_down = _normal(rngs, (f, d), out_std)
+        if cfg.has_dense_ffn():
+            self.w_gate = _normal(rngs, (d, f), std)
+            self.w_up = _normal(rngs, (d, f), std)
+            self.w_down = _normal(rngs, (f, d), out_std)
+        if cfg.n_experts:
+            e, fe = cfg.n_experts, cfg.f_expert
+            self.router = _normal(rngs, (d, e), std)
+            self.we_gate = _normal(rngs, (e, d, fe), std)
+            self.we_up = _normal(rngs, (e, d, fe), std)
+            self.we_down = _normal(rngs, (e, fe, d), out_std)
         self.cfg = cfg
 
     def _norm(self, x, scale):
@@ -148,53 +158,102 @@ class Block(nnx.Module):
     def layer(self, layer: dict | None):
         """(window, inverse RoPE frequencies) of this layer: `layer`, its scanned data, when
         layers differ; else static, from the config."""
-        if layer is not None:
+        if layer is not None and "window" in layer:
             return layer["window"], layer["inv_freq"]
         kind = self.cfg.types()[0]
         return window_of(self.cfg, kind), rope_table(self.cfg, kind)
 
-    def qkv(self, x_bsd, positions_bs, inv_freq):
+    def _full_norm(self, y_bshd, scale, tp_axis):
+        """RMSNorm over all heads' features of y [B, S, heads, hd] (OLMoE), whose heads are
+        split over `tp`: the mean square is summed across the shards."""
+        y32 = y_bshd.astype(jnp.float32)
+        ss = cc.psum(jnp.sum(y32 * y32, axis=(-2, -1), keepdims=True), tp_axis)
+        width = y_bshd.shape[-2] * y_bshd.shape[-1] * cc.axis_size(tp_axis)
+        y = y32 * jax.lax.rsqrt(ss / width + self.cfg.norm_eps)
+        return (y * scale[...].astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
+
+    def qkv(self, x_bsd, positions_bs, inv_freq, tp_axis=None):
         """Queries [B, S, H, hd] and keys, values [B, S, KV, hd] (local heads), RoPE applied."""
         bias = self.cfg.qkv_bias
         h = self._norm(x_bsd, self.attn_norm)
         q = self._project(h, self.wq, self.bq if bias else None)
         k = self._project(h, self.wk, self.bk if bias else None)
         v = self._project(h, self.wv, self.bv if bias else None)
-        if self.cfg.qk_norm:
+        if self.cfg.qk_norm and self.cfg.qk_norm_full:
+            q = self._full_norm(q, self.q_norm, tp_axis)
+            k = self._full_norm(k, self.k_norm, tp_axis)
+        elif self.cfg.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         return rope(q, positions_bs, inv_freq), rope(k, positions_bs, inv_freq), v
 
-    def finish(self, x_bsd, o_bshd, tp_axis: str | None):
-        """The block's output from its input and its attention output: the output
-        projection, the residuals and the gated MLP (with Gemma's post-norms)."""
+    def act(self, x):
+        """The gated MLP's activation."""
+        return jax.nn.silu(x) if self.cfg.activation == "silu" else jax.nn.gelu(x, approximate=True)
+
+    def dense_ffn(self, h_bsd, tp_axis: str | None):
+        """The gated MLP (column-parallel gate/up, row-parallel down, psum over `tp`)."""
+        dt = h_bsd.dtype
+        gate = self.act(matmul(h_bsd, self.w_gate[...].astype(dt)))
+        up = matmul(h_bsd, self.w_up[...].astype(dt))
+        return cc.psum(matmul(gate * up, self.w_down[...].astype(dt)), tp_axis)
+
+    def ffn(self, h_bsd, tp_axis, layer, moe_opts):
+        """The feed-forward output and (tokens per expert [E], dropped assignments): the
+        dense MLP, the routed experts (`distill.models.moe`), or in a model mixing both,
+        the one this layer's scanned flag picks (`jax.lax.cond`: one compiled block)."""
+        cfg = self.cfg
+        zero = jnp.zeros_like(h_bsd[0, 0, 0], jnp.int32)  # varying over the mesh as h is
+        none = (jnp.broadcast_to(zero, (cfg.n_experts,)), zero)
+
+        def routed(h):
+            experts = {k: getattr(self, k) for k in ("router", "we_gate", "we_up", "we_down")}
+            return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, act=self.act, **moe_opts)
+
+        if not cfg.n_experts:
+            return self.dense_ffn(h_bsd, tp_axis), none
+        if not cfg.mixed_ffn():
+            return routed(h_bsd)
+        return jax.lax.cond(
+            layer["moe"], routed, lambda h: (self.dense_ffn(h, tp_axis), none), h_bsd
+        )
+
+    def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None):
+        """(the block's output, expert stats) from its input and its attention output: the
+        output projection, the residuals and the feed-forward (with Gemma's post-norms).
+        `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor."""
         dt = x_bsd.dtype
         b, s, _ = x_bsd.shape
         o = cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
         h = self._norm(x_bsd, self.mlp_norm)
-        gate = matmul(h, self.w_gate[...].astype(dt))
-        if self.cfg.activation == "silu":
-            gate = jax.nn.silu(gate)
-        else:
-            gate = jax.nn.gelu(gate, approximate=True)
-        up = matmul(h, self.w_up[...].astype(dt))
-        y = cc.psum(matmul(gate * up, self.w_down[...].astype(dt)), tp_axis)
-        return x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y)
+        y, stats = self.ffn(h, tp_axis, layer, moe_opts or {})
+        return x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y), stats
 
-    def __call__(self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None):
-        x, _ = self.with_kv(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer)
-        return x
+    def __call__(
+        self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None, moe_opts=None
+    ):
+        """(the block's output, expert stats: tokens per expert, dropped assignments)."""
+        x, _, stats = self.run(
+            x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts
+        )
+        return x, stats
 
     def with_kv(self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None):
         """(the block's output, its keys and values): a prefill fills a KV cache with them.
         `layer`: this layer's scanned data (`layer_data`), None when layers are alike."""
+        x, kv, _ = self.run(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer)
+        return x, kv
+
+    def run(self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts=None):
+        """(the block's output, its keys and values, its expert stats)."""
         window, inv_freq = self.layer(layer)
-        q, k, v = self.qkv(x_bsd, positions_bs, inv_freq)
+        q, k, v = self.qkv(x_bsd, positions_bs, inv_freq, tp_axis)
         o = attention(
             q, k, v, segment_ids_bs, backend=backend, scale=self.cfg.scale(), window=window,
             softcap=self.cfg.attn_softcap,
         )  # fmt: skip
-        return self.finish(x_bsd, o, tp_axis), (k, v)
+        x, stats = self.finish(x_bsd, o, tp_axis, layer, moe_opts)
+        return x, (k, v), stats
 
 
 def window_of(cfg: ModelConfig, kind: str) -> int | None:
@@ -211,17 +270,19 @@ def rope_table(cfg: ModelConfig, kind: str) -> jax.Array:
 
 
 def layer_data(cfg: ModelConfig) -> dict | None:
-    """What the layer scan feeds each block when layers differ: window int32 [L]
-    (`NO_WINDOW` for full layers) and inv_freq float32 [L, hd/2]; None when they are alike."""
-    if not cfg.mixed_layers():
-        return None
-    types = cfg.types()
-    windows = [window_of(cfg, t) or NO_WINDOW for t in types]
-    tables = {t: rope_table(cfg, t) for t in set(types)}
-    return {
-        "window": jnp.asarray(windows, jnp.int32),
-        "inv_freq": jnp.stack([tables[t] for t in types]),
-    }
+    """What the layer scan feeds each block when layers differ: when windows or RoPE differ,
+    window int32 [L] (`NO_WINDOW` for full layers) and inv_freq float32 [L, hd/2]; when
+    dense and MoE feed-forwards mix, moe bool [L]; None when layers are alike."""
+    data = {}
+    if cfg.mixed_layers():
+        types = cfg.types()
+        windows = [window_of(cfg, t) or NO_WINDOW for t in types]
+        tables = {t: rope_table(cfg, t) for t in set(types)}
+        data["window"] = jnp.asarray(windows, jnp.int32)
+        data["inv_freq"] = jnp.stack([tables[t] for t in types])
+    if cfg.mixed_ffn():
+        data["moe"] = jnp.asarray(cfg.moe_layers())
+    return data or None
 
 
 class Transformer(nnx.Module):
@@ -241,13 +302,15 @@ class Transformer(nnx.Module):
 
     def hidden(
         self, tokens_bs, segment_ids_bs, positions_bs, *, tp_axis, dtype, remat, attention,
-        rows=None, unroll=False,
+        rows=None, unroll=False, moe_opts=None,
     ):  # fmt: skip
-        """The final normed hidden states [B, S, D] (before the LM head). `rows`: a sharding
-        the activations are held to (the batch's, under fully sharded training), so that XLA
+        """(the final normed hidden states [B, S, D] (before the LM head), expert stats per
+        layer: tokens per expert [L, E], dropped assignments [L]). `rows`: a sharding the
+        activations are held to (the batch's, under fully sharded training), so that XLA
         gathers each layer's weights rather than moving activations between devices.
         `unroll`: each layer its own code rather than one block looped over the stacked
-        layers (`student.train.unrolls`)."""
+        layers (`student.train.unrolls`). `moe_opts`: `distill.models.moe.moe_ffn`'s
+        ep_axis and capacity_factor."""
         dt = _dtype(dtype)
         x = self.embed_tokens(tokens_bs, tp_axis, dt)
         if rows is not None:
@@ -255,16 +318,17 @@ class Transformer(nnx.Module):
         backend = self.backend(attention, dt, tokens_bs.shape[1])
 
         def block_fn(block, x, layer):
-            return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer)
+            return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts)
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=unroll)
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
         def run_layers(x, block, layer):
             return block_fn(block, x, layer)
 
-        return self.final(run_layers(x, self.layers, layer_data(self.cfg)))
+        x, stats = run_layers(x, self.layers, layer_data(self.cfg))
+        return self.final(x), stats
 
     def embed_tokens(self, tokens_bs, tp_axis, dt) -> jax.Array:
         """Embeddings [B, S, D] in the compute dtype, times sqrt(D) in that dtype for Gemma
@@ -301,7 +365,7 @@ class Transformer(nnx.Module):
         attention="reference",
     ):
         """Logits [B, S, V] in float32 (with `tp_axis`: this shard's [B, S, V/tp] slice)."""
-        x = self.hidden(
+        x, _ = self.hidden(
             tokens_bs, segment_ids_bs, positions_bs,
             tp_axis=tp_axis, dtype=dtype, remat=remat, attention=attention,
         )  # fmt: skip
@@ -357,16 +421,19 @@ def apply_hidden(
     remat="none",
     rows=None,
     unroll=False,
+    moe_opts=None,
+    with_stats=False,
 ) -> tuple[jax.Array, jax.Array]:
     """(final normed hidden states [B, S, D] in the compute dtype, the LM head [D, V]): for
-    losses that form the logits a chunk at a time (`distill.models.vocab_loss`). `rows`, `unroll`:
-    see `Transformer.hidden`."""
+    losses that form the logits a chunk at a time (`distill.models.vocab_loss`). `rows`,
+    `unroll`, `moe_opts`: see `Transformer.hidden`. `with_stats`: the expert stats per
+    layer (tokens per expert [L, E], dropped assignments [L]) come third."""
     module = _module(cfg, params)
-    x = module.hidden(
+    x, stats = module.hidden(
         tokens, segment_ids, positions, tp_axis=tp_axis, dtype=dtype, remat=remat,
-        attention=cfg.attention, rows=rows, unroll=unroll,
+        attention=cfg.attention, rows=rows, unroll=unroll, moe_opts=moe_opts,
     )  # fmt: skip
-    return x, module.head()
+    return (x, module.head(), stats) if with_stats else (x, module.head())
 
 
 def apply(cfg: ModelConfig, params: Params, tokens, segment_ids, positions, **kw) -> jax.Array:
@@ -380,14 +447,22 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token (PaLM appendix B): 2 * matmul params + 4 * L * S * H * hd.
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters a token uses: all but the experts it is not routed to."""
+    idle = (cfg.n_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.f_expert
+    return param_count(cfg) - sum(cfg.moe_layers()) * idle
 
-    Training (forward + backward) is 3x this.
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token (PaLM appendix B): 2 * matmul params + 4 * L * S * H * hd,
+    counting only the experts a token is routed to (and not the router, a vector-sized
+    matmul). Training (forward + backward) is 3x this.
     """
     embed = cfg.vocab_size * cfg.d_model
-    matmul_params = param_count(cfg) - embed * (1 if cfg.tie_embeddings else 2) + embed
+    matmul_params = active_param_count(cfg) - embed * (1 if cfg.tie_embeddings else 2) + embed
     norms = (4 if cfg.post_norms else 2) * cfg.d_model + (2 * cfg.hd if cfg.qk_norm else 0)
+    if cfg.qk_norm_full:
+        norms += (cfg.n_heads + cfg.n_kv_heads) * cfg.hd - 2 * cfg.hd
     biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
     matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
     attn = 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.hd  # QK^T and PV, not halved

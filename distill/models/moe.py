@@ -1,0 +1,117 @@
+"""The routed feed-forward: a mixture of SwiGLU experts, top-k routed, with expert
+parallelism as an argument (`ep_axis`), as tensor parallelism is one (`tp_axis`).
+
+Routing (all three families, in float32): softmax over the experts' router logits, the k
+largest probabilities, renormalised to sum to 1 when `norm_topk_prob` (Mixtral always;
+Mixtral's top-k-then-softmax is the same numbers).
+
+Dispatch, inside `jax.shard_map` on one device holding its T tokens (its rows, replicated
+over `tp`) and E / ep experts (each expert's hidden columns split over `tp`):
+
+1. the T * k (token, expert) assignments are sorted by expert (within an expert by falling
+   router probability) and written into a send buffer [ep, C, D]: row j holds what goes to
+   the device of experts j * E/ep ...; C = T * min(k, E/ep) slots per device, enough for
+   every assignment (dropless), or fewer with a capacity factor;
+2. one all-to-all over `ep` (`distill.collectives.all_to_all`) delivers each device the
+   tokens of its experts, which it sorts by local expert and runs as grouped matmuls
+   (`jax.lax.ragged_dot`: one matmul over every expert's contiguous rows);
+3. a second all-to-all returns each result to the slot it came from, and each token sums
+   its k results weighted by its router probabilities, then `psum` over `tp` (the down
+   projection is row-parallel, as a dense layer's).
+
+With `ep_axis=None` the same code runs on one device (ep = 1: nothing moves).
+
+A capacity factor c (`teacher.moe_capacity_factor`) gives each expert ceil(c * T * k / E)
+slots per device: assignments past that are dropped, those with the lowest router
+probability first (the notebook's rule), and contribute nothing; the per-device capacity
+means no device waits for another's counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from distill import collectives as cc
+
+
+def route(h_td: jax.Array, router_de: jax.Array, k: int, norm: bool):
+    """(weights [T, k] float32, expert ids [T, k] int32): the top-k softmax probabilities of
+    the router logits, computed in float32, renormalised when `norm`."""
+    logits = h_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if norm:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def capacity(tokens: int, k: int, n_experts: int, factor: float | None) -> int | None:
+    """Slots per expert per device for capacity factor `factor`; None: dropless."""
+    if factor is None:
+        return None
+    return max(1, math.ceil(factor * tokens * k / n_experts))
+
+
+def experts_swiglu(x_md, sizes_e, gate_efd, up_efd, down_edf, act):
+    """Each expert's SwiGLU on its contiguous run of rows of x [M, D] (`sizes_e` rows per
+    expert, the rest of the rows unused): grouped matmuls, [M, D] partial over `tp`."""
+    dt = x_md.dtype
+    gate = jax.lax.ragged_dot(x_md, gate_efd.astype(dt), sizes_e)
+    up = jax.lax.ragged_dot(x_md, up_efd.astype(dt), sizes_e)
+    return jax.lax.ragged_dot(act(gate) * up, down_edf.astype(dt), sizes_e)
+
+
+def _slots(ids_a, weights_a, n_local: int, n_shards: int, cap: int | None, slots: int):
+    """Where each assignment goes: (sort order, destination device, slot there, kept), the
+    assignments sorted by expert and, within one, by falling probability."""
+    n_experts = n_local * n_shards
+    order = jnp.lexsort((-weights_a, ids_a))  # the last key is the primary one
+    sid = ids_a[order]
+    counts = jnp.bincount(sid, length=n_experts)
+    first = jnp.cumsum(counts) - counts  # each expert's first sorted position
+    pos = jnp.arange(sid.shape[0]) - first[sid]
+    keep = jnp.ones_like(sid, bool) if cap is None else pos < cap
+    dest = sid // n_local
+    before = jnp.cumsum(keep) - keep  # kept assignments before each one
+    rank = before - before[first[dest * n_local]]  # kept ones before it, same device
+    slot = jnp.where(keep, rank, slots)  # past the buffer: dropped by the scatter
+    return order, dest, slot, keep
+
+
+def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None, act=jax.nn.silu):
+    """The mixture of experts' output [B, S, D] on h [B, S, D] (the normed residual) and
+    (tokens per expert [E] routed from these rows, assignments dropped): weights `p` with
+    router [D, E], we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]."""
+    b, s, d = h_bsd.shape
+    t, k = b * s, cfg.experts_per_token
+    n_local = p["we_gate"].shape[0]
+    n_shards = n_local and cfg.n_experts // n_local
+    h = h_bsd.reshape(t, d)
+    weights, ids = route(h, p["router"], k, cfg.norm_topk_prob)
+    ids_a, weights_a = ids.reshape(-1), weights.reshape(-1)
+    cap = capacity(t, k, cfg.n_experts, capacity_factor)
+    slots = t * min(k, n_local) if cap is None else min(t * min(k, n_local), n_local * cap)
+    order, dest, slot, keep = _slots(ids_a, weights_a, n_local, n_shards, cap, slots)
+    token = order // k
+    send = jnp.zeros((n_shards, slots, d), h.dtype).at[dest, slot].set(h[token], mode="drop")
+    local = jnp.full((n_shards, slots), n_local, jnp.int32)
+    local = local.at[dest, slot].set(ids_a[order] % n_local, mode="drop")
+    recv, recv_e = cc.all_to_all(send, ep_axis), cc.all_to_all(local, ep_axis)
+
+    flat_e = recv_e.reshape(-1)
+    by_expert = jnp.argsort(flat_e, stable=True)  # empty slots (id n_local) last
+    sizes = jnp.bincount(flat_e, length=n_local + 1)[:n_local].astype(jnp.int32)
+    x = recv.reshape(-1, d)[by_expert]
+    y = experts_swiglu(x, sizes, p["we_gate"][...], p["we_up"][...], p["we_down"][...], act)
+    y = jnp.zeros_like(y).at[by_expert].set(y).reshape(n_shards, slots, d)
+    back = cc.all_to_all(y, ep_axis)
+
+    got = back.at[dest, slot].get(mode="fill", fill_value=0)  # [A, D], sorted order
+    scale = jnp.where(keep, weights_a[order], 0.0).astype(jnp.float32)
+    out = jax.ops.segment_sum(got.astype(jnp.float32) * scale[:, None], token, num_segments=t)
+    out = cc.psum(out.astype(h.dtype), tp_axis)
+    load = jnp.bincount(ids_a, length=cfg.n_experts)
+    return out.reshape(b, s, d), (load, jnp.sum(~keep))
