@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grain
+import jax
 import numpy as np
 
 from distill.data.tokenizers import Tokenizer
@@ -75,7 +76,7 @@ def row_at(rows, index: int) -> Batch:
     """Row ``index`` of ``rows`` (anything with ``len`` and ``gather``) as a Batch of [S]."""
     if not 0 <= index < len(rows):
         raise IndexError(f"row {index} out of range [0, {len(rows)})")
-    return Batch(*(x[0] for x in rows.gather(np.array([index]))))
+    return jax.tree.map(lambda x: x[0], rows.gather(np.array([index])))
 
 
 def rows_batch(ids: np.ndarray, starts: np.ndarray) -> Batch:
