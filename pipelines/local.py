@@ -13,7 +13,9 @@ from jax.sharding import Mesh
 from distill import outputs
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.data.token_bytes import VocabMap, byte_lengths
 from distill.data.tokenizers import vocab_limit
+from distill.models.cross_losses import CrossSpec
 from distill.mesh import Meshes
 from distill.observability.metrics import MetricsStore
 from pipelines import hooks as h
@@ -34,8 +36,9 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
     """The run's student on the training mesh: its state (resumed, or initialised), its
     compiled distillation step, its checkpoints and its side of evaluation; for on-policy
     runs, the recent parameters it generates with."""
-    limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)
-    tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit)
+    limit = vocab_limit(corpus.tokenizer, cfg.student_model().vocab_size)
+    cross = cross_spec(cfg, corpus)
+    tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit, cross=cross)
     ckpt = run_checkpointer(cfg)
     history = None
     if cfg.distill.on_policy.fraction > 0:
@@ -46,10 +49,29 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
         lambda: start_student(cfg, tx, mesh, ckpt, lambda: student_init_params(cfg)),
         step_fn,
         ckpt=ckpt,
-        evaluator=StudentEval(cfg, mesh, limit),
+        evaluator=StudentEval(cfg, mesh, limit, eval_byte_lengths(cfg, corpus)),
         tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
         history=history,
     )
+
+
+def cross_spec(cfg: Config, corpus: Corpus) -> CrossSpec | None:
+    """How the step compares the two vocabularies of a cross-tokenizer run, else None."""
+    if corpus.teacher is None:
+        return None
+    vmap = None
+    if cfg.distill.cross_tokenizer == "mapped":
+        vmap = VocabMap.between(
+            corpus.teacher, corpus.tokenizer, cfg.teacher.model.vocab_size,
+            cfg.student_model().vocab_size,
+        )  # fmt: skip
+    return CrossSpec(cfg.distill.cross_tokenizer, vmap)
+
+
+def eval_byte_lengths(cfg: Config, corpus: Corpus) -> tuple:
+    """(student's, teacher's) bytes per id, for held-out bits per byte."""
+    student = byte_lengths(corpus.tokenizer, cfg.student_model().vocab_size)
+    return student, byte_lengths(corpus.teacher_tokenizer, cfg.teacher.model.vocab_size)
 
 
 def distill_hooks(
@@ -97,7 +119,7 @@ def distill_local(
     if cfg.teacher.source == "cache":
         source = CacheSource(cfg)
     else:
-        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
+        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
         source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)
     evaluate = Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples)
     hooks = distill_hooks(cfg, evaluate, store, source, extra)

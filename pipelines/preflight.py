@@ -127,6 +127,30 @@ def preflight_shapes(cfg: Config) -> None:
     check_dense_output(cfg, devices[0])
     check_mode(cfg)
     check_on_policy(cfg)
+    check_cross_tokenizer(cfg)
+
+
+def check_cross_tokenizer(cfg: Config) -> None:
+    """A teacher tokenizer of its own (teacher.tokenizer) works with what is built for it:
+    a dense teacher online in local mode, on text data, with the teacher already trained
+    (its bootstrap reads the data in its own tokens, which a cross-tokenizer corpus is not)."""
+    if not cfg.cross_tokenizer():
+        return
+    refused = [
+        ("teacher.top_k", cfg.teacher.top_k is not None, "the dense teacher (top_k: null)"),
+        ("teacher.source", cfg.teacher.source != "online", "teacher.source: online"),
+        ("pipeline.mode", cfg.pipeline.mode != "local", "pipeline.mode: local"),
+        ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction 0"),
+        ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
+         "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
+        ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),
+    ]  # fmt: skip
+    for key, bad, needs in refused:
+        if bad:
+            raise DistillError(
+                f"{key}: not supported with teacher.tokenizer={cfg.teacher.tokenizer} (another"
+                f" tokenizer than data.tokenizer={cfg.data.tokenizer}) yet; needs {needs}"
+            )
 
 
 def preflight(cfg: Config) -> Corpus:
@@ -159,10 +183,17 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
 
 
 def _corpus(cfg: Config) -> Corpus:
-    corpus = load_corpus(cfg.data, cfg.train.seq_len)
-    if corpus.tokenizer.vocab_size > cfg.teacher.model.vocab_size:
+    corpus = load_corpus(cfg.data, cfg.train.seq_len, cfg.teacher.tokenizer)
+    if corpus.teacher_tokenizer.vocab_size > cfg.teacher.model.vocab_size:
         raise DistillError(
             f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "
+            f"tokenizer's vocabulary ({corpus.teacher_tokenizer.vocab_size}, "
+            f"{'teacher' if corpus.teacher else 'data'}.tokenizer="
+            f"{cfg.teacher.tokenizer if corpus.teacher else cfg.data.tokenizer})"
+        )
+    if corpus.tokenizer.vocab_size > cfg.student_model().vocab_size:
+        raise DistillError(
+            f"student.model.vocab_size: {cfg.student_model().vocab_size} is smaller than the "
             f"tokenizer's vocabulary ({corpus.tokenizer.vocab_size}, data.tokenizer="
             f"{cfg.data.tokenizer})"
         )

@@ -104,6 +104,13 @@ class TeacherConfig(Section):
     top_k: int | None = Field(
         None, ge=1, description="Send only the top-k log-probs per token; None: dense."
     )
+    tokenizer: str | None = Field(
+        None,
+        description="The teacher's tokenizer, as data.tokenizer names one; None: data.tokenizer "
+        "(one vocabulary). Another tokenizer makes the run cross-tokenizer: each row's text is "
+        "tokenised by both, the teacher runs on its own tokens, and distill.cross_tokenizer "
+        "compares the two vocabularies (docs/guides/cross-tokenizer.md).",
+    )
     microbatch: int | None = Field(
         None,
         ge=1,
@@ -292,6 +299,12 @@ class DistillLossConfig(Section):
     temperature: float = Field(2.0, gt=0, description="Softmax temperature T (KD scaled by T^2).")
     alpha: float = Field(0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE.")
     beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
+    cross_tokenizer: Literal["mapped", "uld"] = Field(
+        "mapped",
+        description="With a teacher.tokenizer other than data.tokenizer: mapped (teacher tokens "
+        "spelling a student token's bytes map to it, the rest to a tail bucket; distill.loss "
+        "over the buckets) or uld (sorted-probability L1 distance, no shared tokens needed).",
+    )
     on_policy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
 
 
@@ -419,6 +432,10 @@ class Config(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    def cross_tokenizer(self) -> bool:
+        """Whether the teacher has its own tokenizer (teacher.tokenizer, unlike data.tokenizer)."""
+        return self.teacher.tokenizer not in (None, self.data.tokenizer)
 
     def student_model(self) -> ModelConfig:
         """The teacher's model schema with the student's overrides applied."""

@@ -109,13 +109,20 @@ class Corpus:
     The rows are ``PackedRows`` in memory, or ``distill.data.prepared.StoredRows`` read from a
     prepared corpus on demand; both have ``len`` and ``gather``, so batches are the same.
     ``fingerprint`` is the prepared corpus's stored hash of its packed streams (see
-    ``distill.identity.data_hash``), None for rows in memory.
+    ``distill.identity.data_hash``), None for rows in memory. ``teacher``: the teacher's
+    tokenizer when it has its own (the rows are then ``distill.data.cross_rows.CrossRows``).
     """
 
     tokenizer: Tokenizer
     train: PackedRows
     eval: PackedRows
     fingerprint: str | None = None
+    teacher: Tokenizer | None = None  # the teacher's own tokenizer (cross-tokenizer rows)
+
+    @property
+    def teacher_tokenizer(self) -> Tokenizer:
+        """The tokenizer of the teacher's tokens: its own, or the student's."""
+        return self.tokenizer if self.teacher is None else self.teacher
 
     @property
     def train_rows(self) -> int:

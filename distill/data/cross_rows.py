@@ -16,7 +16,9 @@ segment: slot j's text ends where teacher slot i's ends (BOS matches BOS, EOS ma
 A token that ends inside a character (one byte of a multi-byte character, whose offsets span
 the whole character) does not end a prefix: only the last of a run of tokens with the same
 end counts. Unmatched positions get -1; the loss leaves them out of its divergence (their
-cross-entropy still counts), and the share of student tokens aligned is reported.
+cross-entropy still counts), and the share of student tokens aligned is reported. A row
+that opens inside a character (the previous row took its first bytes) gives the teacher the
+text after that character: the student's slots within it have no match.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def _segments(window, doc, kind, lo, hi, texts):
     for a, b in zip(bounds[:-1], bounds[1:] - 1, strict=True):
         sa, sb = window[a], window[b]
         start = 0 if kind[sa] == BOS else lo[sa]
+        if kind[sa] == TEXT and sa > 0 and doc[sa - 1] == doc[sa] and hi[sa - 1] > start:
+            start = hi[sa - 1]  # the row opens inside a character: its text starts after it
         stop = len(texts[doc[sa]]) if kind[sb] == EOS else max(hi[sb], start)
         parts.append((int(doc[sa]), int(start), int(stop), kind[sa] == BOS, kind[sb] == EOS))
     return seg, parts

@@ -77,8 +77,9 @@ def token_bytes(tok: Tokenizer) -> list[bytes | None]:
     added = {t["id"] for t in raw.get("added_tokens", []) if t.get("special")}
     inverse = _bytes_to_unicode() if style == "bytelevel" else {}
     for piece, i in tok._tok.get_vocab(with_added_tokens=True).items():
-        if i in specials or i in added or not 0 <= i < tok.vocab_size:
-            continue
+        byte_piece = style == "metaspace" and _BYTE_PIECE.match(piece)
+        if i in specials or (i in added and not byte_piece) or not 0 <= i < tok.vocab_size:
+            continue  # (byte pieces some converted tokenizers list as added specials count)
         if style == "bytelevel":
             if all(c in inverse for c in piece):
                 out[i] = bytes(inverse[c] for c in piece)
