@@ -15,8 +15,8 @@ from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.data.token_bytes import VocabMap, byte_lengths
 from distill.data.tokenizers import vocab_limit
-from distill.models.cross_losses import CrossSpec
 from distill.mesh import Meshes
+from distill.models.cross_losses import CrossSpec
 from distill.observability.metrics import MetricsStore
 from pipelines import hooks as h
 from pipelines.evaluation import Evaluation, eval_batches
@@ -100,8 +100,10 @@ def online_sources(
 ):
     """(the teacher source, the evaluation's sample metrics) of a run with the teacher
     online: on-policy when `distill.on_policy.fraction` > 0, else the data's rows."""
-    score = sample_score(cfg, corpus, teacher, mesh)
-    samples = lambda: score(executor.state.params)  # noqa: E731
+    samples = None
+    if corpus.teacher is None:  # the teacher scores the student's samples in its own tokens
+        score = sample_score(cfg, corpus, teacher, mesh)
+        samples = lambda: score(executor.state.params)  # noqa: E731
     if cfg.distill.on_policy.fraction == 0:
         return OnlineSource(cfg, corpus, teacher), samples
     limit = vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size)

@@ -14,8 +14,10 @@ from distill import storage
 from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.data.cross_rows import cross_corpus
 from distill.data.pipeline import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
+from distill.data.tokenizers import load_tokenizer
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit, check_hosts
 from distill.models import hf
@@ -31,10 +33,11 @@ def check_shapes(cfg: Config) -> None:
     if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
         hf.check_checkpoint(cfg.teacher.checkpoint, t, tp)
     check_divisible(t, tp)
-    if s.vocab_size != t.vocab_size:
+    if s.vocab_size != t.vocab_size and not cfg.cross_tokenizer():
         raise DistillError(
             f"student.model.vocab_size: {s.vocab_size} differs from teacher.model.vocab_size "
-            f"{t.vocab_size}; teacher and student must share one vocabulary"
+            f"{t.vocab_size}; teacher and student must share one vocabulary (or give the "
+            "teacher its own tokenizer: teacher.tokenizer)"
         )
     check_batch_split(cfg)
     check_teacher_split(cfg)
@@ -183,7 +186,11 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
 
 
 def _corpus(cfg: Config) -> Corpus:
-    corpus = load_corpus(cfg.data, cfg.train.seq_len, cfg.teacher.tokenizer)
+    if cfg.cross_tokenizer():  # the teacher's own tokens of every row's text, aligned
+        teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
+        corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
+    else:
+        corpus = load_corpus(cfg.data, cfg.train.seq_len)
     if corpus.teacher_tokenizer.vocab_size > cfg.teacher.model.vocab_size:
         raise DistillError(
             f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "

@@ -23,12 +23,19 @@ text after that character: the student's slots within it have no match.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from distill.data.corpus import PackedRows
+from distill.config import DataConfig
+from distill.data.corpus import Corpus, PackedRows
 from distill.data.packing import flagged_batch
-from distill.data.tokenizers import Tokenizer
+from distill.data.pipeline import held_out, load_documents, log_packing
+from distill.data.tokenizers import Tokenizer, build_tokenizer
+from distill.errors import DistillError
 from distill.types import Batch, TeacherView
+
+log = logging.getLogger("distill")
 
 BOS, TEXT, EOS = 0, 1, 2
 _ENCODE_CHUNK = 4096  # segment texts per teacher tokenizer call
@@ -197,3 +204,49 @@ def cross_splits(
         name: CrossRows(packed, *pad_rows(rows, length, pad), align)
         for name, (packed, rows, align) in made.items()
     }
+
+
+def cross_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, progress=None) -> Corpus:
+    """Text documents tokenised by both tokenizers, held out as ``tokenize_corpus`` holds
+    them out (by the student's tokens), packed into the student's rows with the teacher's
+    rows of the same text and the alignment (``distill.data.cross_rows``)."""
+    if cfg.is_examples or cfg.prepared_dir is not None:
+        what = "data.format: " + cfg.format if cfg.is_examples else "data.prepared_dir"
+        raise DistillError(
+            f"teacher.tokenizer: a teacher tokenizer of its own needs text documents read here;"
+            f" {what} is not supported across tokenizers yet"
+        )
+    student = build_tokenizer(cfg)
+    texts = load_documents(cfg, student.vocab_size, progress)
+    if not all(isinstance(t, str) for t in texts):
+        raise DistillError(
+            "teacher.tokenizer: pre-tokenised ArrayRecord documents hold no text for the"
+            " teacher's tokenizer; give text, JSONL or Parquet data.source"
+        )
+    encoded = student.encode_offsets(texts)
+    ids = [e[0] for e in encoded]
+    if len(ids) < 2:
+        raise DistillError("teacher.tokenizer: needs at least 2 documents (train and eval)")
+    is_eval = held_out(ids, cfg.eval_fraction, seq_len + 1, extra=2)
+    splits = {
+        name: tuple([part[i] for i in np.flatnonzero(is_eval == want)]
+                    for part in (texts, ids, [e[1] for e in encoded]))
+        for name, want in (("train", False), ("eval", True))
+    }  # fmt: skip
+    rows = cross_splits(splits, seq_len, student, teacher)
+    for name, part in rows.items():
+        if len(part) < 1:
+            raise DistillError(
+                f"data.source: '{cfg.source}' gives no {name} row of train.seq_len={seq_len}"
+                " student tokens; add data or lower train.seq_len"
+            )
+    corpus = Corpus(tokenizer=student, train=rows["train"], eval=rows["eval"], teacher=teacher)
+    log_packing(corpus, cfg)
+    log.info(
+        "data: teacher rows of %d tokens for student rows of %d; %.1f%% of student train"
+        " tokens aligned to a teacher token",
+        rows["train"].teacher_len,
+        seq_len,
+        100 * rows["train"].aligned_fraction(),
+    )
+    return corpus

@@ -32,8 +32,7 @@ from distill.data.corpus import Corpus, PackedRows
 from distill.data.examples import load_examples
 from distill.data.packing import ExampleRows, packing_stats
 from distill.data.prepared import load_prepared
-from distill.data.cross_rows import cross_splits
-from distill.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
+from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
 
 log = logging.getLogger("distill")
@@ -348,62 +347,12 @@ def held_out(
 # ----------------------------------------------------------------------------- corpus
 
 
-def load_corpus(cfg: DataConfig, seq_len: int, teacher_tokenizer: str | None = None) -> Corpus:
+def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
     """The corpus of ``cfg`` in rows of ``seq_len`` tokens: from ``data.prepared_dir`` when
-    set (checked against ``cfg``, nothing tokenised), else read and tokenised here. With a
-    ``teacher_tokenizer`` (``teacher.tokenizer``) other than ``data.tokenizer``, the rows also
-    carry the teacher's tokens of their text (``distill.data.cross_rows``)."""
-    if teacher_tokenizer not in (None, cfg.tokenizer):
-        return cross_corpus(cfg, seq_len, load_tokenizer(teacher_tokenizer, "teacher.tokenizer"))
+    set (checked against ``cfg``, nothing tokenised), else read and tokenised here."""
     if cfg.prepared_dir is not None:
         return load_prepared(cfg, seq_len)
     return tokenize_corpus(cfg, seq_len)
-
-
-def cross_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, progress=None) -> Corpus:
-    """Text documents tokenised by both tokenizers, held out as ``tokenize_corpus`` holds
-    them out (by the student's tokens), packed into the student's rows with the teacher's
-    rows of the same text and the alignment (``distill.data.cross_rows``)."""
-    if cfg.is_examples or cfg.prepared_dir is not None:
-        what = "data.format: " + cfg.format if cfg.is_examples else "data.prepared_dir"
-        raise DistillError(
-            f"teacher.tokenizer: a teacher tokenizer of its own needs text documents read here;"
-            f" {what} is not supported across tokenizers yet"
-        )
-    student = build_tokenizer(cfg)
-    texts = load_documents(cfg, student.vocab_size, progress)
-    if not all(isinstance(t, str) for t in texts):
-        raise DistillError(
-            "teacher.tokenizer: pre-tokenised ArrayRecord documents hold no text for the"
-            " teacher's tokenizer; give text, JSONL or Parquet data.source"
-        )
-    encoded = student.encode_offsets(texts)
-    ids = [e[0] for e in encoded]
-    is_eval = held_out(ids, cfg.eval_fraction, seq_len + 1, extra=2) if len(ids) > 1 else None
-    if is_eval is None:
-        raise DistillError("teacher.tokenizer: needs at least 2 documents (train and eval)")
-    splits = {
-        name: tuple([part[i] for i in np.flatnonzero(is_eval == want)]
-                    for part in (texts, ids, [e[1] for e in encoded]))
-        for name, want in (("train", False), ("eval", True))
-    }  # fmt: skip
-    rows = cross_splits(splits, seq_len, student, teacher)
-    for name, part in rows.items():
-        if len(part) < 1:
-            raise DistillError(
-                f"data.source: '{cfg.source}' gives no {name} row of train.seq_len={seq_len}"
-                " student tokens; add data or lower train.seq_len"
-            )
-    corpus = Corpus(tokenizer=student, train=rows["train"], eval=rows["eval"], teacher=teacher)
-    log_packing(corpus, cfg)
-    log.info(
-        "data: teacher rows of %d tokens for student rows of %d; %.1f%% of student train"
-        " tokens aligned to a teacher token",
-        rows["train"].teacher_len,
-        seq_len,
-        100 * rows["train"].aligned_fraction(),
-    )
-    return corpus
 
 
 def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:

@@ -126,9 +126,7 @@ class VocabMap:
                 by_text[b] = i
         student_of = np.full(teacher_vocab, -1, np.int32)
         teacher_of = np.full(student_vocab, -1, np.int32)
-        pairs = [
-            (getattr(teacher, r), getattr(student, r)) for r in ("bos_id", "eos_id", "pad_id")
-        ]
+        pairs = [(getattr(teacher, r), getattr(student, r)) for r in ("bos_id", "eos_id", "pad_id")]
         pairs += [
             (i, by_text.get(b))
             for i, b in enumerate(token_bytes(teacher)[:teacher_vocab])
