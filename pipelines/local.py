@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from distill import outputs
 from distill.config import Config
 from distill.data.corpus import Corpus
-from distill.data.token_bytes import VocabMap, byte_lengths
+from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths
 from distill.data.tokenizers import vocab_limit
 from distill.mesh import Meshes
 from distill.models.cross_losses import CrossSpec
@@ -59,13 +59,13 @@ def cross_spec(cfg: Config, corpus: Corpus) -> CrossSpec | None:
     """How the step compares the two vocabularies of a cross-tokenizer run, else None."""
     if corpus.teacher is None:
         return None
-    vmap = None
-    if cfg.distill.cross_tokenizer == "mapped":
-        vmap = VocabMap.between(
+    vmap, method = None, cfg.distill.cross_tokenizer
+    if method in ("mapped", "first_byte"):
+        vmap = (VocabMap if method == "mapped" else FirstBytes).between(
             corpus.teacher, corpus.tokenizer, cfg.teacher.model.vocab_size,
             cfg.student_model().vocab_size,
         )  # fmt: skip
-    return CrossSpec(cfg.distill.cross_tokenizer, vmap)
+    return CrossSpec(method, vmap)
 
 
 def eval_byte_lengths(cfg: Config, corpus: Corpus) -> tuple:

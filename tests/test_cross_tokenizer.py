@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from distill.config import DistillLossConfig
 from distill.data.bpe import train_bpe
 from distill.data.cross_rows import cross_splits
-from distill.data.token_bytes import VocabMap, byte_lengths, token_bytes
+from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths, token_bytes
 from distill.data.tokenizers import ByteTokenizer, load_tokenizer
 from distill.models import cross_losses as xl
 from distill.models.losses import kd_divergence
@@ -267,3 +267,30 @@ def test_short_run_byte_teacher_bpe_student(tiny_run, corpus_dir, tmp_path):
         assert 0.8 < e["aligned_fraction"] <= 1.0
     same = [e for e in read_evals(tiny_run.out)]
     assert evals[0]["teacher_bpb"] == pytest.approx(same[0]["teacher_bpb"], rel=0.1)
+
+
+def test_first_byte_loss_and_gradient_match_a_dense_projection(bpe):
+    """Both distributions summed by first byte (explicit 0/1 matrices as the reference),
+    over the buckets both reach; for two byte tokenizers, today's divergence."""
+    cfg = DistillLossConfig(loss="jsd", temperature=1.0)
+    fb = FirstBytes.between(ByteTokenizer(), bpe, 259, 320)
+    z, t = _logits(10, (2, 3, 320)), _logits(11, (2, 3, 259))
+    lp = jax.nn.log_softmax(t)
+    keep = np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
+
+    def onto(bucket):
+        m = (bucket[:, None] == keep[None, :]).astype(np.float32)
+        return m
+
+    def ref(z):
+        p, q = jnp.exp(lp) @ onto(fb.teacher), jax.nn.softmax(z) @ onto(fb.student)
+        p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+        return jnp.sum(kd_divergence(jnp.log(q), TeacherOutput(jnp.log(p)), cfg))
+
+    f = lambda z: jnp.sum(xl.cross_divergence(z, lp, cfg, fb, "first_byte"))  # noqa: E731
+    np.testing.assert_allclose(f(z), ref(z), rtol=2e-5)
+    np.testing.assert_allclose(jax.grad(f)(z), jax.grad(ref)(z), rtol=2e-4, atol=1e-6)
+    same = FirstBytes.between(ByteTokenizer(), ByteTokenizer(), 259, 259)
+    zb = _logits(12, (2, 3, 259))
+    got = xl.cross_divergence(zb, lp, cfg, same, "first_byte")
+    np.testing.assert_allclose(got, kd_divergence(zb, TeacherOutput(lp), cfg), rtol=1e-5)

@@ -157,3 +157,42 @@ class VocabMap:
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+
+@dataclass(frozen=True, eq=False)
+class FirstBytes:
+    """The bucket of each id by the first byte it spells (0-255; BOS, EOS, PAD: 256-258),
+    for teacher and student; -1 for ids that spell nothing. Both distributions summed
+    into these buckets are the next byte's distribution (and the specials'), whatever the
+    vocabularies: for a byte-level teacher, its own distribution exactly. Equality and
+    hash go by contents, as `VocabMap`'s."""
+
+    teacher: np.ndarray
+    student: np.ndarray
+    size = 259
+
+    @classmethod
+    def between(
+        cls, teacher: Tokenizer, student: Tokenizer, teacher_vocab: int, student_vocab: int
+    ) -> FirstBytes:
+        return cls(_first_bytes(teacher, teacher_vocab), _first_bytes(student, student_vocab))
+
+    def _key(self) -> tuple[bytes, bytes]:
+        return self.teacher.tobytes(), self.student.tobytes()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FirstBytes) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+def _first_bytes(tok: Tokenizer, model_vocab: int) -> np.ndarray:
+    out = np.full(model_vocab, -1, np.int32)
+    for i, b in enumerate(token_bytes(tok)[:model_vocab]):
+        if b:
+            out[i] = b[0]
+    for n, i in enumerate((tok.bos_id, tok.eos_id, tok.pad_id)):
+        if i is not None and i < model_vocab:
+            out[i] = 256 + n
+    return out

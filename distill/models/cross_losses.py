@@ -12,6 +12,10 @@ to compare the two next-token distributions (`distill.cross_tokenizer`):
   does (a student with no unmapped token has no tail: the teacher is conditioned on the
   mapped tokens, see `mapped_buckets`). With one tokenizer on both sides the map is the
   identity, there is no tail, and the divergence is `kd_divergence`'s to the bit.
+- ``first_byte``: both distributions marginalised onto the next byte (each token's
+  probability into the bucket of its first byte); exact for a byte-level teacher, whose
+  distribution is the next byte's, where ``mapped`` would push a BPE student's mass onto
+  its single-byte tokens (the teacher's mass on longer tokens is nil).
 - ``uld``: the Universal Logit Distillation loss (Boizard et al., 2024; TRL's GOLD): the
   L1 (Wasserstein-1 on sorted supports) distance between the two distributions sorted in
   decreasing order, the shorter padded with zeros. It needs no shared tokens at all, at
@@ -30,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from distill.config import DistillLossConfig
-from distill.data.token_bytes import VocabMap
+from distill.data.token_bytes import FirstBytes, VocabMap
 from distill.models.losses import PADDED_LOGIT, TAIL_FLOOR, _divergence, _token_ce
 from distill.models.vocab_loss import Tree, _chunked_sums
 
-METHODS = ("mapped", "uld")
+METHODS = ("mapped", "uld", "first_byte")
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class CrossSpec:
     ``mapped``, the teacher-to-student map. Hashable: part of a compiled step's key."""
 
     method: str
-    vmap: VocabMap | None = None
+    vmap: VocabMap | FirstBytes | None = None
 
 
 def mapped_buckets(
@@ -87,6 +91,29 @@ def mapped_buckets(
     )
 
 
+def _by_first_byte(l_bsv: jax.Array, bucket: np.ndarray, keep: np.ndarray) -> jax.Array:
+    """Log-probs [..., len(keep)] of the buckets `keep`: the probabilities [..., V] of
+    `exp(l)` summed by bucket (ids of bucket -1 dropped), renormalised over `keep`."""
+    seg = np.where(bucket >= 0, bucket, FirstBytes.size)
+    p = jnp.exp(l_bsv).reshape(-1, l_bsv.shape[-1]).T  # [V, N]: segments on the leading axis
+    summed = jax.ops.segment_sum(p, jnp.asarray(seg), num_segments=FirstBytes.size + 1)
+    kept = summed[jnp.asarray(keep)].T.reshape(*l_bsv.shape[:-1], len(keep))
+    kept = kept / jnp.maximum(jnp.sum(kept, axis=-1, keepdims=True), 1e-30)
+    return jnp.log(jnp.maximum(kept, 1e-30))
+
+
+def first_byte_buckets(
+    lp_bsw: jax.Array, lq_bsv: jax.Array, fb: FirstBytes
+) -> tuple[jax.Array, jax.Array]:
+    """Both distributions as next-byte distributions: each token's probability summed into
+    the bucket of its first byte (`FirstBytes`), over the buckets both vocabularies reach,
+    each side renormalised over them. Exact for a byte-level teacher (its distribution is
+    the next byte's), and consistent with the student's targets: the student's next token
+    starts with the byte the teacher predicts."""
+    keep = np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
+    return _by_first_byte(lp_bsw, fb.teacher, keep), _by_first_byte(lq_bsv, fb.student, keep)
+
+
 def uld_distance(lp_bsw: jax.Array, lq_bsv: jax.Array) -> jax.Array:
     """[...] sum |sort(p) - sort(q)|: both distributions sorted in decreasing order, the
     shorter vocabulary padded with zero probabilities."""
@@ -111,6 +138,8 @@ def cross_divergence(
     lp = jax.lax.stop_gradient(teacher_lp.astype(jnp.float32))
     if method == "uld":
         return uld_distance(lp, lq)
+    if method == "first_byte":
+        return _divergence(*first_byte_buckets(lp, lq, vmap), cfg)
     if method != "mapped":
         raise ValueError(f"cross-tokenizer method {method!r}, expected one of {METHODS}")
     lp, lq = mapped_buckets(lp, lq, vmap)
