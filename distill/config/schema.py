@@ -300,7 +300,7 @@ class DistillLossConfig(Section):
     alpha: float = Field(0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE.")
     beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
     cross_tokenizer: Literal["mapped", "first_byte", "uld"] = Field(
-        "mapped",
+        "first_byte",
         description="With a teacher.tokenizer other than data.tokenizer: mapped (teacher tokens "
         "spelling a student token's bytes map to it, the rest to a tail bucket), first_byte "
         "(both marginalised onto the next byte), each with distill.loss over the buckets; or "
