@@ -17,6 +17,15 @@ class Batch(NamedTuple):
     segment_ids: Array  # int32 document id within the row (1, 2, ...); 0 marks padding
     positions: Array  # int32 position within the document (restarts at 0 for each doc)
     mask: Array  # float32 1.0 where the target is a real next token of the same document
+    teacher: Any = None  # TeacherView: the teacher's own tokens of the same text, or None
+
+
+class TeacherView(NamedTuple):
+    """The teacher's side of a cross-tokenizer row (`distill.data.cross_rows`): its own tokens
+    of exactly the row's text, and where each student position's prefix ends among them."""
+
+    rows: Batch  # [B, T] the teacher's packed rows (its own row length T)
+    align: Array  # [B, S] int32 teacher position whose prefix ends where the student's does; -1
 
 
 class Continuations(Batch):

@@ -149,10 +149,13 @@ class Evaluate(Hook):
             return
         self.last = m = {"step": step, **m}
         loop.store.log_eval(m)
-        note = (
-            f"eval step {step}: student {m['student_loss']:.4f} "
-            f"teacher {m['teacher_loss']:.4f} kl {m['kl']:.4f} top1 {m['top1_agreement']:.3f}"
-        )
+        note = f"eval step {step}: student {m['student_loss']:.4f} teacher {m['teacher_loss']:.4f}"
+        if "kl" in m:  # one vocabulary: the two distributions compare token by token
+            note += f" kl {m['kl']:.4f} top1 {m['top1_agreement']:.3f}"
+        if "student_bpb" in m:
+            note += f" bits/byte {m['student_bpb']:.4f} vs {m['teacher_bpb']:.4f}"
+        if "aligned_fraction" in m:
+            note += f" aligned {m['aligned_fraction']:.3f}"
         if "sample_teacher_nll" in m:
             note += f" sample nll {m['sample_teacher_nll']:.4f} len {m['sample_len']:.1f}"
         loop.note(note)

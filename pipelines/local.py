@@ -13,8 +13,10 @@ from jax.sharding import Mesh
 from distill import outputs
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths
 from distill.data.tokenizers import vocab_limit
 from distill.mesh import Meshes
+from distill.models.cross_losses import CrossSpec
 from distill.observability.metrics import MetricsStore
 from pipelines import hooks as h
 from pipelines.divergence import Divergence
@@ -36,7 +38,8 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
     compiled distillation step, its checkpoints and its side of evaluation; for on-policy
     runs, the recent parameters it generates with."""
     limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
-    tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit)
+    cross = cross_spec(cfg, corpus)
+    tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit, cross=cross)
     ckpt = run_checkpointer(cfg)
     history = None
     if cfg.distill.on_policy.fraction > 0:
@@ -47,10 +50,29 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
         lambda: start_student(cfg, tx, mesh, ckpt, lambda: student_init_params(cfg)),
         step_fn,
         ckpt=ckpt,
-        evaluator=StudentEval(cfg, mesh, limit),
+        evaluator=StudentEval(cfg, mesh, limit, eval_byte_lengths(cfg, corpus)),
         tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
         history=history,
     )
+
+
+def cross_spec(cfg: Config, corpus: Corpus) -> CrossSpec | None:
+    """How the step compares the two vocabularies of a cross-tokenizer run, else None."""
+    if corpus.teacher is None:
+        return None
+    vmap, method = None, cfg.distill.cross_tokenizer
+    if method in ("mapped", "first_byte"):
+        vmap = (VocabMap if method == "mapped" else FirstBytes).between(
+            corpus.teacher, corpus.tokenizer, cfg.teacher.model.vocab_size,
+            cfg.student_model().vocab_size,
+        )  # fmt: skip
+    return CrossSpec(method, vmap)
+
+
+def eval_byte_lengths(cfg: Config, corpus: Corpus) -> tuple:
+    """(student's, teacher's) bytes per id, for held-out bits per byte."""
+    student = byte_lengths(corpus.tokenizer, cfg.student_model().vocab_size)
+    return student, byte_lengths(corpus.teacher_tokenizer, cfg.teacher.model.vocab_size)
 
 
 def distill_hooks(
@@ -80,8 +102,10 @@ def online_sources(
 ):
     """(the teacher source, the evaluation's sample metrics) of a run with the teacher
     online: on-policy when `distill.on_policy.fraction` > 0, else the data's rows."""
-    score = sample_score(cfg, corpus, teacher, mesh)
-    samples = lambda: score(executor.state.params)  # noqa: E731
+    samples = None
+    if corpus.teacher is None:  # the teacher scores the student's samples in its own tokens
+        score = sample_score(cfg, corpus, teacher, mesh)
+        samples = lambda: score(executor.state.params)  # noqa: E731
     if cfg.distill.on_policy.fraction == 0:
         return OnlineSource(cfg, corpus, teacher), samples
     limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
@@ -99,7 +123,7 @@ def distill_local(
     if cfg.teacher.source == "cache":
         source = CacheSource(cfg)
     else:
-        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
+        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
         source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)
     evaluate = Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples)
     hooks = distill_hooks(cfg, evaluate, store, source, extra)

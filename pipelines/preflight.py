@@ -14,8 +14,10 @@ from distill import storage
 from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.data.cross_rows import cross_corpus
 from distill.data.pipeline import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
+from distill.data.tokenizers import load_tokenizer
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit, check_hosts
 from distill.models import hf
@@ -127,6 +129,30 @@ def preflight_shapes(cfg: Config) -> None:
     check_dense_output(cfg, devices[0])
     check_mode(cfg)
     check_on_policy(cfg)
+    check_cross_tokenizer(cfg)
+
+
+def check_cross_tokenizer(cfg: Config) -> None:
+    """A teacher tokenizer of its own (teacher.tokenizer) works with what is built for it:
+    a dense teacher online in local mode, on text data, with the teacher already trained
+    (its bootstrap reads the data in its own tokens, which a cross-tokenizer corpus is not)."""
+    if not cfg.cross_tokenizer():
+        return
+    refused = [
+        ("teacher.top_k", cfg.teacher.top_k is not None, "the dense teacher (top_k: null)"),
+        ("teacher.source", cfg.teacher.source != "online", "teacher.source: online"),
+        ("pipeline.mode", cfg.pipeline.mode != "local", "pipeline.mode: local"),
+        ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction 0"),
+        ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
+         "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
+        ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),
+    ]  # fmt: skip
+    for key, bad, needs in refused:
+        if bad:
+            raise DistillError(
+                f"{key}: not supported with teacher.tokenizer={cfg.teacher.tokenizer} (another"
+                f" tokenizer than data.tokenizer={cfg.data.tokenizer}) yet; needs {needs}"
+            )
 
 
 def preflight(cfg: Config) -> Corpus:
@@ -159,7 +185,17 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
 
 
 def _corpus(cfg: Config) -> Corpus:
-    corpus = load_corpus(cfg.data, cfg.train.seq_len)
+    if cfg.cross_tokenizer():  # the teacher's own tokens of every row's text, aligned
+        teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
+        corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
+        if teacher.vocab_size > cfg.teacher.model.vocab_size:
+            raise DistillError(
+                f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "
+                f"tokenizer's vocabulary ({teacher.vocab_size}, "
+                f"teacher.tokenizer={cfg.teacher.tokenizer})"
+            )
+    else:
+        corpus = load_corpus(cfg.data, cfg.train.seq_len)
     check_vocabularies(cfg, corpus.tokenizer.vocab_size)
     return corpus
 
@@ -170,14 +206,15 @@ def check_vocabularies(cfg: Config, live: int) -> None:
     that its ids are all live ones, which the student's vocabulary holds: a padded id is
     masked to -inf and never outranks a live one."""
     t, s = cfg.teacher.model, cfg.student_model()
-    for role, m in (("teacher", t), ("student", s)):
+    # with its own tokenizer (cross-tokenizer), the teacher's vocabulary is checked against it
+    for role, m in (("teacher", t), ("student", s))[int(cfg.cross_tokenizer()) :]:
         if live > m.vocab_size:
             raise DistillError(
                 f"{role}.model.vocab_size: {m.vocab_size} is smaller than the tokenizer's "
                 f"vocabulary ({live}, data.tokenizer={cfg.data.tokenizer})"
             )
     k = cfg.teacher.top_k
-    if t.vocab_size != s.vocab_size and k is not None and k > live:
+    if t.vocab_size != s.vocab_size and k is not None and k > live and not cfg.cross_tokenizer():
         raise DistillError(
             f"teacher.top_k: {k} exceeds the tokenizer's {live} ids, and the teacher's and "
             f"student's vocabularies differ ({t.vocab_size} vs {s.vocab_size})"

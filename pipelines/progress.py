@@ -20,6 +20,7 @@ def distill_record(step: int, metrics: dict, figures: dict) -> dict:
         "step": step,
         "phase": "distill",
         **{k: metrics[k] for k in keys},
+        **{k: metrics[k] for k in ("aligned_fraction",) if k in metrics},  # cross-tokenizer
         **figures,
         "time": time.time(),
     }

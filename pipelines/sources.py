@@ -47,11 +47,12 @@ class OnlineTeacher:
         )
 
     def output(self, batch: Batch):
-        """Dispatch the teacher's output for a host batch (not waited for)."""
-        return self._output(self.params, jax.device_put(batch, self.put))
+        """Dispatch the teacher's output for a host batch (not waited for): on the teacher's
+        own rows [B, T] when the batch carries them (cross-tokenizer), else on the batch."""
+        return self._output(self.params, jax.device_put(own_rows(batch), self.put))
 
     def logits(self, batch: Batch):
-        return self._logits(self.params, jax.device_put(batch, self.put))
+        return self._logits(self.params, jax.device_put(own_rows(batch), self.put))
 
     def eval_logits(self, batches: list[Batch]):
         """Dense logits of each batch, dispatched one at a time as they are consumed."""
@@ -59,8 +60,14 @@ class OnlineTeacher:
 
     def nll(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
         """(the teacher's summed NLL of `batch`'s masked targets, their count), on device."""
-        batch = jax.device_put(batch, self.put)
+        batch = jax.device_put(own_rows(batch), self.put)
         return _masked_nll(self._logits(self.params, batch), batch)
+
+
+def own_rows(batch: Batch) -> Batch:
+    """The rows the teacher reads: its own tokens of the batch's text when the batch carries
+    them (`distill.types.TeacherView`), else the batch itself."""
+    return batch if batch.teacher is None else batch.teacher.rows
 
 
 @jax.jit

@@ -9,9 +9,11 @@ the result.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import jax
+import numpy as np
 
 from distill.config import Config
 from student import train
@@ -27,6 +29,29 @@ def token_weighted_means(per_batch: Iterable[dict[str, float]]) -> dict[str, flo
     return {k: v / tokens for k, v in sums.items()}
 
 
+def _target_bytes(targets, mask, table: np.ndarray) -> float:
+    targets = np.asarray(jax.device_get(targets))
+    return float(np.sum(table[targets] * np.asarray(jax.device_get(mask))))
+
+
+def bits_per_byte(per: list[dict], t_tokens: list, batches: list, student_b, teacher_b) -> dict:
+    """Held-out bits per byte of the student and the teacher: summed NLL (nats) of the
+    masked targets over ln 2 times the UTF-8 bytes those targets spell, each model in its
+    own tokens, so models with different tokenizers compare on the same text."""
+    s_nll = t_nll = s_bytes = t_bytes = 0.0
+    for m, n, b in zip(per, t_tokens, batches, strict=True):
+        s_nll += m["student_loss"] * m["tokens"]
+        t_nll += m["teacher_loss"] * n
+        sb = _target_bytes(b.targets, b.mask, student_b)
+        s_bytes += sb
+        own = b.teacher.rows if b.teacher is not None else None
+        t_bytes += sb if own is None else _target_bytes(own.targets, own.mask, teacher_b)
+    return {
+        "student_bpb": s_nll / (math.log(2) * max(s_bytes, 1.0)),
+        "teacher_bpb": t_nll / (math.log(2) * max(t_bytes, 1.0)),
+    }
+
+
 class StudentEval:
     """evaluate(params, batches, teacher_logits, keep) on the training mesh `mesh`.
 
@@ -34,10 +59,14 @@ class StudentEval:
     are (host, another mesh); they are moved here one batch at a time. With `keep` (small
     logits) the moved pairs are kept for later evaluations: the teacher is frozen."""
 
-    def __init__(self, cfg: Config, mesh, vocab_limit: int | None):
-        self._metrics = train.eval_fn_for(
-            cfg.student_model(), mesh, cfg.student.dtype, vocab_limit=vocab_limit
-        )
+    def __init__(self, cfg: Config, mesh, vocab_limit: int | None, byte_lengths=None):
+        """`byte_lengths`: (student's, teacher's) [V] bytes each id spells
+        (`distill.data.token_bytes.byte_lengths`), to report bits per byte; with a teacher
+        tokenizer of its own (`Config.cross_tokenizer`) the batches carry the teacher's rows
+        and the teacher's loss is taken on them."""
+        make = train.cross_eval_fn_for if cfg.cross_tokenizer() else train.eval_fn_for
+        self._metrics = make(cfg.student_model(), mesh, cfg.student.dtype, vocab_limit)
+        self._bytes = byte_lengths
         self._split = train.batch_sharding(mesh)
         self._kept: list | None = None
 
@@ -56,7 +85,16 @@ class StudentEval:
 
     def __call__(self, params, batches: list, teacher_logits: Iterable, keep: bool) -> dict:
         pairs = self._pairs(batches, teacher_logits, keep)
-        return token_weighted_means(self._host(params, *pair) for pair in pairs)
+        per = [self._host(params, *pair) for pair in pairs]
+        cross = any("teacher_tokens" in m for m in per)
+        t_tokens = [m.pop("teacher_tokens", m["tokens"]) for m in per]
+        out = token_weighted_means(per)
+        if cross:  # the teacher's loss is a mean over its own tokens
+            nll = sum(m["teacher_loss"] * n for m, n in zip(per, t_tokens, strict=True))
+            out["teacher_loss"] = nll / max(sum(t_tokens), 1.0)
+        if self._bytes is not None:
+            out.update(bits_per_byte(per, t_tokens, batches, *self._bytes))
+        return out
 
     def one(self, params, batch, teacher_logits) -> dict:
         """One batch's metrics with its token count (`token_weighted_means` combines them);

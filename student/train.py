@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from distill import programs
 from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
-from distill.models import model, vocab_loss
+from distill.models import cross_losses, model, vocab_loss
+from distill.models.cross_losses import CrossSpec
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, sharding
 
@@ -180,19 +181,23 @@ def make_train_step(
     remat: str = "none",
     grad_accum: int = 1,
     layer_loop: str = "auto",
+    cross: CrossSpec | None = None,
 ):
     """Compile the step once for this mesh. Returns step(state, batch, teacher_out).
 
     `vocab_limit` (`distill.data.tokenizers.vocab_limit`): logits of padded ids >= it are masked
     to a large finite negative, which the losses treat as zero probability. `grad_accum`:
     microbatches per step (it must divide each device's rows). `layer_loop`: see
-    `unrolls`."""
+    `unrolls`. `cross`: how to compare vocabularies when batches carry the teacher's own
+    rows (`distill.models.cross_losses`)."""
     replicated = NamedSharding(mesh, P())
     split = batch_sharding(mesh)
     placed = state_shardings(cfg, tx, mesh)
 
     unroll = unrolls(layer_loop, cfg, mesh)
-    loss_fn = make_loss_fn(cfg, loss_cfg, dtype, vocab_limit, remat, mesh, unroll=unroll)
+    loss_fn = make_loss_fn(
+        cfg, loss_cfg, dtype, vocab_limit, remat, mesh, unroll=unroll, cross=cross
+    )
 
     def step(state: TrainState, batch: Batch, teacher_out: TeacherOutput | None):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -313,11 +318,16 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
 
 
 def distill_step_for(
-    cfg: Config, mesh, vocab_limit: int | None = None, *, with_teacher: bool = True
+    cfg: Config,
+    mesh,
+    vocab_limit: int | None = None,
+    *,
+    with_teacher: bool = True,
+    cross: CrossSpec | None = None,
 ):
     """The run's optimizer and compiled distillation step, as every pipeline mode builds
     them from the config: (tx, step(state, batch, teacher_out)); without a teacher, the
-    cross-entropy step(state, batch)."""
+    cross-entropy step(state, batch). `cross`: see `make_train_step`."""
     return step_for(
         cfg.student_model(),
         cfg.optim,
@@ -330,6 +340,7 @@ def distill_step_for(
         remat=cfg.train.remat,
         grad_accum=cfg.train.grad_accum,
         layer_loop=cfg.train.layer_loop,
+        cross=cross,
     )
 
 
@@ -357,6 +368,7 @@ def make_loss_fn(
     mesh,
     *,
     unroll: bool = False,
+    cross: CrossSpec | None = None,
 ):
     """loss_fn(params, batch, teacher_out) -> (loss, metrics): KD (or CE without a teacher
     output) from the model's final hidden states, the LM head applied a chunk of positions
@@ -379,6 +391,11 @@ def make_loss_fn(
         }
         if teacher_out is None:
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
+        if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
+            return cross_losses.cross_kd_loss_chunked(
+                x, head, teacher_out.logprobs, batch.teacher.align, batch.targets, batch.mask,
+                loss_cfg, vmap=cross.vmap, method=cross.method, **kw,
+            )  # fmt: skip
         cfg_here = loss_cfg
         if isinstance(batch, Continuations):  # the student's own samples: no CE on them
             cfg_here = loss_cfg.model_copy(update={"alpha": 1.0})
@@ -416,5 +433,43 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
             compute_dtype=x.dtype,
             softcap=cfg.final_softcap,
         )
+
+    return jax.jit(metrics, in_shardings=(None, split, split))
+
+
+def cross_eval_fn_for(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | None):
+    """`make_cross_eval_fn`, built once per process for equal arguments."""
+    return programs.cached(make_cross_eval_fn, cfg, mesh, dtype, vocab_limit)
+
+
+def make_cross_eval_fn(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | None):
+    """metrics(params, batch, teacher_logits) of a cross-tokenizer batch: the student's loss
+    in its own tokens; the teacher's on its own rows, from its dense logits [B, T, Vt], with
+    its own token count ("teacher_tokens"); the share of student tokens aligned. The two
+    losses are in different tokens: only their bits per byte compare."""
+    split = batch_sharding(mesh)
+
+    def metrics(params, batch: Batch, teacher_logits):
+        x, head = model.apply_hidden(
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype, rows=split
+        )
+        rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
+        _, m = vocab_loss.ce_loss_chunked(
+            x, head, batch.targets, batch.mask, vocab_limit=vocab_limit,
+            chunk=vocab_loss.default_chunk(cfg.vocab_size, rows), compute_dtype=x.dtype,
+            softcap=cfg.final_softcap,
+        )  # fmt: skip
+        t = batch.teacher.rows
+        lt = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(lt, t.targets[..., None], axis=-1)[..., 0]
+        t_tokens = jnp.sum(t.mask)
+        aligned = (batch.teacher.align >= 0) & (batch.mask > 0)
+        return {
+            "student_loss": m["ce_loss"],
+            "teacher_loss": jnp.sum(jnp.where(t.mask > 0, nll, 0.0)) / jnp.maximum(t_tokens, 1),
+            "aligned_fraction": jnp.sum(aligned) / jnp.maximum(m["tokens"], 1.0),
+            "tokens": m["tokens"],
+            "teacher_tokens": t_tokens,
+        }
 
     return jax.jit(metrics, in_shardings=(None, split, split))

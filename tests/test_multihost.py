@@ -133,7 +133,8 @@ def test_rows_between_groups_cover_each_student_process_rows(owners):
         mine = ray_rows.spans(owners, p, 8)
         assert (part.tokens == np.concatenate([batch.tokens[a:b] for a, b in mine])).all()
     joined = ray_rows.join_batch(parts, owners)
-    assert all((x == y).all() for x, y in zip(joined, batch, strict=True))
+    assert joined.teacher is None  # no teacher rows of its own (one tokenizer)
+    assert all((x == y).all() for x, y in zip(joined[:5], batch[:5], strict=True))
     out = TeacherOutput(np.arange(8 * 2, dtype=np.float32).reshape(8, 2), None)
     mine = ray_rows.spans(owners, max(owners), 8)
     pieces = [[(a, TeacherOutput(out.logprobs[a : a + 1], None))] for lo, hi in mine
@@ -227,6 +228,9 @@ def test_teacher_process_batch_is_the_global_batch(corpus_dir):
     state = {"next_index": 5}
     batch = ray_rows.global_batch(reader, state, NamedSharding(mesh, P("dp")))
     for got, want in zip(batch, reader.rows(state), strict=True):
+        if want is None:  # no teacher rows of its own (one tokenizer)
+            assert got is None
+            continue
         assert got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got), want)
 

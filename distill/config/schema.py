@@ -112,6 +112,13 @@ class TeacherConfig(Section):
     top_k: int | None = Field(
         None, ge=1, description="Send only the top-k log-probs per token; None: dense."
     )
+    tokenizer: str | None = Field(
+        None,
+        description="The teacher's tokenizer, as data.tokenizer names one; None: data.tokenizer "
+        "(one vocabulary). Another tokenizer makes the run cross-tokenizer: each row's text is "
+        "tokenised by both, the teacher runs on its own tokens, and distill.cross_tokenizer "
+        "compares the two vocabularies (docs/guides/cross-tokenizer.md).",
+    )
     microbatch: int | None = Field(
         None,
         ge=1,
@@ -226,6 +233,13 @@ class DistillLossConfig(Section):
     temperature: float = Field(2.0, gt=0, description="Softmax temperature T (KD scaled by T^2).")
     alpha: float = Field(0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE.")
     beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
+    cross_tokenizer: Literal["mapped", "first_byte", "uld"] = Field(
+        "first_byte",
+        description="With a teacher.tokenizer other than data.tokenizer: mapped (teacher tokens "
+        "spelling a student token's bytes map to it, the rest to a tail bucket), first_byte "
+        "(both marginalised onto the next byte), each with distill.loss over the buckets; or "
+        "uld (sorted-probability L1 distance, no shared tokens needed).",
+    )
     on_policy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
 
 
@@ -361,6 +375,10 @@ class Config(Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
+    def cross_tokenizer(self) -> bool:
+        """Whether the teacher has its own tokenizer (teacher.tokenizer, unlike data.tokenizer)."""
+        return self.teacher.tokenizer not in (None, self.data.tokenizer)
+
     def student_model(self) -> ModelConfig:
         """The teacher's model schema with the student's overrides applied; a pretrained
         student's (`student.checkpoint`) is its config.json's, with only the runtime keys
@@ -377,8 +395,11 @@ class Config(Section):
         except ValidationError as e:
             raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
 
-    def vocab_sizes(self) -> tuple[int, int]:  # equal, or differing by padding
-        """(teacher's, student's) model vocabulary sizes."""
+    def vocab_sizes(self) -> tuple[int, ...]:  # equal, or differing by padding
+        """The model vocabulary sizes over data.tokenizer's ids: (teacher's, student's), or
+        the student's alone when the teacher has its own tokenizer (cross-tokenizer)."""
+        if self.cross_tokenizer():
+            return (self.student_model().vocab_size,)
         return self.teacher.model.vocab_size, self.student_model().vocab_size
 
     def init_layers(self) -> list[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grain
+import jax
 import numpy as np
 
 from distill.data.tokenizers import Tokenizer
@@ -75,7 +76,7 @@ def row_at(rows, index: int) -> Batch:
     """Row ``index`` of ``rows`` (anything with ``len`` and ``gather``) as a Batch of [S]."""
     if not 0 <= index < len(rows):
         raise IndexError(f"row {index} out of range [0, {len(rows)})")
-    return Batch(*(x[0] for x in rows.gather(np.array([index]))))
+    return jax.tree.map(lambda x: x[0], rows.gather(np.array([index])))
 
 
 def rows_batch(ids: np.ndarray, starts: np.ndarray) -> Batch:
@@ -108,13 +109,20 @@ class Corpus:
     The rows are ``PackedRows`` in memory, or ``distill.data.prepared.StoredRows`` read from a
     prepared corpus on demand; both have ``len`` and ``gather``, so batches are the same.
     ``fingerprint`` is the prepared corpus's stored hash of its packed streams (see
-    ``distill.identity.data_hash``), None for rows in memory.
+    ``distill.identity.data_hash``), None for rows in memory. ``teacher``: the teacher's
+    tokenizer when it has its own (the rows are then ``distill.data.cross_rows.CrossRows``).
     """
 
     tokenizer: Tokenizer
     train: PackedRows
     eval: PackedRows
     fingerprint: str | None = None
+    teacher: Tokenizer | None = None  # the teacher's own tokenizer (cross-tokenizer rows)
+
+    @property
+    def teacher_tokenizer(self) -> Tokenizer:
+        """The tokenizer of the teacher's tokens: its own, or the student's."""
+        return self.tokenizer if self.teacher is None else self.teacher
 
     @property
     def train_rows(self) -> int:

@@ -186,6 +186,24 @@ class SentencePieceTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts))]
 
+    def encode_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids [n] int32, character offsets [n, 2] int64) of each text: SentencePiece gives
+        each piece's UTF-8 byte span of the input, turned here into characters (a byte
+        piece of a multi-byte character spans that character)."""
+        out = []
+        for text in texts:
+            pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+            widths = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
+            char_of = np.repeat(np.arange(len(text), dtype=np.int64), widths)
+            char_of = np.append(char_of, len(text))  # the end of the text
+            begin = np.array([p.begin for p in pieces], np.int64)
+            end = np.array([p.end for p in pieces], np.int64)
+            last = np.maximum(end - 1, begin)  # the byte before the end: its character + 1
+            spans = np.stack([char_of[begin], np.where(end > begin, char_of[last] + 1,
+                                                       char_of[begin])], axis=1)  # fmt: skip
+            out.append((np.array([p.id for p in pieces], np.int32), spans.reshape(-1, 2)))
+        return out
+
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
@@ -193,9 +211,10 @@ class SentencePieceTokenizer:
 Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
+def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     """``'bytes'``, or the tokenizer file at ``spec``: a ``.model`` is SentencePiece, anything
-    else a ``tokenizer.json``; a directory means its tokenizer.json (or tokenizer.model)."""
+    else a ``tokenizer.json``; a directory means its tokenizer.json (or tokenizer.model).
+    ``key``: the config key that named it, for errors."""
     if spec == "bytes":
         return ByteTokenizer()
     path = Path(spec).expanduser()
@@ -203,11 +222,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
         found = [path / n for n in ("tokenizer.json", "tokenizer.model") if (path / n).is_file()]
         if not found:
             raise DistillError(
-                f"data.tokenizer: directory {path} holds no tokenizer.json or tokenizer.model"
+                f"{key}: directory {path} holds no tokenizer.json or tokenizer.model"
             )
         path = found[0]
     if not path.is_file():
-        raise DistillError(f"data.tokenizer: no such file: {path}")
+        raise DistillError(f"{key}: no such file: {path}")
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
     return HFTokenizer(path)

@@ -355,7 +355,7 @@ class StudentActor(_Member):
         spans = ray_rows.spans(self._owners, self._i, rows)
         t_in, _ = ray_rows.student_rows(list(teacher_parts), spans)
         logits = ray_rows.global_arrays(t_in.logprobs, self._split, rows)
-        mine = Batch(*(ray_rows.take(x, spans) for x in batch))
+        mine = Batch(*(None if x is None else ray_rows.take(x, spans) for x in batch))
         mine = ray_rows.global_arrays(mine, self._split, rows)
         return self._eval.one(self._state.params, mine, logits)
 

@@ -112,7 +112,7 @@ def global_batch(reader: BatchReader, data_state: dict, sharding) -> Batch:
 
         return jax.make_array_from_callback(shape, sharding, piece)
 
-    return Batch(*(one(x) for x in local))
+    return Batch(*(None if x is None else one(x) for x in local))  # None: no teacher rows
 
 
 def _merged(blocks: Spans) -> Spans:
@@ -129,7 +129,7 @@ def split_batch(batch, owners: Owners) -> list:
     """Each student process's rows of a host batch (or prompts), in process order."""
     rows = batch.tokens.shape[0]
     return [
-        type(batch)(*(take(f, spans(owners, p, rows)) for f in batch))
+        type(batch)(*(None if f is None else take(f, spans(owners, p, rows)) for f in batch))
         for p in range(max(owners) + 1)
     ]
 
@@ -148,7 +148,7 @@ def join_batch(parts: list[Batch], owners: Owners) -> Batch:
                 out[lo:hi], at = f[at : at + hi - lo], at + hi - lo
         return out
 
-    return Batch(*(join(*f) for f in zip(*parts, strict=True)))
+    return Batch(*(None if f[0] is None else join(*f) for f in zip(*parts, strict=True)))
 
 
 def _owned_rows(arr) -> dict[tuple[int, int], np.ndarray]:

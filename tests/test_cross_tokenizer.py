@@ -1,0 +1,296 @@
+"""Cross-tokenizer distillation: alignment by character offsets, the vocabulary map, the
+mapped and ULD losses against dense references, and a short run across two tokenizers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from distill.config import DistillLossConfig
+from distill.data.bpe import train_bpe
+from distill.data.cross_rows import cross_splits
+from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths, token_bytes
+from distill.data.tokenizers import ByteTokenizer, load_tokenizer
+from distill.models import cross_losses as xl
+from distill.models.losses import kd_divergence
+from distill.types import TeacherOutput
+
+TEXTS = [
+    "héllo wörld, naïve café — déjà vu 😀 over the lazy dog\n    return x + 1\n",
+    "def f(x):\n\treturn x ** 2  # ünïcödé 🎉🎉 spaces   here\n",
+    "the quick brown fox jumps over the lazy dog " * 3,
+    "日本語のテキストと English mixed 中文 text.",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A small byte-level BPE (GPT-2 style) trained on the hand-made texts."""
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    return load_tokenizer(str(train_bpe(TEXTS * 20, 320, path)))
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory):
+    """A SentencePiece-style tokenizer.json: U+2581 for spaces, byte fallback pieces."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    alphabet = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *alphabet], show_progress=False
+    )
+    tok.train_from_iterator(TEXTS * 20, trainer)
+    path = tmp_path_factory.mktemp("sp") / "tokenizer.json"
+    tok.save(str(path))
+    return load_tokenizer(str(path))
+
+
+def _rows(student, teacher, seq_len=16):
+    enc = student.encode_offsets(TEXTS)
+    split = (TEXTS, [e[0] for e in enc], [e[1] for e in enc])
+    return cross_splits({"train": split}, seq_len, student, teacher)["train"]
+
+
+def _prefix(tok, ids, upto) -> bytes:
+    """The bytes of a row's tokens from its segment start through `upto`."""
+    b = token_bytes(tok)
+    return b"".join(b[i] for i in ids[: upto + 1] if b[i] is not None)
+
+
+def _check_alignment(student, teacher, min_fraction):
+    rows = _rows(student, teacher)
+    batch = rows.gather(np.arange(len(rows)))
+    t = batch.teacher.rows
+    matched = 0
+    for r in range(len(rows)):
+        for j, i in enumerate(batch.teacher.align[r]):
+            if i < 0:
+                continue
+            matched += 1
+            assert batch.segment_ids[r, j] == t.segment_ids[r, i]
+            s_seg = batch.tokens[r][batch.segment_ids[r] == batch.segment_ids[r, j]]
+            t_seg = t.tokens[r][t.segment_ids[r] == t.segment_ids[r, i]]
+            j0 = j - int(np.argmax(batch.segment_ids[r] == batch.segment_ids[r, j]))
+            i0 = i - int(np.argmax(t.segment_ids[r] == t.segment_ids[r, i]))
+            s_text, t_text = _prefix(student, s_seg, j0), _prefix(teacher, t_seg, i0)
+            # equal, but for the tail of a character a row may open with (before the text)
+            assert s_text.endswith(t_text) and len(s_text) - len(t_text) < 4, (r, j, i)
+    assert matched > 0
+    assert rows.aligned_fraction() >= min_fraction
+    return rows, batch
+
+
+def test_alignment_bytes_teacher_bpe_student(bpe):
+    """Every student position ending on a character boundary has the byte teacher's position
+    of the same prefix; BOS and EOS align to the teacher's BOS and EOS."""
+    rows, batch = _check_alignment(bpe, ByteTokenizer(), 0.8)
+    t = batch.teacher.rows
+    for r, j in np.argwhere((batch.teacher.align < 0) & (batch.mask > 0)):
+        seg = batch.segment_ids[r] == batch.segment_ids[r, j]
+        j0 = j - int(np.argmax(seg))
+        with pytest.raises(UnicodeDecodeError):  # only a prefix ending mid-character misses
+            _prefix(bpe, batch.tokens[r][seg], j0).decode("utf-8")
+    bos = np.argwhere(batch.tokens == bpe.bos_id)
+    assert len(bos)
+    for r, j in bos:
+        assert t.tokens[r, batch.teacher.align[r, j]] == ByteTokenizer.bos_id
+    eos = np.argwhere((batch.tokens == bpe.eos_id) & (batch.mask > 0))
+    for r, j in eos:
+        i = batch.teacher.align[r, j]
+        assert i < 0 or t.tokens[r, i] == ByteTokenizer.eos_id
+    assert rows.teacher_len % 8 == 0 and rows.teacher_len >= 16
+
+
+def test_alignment_bpe_teacher_bytes_student(bpe):
+    """The other way round: a byte student's positions inside a multi-byte character, or
+    inside a teacher token, have no match; the rest do."""
+    rows, batch = _check_alignment(ByteTokenizer(), bpe, 0.2)
+    assert rows.aligned_fraction() < 0.9
+
+
+def test_alignment_sentencepiece_style_against_byte_level(bpe, metaspace):
+    """U+2581 spaces and <0xNN> byte pieces against GPT-2 byte-level BPE."""
+    assert token_bytes(metaspace)[metaspace._tok.token_to_id("<0xC3>")] == b"\xc3"
+    _check_alignment(bpe, metaspace, 0.3)
+    _check_alignment(metaspace, bpe, 0.3)
+
+
+def test_vocab_map_spells_the_same_bytes(bpe):
+    vmap = VocabMap.between(ByteTokenizer(), bpe, 259, 320)
+    sb, tb = token_bytes(bpe), token_bytes(ByteTokenizer())
+    for t, s in enumerate(vmap.student_of):
+        if s >= 0 and tb[t] is not None:
+            assert sb[s] == tb[t]
+    assert vmap.student_of[ByteTokenizer.bos_id] == bpe.bos_id
+    assert vmap.coverage()[0] == 1.0  # every byte is a byte-level BPE token
+    assert VocabMap.between(ByteTokenizer(), ByteTokenizer(), 259, 259).identity
+    assert byte_lengths(bpe, 330)[sb.index(b" the")] == 4
+
+
+LOSSES = [
+    DistillLossConfig(loss="forward_kl", temperature=1.0),
+    DistillLossConfig(loss="reverse_kl", temperature=2.0),
+    DistillLossConfig(loss="jsd", temperature=1.5, beta=0.3),
+]
+
+
+def _logits(key, shape, scale=3.0):
+    return scale * jax.random.normal(jax.random.key(key), shape)
+
+
+@pytest.mark.parametrize("cfg", LOSSES, ids=lambda c: c.loss)
+def test_mapped_loss_is_todays_loss_for_one_tokenizer(cfg):
+    """The identity map: no tail, the same divergence bit for bit."""
+    z, t = _logits(0, (2, 5, 259)), _logits(1, (2, 5, 259))
+    lp = jax.nn.log_softmax(t / cfg.temperature)
+    vmap = VocabMap.between(ByteTokenizer(), ByteTokenizer(), 259, 259)
+    got = xl.cross_divergence(z, lp, cfg, vmap, "mapped")
+    want = kd_divergence(z, TeacherOutput(lp), cfg)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _dense_mapped(z, lp_t, vmap, cfg):
+    """Reference: both distributions projected by explicit 0/1 matrices onto the student's
+    mapped ids plus one tail column, then the divergence of `kd_divergence` over them."""
+    vt, vs = len(vmap.student_of), len(vmap.teacher_of)
+    to_t = np.zeros((vt, vs + 1), np.float32)
+    to_t[np.arange(vt), np.where(vmap.student_of >= 0, vmap.student_of, vs)] = 1
+    to_s = np.zeros((vs, vs + 1), np.float32)
+    to_s[np.arange(vs), np.where(vmap.teacher_of >= 0, np.arange(vs), vs)] = 1
+    q = jax.nn.softmax(z / cfg.temperature) @ to_s
+    p = jnp.exp(lp_t) @ to_t
+    if (vmap.teacher_of >= 0).all():  # no student tail: the teacher conditioned on the map
+        q, p = q[..., :vs], p[..., :vs] / jnp.sum(p[..., :vs], axis=-1, keepdims=True)
+    else:
+        p = p.at[..., vs].set(jnp.maximum(p[..., vs], np.finfo(np.float32).eps))
+    logit = lambda x: jnp.log(jnp.maximum(x, 1e-30))  # noqa: E731
+    return kd_divergence(logit(q) * cfg.temperature, TeacherOutput(logit(p)), cfg)
+
+
+@pytest.mark.parametrize("cfg", LOSSES, ids=lambda c: c.loss)
+def test_mapped_loss_and_gradient_match_a_dense_projection(cfg, bpe):
+    vmap = VocabMap.between(ByteTokenizer(), bpe, 259, 320)
+    vmap_back = VocabMap.between(bpe, ByteTokenizer(), 320, 259)
+    for m, (vt, vs) in ((vmap, (259, 320)), (vmap_back, (320, 259))):
+        z, t = _logits(2, (3, 4, vs)), _logits(3, (3, 4, vt))
+        lp = jax.nn.log_softmax(t / cfg.temperature)
+        f = lambda z, m=m, lp=lp: jnp.sum(xl.cross_divergence(z, lp, cfg, m, "mapped"))  # noqa: E731
+        ref = lambda z, m=m, lp=lp: jnp.sum(_dense_mapped(z, lp, m, cfg))  # noqa: E731
+        np.testing.assert_allclose(f(z), ref(z), rtol=2e-5)
+        g, g_ref = jax.grad(f)(z), jax.grad(ref)(z)
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, g_ref, rtol=2e-4, atol=1e-6)
+
+
+def test_uld_loss_and_gradient():
+    """ULD against a numpy reference, and its gradient against central finite differences."""
+    z, t = _logits(4, (2, 3, 12), 2.0), _logits(5, (2, 3, 9), 2.0)
+    lp = jax.nn.log_softmax(t)
+    cfg = DistillLossConfig(temperature=1.0)
+    got = xl.cross_divergence(z, lp, cfg, None, "uld")
+    p = -np.sort(-np.exp(np.asarray(lp)), axis=-1)
+    q = -np.sort(-np.asarray(jax.nn.softmax(z)), axis=-1)
+    p = np.concatenate([p, np.zeros((2, 3, 3))], axis=-1)
+    np.testing.assert_allclose(got, np.abs(p - q).sum(-1), rtol=1e-5)
+    z64 = np.asarray(z, np.float64)
+    with jax.enable_x64():
+        lp64 = jnp.asarray(np.asarray(lp), jnp.float64)
+        f = lambda z: jnp.sum(xl.uld_distance(lp64, jax.nn.log_softmax(z)))  # noqa: E731
+        g = np.asarray(jax.grad(f)(jnp.asarray(z64)))
+        eps, num = 1e-6, np.zeros_like(z64)
+        for idx in np.ndindex(z64.shape):
+            d = np.zeros_like(z64)
+            d[idx] = eps
+            num[idx] = (f(jnp.asarray(z64 + d)) - f(jnp.asarray(z64 - d))) / (2 * eps)
+    np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["mapped", "uld"])
+def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
+    """`cross_kd_loss_chunked` over chunks of 3 positions equals the per-token formula on
+    the whole logits, unaligned positions out of the divergence but in the CE."""
+    b, s, t_len, d, vs, vt = 2, 7, 11, 8, 320, 259
+    x = jax.random.normal(jax.random.key(6), (b, s, d))
+    head = jax.random.normal(jax.random.key(7), (d, vs))
+    lp_t = jax.nn.log_softmax(_logits(8, (b, t_len, vt)))
+    align = jnp.array([[0, 2, -1, 3, 5, 6, 9], [1, -1, -1, 4, 4, 8, 10]], jnp.int32)
+    targets = jax.random.randint(jax.random.key(9), (b, s), 0, vs)
+    mask = jnp.ones((b, s)).at[1, 6].set(0.0)
+    cfg = DistillLossConfig(temperature=1.0, alpha=0.7)
+    vmap = VocabMap.between(ByteTokenizer(), bpe, vt, vs) if method == "mapped" else None
+    loss, m = xl.cross_kd_loss_chunked(
+        x, head, lp_t, align, targets, mask, cfg, vmap=vmap, method=method, chunk=3
+    )
+    z = x @ head
+    kd = xl.cross_divergence(z, xl.at_student_positions(lp_t, align), cfg, vmap, method)
+    w = mask * (align >= 0)
+    want_kd = jnp.sum(kd * w) / jnp.sum(w)
+    ce = jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, targets[..., None], -1)[..., 0]
+    want_ce = jnp.sum(ce * mask) / jnp.sum(mask)
+    np.testing.assert_allclose(m["kd_loss"], want_kd, rtol=1e-5)
+    np.testing.assert_allclose(m["ce_loss"], want_ce, rtol=1e-5)
+    np.testing.assert_allclose(m["aligned_fraction"], jnp.sum(w) / jnp.sum(mask), rtol=1e-6)
+    np.testing.assert_allclose(loss, 0.7 * want_kd + 0.3 * want_ce, rtol=1e-5)
+
+
+def test_short_run_byte_teacher_bpe_student(tiny_run, corpus_dir, tmp_path):
+    """`distill run` with the tiny run's byte-level teacher and a BPE student tokenizer
+    trained on the same corpus: it trains, reports the aligned share, and evaluates in bits
+    per byte; the same teacher's bits per byte as the one-tokenizer run's."""
+    from pipelines.commands.cli import main
+    from tests.conftest import read_evals, read_train, tiny_config, write_config
+
+    texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
+    bpe_path = train_bpe(texts, 300, tmp_path / "bpe" / "tokenizer.json")
+    out = tmp_path / "out"
+    cfg = tiny_config(str(corpus_dir), str(out))
+    cfg["teacher"].update(
+        checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0, top_k=None, tokenizer="bytes"
+    )
+    cfg["student"]["model"]["vocab_size"] = 320
+    cfg["data"]["tokenizer"] = str(bpe_path)
+    assert main(["run", write_config(tmp_path, cfg)]) == 0
+    train, evals = read_train(out), read_evals(out)
+    assert [r["step"] for r in train] == [2, 4, 6]
+    for r in train:
+        assert np.isfinite(r["loss"]) and r["kd_loss"] > 0
+        assert 0.8 < r["aligned_fraction"] <= 1.0
+    for e in evals:
+        assert 0 < e["student_bpb"] < 12 and 0 < e["teacher_bpb"] < 12
+        assert 0.8 < e["aligned_fraction"] <= 1.0
+    same = [e for e in read_evals(tiny_run.out)]
+    assert evals[0]["teacher_bpb"] == pytest.approx(same[0]["teacher_bpb"], rel=0.1)
+
+
+def test_first_byte_loss_and_gradient_match_a_dense_projection(bpe):
+    """Both distributions summed by first byte (explicit 0/1 matrices as the reference),
+    over the buckets both reach; for two byte tokenizers, today's divergence."""
+    cfg = DistillLossConfig(loss="jsd", temperature=1.0)
+    fb = FirstBytes.between(ByteTokenizer(), bpe, 259, 320)
+    z, t = _logits(10, (2, 3, 320)), _logits(11, (2, 3, 259))
+    lp = jax.nn.log_softmax(t)
+    keep = np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
+
+    def onto(bucket):
+        m = (bucket[:, None] == keep[None, :]).astype(np.float32)
+        return m
+
+    def ref(z):
+        p, q = jnp.exp(lp) @ onto(fb.teacher), jax.nn.softmax(z) @ onto(fb.student)
+        p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+        return jnp.sum(kd_divergence(jnp.log(q), TeacherOutput(jnp.log(p)), cfg))
+
+    f = lambda z: jnp.sum(xl.cross_divergence(z, lp, cfg, fb, "first_byte"))  # noqa: E731
+    np.testing.assert_allclose(f(z), ref(z), rtol=2e-5)
+    np.testing.assert_allclose(jax.grad(f)(z), jax.grad(ref)(z), rtol=2e-4, atol=1e-6)
+    same = FirstBytes.between(ByteTokenizer(), ByteTokenizer(), 259, 259)
+    zb = _logits(12, (2, 3, 259))
+    got = xl.cross_divergence(zb, lp, cfg, same, "first_byte")
+    np.testing.assert_allclose(got, kd_divergence(zb, TeacherOutput(lp), cfg), rtol=1e-5)
