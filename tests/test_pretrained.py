@@ -124,7 +124,7 @@ def test_distil_resume_and_export_as_qwen3(dirs, corpus_dir, tmp_path, capsys):
     scfg = cfg.student_model()
     ckpt = Checkpointer(str(out / "checkpoints"))
     state, _, _ = ckpt.restore(
-        train.abstract_state(scfg, optim.make_optimizer(cfg.optim, 4), _mesh(1))
+        train.saved(train.abstract_state(scfg, optim.make_optimizer(cfg.optim, 4), _mesh(1)))
     )
     ckpt.close()
     batch = _batch(LIVE, b=1, s=12)
