@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import Meshes, student_shape, student_size
+from distill.mesh import EP, Meshes, student_shape, student_size
 from distill.models import model
 from student import optim, sharding, train
 
@@ -102,7 +102,9 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
 def format_plan(p: dict) -> str:
     lay, t, s = p["layout"], p["teacher"], p["student"]
     ids = lambda role: ",".join(str(d["id"]) for d in lay[role]["devices"])  # noqa: E731
-    shape = lambda role: " x ".join(f"{a}={n}" for a, n in lay[role]["shape"].items())  # noqa: E731
+    shape = lambda role: " x ".join(  # noqa: E731 (ep shown only for experts)
+        f"{a}={n}" for a, n in lay[role]["shape"].items() if a != EP or n > 1
+    )
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     micro = f" in {p['grad_accum']} microbatches" if p["grad_accum"] > 1 else ""
     return "\n".join(
