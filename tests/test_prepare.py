@@ -32,6 +32,9 @@ def _raw(cfg: Config):
 
 def _assert_same(a, b):
     for x, y in zip(a, b, strict=True):
+        if x is None:  # a field a plain corpus leaves empty (the cross-tokenizer teacher view)
+            assert y is None
+            continue
         assert x.dtype == y.dtype
         np.testing.assert_array_equal(x, y)
 
