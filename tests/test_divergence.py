@@ -139,12 +139,9 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-@pytest.fixture(scope="module")
-def diverged(tiny_run, tmp_path_factory):
-    """A run with a learning rate a million times too high (on the session's bootstrapped
-    teacher): checkpoints every step, the last two kept, stopped after 2 skipped steps."""
-    tmp = tmp_path_factory.mktemp("diverged")
-    out = tmp / "out"
+def _stopping_config(tiny_run, out) -> dict:
+    """The session's tiny run continued on its bootstrapped teacher for 12 steps, a
+    checkpoint every step and the last two kept, stopped after 2 skipped steps."""
     cfg = tiny_config(
         str(tiny_run.out.parent.parent),
         str(out),
@@ -153,6 +150,16 @@ def diverged(tiny_run, tmp_path_factory):
     cfg["data"] = yaml.safe_load((tiny_run.out / "config.yaml").read_text())["data"]
     cfg["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
     cfg["train"]["max_nonfinite_steps"] = 2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def diverged(tiny_run, tmp_path_factory):
+    """A run with a learning rate a million times too high (on the session's bootstrapped
+    teacher): checkpoints every step, the last two kept, stopped after 2 skipped steps."""
+    tmp = tmp_path_factory.mktemp("diverged")
+    out = tmp / "out"
+    cfg = _stopping_config(tiny_run, out)
     path = write_config(tmp, cfg)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -226,14 +233,7 @@ def test_a_resume_continues_from_the_last_finite_checkpoint(tiny_run, tmp_path, 
     """A run whose data turns NaN at step 4 stops (status 3), its newest checkpoint the
     one of step 3; rerun on good data, it resumes there and completes."""
     out = tmp_path / "out"
-    cfg = tiny_config(
-        str(tiny_run.out.parent.parent),
-        str(out),
-        train={"steps": 12, "log_every": 2, "checkpoint_every": 1, "keep_checkpoints": 2},
-    )
-    cfg["data"] = yaml.safe_load((tiny_run.out / "config.yaml").read_text())["data"]
-    cfg["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
-    cfg["train"]["max_nonfinite_steps"] = 2
+    cfg = _stopping_config(tiny_run, out)
     path = write_config(tmp_path, cfg)
     poison["from"] = 4
     assert main(["run", path]) == RUN_FAILED

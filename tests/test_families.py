@@ -84,10 +84,12 @@ FAMILIES = {  # name: (transformers class prefix, config class, config keys)
 }
 
 
-def _save(path, name):
-    prefix, config_class, keys = FAMILIES[name]
+def _save(path, name, families=FAMILIES, common=COMMON):
+    """A tiny transformers model of `families[name]` (prefix, config class, keys) saved at
+    `path`, random O(1) weights; the model read back in float32 with eager attention."""
+    prefix, config_class, keys = families[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**COMMON, **keys})
+    config = getattr(transformers, config_class)(**{**common, **keys})
     m = getattr(transformers, f"{prefix}ForCausalLM")(config)
     with torch.no_grad():  # O(1) weights, non-trivial norms and biases: every mapping shows
         for pname, p in m.named_parameters():

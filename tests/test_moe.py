@@ -20,6 +20,7 @@ from distill.mesh import EP, teacher_mesh  # noqa: E402
 from distill.models import hf, model, moe  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
+from tests.test_families import _save as save_family  # noqa: E402
 from tests.test_hf import _batch, _hf_logits  # noqa: E402
 
 COMMON = dict(
@@ -55,16 +56,7 @@ FAMILIES = {  # name: (transformers class prefix, config class, config keys)
 
 
 def _save(path, name):
-    prefix, config_class, keys = FAMILIES[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**COMMON, **keys})
-    m = getattr(transformers, f"{prefix}ForCausalLM")(config)
-    with torch.no_grad():  # O(1) weights and non-trivial norms: every mapping shows
-        for pname, p in m.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in pname else p.normal_(0.0, 0.3)
-    m.save_pretrained(str(path))
-    ref = type(m).from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
-    return ref.eval()
+    return save_family(path, name, FAMILIES, COMMON)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
