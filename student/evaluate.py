@@ -52,6 +52,21 @@ def bits_per_byte(per: list[dict], t_tokens: list, batches: list, student_b, tea
     }
 
 
+def combine(per: list[dict], batches: list, byte_lengths=None) -> dict:
+    """The held-out metrics of `batches` from each batch's (`StudentEval.one`): token-weighted
+    means, the teacher's loss over its own tokens when it has them, and with `byte_lengths`
+    (see `StudentEval`) bits per byte."""
+    cross = any("teacher_tokens" in m for m in per)
+    t_tokens = [m.pop("teacher_tokens", m["tokens"]) for m in per]
+    out = token_weighted_means(per)
+    if cross:  # the teacher's loss is a mean over its own tokens
+        nll = sum(m["teacher_loss"] * n for m, n in zip(per, t_tokens, strict=True))
+        out["teacher_loss"] = nll / max(sum(t_tokens), 1.0)
+    if byte_lengths is not None:
+        out.update(bits_per_byte(per, t_tokens, batches, *byte_lengths))
+    return out
+
+
 class StudentEval:
     """evaluate(params, batches, teacher_logits, keep) on the training mesh `mesh`.
 
@@ -85,16 +100,7 @@ class StudentEval:
 
     def __call__(self, params, batches: list, teacher_logits: Iterable, keep: bool) -> dict:
         pairs = self._pairs(batches, teacher_logits, keep)
-        per = [self._host(params, *pair) for pair in pairs]
-        cross = any("teacher_tokens" in m for m in per)
-        t_tokens = [m.pop("teacher_tokens", m["tokens"]) for m in per]
-        out = token_weighted_means(per)
-        if cross:  # the teacher's loss is a mean over its own tokens
-            nll = sum(m["teacher_loss"] * n for m, n in zip(per, t_tokens, strict=True))
-            out["teacher_loss"] = nll / max(sum(t_tokens), 1.0)
-        if self._bytes is not None:
-            out.update(bits_per_byte(per, t_tokens, batches, *self._bytes))
-        return out
+        return combine([self._host(params, *pair) for pair in pairs], batches, self._bytes)
 
     def one(self, params, batch, teacher_logits) -> dict:
         """One batch's metrics with its token count (`token_weighted_means` combines them);

@@ -38,13 +38,13 @@ from distill.data.corpus import Corpus
 from distill.observability.metrics import MetricsStore
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.hooks import Hook, Status
-from pipelines.local import distill_hooks
+from pipelines.local import distill_hooks, eval_byte_lengths
 from pipelines.loop import Item, Loop, LoopSpec
 from pipelines.on_policy import eval_prompts, is_on_policy, schedule_figures
 from pipelines.progress import distill_record
 from pipelines.ray import rows as ray_rows
 from pipelines.ray.pool import ActorPool
-from student.evaluate import token_weighted_means
+from student.evaluate import combine
 
 log = logging.getLogger("distill")
 
@@ -157,8 +157,9 @@ class RayStudentExecutor:
 
     hops = False
 
-    def __init__(self, pool: ActorPool, resume: tuple[int, dict | None]):
-        self._pool, self._resume = pool, resume
+    def __init__(self, pool: ActorPool, resume: tuple[int, dict | None], byte_lengths=None):
+        """`byte_lengths`: as `student.evaluate.StudentEval`'s, for bits per byte."""
+        self._pool, self._resume, self._bytes = pool, resume, byte_lengths
         self.tokens = pool.cfg.train.batch_size * pool.cfg.train.seq_len
         self._window: list[float] = []  # student busy ms since the last record
         self._bytes_per_token: float | None = None
@@ -202,13 +203,13 @@ class RayStudentExecutor:
         """Chunk by chunk: each student process gets the chunk's token ids and only its rows
         of the teacher's logits (`keep` is the driver's: kept chunks are its refs)."""
         members = self._pool.students.members
-        per_chunk = (
+        per_chunk = [
             self._pool.student_result(
                 [a.evaluate.remote(batch, *out[p]) for p, a in enumerate(members)]
             )
             for batch, out in zip(batches, teacher_logits, strict=True)
-        )
-        return token_weighted_means(per_chunk)
+        ]
+        return combine(per_chunk, [ray.get(b) for b in batches], self._bytes)
 
     def save(self, step: int, data_state: dict) -> None:
         self._pool.students.call("save", step, data_state)
@@ -223,7 +224,7 @@ def _run(
     resume = pool.start()
     store.set_mesh(pool.layout())
     source = RayTeacherSource(cfg, pool)
-    executor = RayStudentExecutor(pool, resume)
+    executor = RayStudentExecutor(pool, resume, eval_byte_lengths(cfg, corpus))
     batches = eval_batches(cfg, corpus)
     prompts = eval_prompts(cfg, batches)
     samples = lambda: pool.sample_eval(prompts)  # noqa: E731
