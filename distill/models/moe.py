@@ -30,11 +30,21 @@ means no device waits for another's counts.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
+
+
+class ExpertLoad(NamedTuple):
+    """Routing counts of a forward: assignments (token, expert) routed to each expert, [E]
+    int32 (per layer [L, E] from the model, summed over layers and the mesh's rows by the
+    teacher forward), and assignments a capacity factor dropped (int32; 0 when dropless)."""
+
+    tokens: Any
+    dropped: Any
 
 
 def route(h_td: jax.Array, router_de: jax.Array, k: int, norm: bool):
@@ -114,4 +124,4 @@ def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None,
     out = jax.ops.segment_sum(got.astype(jnp.float32) * scale[:, None], token, num_segments=t)
     out = cc.psum(out.astype(h.dtype), tp_axis)
     load = jnp.bincount(ids_a, length=cfg.n_experts)
-    return out.reshape(b, s, d), (load, jnp.sum(~keep))
+    return out.reshape(b, s, d), ExpertLoad(load, jnp.sum(~keep))
