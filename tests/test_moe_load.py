@@ -4,6 +4,8 @@ their steps' counts; a distillation run from a tiny transformers-built Qwen3-MoE
 the load (checked against the single-device model on the same batches) and, with a
 capacity factor, the dropped share."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -12,15 +14,19 @@ pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 
+from distill.config.load import config_from_dict  # noqa: E402
+from distill.data.pipeline import load_corpus  # noqa: E402
 from distill.mesh import teacher_mesh  # noqa: E402
 from distill.models import hf, model  # noqa: E402
 from distill.models.moe import ExpertLoad  # noqa: E402
 from pipelines import hooks as h  # noqa: E402
+from pipelines.commands.run import run  # noqa: E402
 from pipelines.expert_load import LoadWindow, load_figures  # noqa: E402
 from pipelines.loop import Loop, LoopSpec  # noqa: E402
 from pipelines.sources import QueueSource  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
+from tests.conftest import tiny_config  # noqa: E402
 from tests.test_families import _save as save_family  # noqa: E402
 from tests.test_hf import _batch  # noqa: E402
 from tests.test_loop import Executor  # noqa: E402
@@ -163,3 +169,48 @@ def test_logged_windows_take_their_own_steps():
         want = np.zeros(16)
         want[r["step"] - 2 : r["step"]] = 0.5
         assert r["expert_load"] == list(want) and r["expert_load_max_mean"] == 8.0, r
+
+
+def _run_records(qwen3_moe, corpus_dir, out, **teacher) -> tuple[list[dict], list]:
+    """(the training records of a 4-step run from the tiny Qwen3-MoE teacher on a dp x ep
+    = 1 x 2 inference mesh into a dense random student, the run's 4 batches)."""
+    path, _, _ = qwen3_moe
+    tree = tiny_config(
+        str(corpus_dir),
+        str(out),
+        mesh={"teacher": {"ep": 2, "tp": 1}, "student": {"dp": 2}},
+        train={"steps": 4, "batch_size": 4, "seq_len": 32, "log_every": 2, "eval_every": 4},
+    )
+    tree["teacher"] = {"checkpoint": str(path), "top_k": 8, **teacher}
+    tree["student"]["model"]["n_experts"] = 0  # dense, else the teacher's schema's experts
+    cfg = config_from_dict(tree)
+    assert run(cfg)["completed"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "loss" in r and "eval" not in r and "event" not in r]
+    it = load_corpus(cfg.data, cfg.train.seq_len).train_iterator(4, cfg.run.seed)
+    return records, [next(it) for _ in range(4)]
+
+
+def test_a_run_from_an_moe_teacher_records_expert_load(qwen3_moe, corpus_dir, tmp_path):
+    """Each record's load is the single-device model's counts over its window's batches."""
+    _, cfg, single = qwen3_moe
+    records, batches = _run_records(qwen3_moe, corpus_dir, tmp_path / "out")
+    assert [r["step"] for r in records] == [2, 4]
+    for r, window in zip(records, (batches[:2], batches[2:]), strict=True):
+        counts = sum(_single_device_counts(cfg, single, b).tokens for b in window)
+        assert counts.sum() == 2 * 4 * 32 * 2 * 2  # batches x tokens x k x MoE layers
+        assert r["expert_load"] == list(counts / counts.sum())
+        assert r["expert_load_max_mean"] == pytest.approx(counts.max() / counts.mean())
+        assert "expert_dropped" not in r
+
+
+def test_a_run_with_a_capacity_factor_reports_the_dropped_share(qwen3_moe, corpus_dir, tmp_path):
+    """Each ep device's two rows drop what the single-device model drops on them."""
+    _, cfg, single = qwen3_moe
+    records, batches = _run_records(
+        qwen3_moe, corpus_dir, tmp_path / "out", moe_capacity_factor=0.5
+    )
+    for r, window in zip(records, (batches[:2], batches[2:]), strict=True):
+        halves = [jax.tree.map(lambda x, i=i: x[i : i + 2], b) for b in window for i in (0, 2)]
+        dropped = sum(_single_device_counts(cfg, single, h, 0.5).dropped for h in halves)
+        assert r["expert_dropped"] == dropped / (2 * 4 * 32 * 2 * 2) > 0
