@@ -169,7 +169,7 @@ def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None, summed: 
     body, peak memory of one microbatch), the outputs concatenated along the rows.
     `summed`: fn returns (rows' output, counts), and the counts are summed instead."""
     rows = batch.tokens.shape[0]
-    size = rows if microbatch is None else max(d for d in range(1, microbatch + 1) if rows % d == 0)
+    size = microbatch_rows(rows, microbatch)
     if size == rows:
         return fn(batch)
     n = rows // size
@@ -178,6 +178,14 @@ def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None, summed: 
         out, counts = out
         return in_rows(out, rows), jax.tree.map(lambda c: jnp.sum(c, axis=0), counts)
     return in_rows(out, rows)
+
+
+def microbatch_rows(rows: int, microbatch: int | None) -> int:
+    """Rows per forward of a dp group's `rows`: the largest divisor not above `microbatch`
+    (None: all of them)."""
+    if microbatch is None:
+        return rows
+    return max(d for d in range(1, microbatch + 1) if rows % d == 0)
 
 
 def in_rows(out, rows: int):
