@@ -78,19 +78,24 @@ def test_a_role_over_the_device_memory_is_one_line_naming_its_keys():
     [
         ("pipelines/qwen3-8b-to-1.7b.yaml", 8.191e9, 1.721e9),
         ("pipelines/gemma3-12b-to-1b.yaml", 11.766e9, 0.9999e9),
+        ("pipelines/qwen3-30b-a3b-to-1.7b.yaml", 30.532e9, 1.721e9),
     ],
 )
 def test_shipped_family_pipelines_fit_80_gb_planned_on_cpu(capsys, path, teacher, student):
-    """Qwen3 8B -> 1.7B and Gemma 3 12B -> 1B at their released shapes, planned from shapes
-    alone on simulated CPU devices: both roles' compiled peaks fit an 80 GB GPU (in float32,
-    CPU's compute dtype; bfloat16 on the GPUs halves the teacher's weights)."""
+    """Qwen3 8B -> 1.7B, Gemma 3 12B -> 1B and Qwen3-30B-A3B (experts over ep=4) -> 1.7B at
+    their released shapes, planned from shapes alone on simulated CPU devices: both roles'
+    compiled peaks fit an 80 GB GPU (in float32, CPU's compute dtype; bfloat16 on the GPUs
+    halves the teacher's weights)."""
     cfg = load_config(path)
-    assert cfg.teacher.model.family == cfg.student_model().family
+    assert cfg.student_model().family == cfg.teacher.model.family.removesuffix("_moe")
     p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
     for role in ("teacher", "student"):
         assert p[role]["peak_bytes_per_device"] < 80e9, role
     assert p["teacher"]["params"] == pytest.approx(teacher, rel=1e-3)
     assert p["student"]["params"] == pytest.approx(student, rel=1e-3)
+    if cfg.teacher.model.n_experts:  # 3.3B activated, as the model card says
+        assert p["teacher"]["active_params"] == pytest.approx(3.353e9, rel=1e-3)
+        assert p["teacher"]["all_to_all_bytes_per_step"] == plan.all_to_all_bytes_per_step(cfg)
 
 
 def _moe_config(capacity_factor=None):
