@@ -61,10 +61,8 @@ def make_forward(
     None: dropless. Its experts are split over the mesh's `ep` axis.
 
     `expert_load` (a mixture of experts only): return (output, `moe.ExpertLoad`), the
-    routing counts of the whole batch summed over the layers and the microbatches, and
-    over the axes that split rows (`dp`, `ep`; not `tp`, whose devices route the same
-    tokens), replicated: a few numbers beside the output. Without it the program is the
-    plain forward's.
+    batch's routing counts summed over layers, microbatches and the axes that split rows
+    (`dp`, `ep`; not `tp`, whose devices route the same tokens), replicated.
 
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
