@@ -111,7 +111,10 @@ class OnPolicySource(QueueSource):
     ):
         bsz, seed = cfg.train.batch_size, cfg.run.seed
         super().__init__(
-            lambda: corpus.train_iterator(bsz, seed), self._work, ReadyWatcher("teacher")
+            lambda: corpus.train_iterator(bsz, seed),
+            self._work,
+            ReadyWatcher("teacher"),
+            dropping=cfg.teacher.moe_capacity_factor is not None,
         )
         self.teacher, self._sampler, self._history = teacher, sampler, history
         self._cfg, op = cfg, cfg.distill.on_policy
@@ -142,14 +145,14 @@ class OnPolicySource(QueueSource):
         step, self._next_step = self._next_step, self._next_step + 1
         if not is_on_policy(self._seed, step, self._fraction, self._start_step):
             self._in_flight.append(None)
-            return batch, self.teacher.output(batch)
+            return batch, *self.teacher.output(batch)
         source_step = max(step - 1 - self._staleness, 0)
         params = self._history.after(source_step)
         prompts = step_prompts(self._prompts, batch, step, self._prompt_len)
         rows, stats = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
         self._gen_watch.watch(stats["tokens"])
         self._in_flight.append(stats["tokens"])
-        return rows, self.teacher.output(rows)
+        return rows, *self.teacher.output(rows)
 
     def figures(self, steps: int, since: float, step: int) -> dict:
         """The teacher's figures; the on-policy share and staleness of the logged steps

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import EP, Meshes, student_shape, student_size
-from distill.models import model
+from distill.models import model, moe
 from student import optim, sharding, train
+from teacher.forward import microbatch_rows
 
 # Dense teacher outputs on a student device at once: the step's own and the next step's,
 # which the loop hops over while the step runs (`pipelines.loop`, staged).
@@ -63,12 +66,60 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _dtype_bytes(cfg: Config) -> int:
+    """Bytes of a teacher weight or activation: as loaded, converted once to the compute
+    dtype (`teacher.weights.load_teacher`)."""
+    return 2 if cfg.teacher.dtype == "bfloat16" else 4
+
+
+def expert_params(cfg: Config) -> int:
+    """The teacher's routed experts' parameters (every layer's gate, up and down)."""
+    layers = model.abstract_params(cfg.teacher.model)["layers"]
+    return sum(math.prod(x.shape) for name, x in layers.items() if name.startswith("we_"))
+
+
+def all_to_all_bytes_per_step(cfg: Config) -> int:
+    """Bytes through the expert dispatch's all-to-alls in one step, over every device of
+    the inference mesh: per MoE layer and microbatch, each device's send buffer [ep, C, D]
+    and the results back, in the teacher's dtype, and the slots' expert ids [ep, C] int32
+    (`distill.models.moe.moe_ffn`; (ep - 1) / ep of it leaves the device)."""
+    m, t = cfg.teacher.model, cfg.mesh.teacher
+    if not m.n_experts:
+        return 0
+    rows = cfg.train.batch_size // (t.dp * t.ep)  # each device's rows (replicated over tp)
+    size = microbatch_rows(rows, cfg.teacher.microbatch)
+    slots = moe.dispatch_slots(
+        size * cfg.train.seq_len, m.experts_per_token, m.n_experts, t.ep,
+        cfg.teacher.moe_capacity_factor,
+    )  # fmt: skip
+    per_call = t.ep * slots * (2 * m.d_model * _dtype_bytes(cfg) + 4)
+    return per_call * (rows // size) * sum(m.moe_layers()) * t.dp * t.ep * t.tp
+
+
+def teacher_figures(cfg: Config) -> dict:
+    """The teacher's parameters and weight bytes per device (experts split over ep and tp,
+    the rest over tp); for a mixture of experts its active parameters, the experts' bytes
+    per device and the all-to-all bytes per step too."""
+    tcfg, t = cfg.teacher.model, cfg.mesh.teacher
+    params, experts = model.param_count(tcfg), expert_params(cfg)
+    expert_bytes = experts * _dtype_bytes(cfg) // (t.ep * t.tp)
+    figures = {
+        "params": params,
+        "weight_bytes_per_device": (params - experts) * _dtype_bytes(cfg) // t.tp + expert_bytes,
+        "forward_flops_per_token": model.flops_per_token(tcfg, cfg.train.seq_len),
+    }
+    if tcfg.n_experts:
+        figures.update(
+            active_params=model.active_param_count(tcfg),
+            expert_bytes_per_device=expert_bytes,
+            all_to_all_bytes_per_step=all_to_all_bytes_per_step(cfg),
+        )
+    return figures
+
+
 def plan(cfg: Config, meshes: Meshes) -> dict:
-    tcfg, scfg = cfg.teacher.model, cfg.student_model()
-    tp, seq = cfg.mesh.teacher.tp, cfg.train.seq_len
-    t_params, s_params = model.param_count(tcfg), model.param_count(scfg)
-    # as loaded: converted once to the compute dtype (`teacher.weights.load_teacher`)
-    t_weights = t_params * (2 if cfg.teacher.dtype == "bfloat16" else 4)
+    scfg, seq = cfg.student_model(), cfg.train.seq_len
+    s_params = model.param_count(scfg)
     # the student's state as the sharding table lays it out on the training mesh
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     shapes = train.state_shapes(scfg, tx)
@@ -79,11 +130,7 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
     k = cfg.teacher.top_k
     return {
         "layout": meshes.layout(),
-        "teacher": {
-            "params": t_params,
-            "weight_bytes_per_device": t_weights // tp,
-            "forward_flops_per_token": model.flops_per_token(tcfg, seq),
-        },
+        "teacher": teacher_figures(cfg),
         "student": {
             "params": s_params,
             "weight_bytes_per_device": s_weights,
@@ -107,12 +154,19 @@ def format_plan(p: dict) -> str:
     )
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     micro = f" in {p['grad_accum']} microbatches" if p["grad_accum"] > 1 else ""
+    experts = (
+        f" ({t['active_params'] / 1e6:.2f}M active; experts {mb(t['expert_bytes_per_device'])}"
+        f"/device, all-to-all {mb(t['all_to_all_bytes_per_step'])}/step)"
+        if "active_params" in t
+        else ""
+    )
     return "\n".join(
         [
             f"devices ({lay['platform']}): teacher {shape('teacher')} on [{ids('teacher')}]  |  "
             f"student {shape('student')} on [{ids('student')}]",
-            f"teacher: {t['params'] / 1e6:.2f}M params, {mb(t['weight_bytes_per_device'])} "
-            f"weights/device, {t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward",
+            f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
+            f"{mb(t['weight_bytes_per_device'])} weights/device, "
+            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward",
             f"student: {s['params'] / 1e6:.2f}M params, "
             f"{mb(s['weight_bytes_per_device'])} weights + "
             f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from distill.config import Config
 from distill.data.tokenizers import Tokenizer, vocab_limit
 from distill.types import Batch
+from pipelines.expert_load import LoadWindow
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
 from pipelines.timing import ReadyWatcher
@@ -36,7 +37,8 @@ class OnlineTeacher:
         limit = vocab_limit(tokenizer, mcfg.vocab_size)  # padded ids: masked throughout
         self.params = load_teacher(cfg, mesh)
         self.put = batch_sharding(mesh)  # batches: rows split over dp, replicated over tp
-        self._output = make_output_forward(cfg, mesh, limit)
+        self.moe = bool(mcfg.n_experts)
+        self._output = make_output_forward(cfg, mesh, limit, expert_load=self.moe)
         self._logits = forward_for(
             mcfg,
             mesh,
@@ -46,10 +48,12 @@ class OnlineTeacher:
             microbatch=cfg.teacher.microbatch,
         )
 
-    def output(self, batch: Batch):
+    def output(self, batch: Batch) -> tuple:
         """Dispatch the teacher's output for a host batch (not waited for): on the teacher's
-        own rows [B, T] when the batch carries them (cross-tokenizer), else on the batch."""
-        return self._output(self.params, jax.device_put(own_rows(batch), self.put))
+        own rows [B, T] when the batch carries them (cross-tokenizer), else on the batch.
+        Returns (the output, a mixture of experts' `moe.ExpertLoad` on device, else None)."""
+        out = self._output(self.params, jax.device_put(own_rows(batch), self.put))
+        return out if self.moe else (out, None)
 
     def logits(self, batch: Batch):
         return self._logits(self.params, jax.device_put(own_rows(batch), self.put))
@@ -78,28 +82,37 @@ def _masked_nll(logits, batch: Batch):
 
 
 class QueueSource:
-    """A source over `iterator_fn()`, whose items come from `work(next(iterator))`."""
+    """A source over `iterator_fn()`, whose items come from `work(next(iterator))`: (batch,
+    teacher output, a mixture of experts' routing counts or None), the counts kept as the
+    item's tag and, once popped, in `loads` for the records."""
 
-    def __init__(self, iterator_fn: Callable[[], Iterator], work: Callable, watcher=None):
+    def __init__(
+        self, iterator_fn: Callable[[], Iterator], work: Callable, watcher=None, dropping=False
+    ):
         self._iterator_fn, self._work, self._watch = iterator_fn, work, watcher
         self._it: Iterator | None = None
         self._queue: deque[Item] = deque()
+        self.loads = LoadWindow(dropping)
 
     def start(self, data_state: dict | None) -> None:
         self._it = self._iterator_fn()
         if data_state is not None:
             self._it.set_state(data_state)
         self._queue.clear()
+        self.loads.clear()
 
     def submit(self) -> None:
         data_state = self._it.get_state()
-        batch, out = self._work(next(self._it))
+        batch, out, load = self._work(next(self._it))
         if self._watch is not None:
             self._watch.watch(out)
-        self._queue.append(Item(data_state, batch, out))
+        self._queue.append(Item(data_state, batch, out, load))
 
     def pop(self) -> Item:
-        return self._queue.popleft()
+        item = self._queue.popleft()
+        if item.tag is not None:
+            self.loads.add(item.tag)
+        return item
 
     def peek(self) -> Item:
         return self._queue[0]
@@ -111,11 +124,13 @@ class QueueSource:
         return self._queue[0].data_state if self._queue else self._it.get_state()
 
     def figures(self, steps: int, since: float, step: int = 0) -> dict:
+        """The teacher's time figures and the expert load of the logged steps' batches."""
         if self._watch is None:
-            return {"teacher_ms": 0.0, "teacher_busy": 0.0}
+            return {"teacher_ms": 0.0, "teacher_busy": 0.0, **self.loads.figures(steps)}
         return {
             "teacher_ms": self._watch.recent_ms(steps),
             "teacher_busy": self._watch.busy_fraction(since),
+            **self.loads.figures(steps),
         }
 
     def eval_logits(self, batches: list):
@@ -134,8 +149,9 @@ class OnlineSource(QueueSource):
         bsz, seed = cfg.train.batch_size, cfg.run.seed
         super().__init__(
             lambda: corpus.train_iterator(bsz, seed),
-            lambda batch: (batch, teacher.output(batch)),
+            lambda batch: (batch, *teacher.output(batch)),
             ReadyWatcher("teacher"),
+            dropping=cfg.teacher.moe_capacity_factor is not None,
         )
         self.teacher = teacher
 
@@ -149,7 +165,7 @@ class CacheSource(QueueSource):
     logits, or is skipped when they were too large to store."""
 
     def __init__(self, cfg: Config):
-        super().__init__(lambda: teacher_cache.train_iterator(cfg), lambda item: item)
+        super().__init__(lambda: teacher_cache.train_iterator(cfg), lambda item: (*item, None))
         self._eval = teacher_cache.eval_logits(cfg)
 
     def eval_logits(self, batches: list):
@@ -160,4 +176,4 @@ class NoTeacher(QueueSource):
     """Batches alone, for cross-entropy training (the teacher bootstrap)."""
 
     def __init__(self, iterator_fn: Callable[[], Iterator]):
-        super().__init__(iterator_fn, lambda batch: (batch, None))
+        super().__init__(iterator_fn, lambda batch: (batch, None, None))

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill import programs
 from distill.config import Config, ModelConfig
-from distill.mesh import EP, TP
-from distill.models import model
+from distill.mesh import DP, EP, TP
+from distill.models import model, moe
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
 from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
@@ -45,6 +45,7 @@ def make_forward(
     vocab_limit: int | None = None,
     microbatch: int | None = None,
     capacity_factor: float | None = None,
+    expert_load: bool = False,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
     (axes `dp` x `tp`: `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp`.
@@ -59,6 +60,10 @@ def make_forward(
     `capacity_factor`: a mixture of experts' per-expert capacity (`distill.models.moe`);
     None: dropless. Its experts are split over the mesh's `ep` axis.
 
+    `expert_load` (a mixture of experts only): return (output, `moe.ExpertLoad`), the
+    batch's routing counts summed over layers, microbatches and the axes that split rows
+    (`dp`, `ep`; not `tp`, whose devices route the same tokens), replicated.
+
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
     mode "logits": raw logits z [B,S,V] (evaluation)
@@ -66,17 +71,22 @@ def make_forward(
     """
     if mode == "topk" and not top_k:
         raise ValueError("mode='topk' needs top_k")
+    if expert_load and not cfg.n_experts:
+        raise ValueError("expert_load needs a mixture of experts")
 
     def outputs(params, batch: Batch):
         """What `mode` returns for some rows: top-k replicated over `tp`, else
         vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at a time."""
         moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
-        x, head = model.apply_hidden(
+        x, head, *stats = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
-            dtype=dtype, moe_opts=moe_opts,
-        )  # fmt: skip  # [b, S, D], [D, V/tp]
+            dtype=dtype, moe_opts=moe_opts, with_stats=expert_load,
+        )  # fmt: skip  # [b, S, D], [D, V/tp], (ExpertLoad per layer [L, E], [L])
         chunk = default_chunk(head.shape[-1], x.shape[0])
-        return by_positions(lambda x_c: head_outputs(x_c, head), x, chunk)
+        out = by_positions(lambda x_c: head_outputs(x_c, head), x, chunk)
+        if not expert_load:
+            return out
+        return out, jax.tree.map(lambda n: jnp.sum(n, axis=0), stats[0])  # over layers
 
     def head_outputs(x, head):
         logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
@@ -93,12 +103,17 @@ def make_forward(
         return TeacherOutput(values - cc.logsumexp(z, TP), ids)
 
     def forward(params, batch: Batch, *, split_rows: bool):
-        out = in_microbatches(lambda b: outputs(params, b), batch, microbatch)
+        out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
+        if expert_load:
+            out, load = out
         if mode == "topk":
             layout = cc.rows_of_replicated if split_rows else lambda x, _: x
         else:
             layout = cc.vocab_to_rows if split_rows else cc.gather_vocab
-        return jax.tree.map(lambda x: layout(x, TP), out)
+        out = jax.tree.map(lambda x: layout(x, TP), out)
+        if not expert_load:
+            return out
+        return out, jax.tree.map(lambda n: cc.psum(n, (DP, EP)), load)  # the mesh's rows
 
     def run(params, batch: Batch):
         spec = out_spec(batch.tokens.shape[0], mesh)
@@ -107,6 +122,8 @@ def make_forward(
             "dense": TeacherOutput(spec, None),
             "topk": TeacherOutput(spec, spec),
         }[mode]
+        if expert_load:
+            out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
             lambda p, b: forward(p, b, split_rows=spec == OUT_ROWS),
             mesh=mesh,
@@ -145,15 +162,32 @@ def by_positions(fn: Callable, x_bsd: jax.Array, chunk: int):
     return jax.lax.fori_loop(1, -(-s // chunk), body, out)
 
 
-def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None):
+def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None, summed: bool = False):
     """fn over the rows of `batch` `microbatch` at a time (`jax.lax.map`: one compiled
-    body, peak memory of one microbatch), the outputs concatenated along the rows."""
+    body, peak memory of one microbatch), the outputs concatenated along the rows.
+    `summed`: fn returns (rows' output, counts), and the counts are summed instead."""
     rows = batch.tokens.shape[0]
-    size = rows if microbatch is None else max(d for d in range(1, microbatch + 1) if rows % d == 0)
+    size = microbatch_rows(rows, microbatch)
     if size == rows:
         return fn(batch)
     n = rows // size
     out = jax.lax.map(fn, jax.tree.map(lambda x: x.reshape(n, size, *x.shape[1:]), batch))
+    if summed:
+        out, counts = out
+        return in_rows(out, rows), jax.tree.map(lambda c: jnp.sum(c, axis=0), counts)
+    return in_rows(out, rows)
+
+
+def microbatch_rows(rows: int, microbatch: int | None) -> int:
+    """Rows per forward of a dp group's `rows`: the largest divisor not above `microbatch`
+    (None: all of them)."""
+    if microbatch is None:
+        return rows
+    return max(d for d in range(1, microbatch + 1) if rows % d == 0)
+
+
+def in_rows(out, rows: int):
+    """Microbatch outputs [n, b, ...] as [n * b, ...] = [rows, ...]."""
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
 
 
@@ -163,9 +197,10 @@ def forward_for(cfg: ModelConfig, mesh, **kw):
     return programs.cached(make_forward, cfg, mesh, **kw)
 
 
-def make_output_forward(cfg: Config, mesh, vocab_limit: int | None):
+def make_output_forward(cfg: Config, mesh, vocab_limit: int | None, expert_load: bool = False):
     """The run's training-time teacher output (top-k with `teacher.top_k`, else dense
-    log-probs), at `distill.temperature`, in `teacher.microbatch` rows at a time."""
+    log-probs), at `distill.temperature`, in `teacher.microbatch` rows at a time.
+    `expert_load`: with a mixture of experts' routing counts (`make_forward`)."""
     k = cfg.teacher.top_k
     return forward_for(
         cfg.teacher.model,
@@ -177,4 +212,5 @@ def make_output_forward(cfg: Config, mesh, vocab_limit: int | None):
         vocab_limit=vocab_limit,
         microbatch=cfg.teacher.microbatch,
         capacity_factor=cfg.teacher.moe_capacity_factor,
+        expert_load=expert_load,
     )

@@ -92,6 +92,9 @@ def feed(store: MetricsStore, steps: int = 120, total: int = 200) -> None:
                 "generate_ms": 14.0,
                 "gen_tokens_per_s": 9000.0,
                 "staleness": 1.0,
+                "expert_load": [0.3, 0.3, 0.2, 0.2],
+                "expert_load_max_mean": 1.2 + 0.1 * math.sin(step / 9),
+                "expert_dropped": 0.01,
                 "time": t0 + step * 0.25,
             }
         )
@@ -151,6 +154,7 @@ def test_dashboard_renders_live_run(live_server, tmp_path):
     assert re.search(r'id="phase"[^>]*>distill<', dom)
     assert re.search(r'id="staleness"[^>]*>1<', dom) and re.search(r'id="on-policy"[^>]*>50%<', dom)
     assert re.search(r'id="eval-sample-len"[^>]*>48<', dom)
+    assert re.search(r'id="chart-experts"[^>]*data-points="120"', dom)  # 60 steps x 2 series
     assert dom.count('class="device"') == 8
     labels = re.findall(r'class="device"[^>]*><b>([^<]*)</b>', dom)  # mesh coordinates
     assert labels == ["dp0 tp0", "dp0 tp1", "dp1 tp0", "dp1 tp1", "dp0", "dp1", "dp2", "dp3"]

@@ -1,12 +1,17 @@
 """`distill plan`: sizes, and both roles' per-device memory from XLA's compile-time analysis."""
 
 import json
+import math
+import re
 
+import jax
 import pytest
 import yaml
 
-from distill.config.load import load_config
+from distill.config.load import config_from_dict, load_config
 from distill.errors import DistillError
+from distill.mesh import teacher_mesh
+from pipelines import plan, plan_memory
 from pipelines.commands.cli import main
 from pipelines.plan_memory import check_fits
 from tests.conftest import tiny_config
@@ -73,16 +78,66 @@ def test_a_role_over_the_device_memory_is_one_line_naming_its_keys():
     [
         ("pipelines/qwen3-8b-to-1.7b.yaml", 8.191e9, 1.721e9),
         ("pipelines/gemma3-12b-to-1b.yaml", 11.766e9, 0.9999e9),
+        ("pipelines/qwen3-30b-a3b-to-1.7b.yaml", 30.532e9, 1.721e9),
     ],
 )
 def test_shipped_family_pipelines_fit_80_gb_planned_on_cpu(capsys, path, teacher, student):
-    """Qwen3 8B -> 1.7B and Gemma 3 12B -> 1B at their released shapes, planned from shapes
-    alone on simulated CPU devices: both roles' compiled peaks fit an 80 GB GPU (in float32,
-    CPU's compute dtype; bfloat16 on the GPUs halves the teacher's weights)."""
+    """Qwen3 8B -> 1.7B, Gemma 3 12B -> 1B and Qwen3-30B-A3B (experts over ep=4) -> 1.7B at
+    their released shapes, planned from shapes alone on simulated CPU devices: both roles'
+    compiled peaks fit an 80 GB GPU (in float32, CPU's compute dtype; bfloat16 on the GPUs
+    halves the teacher's weights)."""
     cfg = load_config(path)
-    assert cfg.teacher.model.family == cfg.student_model().family
+    assert cfg.student_model().family == cfg.teacher.model.family.removesuffix("_moe")
     p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
     for role in ("teacher", "student"):
         assert p[role]["peak_bytes_per_device"] < 80e9, role
     assert p["teacher"]["params"] == pytest.approx(teacher, rel=1e-3)
     assert p["student"]["params"] == pytest.approx(student, rel=1e-3)
+    cfg.resolve_dtypes("cpu")
+    if cfg.teacher.model.n_experts:  # 3.3B activated, as the model card says
+        assert p["teacher"]["active_params"] == pytest.approx(3.353e9, rel=1e-3)
+        assert p["teacher"]["all_to_all_bytes_per_step"] == plan.all_to_all_bytes_per_step(cfg)
+
+
+def _moe_config(capacity_factor=None):
+    """A tiny MoE teacher (4 experts, top-2, 3 layers) on dp x ep = 1 x 2, 2 rows per
+    microbatch of each device's 4."""
+    tree = tiny_config("unused", "unused", mesh={"teacher": {"ep": 2, "tp": 1}})
+    tree["train"].update(batch_size=8, seq_len=16)
+    tree["teacher"]["model"].update(n_experts=4, experts_per_token=2, d_ff_expert=16, n_layers=3)
+    tree["teacher"].update(microbatch=2, dtype="float32", moe_capacity_factor=capacity_factor)
+    tree["student"]["model"]["n_experts"] = 0
+    return config_from_dict(tree)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_all_to_all_bytes_are_the_compiled_programs(capacity_factor):
+    """The plan's all-to-all bytes per step equal the all-to-alls of the compiled teacher
+    forward (one layer's, in one microbatch's body): their buffers' bytes x 2 microbatches
+    x 3 MoE layers x 2 devices."""
+    cfg = _moe_config(capacity_factor)
+    mesh = teacher_mesh(jax.devices()[:2], 1, 1, 2)
+    compiled, _ = plan_memory._teacher(cfg, mesh, None)
+    size = {"f32": 4, "s32": 4}
+    calls = re.findall(r"= \(([^)]*)\) all-to-all\(", compiled.as_text())
+    assert len(calls) == 3  # the expert ids, the tokens there, the results back
+    per_body = sum(
+        size[dt] * math.prod(int(n) for n in dims.split(","))
+        for call in calls
+        for dt, dims in re.findall(r"(\w+)\[([\d,]+)\]", call)
+    )
+    slots = 64 if capacity_factor is None else 32  # 32 tokens x 2; 2 experts x 16
+    assert per_body == 2 * slots * (2 * 32 * 4 + 4)
+    assert plan.all_to_all_bytes_per_step(cfg) == per_body * 2 * 3 * 2
+
+
+def test_moe_teacher_figures():
+    """Total and active parameters; the experts' bytes split over ep."""
+    cfg = _moe_config()
+    t = plan.teacher_figures(cfg)
+    experts = 3 * 4 * 3 * 32 * 16  # layers x experts x (gate, up, down) x D x F
+    assert plan.expert_params(cfg) == experts
+    assert t["params"] - t["active_params"] == experts // 2  # top-2 of 4: half idle
+    assert t["expert_bytes_per_device"] == experts * 4 // 2
+    assert t["weight_bytes_per_device"] == (t["params"] - experts) * 4 + experts * 4 // 2
+    assert "active_params" not in plan.teacher_figures(config_from_dict(tiny_config("a", "b")))

@@ -143,6 +143,32 @@ def test_prometheus_metrics(client):
     assert samples[("distill_healthy", ())] == 1
 
 
+def test_prometheus_expert_load(store):
+    """An MoE teacher's records: per-expert load gauges labelled by expert, the max/mean
+    ratio and the dropped share; none of them for a dense teacher's."""
+    dense = TestClient(create_app(store, token=None)).get("/metrics").text
+    assert "distill_expert" not in dense
+    store.log({"step": 11, "loss": 1.0, "expert_load": [0.5, 0.25, 0.25, 0.0]})
+    store.log(
+        {
+            "step": 12,
+            "loss": 1.0,
+            "expert_load": [0.4, 0.3, 0.2, 0.1],
+            "expert_load_max_mean": 1.6,
+            "expert_dropped": 0.02,
+        }
+    )
+    samples = {}
+    text = TestClient(create_app(store, token=None)).get("/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    loads = {k[1][0][1]: v for k, v in samples.items() if k[0] == "distill_expert_load_ratio"}
+    assert loads == {"0": 0.4, "1": 0.3, "2": 0.2, "3": 0.1}
+    assert samples[("distill_expert_load_max_mean", ())] == 1.6
+    assert samples[("distill_expert_dropped_ratio", ())] == 0.02
+
+
 def test_metrics_registries_are_per_app(store):
     other = MetricsStore("other", 5, {})
     a = TestClient(create_app(store, None)).get("/metrics").text

@@ -203,7 +203,7 @@ class Block(nnx.Module):
         the one this layer's scanned flag picks (`jax.lax.cond`: one compiled block)."""
         cfg = self.cfg
         zero = jnp.zeros_like(h_bsd[0, 0, 0], jnp.int32)  # varying over the mesh as h is
-        none = (jnp.broadcast_to(zero, (cfg.n_experts,)), zero)
+        none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero)
 
         def routed(h):
             experts = {k: getattr(self, k) for k in ("router", "we_gate", "we_up", "we_down")}

@@ -30,11 +30,21 @@ means no device waits for another's counts.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
+
+
+class ExpertLoad(NamedTuple):
+    """Routing counts of a forward: assignments (token, expert) routed to each expert, [E]
+    int32 (per layer [L, E] from the model, summed over layers and the mesh's rows by the
+    teacher forward), and assignments a capacity factor dropped (int32; 0 when dropless)."""
+
+    tokens: Any
+    dropped: Any
 
 
 def route(h_td: jax.Array, router_de: jax.Array, k: int, norm: bool):
@@ -53,6 +63,16 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float | None) -> int |
     if factor is None:
         return None
     return max(1, math.ceil(factor * tokens * k / n_experts))
+
+
+def dispatch_slots(tokens: int, k: int, n_experts: int, ep: int, factor: float | None) -> int:
+    """Slots C of each block of a device's dispatch buffer [ep, C, D] for its `tokens`
+    tokens: room for every assignment to one device's E / ep experts (dropless), or for
+    the capacity of each of them with a capacity factor, whichever is fewer."""
+    n_local = n_experts // ep
+    room = tokens * min(k, n_local)
+    cap = capacity(tokens, k, n_experts, factor)
+    return room if cap is None else min(room, n_local * cap)
 
 
 def experts_swiglu(x_md, sizes_e, gate_efd, up_efd, down_edf, act):
@@ -93,7 +113,7 @@ def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None,
     weights, ids = route(h, p["router"], k, cfg.norm_topk_prob)
     ids_a, weights_a = ids.reshape(-1), weights.reshape(-1)
     cap = capacity(t, k, cfg.n_experts, capacity_factor)
-    slots = t * min(k, n_local) if cap is None else min(t * min(k, n_local), n_local * cap)
+    slots = dispatch_slots(t, k, cfg.n_experts, n_shards, capacity_factor)
     order, dest, slot, keep = _slots(ids_a, weights_a, n_local, n_shards, cap, slots)
     token = order // k
     send = jnp.zeros((n_shards, slots, d), h.dtype).at[dest, slot].set(h[token], mode="drop")
@@ -114,4 +134,4 @@ def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None,
     out = jax.ops.segment_sum(got.astype(jnp.float32) * scale[:, None], token, num_segments=t)
     out = cc.psum(out.astype(h.dtype), tp_axis)
     load = jnp.bincount(ids_a, length=cfg.n_experts)
-    return out.reshape(b, s, d), (load, jnp.sum(~keep))
+    return out.reshape(b, s, d), ExpertLoad(load, jnp.sum(~keep))

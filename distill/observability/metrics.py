@@ -436,4 +436,7 @@ _STATUS_FIGURES = (
     "generate_ms",
     "gen_tokens_per_s",
     "staleness",
+    "expert_load",
+    "expert_load_max_mean",
+    "expert_dropped",
 )

@@ -178,19 +178,22 @@ class TeacherActor(_Member):
         """The teacher output for the student processes that hold the row shards as
         `owners` says (`ray_rows.row_owners`). `batch` is the step's data state (this
         process reads the rows its devices hold) or, on an on-policy step, the rows each
-        student process made. Returns (TeacherOutput of host arrays [B, S, k or V], busy
-        milliseconds) when both groups are one process; else (one list of pieces per
-        student process: the rows of its shards this process holds; busy milliseconds)."""
+        student process made. Returns (TeacherOutput of host arrays [B, S, k or V], done)
+        when both groups are one process; else (one list of pieces per student process: the
+        rows of its shards this process holds; done). done: (busy milliseconds, a mixture
+        of experts' routing counts as host arrays, `moe.ExpertLoad`, else None)."""
         t0 = time.perf_counter()
         if isinstance(batch[0], dict):
             rows = ray_rows.global_batch(self._reader, batch[0], self._teacher.put)
         else:
             rows = ray_rows.join_batch(list(batch), owners)
-        out = self._teacher.output(rows)
+        out, load = self._teacher.output(rows)
         if self._n == 1 and max(owners) == 0:
-            return self._jax.device_get(out), 1e3 * (time.perf_counter() - t0)
-        parts = ray_rows.teacher_parts(out, owners)
-        return (*parts, 1e3 * (time.perf_counter() - t0))
+            out = self._jax.device_get(out)
+        else:
+            out = ray_rows.teacher_parts(out, owners)
+        done = (1e3 * (time.perf_counter() - t0), self._jax.device_get(load))
+        return (out, done) if self._n == 1 and max(owners) == 0 else (*out, done)
 
     def eval_logits(self, owners: tuple[int, ...], batch):
         """The dense teacher logits [B, S, V] of an eval chunk, as `forward` returns its

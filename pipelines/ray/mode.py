@@ -37,6 +37,7 @@ from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.observability.metrics import MetricsStore
 from pipelines.evaluation import Evaluation, eval_batches
+from pipelines.expert_load import LoadWindow
 from pipelines.hooks import Hook, Status
 from pipelines.local import distill_hooks, eval_byte_lengths
 from pipelines.loop import Item, Loop, LoopSpec
@@ -71,11 +72,13 @@ class RayTeacherSource:
         # (when handed on, replica, busy ms) of recent forwards, as `ReadyWatcher` keeps them
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._next_step = 1
+        self.loads = LoadWindow(cfg.teacher.moe_capacity_factor is not None)
 
     def start(self, data_state: dict | None) -> None:
         """Start at `data_state` (a `Corpus.train_iterator` state; None: the first batch)."""
         self._next_index = 0 if data_state is None else int(data_state["next_index"])
         self._pool.in_flight.clear()
+        self.loads.clear()
         self._next_step = self._pool.student_start + 1
 
     def submit(self) -> None:
@@ -94,8 +97,10 @@ class RayTeacherSource:
     def pop(self) -> Item:
         """Waits for the forward's busy time (small), so that a dead teacher is noticed and
         its work redone before its output is handed to the student."""
-        p, busy_ms = self._pool.next_output()
+        p, busy_ms, load = self._pool.next_output()
         self._recent.append((time.perf_counter(), p.replica, busy_ms))
+        if load is not None:
+            self.loads.add(load)
         return Item(p.data_state, p.batch, p.out, p.replica)
 
     def peek(self) -> Item:
@@ -111,8 +116,8 @@ class RayTeacherSource:
 
     def figures(self, steps: int, since: float, step: int) -> dict:
         """Mean busy ms of the last `steps` forwards; busy fractions since `since`, per
-        replica (for the status rows) and over all replicas; the on-policy figures of the
-        logged steps (step - steps, step]."""
+        replica (for the status rows) and over all replicas; the on-policy figures and the
+        expert load of the logged steps (step - steps, step]."""
         elapsed = max(time.perf_counter() - since, 1e-9)
         last = list(self._recent)[-steps:]
         window = [(r, ms) for t, r, ms in self._recent if t >= since]
@@ -124,6 +129,7 @@ class RayTeacherSource:
             "teacher_ms": sum(ms for _, _, ms in last) / max(len(last), 1),
             "teacher_busy": min(1.0, t_ms / 1e3 / elapsed / self._pool.replicas),
             **self._on_policy_figures(range(step - steps + 1, step + 1)),
+            **self.loads.figures(steps),
         }
 
     def _on_policy_figures(self, steps: range) -> dict:

@@ -46,7 +46,7 @@ class Pending(NamedTuple):
     batch: dict | list
     replica: int
     out: list  # per student process, the refs of its rows from each teacher process
-    busy_ms: list  # per teacher process, small; ready (or failed) together with `out`
+    busy_ms: list  # (busy ms, routing counts) per teacher process, small; ready with `out`
 
 
 def _actor_config(cfg: Config) -> dict:
@@ -283,16 +283,17 @@ class ActorPool:
         out = [[refs[p] for refs in calls] for p in range(n)]
         return Pending(data_state, batch, r, out, [refs[-1] for refs in calls])
 
-    def next_output(self) -> tuple[Pending, float]:
+    def next_output(self) -> tuple[Pending, float, object]:
         """Pop the oldest in-flight batch once its teacher output exists; with it, the
-        forward's busy milliseconds (its slowest process's). A teacher group that lost a
-        process is recreated and that replica's whole share of `in_flight` resubmitted, as
-        often as `ray.max_teacher_restarts` allows."""
+        forward's busy milliseconds (its slowest process's) and a mixture of experts'
+        routing counts (`moe.ExpertLoad` of host arrays, equal on every process; else
+        None). A teacher group that lost a process is recreated and that replica's whole
+        share of `in_flight` resubmitted, as often as `ray.max_teacher_restarts` allows."""
         while True:
             head = self.in_flight[0]
             try:
-                busy_ms = max(get_all(head.busy_ms))
-                return self.in_flight.popleft(), busy_ms
+                done = get_all(head.busy_ms)  # (busy ms, counts) of each process
+                return self.in_flight.popleft(), max(ms for ms, _ in done), done[0][1]
             except RayActorError as e:
                 self._redo(head.replica, e)
             except RayError as e:

@@ -122,6 +122,8 @@ class _StoreCollector:
         ("generate_ms", "distill_generate_ms", "Student generation ms per on-policy batch."),
         ("gen_tokens_per_s", "distill_generated_tokens_per_second", "Generation throughput."),
         ("staleness", "distill_staleness_steps", "Steps between sampling and training params."),
+        ("expert_load_max_mean", "distill_expert_load_max_mean", "MoE teacher: max/mean load."),
+        ("expert_dropped", "distill_expert_dropped_ratio", "MoE teacher: assignments dropped."),
     )
     _EVAL = (
         "teacher_loss", "student_loss", "kl", "top1_agreement", "sample_teacher_nll",
@@ -147,6 +149,16 @@ class _StoreCollector:
             if isinstance(s[f"{mesh}_busy"], int | float):
                 busy.add_metric([mesh], s[f"{mesh}_busy"])
         yield busy
+        if isinstance(s["expert_load"], list):
+            load = GaugeMetricFamily(
+                "distill_expert_load_ratio",
+                "MoE teacher: each expert's share of the routed assignments.",
+                labels=["expert"],
+            )
+            for e, share in enumerate(s["expert_load"]):
+                if isinstance(share, int | float):
+                    load.add_metric([str(e)], share)
+            yield load
         ev = s["latest_eval"] or {}
         for key in self._EVAL:
             yield from _maybe_gauge(f"distill_eval_{key}", f"Latest eval {key}.", ev.get(key))

@@ -345,6 +345,14 @@ function drawCharts() {
   const util = d.some((r) => typeof r.teacher_busy === "number" || typeof r.student_busy === "number")
     ? d : state.utilSamples;
   utilStrip($("chart-util"), util);
+  const experts = pts(d, "expert_load_max_mean");
+  $("experts-figure").hidden = experts.length === 0;
+  if (experts.length) {  // a mixture-of-experts teacher's routing (dropped: with a capacity)
+    lineChart($("chart-experts"), [
+      { label: "max/mean", color: COLORS.teacher, points: experts, width: 2 },
+      { label: "dropped", color: COLORS.student, points: pts(d, "expert_dropped") },
+    ], { yMin0: true });
+  }
   $("bootstrap-figure").hidden = b.length === 0;
   if (b.length) {
     lineChart($("chart-bootstrap"), [
