@@ -192,25 +192,20 @@ def _run_records(qwen3_moe, corpus_dir, out, **teacher) -> tuple[list[dict], lis
 
 
 def test_a_run_from_an_moe_teacher_records_expert_load(qwen3_moe, corpus_dir, tmp_path):
-    """Each record's load is the single-device model's counts over its window's batches."""
-    _, cfg, single = qwen3_moe
-    records, batches = _run_records(qwen3_moe, corpus_dir, tmp_path / "out")
-    assert [r["step"] for r in records] == [2, 4]
-    for r, window in zip(records, (batches[:2], batches[2:]), strict=True):
-        counts = sum(_single_device_counts(cfg, single, b).tokens for b in window)
-        assert counts.sum() == 2 * 4 * 32 * 2 * 2  # batches x tokens x k x MoE layers
-        assert r["expert_load"] == list(counts / counts.sum())
-        assert r["expert_load_max_mean"] == pytest.approx(counts.max() / counts.mean())
-        assert "expert_dropped" not in r
-
-
-def test_a_run_with_a_capacity_factor_reports_the_dropped_share(qwen3_moe, corpus_dir, tmp_path):
-    """Each ep device's two rows drop what the single-device model drops on them."""
+    """With a capacity factor, each ep device's two rows of a batch route and drop what the
+    single-device model with that capacity routes and drops on them (a later layer's
+    routing follows the earlier drops): each record's load and dropped share are those
+    counts over its window's batches (the dropless counts are the forward tests')."""
     _, cfg, single = qwen3_moe
     records, batches = _run_records(
         qwen3_moe, corpus_dir, tmp_path / "out", moe_capacity_factor=0.5
     )
+    assert [r["step"] for r in records] == [2, 4]
     for r, window in zip(records, (batches[:2], batches[2:]), strict=True):
         halves = [jax.tree.map(lambda x, i=i: x[i : i + 2], b) for b in window for i in (0, 2)]
-        dropped = sum(_single_device_counts(cfg, single, h, 0.5).dropped for h in halves)
-        assert r["expert_dropped"] == dropped / (2 * 4 * 32 * 2 * 2) > 0
+        each = [_single_device_counts(cfg, single, h, 0.5) for h in halves]
+        counts = sum(c.tokens for c in each)
+        assert counts.sum() == 2 * 4 * 32 * 2 * 2  # batches x tokens x k x MoE layers
+        assert r["expert_load"] == list(counts / counts.sum())
+        assert r["expert_load_max_mean"] == pytest.approx(counts.max() / counts.mean())
+        assert r["expert_dropped"] == sum(c.dropped for c in each) / counts.sum() > 0
