@@ -211,3 +211,17 @@ def test_sentencepiece_chat_is_refused_in_one_line(tmp_path, spm_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"data.tokenizer: {spm_dir / 'tokenizer.model'} is a SentencePiece model" in err
     assert "tokenizer.json" in err
+
+
+def test_template_saved_by_transformers_beside_the_tokenizer(tmp_path, bpe):
+    """transformers 5 saves the template as chat_template.jinja, apart from
+    tokenizer_config.json; that file is the one read."""
+    hf = _hf(_model_dir(tmp_path / "chatml", bpe, "chatml"))
+    saved = tmp_path / "saved"
+    hf.save_pretrained(str(saved))
+    assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+    tok = load_tokenizer(str(saved))
+    template = load_template(DataConfig(source="x", tokenizer=str(saved)), tok)
+    assert template.where == str(saved / "chat_template.jinja")
+    want = hf.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS, tokenize=False)
+    assert template.render(TOOL_CONVERSATION, tools=TOOLS) == want
