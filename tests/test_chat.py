@@ -485,15 +485,15 @@ def test_prepare_writes_the_masks_with_the_rows(tmp_path, bpe):
 
 
 def _bootstrap_ce(tmp_path, source, model_dir, train_on, caplog):
-    """The last CE of the teacher bootstrap (a CE-only run of the loop) on ``source``, and
-    the config it ran with."""
+    """The last CE of the teacher bootstrap (a CE-only run of the loop) on ``source``, the
+    config it ran with and its corpus."""
     from distill.config.load import load_config
     from pipelines.bootstrap import bootstrap_teacher
 
     data = {"source": str(source), "format": "chat", "tokenizer": str(model_dir)}
     tree = tiny_config(str(source), str(tmp_path / f"out-{train_on}"), data=data)
     tree["data"].pop("include")
-    tree["data"]["train_on"] = train_on
+    tree["data"].update(train_on=train_on, eval_fraction=0.2)
     tree["teacher"]["model"]["vocab_size"] = 320
     tree["teacher"].update(pretrain_steps=60, pretrain_lr=1e-2)
     tree["train"].update(seq_len=64, batch_size=8, log_every=60)
@@ -506,12 +506,31 @@ def _bootstrap_ce(tmp_path, source, model_dir, train_on, caplog):
     with caplog.at_level(logging.INFO, logger="distill"):
         bootstrap_teacher(cfg, corpus)
     (line,) = [r.getMessage() for r in caplog.records if "bootstrap step 60/60" in r.getMessage()]
-    return float(line.rsplit(" ", 1)[1]), cfg
+    return float(line.rsplit(" ", 1)[1]), cfg, corpus
+
+
+def _held_out_ce(cfg, corpus):
+    """The bootstrapped teacher's mean CE over the eval rows' masked targets, and how many
+    targets count: what the evaluation's teacher_loss averages."""
+    import jax
+    import jax.numpy as jnp
+
+    from distill.checkpoint import load_params
+    from distill.models import model
+    from distill.outputs import teacher_path
+
+    mcfg = cfg.teacher.model
+    params = load_params(teacher_path(cfg), model.abstract_params(mcfg))
+    b = corpus.eval.gather(np.arange(len(corpus.eval)))
+    logits = model.apply(mcfg, params, b.tokens, b.segment_ids, b.positions)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), b.targets[..., None], -1)[..., 0]
+    return float((nll * b.mask).sum() / b.mask.sum()), int(b.mask.sum())
 
 
 def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe, caplog):
     """User turns are random strings, every answer the same sentence: a CE-only run on the
-    assistant's tokens reaches a near-zero loss; the same run on every token cannot."""
+    assistant's tokens reaches a near-zero loss, on its training rows and on held-out
+    conversations whose questions it never saw; the same run on every token cannot."""
     model_dir = _model_dir(tmp_path / "gen", bpe, "generation")
     rng = random.Random(1)
     records = [
@@ -524,9 +543,14 @@ def test_answers_are_learnt_and_questions_are_not_counted(tmp_path, bpe, caplog)
         for _ in range(64)
     ]
     source = _write_jsonl(tmp_path / "chat.jsonl", records)
-    answers, cfg = _bootstrap_ce(tmp_path, source, model_dir, "assistant", caplog)
-    everything, _ = _bootstrap_ce(tmp_path, source, model_dir, "all", caplog)
+    answers, cfg, corpus = _bootstrap_ce(tmp_path, source, model_dir, "assistant", caplog)
+    everything, _, _ = _bootstrap_ce(tmp_path, source, model_dir, "all", caplog)
     assert answers < 0.1 and everything > 0.5, (answers, everything)
+    held_out, counted = _held_out_ce(cfg, corpus)
+    tok = corpus.tokenizer
+    answer_tokens = len(tok.encode(ANSWER + "<|im_end|>"))
+    assert counted == corpus.eval.num_documents * answer_tokens  # the answers, nothing else
+    assert held_out < 0.1, held_out
 
     # `distill generate --chat` wraps a new question as a user turn and prints the answer
     from distill import outputs

@@ -48,6 +48,12 @@ class DataConfig(Section):
         description="data.format chat: the field (column) holding each conversation, a list of "
         "{role, content} messages.",
     )
+    tools_field: str = Field(
+        "tools",
+        description="data.format chat: the optional field (column) holding the JSON schemas of "
+        "the tools a conversation may call, handed to the template as `tools` (a list, or a "
+        "string of one in JSON).",
+    )
     chat_template: str | None = Field(
         None,
         description="A Jinja chat template file; None: the template saved beside data.tokenizer "

@@ -142,36 +142,37 @@ class ChatTemplate:
     def sha256(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The text of ``messages``, as ``apply_chat_template(tokenize=False)`` gives it."""
-        return "".join(self._generate(messages, add_generation_prompt))
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools=None) -> str:
+        """The text of ``messages``, as ``apply_chat_template(tokenize=False)`` gives it;
+        ``tools``: the JSON schemas of the tools the conversation may call, or None."""
+        return "".join(self._generate(messages, add_generation_prompt, tools))
 
-    def _generate(self, messages, add_generation_prompt):
+    def _generate(self, messages, add_generation_prompt, tools):
         return self._template.generate(
             messages=_normalise(messages),
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.specials,
         )
 
-    def render_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render_spans(self, messages: list[dict], tools=None) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans [start, end) of the assistant's turns."""
         if self.has_generation:
             self._tracker.blocks, self._tracker.spans = [], []
             try:
-                for block in self._generate(messages, False):
+                for block in self._generate(messages, False, tools):
                     self._tracker.blocks.append(block)
                 return "".join(self._tracker.blocks), list(self._tracker.spans)
             finally:
                 self._tracker.blocks = None
-        text = self.render(messages)
+        text = self.render(messages, tools=tools)
         spans = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            head = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
+            head = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            through = self.render(messages[: i + 1], tools=tools)
             if not (through.startswith(head) and text.startswith(through)):
                 raise ValueError(
                     f"the template does not render message {i} as a continuation of the ones "
@@ -220,7 +221,17 @@ def _specials(tokenizer) -> dict[str, str]:
 
 
 def load_template(cfg, tokenizer) -> ChatTemplate:
-    """The chat template of ``data.chat_template``, else the one saved beside the tokenizer."""
+    """The chat template of ``data.chat_template``, else the one saved beside the tokenizer.
+
+    A SentencePiece model is refused: it spells the special tokens a template writes
+    (``<s>``, ``[INST]``, ...) out as text, where ``transformers`` gives their ids."""
+    if tokenizer.kind == "sentencepiece":
+        (path,) = tokenizer.files
+        raise DistillError(
+            f"data.tokenizer: {path} is a SentencePiece model, which encodes the special tokens "
+            "a chat template writes as plain text; chat data needs the model's tokenizer.json "
+            "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) writes one)"
+        )
     if cfg.chat_template is not None:
         path = Path(cfg.chat_template).expanduser()
         if not path.is_file():

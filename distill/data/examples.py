@@ -80,7 +80,7 @@ def _jsonl_records(path: Path, bad: BadRecords):
         yield where, record
 
 
-def _parquet_records(path: Path, fields: list[str], key: str, bad: BadRecords):
+def _parquet_records(path: Path, fields: list[str], key: str, bad: BadRecords, optional=()):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -94,20 +94,24 @@ def _parquet_records(path: Path, fields: list[str], key: str, bad: BadRecords):
             f"data.source: {path} has no column '{missing[0]}' ({key}); its columns:"
             f" {', '.join(pf.schema_arrow.names)}"
         )
+    columns = fields + [f for f in optional if pf.schema_arrow.get_field_index(f) >= 0]
     row = 0
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=fields):
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns):
         for record in batch.to_pylist():
             bad.seen += 1
             yield f"{path} row {row}", record
             row += 1
 
 
-def records(cfg: DataConfig, paths: list[Path], fields: list[str], key: str, bad: BadRecords):
-    """(where, record) of every JSONL line and Parquet row of ``paths``."""
+def records(
+    cfg: DataConfig, paths: list[Path], fields: list[str], key: str, bad: BadRecords, optional=()
+):
+    """(where, record) of every JSONL line and Parquet row of ``paths``; of Parquet only the
+    columns ``fields`` (each required) and those of ``optional`` the file has."""
     for path in paths:
         suffix = path.suffix.lower()
         if suffix == ".parquet":
-            yield from _parquet_records(path, fields, key, bad)
+            yield from _parquet_records(path, fields, key, bad, optional)
         elif suffix in (".jsonl", ".json"):
             yield from _jsonl_records(path, bad)
         else:
@@ -137,9 +141,35 @@ def _message_problem(messages, template: ChatTemplate, train_on: str) -> str | N
     return None
 
 
-def _render(template: ChatTemplate, messages: list, where: str) -> tuple[str, list]:
+def _conversation(record, cfg: DataConfig, template: ChatTemplate, train_on: str):
+    """(messages, tools, why the record cannot be used or None) of one record: ``tools`` is
+    the record's ``data.tools_field`` (a list of JSON schemas, or one as a JSON string)."""
+    if not isinstance(record, dict):
+        return None, None, "without the field"
+    messages, tools = record.get(cfg.messages_field), record.get(cfg.tools_field)
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            tools = False
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        return messages, None, "whose tools are not a list of JSON schemas (data.tools_field)"
+    return messages, tools, _message_problem(messages, template, train_on)
+
+
+def _chat_records(cfg: DataConfig, paths, template: ChatTemplate, bad: BadRecords):
+    """(where, messages, tools, problem or None) of every record of ``paths``."""
+    for where, record in records(
+        cfg, paths, [cfg.messages_field], "data.messages_field", bad, [cfg.tools_field]
+    ):
+        yield where, *_conversation(record, cfg, template, cfg.train_on)
+
+
+def _render(template: ChatTemplate, messages: list, tools, where: str) -> tuple[str, list]:
     try:
-        return template.render_spans(messages)
+        return template.render_spans(messages, tools)
     except Exception as exc:  # the template's own errors: raise_exception, undefined names
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DistillError(
@@ -150,11 +180,9 @@ def _render(template: ChatTemplate, messages: list, where: str) -> tuple[str, li
 def _chat_texts(cfg: DataConfig, paths, template: ChatTemplate, bad: BadRecords):
     """(rendered text, answer spans) of every usable conversation."""
     out, budget = [], cfg.max_bytes
-    for where, record in records(cfg, paths, [cfg.messages_field], "data.messages_field", bad):
-        messages = record.get(cfg.messages_field) if isinstance(record, dict) else None
-        problem = _message_problem(messages, template, cfg.train_on)
+    for where, messages, tools, problem in _chat_records(cfg, paths, template, bad):
         if problem is None:
-            text, spans = _render(template, messages, where)
+            text, spans = _render(template, messages, tools, where)
             if cfg.train_on == "assistant" and not spans:
                 problem = "with no assistant turn (data.train_on: assistant)"
         if problem is not None:
@@ -224,13 +252,12 @@ def conversation_prompts(cfg: DataConfig, paths: list[Path], tokenizer: Tokenize
     turn, rendered with the template's generation prompt (the student answers from there)."""
     template, bad = load_template(cfg, tokenizer), BadRecords()
     out = []
-    for where, record in records(cfg, paths, [cfg.messages_field], "data.messages_field", bad):
-        messages = record.get(cfg.messages_field) if isinstance(record, dict) else None
-        if _message_problem(messages, template, "assistant") is not None:
+    for where, messages, tools, problem in _chat_records(cfg, paths, template, bad):
+        if problem is not None or not any(m["role"] == "assistant" for m in messages):
             continue  # counted and reported when the corpus was read
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         try:
-            out.append(template.render(messages[:last], add_generation_prompt=True))
+            out.append(template.render(messages[:last], add_generation_prompt=True, tools=tools))
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise DistillError(

@@ -57,6 +57,7 @@ DATA_KEYS = ("source", "include", "exclude", "format", "text_field", "max_bytes"
 # prepared before these keys existed still match)
 EXAMPLE_KEYS = (
     "messages_field",
+    "tools_field",
     "prompt_field",
     "completion_field",
     "chat_template",

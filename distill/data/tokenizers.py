@@ -192,7 +192,7 @@ class SentencePieceTokenizer:
         piece of a multi-byte character spans that character)."""
         out = []
         for text in texts:
-            pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+            pieces = self._sp.encode_as_proto(text).pieces
             widths = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
             char_of = np.repeat(np.arange(len(text), dtype=np.int64), widths)
             char_of = np.append(char_of, len(text))  # the end of the text
