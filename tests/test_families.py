@@ -2,8 +2,11 @@
 transformers (random weights, saved to a temporary directory) is read by distill's loader
 and gives transformers' log-probabilities, on the teacher's tensor-parallel mesh at tp=1,
 tp=2 and tp=4 (more shards than KV heads: the KV heads are replicated), and as the
-single-device student model. Rows are longer than the sliding windows, models have both
-local and global layers, and the vocabulary is padded past the ids used."""
+single-device student model. The batch is packed: rows of several documents (segment ids
+and positions restarting at each) and trailing padding, each document compared with
+transformers run on that document alone. Rows and documents are longer than the sliding
+windows, models have both local and global layers, and the vocabulary is padded past the
+ids used."""
 
 import json
 import shutil
@@ -21,11 +24,14 @@ from distill.config import ModelConfig  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
 from distill.models import decode, hf, model, vocab_loss  # noqa: E402
 from distill.models import losses as ref_losses  # noqa: E402
+from distill.types import Batch  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
 from tests.test_hf import _batch, _hf_logits, _mesh  # noqa: E402
 
-WINDOW = 5  # rows of 20 tokens: most keys fall outside a sliding layer's window
+WINDOW = 5  # documents of 6 to 13 tokens: many keys fall outside a sliding layer's window
+DOCS = [[13, 11], [7, 6, 7]]  # document lengths per packed row of 24; the second row ends in
+# 4 padding tokens
 COMMON = dict(
     vocab_size=96,  # ids drawn below LIVE: padded past them
     hidden_size=32,
@@ -99,18 +105,56 @@ def _save(path, name, families=FAMILIES, common=COMMON):
     return ref.eval()
 
 
+def packed_batch(docs=DOCS, s=24, live=LIVE, seed=1) -> Batch:
+    """Rows of documents of the given lengths, packed as `distill.data.packing` packs them:
+    segment ids 1, 2, ... and positions restarting at each document, padding (segment 0)
+    after the last; targets the next token of the same document, masked elsewhere."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, live, (len(docs), s)).astype(np.int32)
+    seg, pos = np.zeros_like(tokens), np.zeros_like(tokens)
+    for row, lengths in enumerate(docs):
+        start = 0
+        for i, n in enumerate(lengths):
+            seg[row, start : start + n], pos[row, start : start + n] = i + 1, np.arange(n)
+            start += n
+    same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    targets = np.concatenate([np.where(same, tokens[:, 1:], 0), np.zeros_like(tokens[:, :1])], 1)
+    mask = np.concatenate([same, np.zeros_like(same[:, :1])], 1).astype(np.float32)
+    return Batch(tokens, targets, seg, pos, mask)
+
+
+def per_document_logprobs(hf_model, batch: Batch) -> np.ndarray:
+    """[B, S, V] log-probs of transformers run on each packed document alone, placed where
+    the document sits in its row (zeros on padding)."""
+    v = hf_model.config.vocab_size
+    out = np.zeros((*batch.tokens.shape, v), np.float32)
+    for row, seg in enumerate(batch.segment_ids):
+        for doc in set(seg.tolist()) - {0}:
+            where = np.flatnonzero(seg == doc)
+            logits = _hf_logits(hf_model, batch.tokens[row : row + 1, where])[0]
+            out[row, where] = torch.log_softmax(torch.tensor(logits), -1).numpy()
+    return out
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """(name, directory, transformers model, its log-probs on the batch, the batch)."""
+    """(name, directory, transformers model, its per-document log-probs on the packed
+    batch, the batch)."""
     path = tmp_path_factory.mktemp(request.param)
     ref = _save(path, request.param)
-    batch = _batch(LIVE)
-    logp = torch.log_softmax(torch.tensor(_hf_logits(ref, batch.tokens)), -1).numpy()
-    return request.param, path, ref, logp, batch
+    batch = packed_batch()
+    return request.param, path, ref, per_document_logprobs(ref, batch), batch
 
 
 def _logprobs(logits):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+
+
+def assert_documents_match(got, want, batch, atol, rtol, err_msg):
+    """got and want [B, S, V] equal on every document's tokens (padding left out)."""
+    real = np.asarray(batch.segment_ids) > 0
+    assert real.sum() < real.size  # the batch has padding, which is left out
+    np.testing.assert_allclose(got[real], want[real], atol=atol, rtol=rtol, err_msg=err_msg)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -119,7 +163,7 @@ def test_teacher_logprobs_match_transformers(family, tp):
     cfg = hf.read_model_config(path)
     params = load_hf_teacher(path, cfg, _mesh(tp))
     got = make_forward(cfg, _mesh(tp), mode="logits")(params, batch)
-    np.testing.assert_allclose(_logprobs(got), want, atol=2e-4, rtol=1e-4, err_msg=name)
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
 
 
 def test_config_reads_each_family(family):
@@ -144,7 +188,7 @@ def test_student_model_and_chunked_loss_match_transformers(family):
     args = (batch.tokens, batch.segment_ids, batch.positions)
     blockwise = cfg.model_copy(update={"attention": "blockwise"})
     got = model.apply(blockwise, params, *args)
-    np.testing.assert_allclose(_logprobs(got), want, atol=2e-4, rtol=1e-4, err_msg=name)
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
 
     x, head = model.apply_hidden(cfg, params, *args)
     ce, _ = vocab_loss.ce_loss_chunked(
@@ -157,7 +201,8 @@ def test_student_model_and_chunked_loss_match_transformers(family):
 def test_decode_with_a_cache_matches_the_full_forward(family):
     """Prefill then one token at a time: each step's logits are the full forward's at that
     position (sliding windows over the cache, soft-caps, per-layer RoPE)."""
-    _, path, _, _, batch = family
+    _, path, _, _, _ = family
+    batch = _batch(LIVE)  # one document a row: a decode continues one document
     cfg = hf.read_model_config(path)
     params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
     tokens, seg, pos = batch.tokens[:1], batch.segment_ids[:1], batch.positions[:1]
@@ -256,8 +301,8 @@ def test_export_in_the_students_own_family(family, tmp_path):
         str(out), dtype=torch.float32, attn_implementation="eager"
     ).eval()
     assert type(got) is type(ref), name
-    logp = torch.log_softmax(torch.tensor(_hf_logits(got, batch.tokens)), -1).numpy()
-    np.testing.assert_allclose(logp, want, atol=2e-5, rtol=1e-5, err_msg=name)
+    logp = per_document_logprobs(got, batch)
+    assert_documents_match(logp, want, batch, atol=2e-5, rtol=1e-5, err_msg=name)
     assert hf.read_model_config(out) == cfg
 
 
