@@ -9,6 +9,7 @@ expert axis and the layer dispatches tokens to their experts over `fsdp` by all-
 as the teacher does over `ep` (the experts stay put; `dp` replicas each hold a copy);
 otherwise each expert weight is split along another dimension and gathered whole for the
 layer, like every dense weight (ZeRO-3). Either way the numbers are the single device's.
+Evaluation runs the same layout; generation runs the plain layer under the partitioner.
 
 Metrics of an MoE student's step: `moe_aux_loss` (transformers' load-balancing loss over
 the batch's real tokens, `distill.models.moe.balance_loss`; `distill.moe_aux_loss` times

@@ -424,10 +424,13 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
     student's computed a chunk of positions at a time (never a whole [B, S, V])."""
     split = batch_sharding(mesh)
 
+    routed = routing.Routing(cfg, mesh)
+
     def metrics(params, batch: Batch, teacher_logits):
         x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype, rows=split
-        )
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
+            rows=split, moe_opts=routed.opts(batch),
+        )  # fmt: skip
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         return vocab_loss.eval_metrics_chunked(
             x,
@@ -456,10 +459,13 @@ def make_cross_eval_fn(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | No
     losses are in different tokens: only their bits per byte compare."""
     split = batch_sharding(mesh)
 
+    routed = routing.Routing(cfg, mesh)
+
     def metrics(params, batch: Batch, teacher_logits):
         x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype, rows=split
-        )
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
+            rows=split, moe_opts=routed.opts(batch),
+        )  # fmt: skip
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         _, m = vocab_loss.ce_loss_chunked(
             x, head, batch.targets, batch.mask, vocab_limit=vocab_limit,

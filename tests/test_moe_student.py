@@ -81,6 +81,18 @@ def test_sharded_step_equals_one_device(n_experts, dp, fsdp, split):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
 
 
+def test_sharded_evaluation_equals_one_device():
+    """The evaluation runs the same per-device layer: the single device's metrics."""
+    params = jax.device_get(_step(4, 1, 1)[0])
+    logits = np.random.default_rng(5).normal(size=(8, 16, 64)).astype(np.float32)
+    got = [
+        jax.device_get(train.make_eval_fn(_moe_cfg(4), _mesh(dp, fsdp))(params, _batch(8), logits))
+        for dp, fsdp in ((1, 1), (2, 2))
+    ]
+    for k in got[0]:
+        np.testing.assert_allclose(got[1][k], got[0][k], rtol=2e-5, atol=2e-6, err_msg=k)
+
+
 def test_balance_loss_is_transformers_on_the_same_logits():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
