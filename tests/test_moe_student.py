@@ -169,6 +169,12 @@ def test_a_student_is_dense_unless_it_says_experts():
     tree["student"]["model"]["n_experts"] = 0
     with pytest.raises(DistillError, match=r"student.model.n_experts: 0 differs .*from_teacher"):
         config_from_dict(tree)
+    tree["teacher"]["model"].update(n_layers=3, dense_layers=[1])  # kept: layers 0 and 2
+    tree["student"]["model"] = {"n_layers": 2}
+    with pytest.raises(DistillError, match=r"dense_layers: \[1\] are not .* dense ones \[\]"):
+        config_from_dict(tree)
+    tree["student"]["model"]["dense_layers"] = []
+    assert config_from_dict(tree).init_layers() == [0, 2]
     tree["student"] = {"model": {"d_model": 16}}
     tree["distill"] = {"moe_aux_loss": 0.01}
     with pytest.raises(DistillError, match=r"distill.moe_aux_loss: 0.01 needs a mixture"):
