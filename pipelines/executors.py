@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from distill import handoff
 from distill.checkpoint import Checkpointer
 from pipelines.timing import ReadyWatcher
-from student import train
+from student import routing, train
 from student.evaluate import StudentEval
 from student.generate import ParamHistory
 
@@ -82,7 +82,7 @@ class LocalExecutor:
     def read(self, metrics, wanted: bool) -> dict | None:
         if not wanted:  # never synchronise on a step whose metrics are not recorded
             return None
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return routing.host_metrics(metrics)
 
     def figures(self, steps: int, since: float) -> dict:
         return {

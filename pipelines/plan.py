@@ -136,6 +136,7 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
             "weight_bytes_per_device": s_weights,
             "optimizer_bytes_per_device": opt_bytes,
             "train_flops_per_token": 3 * model.flops_per_token(scfg, seq),
+            **({"active_params": model.active_param_count(scfg)} if scfg.n_experts else {}),
         },
         "tokens_per_step": cfg.train.batch_size * seq,
         "per_device_batch": cfg.train.batch_size // student_size(cfg),
@@ -167,7 +168,9 @@ def format_plan(p: dict) -> str:
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
             f"{mb(t['weight_bytes_per_device'])} weights/device, "
             f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward",
-            f"student: {s['params'] / 1e6:.2f}M params, "
+            f"student: {s['params'] / 1e6:.2f}M params"
+            + (f" ({s['active_params'] / 1e6:.2f}M active)" if "active_params" in s else "")
+            + ", "
             f"{mb(s['weight_bytes_per_device'])} weights + "
             f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "
             f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step",

@@ -9,18 +9,22 @@ import time
 
 from tqdm import tqdm
 
+from student import routing
+
 log = logging.getLogger("distill")
 
 
 def distill_record(step: int, metrics: dict, figures: dict) -> dict:
     """One metrics.jsonl training record: the step's losses and lr (host floats) plus the
-    loop's own figures (tokens_per_s, teacher_ms, student_ms, busy fractions, ...)."""
+    loop's own figures (tokens_per_s, teacher_ms, student_ms, busy fractions, ...); an MoE
+    student's `moe_aux_loss` and expert load (`student.routing.load_record`)."""
     keys = ("loss", "kd_loss", "ce_loss", "lr", "grad_norm")
     return {
         "step": step,
         "phase": "distill",
         **{k: metrics[k] for k in keys},
         **{k: metrics[k] for k in ("aligned_fraction",) if k in metrics},  # cross-tokenizer
+        **routing.load_record(metrics),  # a mixture-of-experts student
         **figures,
         "time": time.time(),
     }

@@ -3,7 +3,10 @@
 ZeRO-3 style: every weight is split over `fsdp` along its largest dimension that `fsdp`
 divides and replicated over `dp`; gradients and the optimizer state (Adam's moments) are laid
 out like the weights they belong to. The stacked-layer axis is never split (the layer scan
-takes one whole layer per step), nor are the norms (a few kilobytes). The batch is split
+takes one whole layer per step), nor are the norms (a few kilobytes). A mixture of experts'
+weights [L, E, ., .] are split over their experts when `fsdp` divides E (the MoE layer then
+sends each device's tokens to the devices of their experts), else like any other weight
+(gathered whole for the layer). The batch is split
 over both axes, every device its own rows. From these specs alone, as the train step's
 `jax.jit` in/out shardings, XLA's SPMD partitioner gathers each weight where it is used and
 reduce-scatters its gradient. On a mesh without an `fsdp` axis (the teacher bootstrap's 1-D
@@ -44,8 +47,13 @@ WEIGHT_DIMS = {
         "w_gate": ("layer", "d_model", "d_ff"),
         "w_up": ("layer", "d_model", "d_ff"),
         "w_down": ("layer", "d_ff", "d_model"),
+        "router": ("layer", "d_model", "experts"),
+        "we_gate": ("layer", "experts", "d_model", "d_ff_expert"),
+        "we_up": ("layer", "experts", "d_model", "d_ff_expert"),
+        "we_down": ("layer", "experts", "d_ff_expert", "d_model"),
     },
 }
+EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 NEVER_SPLIT = ("layer",)
 # Norms and biases: a few kilobytes each.
 REPLICATED = (
@@ -64,12 +72,18 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "kv_dim": cfg.n_kv_heads * cfg.hd,
         "d_ff": cfg.d_ff,
         "head_dim": cfg.hd,
+        "experts": cfg.n_experts,
+        "d_ff_expert": cfg.f_expert,
     }
 
 
 def fsdp_spec(name: str, dims: tuple[str, ...], sizes: dict[str, int], fsdp: int) -> P:
     """The spec of one weight: its largest dimension that `fsdp` divides (on a tie, the
-    later one: output features) over `fsdp`; replicated if none, or if it is a norm."""
+    later one: output features) over `fsdp`; replicated if none, or if it is a norm. An
+    expert weight [L, E, ., .] whose E `fsdp` divides is split over its experts, so that
+    each device holds whole experts and the tokens travel to them (`experts_split`)."""
+    if name in EXPERT_WEIGHTS and fsdp > 1 and sizes["experts"] % fsdp == 0:
+        return P(None, FSDP, None, None)
     splittable = [
         (sizes[d], i) for i, d in enumerate(dims) if d not in NEVER_SPLIT and sizes[d] % fsdp == 0
     ]
@@ -98,6 +112,13 @@ def param_specs(cfg: ModelConfig, fsdp: int) -> dict:
         return fsdp_spec(keys[-1], dims, sizes, fsdp)
 
     return jax.tree_util.tree_map_with_path(spec, model.abstract_params(cfg))
+
+
+def experts_split(cfg: ModelConfig, fsdp: int) -> bool:
+    """Whether the table splits `cfg`'s experts over `fsdp` (each device holds E / fsdp
+    whole experts: the student's MoE layers move tokens, not weights); otherwise each
+    expert weight is split along another dimension and gathered whole for compute."""
+    return bool(cfg.n_experts) and fsdp > 1 and cfg.n_experts % fsdp == 0
 
 
 def like_params(tree, params, specs: dict):

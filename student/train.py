@@ -33,7 +33,7 @@ from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
 from distill.models import cross_losses, model, vocab_loss
 from distill.models.cross_losses import CrossSpec
 from distill.types import Batch, Continuations, TeacherOutput
-from student import optim, sharding
+from student import optim, routing, sharding
 
 # What a skipped step found not finite: bits of `Skips.kinds`.
 LOSS, GRAD_NORM = 1, 2
@@ -279,8 +279,9 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
     device's own rows, so nothing moves between devices. Each microbatch's mean loss,
     gradient and metrics are weighted by its share of the batch's tokens and summed in
     float32 (the gradient accumulator laid out like the parameters), so the result is the
-    one-shot step's: losses are token means (`distill.models.losses`). "tokens" is a count: summed.
-    """
+    one-shot step's: losses are token means (`distill.models.losses`). Counts
+    (`routing.COUNTS`) are summed; an MoE student's `moe_aux_loss` is the microbatches'
+    token-weighted mean."""
     rows = NamedSharding(mesh, P(None, *sharding.batch_spec(mesh)))
 
     def split(x):  # [B, ...] -> [n, B / n, ...]
@@ -303,7 +304,7 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
         grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         metrics = {
-            k: metrics_acc[k] + (v if k == "tokens" else w * v).astype(jnp.float32)
+            k: metrics_acc[k] + (v if k in routing.COUNTS else w * v).astype(jnp.float32)
             for k, v in metrics.items()
         }
         return (grads, metrics), None
@@ -374,14 +375,20 @@ def make_loss_fn(
     output) from the model's final hidden states, the LM head applied a chunk of positions
     at a time (`distill.models.vocab_loss`), so the [B, S, V] logits are never whole. A chunk's
     logits stay under `vocab_loss.CHUNK_BYTES` for the rows one device of `mesh` holds.
-    `unroll`: the layers unrolled (`unrolls`)."""
+    `unroll`: the layers unrolled (`unrolls`). A mixture-of-experts student's routing
+    (`student.routing`) adds `distill.moe_aux_loss` times its load-balancing loss."""
     split = batch_sharding(mesh)
 
+    routed = routing.Routing(cfg, mesh, getattr(loss_cfg, "moe_aux_loss", 0.0))
+
     def loss_fn(params, batch: Batch, teacher_out: TeacherOutput | None):
-        x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions,
-            dtype=dtype, remat=remat, rows=split, unroll=unroll,
+        x, head, stats = model.apply_hidden(
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
+            remat=remat, rows=split, unroll=unroll, moe_opts=routed.opts(batch), with_stats=True,
         )  # fmt: skip
+        return routed.add(*losses(x, head, batch, teacher_out), stats, batch)
+
+    def losses(x, head, batch: Batch, teacher_out: TeacherOutput | None):
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         kw = {
             "vocab_limit": vocab_limit,
@@ -417,10 +424,13 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
     student's computed a chunk of positions at a time (never a whole [B, S, V])."""
     split = batch_sharding(mesh)
 
+    routed = routing.Routing(cfg, mesh)
+
     def metrics(params, batch: Batch, teacher_logits):
         x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype, rows=split
-        )
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
+            rows=split, moe_opts=routed.opts(batch),
+        )  # fmt: skip
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         return vocab_loss.eval_metrics_chunked(
             x,
@@ -449,10 +459,13 @@ def make_cross_eval_fn(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | No
     losses are in different tokens: only their bits per byte compare."""
     split = batch_sharding(mesh)
 
+    routed = routing.Routing(cfg, mesh)
+
     def metrics(params, batch: Batch, teacher_logits):
         x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype, rows=split
-        )
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
+            rows=split, moe_opts=routed.opts(batch),
+        )  # fmt: skip
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         _, m = vocab_loss.ce_loss_chunked(
             x, head, batch.targets, batch.mask, vocab_limit=vocab_limit,

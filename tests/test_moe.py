@@ -129,7 +129,7 @@ def test_dispatch_equals_the_per_token_reference(ep):
     specs = {"router": jax.P(), **{k: jax.P(EP) for k in ("we_gate", "we_up", "we_down")}}
 
     def f(h, p):
-        y, (load, dropped) = moe.moe_ffn(h, p, cfg, tp_axis=None, ep_axis=EP)
+        y, (load, dropped, _) = moe.moe_ffn(h, p, cfg, tp_axis=None, ep_axis=EP)
         return y, jax.lax.psum(load, EP), jax.lax.psum(dropped, EP)
 
     run = jax.shard_map(
@@ -147,7 +147,9 @@ def test_capacity_drops_the_lowest_probabilities_of_a_full_expert():
     p = _moe_params(cfg, seed=3)
     h = jax.random.normal(jax.random.key(4), (1, 10, 16))
     factor = 0.8  # capacity ceil(0.8 * 10 * 2 / 4) = 4 per expert
-    y, (load, dropped) = moe.moe_ffn(h, p, cfg, tp_axis=None, ep_axis=None, capacity_factor=factor)
+    y, (load, dropped, _) = moe.moe_ffn(
+        h, p, cfg, tp_axis=None, ep_axis=None, capacity_factor=factor
+    )
     weights, ids = moe.route(h[0], p["router"], 2, False)
     keep = np.zeros(ids.shape, bool)
     for e in range(4):

@@ -173,7 +173,7 @@ def test_logged_windows_take_their_own_steps():
 
 def _run_records(qwen3_moe, corpus_dir, out, **teacher) -> tuple[list[dict], list]:
     """(the training records of a 4-step run from the tiny Qwen3-MoE teacher on a dp x ep
-    = 1 x 2 inference mesh into a dense random student, the run's 4 batches)."""
+    = 1 x 2 inference mesh into a random student, dense by default, the run's 4 batches)."""
     path, _, _ = qwen3_moe
     tree = tiny_config(
         str(corpus_dir),
@@ -182,7 +182,6 @@ def _run_records(qwen3_moe, corpus_dir, out, **teacher) -> tuple[list[dict], lis
         train={"steps": 4, "batch_size": 4, "seq_len": 32, "log_every": 2, "eval_every": 4},
     )
     tree["teacher"] = {"checkpoint": str(path), "top_k": 8, **teacher}
-    tree["student"]["model"]["n_experts"] = 0  # dense, else the teacher's schema's experts
     cfg = config_from_dict(tree)
     assert run(cfg)["completed"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -83,7 +83,11 @@ def config_from_dict(tree: dict) -> Config:
         raise DistillError("\n".join(error_lines(e))) from None
     _resolve_teacher(cfg)
     _resolve_student(cfg)
-    cfg.student_model()  # validates the merged student shape
+    if cfg.distill.moe_aux_loss and not cfg.student_model().n_experts:  # validates it too
+        raise DistillError(
+            f"distill.moe_aux_loss: {cfg.distill.moe_aux_loss} needs a mixture-of-experts "
+            "student (student.model.n_experts is 0)"
+        )
     if cfg.student.checkpoint is not None:
         if cfg.student.init_layers is not None:
             raise DistillError("student.init_layers: set, but student.checkpoint is set")

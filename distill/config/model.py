@@ -136,7 +136,11 @@ class ModelConfig(Section):
         "(OLMoE); with qk_norm.",
     )
     n_experts: int = Field(
-        0, ge=0, description="Routed experts per MoE layer; 0: every feed-forward is dense."
+        0,
+        ge=0,
+        description="Routed experts per MoE layer; 0: every feed-forward is dense. A student "
+        "does not inherit an MoE teacher's experts: it is dense unless student.model sets "
+        "this, its student.checkpoint has experts, or student.init is from_teacher.",
     )
     experts_per_token: int = Field(2, ge=1, description="Experts each token is routed to (top-k).")
     d_ff_expert: int | None = Field(
@@ -226,6 +230,25 @@ class ModelConfig(Section):
         return self.query_scale if self.query_scale is not None else 1 / math.sqrt(self.hd)
 
 
+# Keys that only a mixture of experts reads, and the dense family of each MoE family (its
+# attention and naming without the experts), for a student made dense (`student_fields`).
+MOE_KEYS = ("n_experts", "experts_per_token", "d_ff_expert", "norm_topk_prob", "dense_layers")
+DENSE_FAMILY = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+
+
+def student_fields(teacher: ModelConfig, overrides: dict, keep_experts: bool) -> dict:
+    """A student's model keys from its teacher's and its `student.model` overrides. The
+    student is dense unless its overrides set `n_experts` or `keep_experts` (the student
+    starts from the teacher's layers): an MoE teacher's experts are not inherited, its
+    MoE keys take their defaults and its family becomes the dense one (Mixtral: mistral,
+    Qwen3-MoE: qwen3; OLMoE, which has none, stays olmoe) unless the overrides set one."""
+    fields = teacher.model_dump()
+    if teacher.n_experts and not keep_experts and "n_experts" not in overrides:
+        fields.update({k: ModelConfig.model_fields[k].default for k in MOE_KEYS})
+        fields["family"] = DENSE_FAMILY.get(teacher.family, teacher.family)
+    return {**fields, **overrides}
+
+
 def _overrides() -> type[Section]:
     """`StudentModelOverrides`: every ModelConfig key, optional, without its validation."""
     fields = {
@@ -235,7 +258,9 @@ def _overrides() -> type[Section]:
     return create_model(
         "StudentModelOverrides",
         __base__=Section,
-        __doc__="Any `teacher.model` key; unset keys inherit the teacher's value.",
+        __doc__="Any `teacher.model` key; unset keys inherit the teacher's value, except an "
+        "MoE teacher's experts: the student is dense unless it sets n_experts (or starts "
+        "from the teacher's layers, student.init: from_teacher).",
         **fields,
     )
 

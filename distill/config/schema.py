@@ -22,6 +22,7 @@ from distill.config.model import (
     ModelConfig,
     Section,
     StudentModelOverrides,
+    student_fields,
 )
 from distill.errors import DistillError, error_lines
 
@@ -240,6 +241,14 @@ class DistillLossConfig(Section):
         "(both marginalised onto the next byte), each with distill.loss over the buckets; or "
         "uld (sorted-probability L1 distance, no shared tokens needed).",
     )
+    moe_aux_loss: float = Field(
+        0.0,
+        ge=0,
+        description="A mixture-of-experts student: this times its auxiliary load-balancing "
+        "loss (Switch/Mixtral, as transformers' load_balancing_loss_func, over the real "
+        "tokens) is added to the loss; 0: off (the loss is still reported). A checkpoint's "
+        "router_aux_loss_coef is not applied unless set here.",
+    )
     on_policy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
 
 
@@ -380,7 +389,9 @@ class Config(Section):
         return self.teacher.tokenizer not in (None, self.data.tokenizer)
 
     def student_model(self) -> ModelConfig:
-        """The teacher's model schema with the student's overrides applied; a pretrained
+        """The teacher's model schema with the student's overrides applied (dense unless
+        they set experts or the student starts from the teacher's layers:
+        `student_fields`); a pretrained
         student's (`student.checkpoint`) is its config.json's, with only the runtime keys
         (`RUNTIME_KEYS`) taken from the overrides."""
         overrides = self.student.model.model_dump(exclude_none=True)
@@ -389,7 +400,8 @@ class Config(Section):
             runtime = {k: overrides[k] for k in RUNTIME_KEYS if k in overrides}
             merged = {**pretrained.model_dump(), **runtime}
         else:
-            merged = {**self.teacher.model.model_dump(), **overrides}
+            keep = self.student.init == "from_teacher"
+            merged = student_fields(self.teacher.model, overrides, keep_experts=keep)
         try:
             return ModelConfig(**merged)
         except ValidationError as e:
@@ -406,13 +418,19 @@ class Config(Section):
         """The teacher layers a `from_teacher` student starts from (validated)."""
         t, s = self.teacher.model, self.student_model()
         for key in ModelConfig.model_fields:
-            per_layer = ("n_layers", "layer_types", *RUNTIME_KEYS)  # checked per kept layer
+            per_layer = ("n_layers", "layer_types", "dense_layers", *RUNTIME_KEYS)
             if key not in per_layer and getattr(s, key) != getattr(t, key):
                 raise DistillError(
                     f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
                     f"{getattr(t, key)}; student.init: from_teacher keeps the teacher's width"
                 )
         layers = self._kept_layers(t, s)
+        dense = [j for j, i in enumerate(layers) if not t.moe_layers()[i]]
+        if t.n_experts and list(s.dense_layers) != dense:
+            raise DistillError(
+                f"student.model.dense_layers: {list(s.dense_layers)} are not the kept teacher "
+                f"layers' dense ones {dense} (student.init: from_teacher)"
+            )
         want = tuple(t.types()[i] for i in layers)
         if s.types() != want:
             raise DistillError(

@@ -1,4 +1,5 @@
-"""ModelConfig -> a Hugging Face config.json in the model's own family (`ModelConfig.family`):
+"""ModelConfig -> a Hugging Face config.json in the model's own family (`ModelConfig.family`,
+the mixtures of experts Mixtral, Qwen3-MoE and OLMoE included):
 the inverse of `distill.models.hf.read_model_config`, which checks every file written here.
 
 Each family's keys are written as its transformers configuration class reads them (Qwen's
@@ -21,6 +22,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 _TYPE_NAMES = {v: k for k, v in hf.LAYER_TYPES.items()}  # full -> full_attention, ...
 _ACT_NAMES = {v: k for k, v in hf.ACTIVATIONS.items()}
@@ -62,6 +66,8 @@ def to_hf_config(
     raw[act] = _ACT_NAMES[cfg.activation]
     if cfg.family == "llama":
         raw["mlp_bias"] = False
+    if cfg.family in hf.MOE_TYPES:
+        raw.update(_experts(cfg))
     if cfg.family in hf.GEMMA:
         scalar = cfg.scale() ** -2
         whole = abs(scalar - round(scalar)) < 1e-6  # written as the integer it was read from
@@ -71,6 +77,30 @@ def to_hf_config(
             raw["attn_logit_softcapping"] = cfg.attn_softcap
     _check_round_trip(cfg, raw)
     return raw
+
+
+def _experts(cfg: ModelConfig) -> dict:
+    """A mixture of experts' keys in its family's names (the inverse of `hf._experts`):
+    Mixtral's and OLMoE's intermediate_size is each expert's width, Qwen3-MoE's the dense
+    layers' beside moe_intermediate_size."""
+    n = "num_local_experts" if cfg.family == "mixtral" else "num_experts"
+    keys = {n: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token}
+    if cfg.family == "qwen3_moe":
+        keys.update(
+            moe_intermediate_size=cfg.f_expert,
+            mlp_only_layers=list(cfg.dense_layers),
+            decoder_sparse_step=1,
+        )
+    else:
+        keys["intermediate_size"] = cfg.f_expert
+    if cfg.family == "olmoe" and cfg.hd * cfg.n_heads != cfg.d_model:
+        raise DistillError(
+            f"export: student.model.head_dim={cfg.hd} cannot be written as an olmoe checkpoint "
+            f"(its heads are d_model / n_heads = {cfg.d_model // cfg.n_heads} wide)"
+        )
+    if cfg.family != "mixtral":  # Mixtral always renormalises
+        keys["norm_topk_prob"] = cfg.norm_topk_prob
+    return keys
 
 
 def _scaling(cfg: ModelConfig) -> dict | None:
@@ -109,14 +139,14 @@ def _windows(cfg: ModelConfig) -> dict:
         keys = {"sliding_window": None}
         if cfg.family in ("qwen2", "qwen3"):
             keys["use_sliding_window"] = False
-        if cfg.family not in ("llama", "mistral"):
+        if cfg.family not in ("llama", "mistral", "mixtral"):
             keys["layer_types"] = [_TYPE_NAMES[t] for t in types]
         return keys
     keys = {"sliding_window": cfg.sliding_window}
     if cfg.family in ("qwen2", "qwen3"):
         keys["use_sliding_window"] = True
         keys["max_window_layers"] = types.index("sliding")
-    if cfg.family not in ("llama", "mistral"):
+    if cfg.family not in ("llama", "mistral", "mixtral"):
         keys["layer_types"] = [_TYPE_NAMES[t] for t in types]
     return keys
 
@@ -126,6 +156,10 @@ def _comparable(cfg: ModelConfig) -> dict:
     whatever says them, a local RoPE base equal to the global one when unset."""
     keys = cfg.model_dump(exclude=set(RUNTIME_KEYS))
     keys["layer_types"] = cfg.types()
+    keys["d_ff"] = cfg.d_ff if cfg.has_dense_ffn() else None  # unused without dense layers
+    keys["d_ff_expert"] = cfg.f_expert if cfg.n_experts else None
+    if not cfg.n_experts:  # the MoE keys say nothing of a dense model
+        keys.update(experts_per_token=None, norm_topk_prob=None, dense_layers=None)
     if keys["rope_local_theta"] is None and cfg.rope_scaling is None:
         keys["rope_local_theta"] = cfg.rope_theta
     if "sliding" not in cfg.types():

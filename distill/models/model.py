@@ -203,7 +203,10 @@ class Block(nnx.Module):
         the one this layer's scanned flag picks (`jax.lax.cond`: one compiled block)."""
         cfg = self.cfg
         zero = jnp.zeros_like(h_bsd[0, 0, 0], jnp.int32)  # varying over the mesh as h is
-        none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero)
+        balance = None
+        if moe_opts.get("token_mask") is not None:  # the student's load-balancing sums
+            balance = (jnp.zeros((cfg.n_experts,), jnp.float32),) * 2
+        none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero, balance)
 
         def routed(h):
             experts = {k: getattr(self, k) for k in ("router", "we_gate", "we_up", "we_down")}
@@ -220,7 +223,8 @@ class Block(nnx.Module):
     def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None):
         """(the block's output, expert stats) from its input and its attention output: the
         output projection, the residuals and the feed-forward (with Gemma's post-norms).
-        `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor."""
+        `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor (the
+        teacher), layout and token_mask (the student's training step)."""
         dt = x_bsd.dtype
         b, s, _ = x_bsd.shape
         o = cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)

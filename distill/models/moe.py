@@ -25,6 +25,11 @@ A capacity factor c (`teacher.moe_capacity_factor`) gives each expert ceil(c * T
 slots per device: assignments past that are dropped, those with the lowest router
 probability first (the notebook's rule), and contribute nothing; the per-device capacity
 means no device waits for another's counts.
+
+A student trains the same layer under GSPMD (`jax.jit` over `dp` x `fsdp`): `Layout` runs
+it per device inside `jax.shard_map` (each device routes and sorts only its own rows),
+with `fsdp` as the expert axis when the student's table splits the experts over it, and
+a token mask gives the statistics of the auxiliary load-balancing loss (`balance_loss`).
 """
 
 from __future__ import annotations
@@ -41,10 +46,25 @@ from distill import collectives as cc
 class ExpertLoad(NamedTuple):
     """Routing counts of a forward: assignments (token, expert) routed to each expert, [E]
     int32 (per layer [L, E] from the model, summed over layers and the mesh's rows by the
-    teacher forward), and assignments a capacity factor dropped (int32; 0 when dropless)."""
+    teacher forward), and assignments a capacity factor dropped (int32; 0 when dropless).
+    `balance`, with a token mask only: (the masked tokens' assignments to each expert,
+    their router probabilities summed per expert), float32 [E] each: what
+    `balance_loss` needs."""
 
     tokens: Any
     dropped: Any
+    balance: Any = None
+
+
+class Layout(NamedTuple):
+    """Where a GSPMD program's MoE layer runs (the student's training step): per device of
+    `mesh` inside `jax.shard_map`, on the rows split over `rows` (mesh axes), with the
+    experts split over `experts` (a mesh axis: tokens travel to their experts by
+    all-to-all, the experts stay put) or, when None, gathered whole on every device."""
+
+    mesh: Any
+    rows: tuple
+    experts: str | None
 
 
 def route(h_td: jax.Array, router_de: jax.Array, k: int, norm: bool):
@@ -101,10 +121,17 @@ def _slots(ids_a, weights_a, n_local: int, n_shards: int, cap: int | None, slots
     return order, dest, slot, keep
 
 
-def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None, act=jax.nn.silu):
+def moe_ffn(
+    h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None, act=jax.nn.silu,
+    token_mask=None, layout: Layout | None = None,
+):  # fmt: skip
     """The mixture of experts' output [B, S, D] on h [B, S, D] (the normed residual) and
-    (tokens per expert [E] routed from these rows, assignments dropped): weights `p` with
-    router [D, E], we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]."""
+    its `ExpertLoad` (tokens per expert [E] routed from these rows, assignments dropped,
+    and with `token_mask` [B, S] the balance statistics): weights `p` with router [D, E],
+    we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]. `layout`: run per device of
+    a GSPMD program (`Layout`; then `p` holds whole weights)."""
+    if layout is not None:
+        return _per_device(h_bsd, p, cfg, layout, act, token_mask)
     b, s, d = h_bsd.shape
     t, k = b * s, cfg.experts_per_token
     n_local = p["we_gate"].shape[0]
@@ -134,4 +161,51 @@ def moe_ffn(h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None,
     out = jax.ops.segment_sum(got.astype(jnp.float32) * scale[:, None], token, num_segments=t)
     out = cc.psum(out.astype(h.dtype), tp_axis)
     load = jnp.bincount(ids_a, length=cfg.n_experts)
-    return out.reshape(b, s, d), ExpertLoad(load, jnp.sum(~keep))
+    balance = None if token_mask is None else _balance(h, p["router"], ids, token_mask)
+    return out.reshape(b, s, d), ExpertLoad(load, jnp.sum(~keep), balance)
+
+
+def _balance(h_td, router_de, ids_tk, mask_bs):
+    """(each expert's assignments from the masked tokens, their softmax router probabilities
+    summed per expert), float32 [E]: the sums of transformers' `load_balancing_loss_func`
+    (the probabilities are recomputed from the router: their gradient reaches it)."""
+    n = router_de.shape[-1]
+    m = mask_bs.reshape(-1).astype(jnp.float32)
+    logits = h_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    counts = jnp.zeros((n,), jnp.float32).at[ids_tk].add(jnp.broadcast_to(m[:, None], ids_tk.shape))
+    return counts, jnp.sum(probs * m[:, None], axis=0)
+
+
+def balance_loss(balance, tokens, n_moe_layers: int, n_experts: int) -> jax.Array:
+    """The Switch / Mixtral auxiliary load-balancing loss, as transformers'
+    `load_balancing_loss_func` computes it over the MoE layers' router logits concatenated
+    (with an attention mask): E * sum_e f_e * P_e, where f_e is the share of (token, slot)
+    pairs routed to expert e (summing to k) and P_e its mean router probability, both over
+    the `tokens` masked tokens of every MoE layer. `balance`: the per-expert sums
+    (`ExpertLoad.balance`) summed over the layers."""
+    counts, probs = balance
+    rows = jnp.maximum(tokens * n_moe_layers, 1.0)
+    return n_experts * jnp.sum((counts / rows) * (probs / rows))
+
+
+def _per_device(h_bsd, p: dict, cfg, layout: Layout, act, token_mask):
+    """`moe_ffn` on each device's own rows of a GSPMD program, its experts split over
+    `layout.experts` (the expert axis of the dispatch) or gathered; the counts summed over
+    the devices' rows."""
+    rows, ax = jax.P(layout.rows), layout.experts
+    specs = {k: jax.P() if k == "router" or ax is None else jax.P(ax) for k in p}
+    mask = jnp.ones(h_bsd.shape[:2], jnp.float32) if token_mask is None else token_mask
+
+    def local(h, p, m):
+        y, load = moe_ffn(
+            h, p, cfg, tp_axis=None, ep_axis=ax, act=act,
+            token_mask=None if token_mask is None else m,
+        )  # fmt: skip
+        return y, jax.tree.map(lambda x: jax.lax.psum(x, layout.rows), load)
+
+    every = ExpertLoad(jax.P(), jax.P(), None if token_mask is None else (jax.P(), jax.P()))
+    run = jax.shard_map(
+        local, mesh=layout.mesh, in_specs=(rows, specs, rows), out_specs=(rows, every)
+    )
+    return run(h_bsd, p, mask.astype(jnp.float32))

@@ -342,7 +342,9 @@ class StudentActor(_Member):
         self._state, metrics = self._step_fn(self._state, batch, t_out)
         if self._history is not None:
             self._history.record(step_no, self._state.params)
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        from student.routing import host_metrics
+
+        m = host_metrics(metrics)
         self._next += 1
         m["student_ms"] = 1e3 * (time.perf_counter() - t0)
         m["bytes_per_token"] = nbytes / self._tokens
