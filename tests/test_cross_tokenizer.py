@@ -240,23 +240,34 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     np.testing.assert_allclose(loss, 0.7 * want_kd + 0.3 * want_ce, rtol=1e-5)
 
 
-def test_short_run_byte_teacher_bpe_student(tiny_run, corpus_dir, tmp_path):
+@pytest.fixture(scope="module")
+def cross_run(tiny_run, corpus_dir, tmp_path_factory):
     """`distill run` with the tiny run's byte-level teacher and a BPE student tokenizer
-    trained on the same corpus: it trains, reports the aligned share, and evaluates in bits
-    per byte; the same teacher's bits per byte as the one-tokenizer run's."""
+    trained on the same corpus (metrics at steps 2, 4, 6; evaluations at 0, 3, 6;
+    checkpoints 3 and 6): its output dir and config tree."""
     from pipelines.commands.cli import main
-    from tests.conftest import read_evals, read_train, tiny_config, write_config
+    from tests.conftest import tiny_config, write_config
 
+    tmp = tmp_path_factory.mktemp("cross_run")
     texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
-    bpe_path = train_bpe(texts, 300, tmp_path / "bpe" / "tokenizer.json")
-    out = tmp_path / "out"
+    bpe_path = train_bpe(texts, 300, tmp / "bpe" / "tokenizer.json")
+    out = tmp / "out"
     cfg = tiny_config(str(corpus_dir), str(out))
     cfg["teacher"].update(
         checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0, top_k=None, tokenizer="bytes"
     )
     cfg["student"]["model"]["vocab_size"] = 320
     cfg["data"]["tokenizer"] = str(bpe_path)
-    assert main(["run", write_config(tmp_path, cfg)]) == 0
+    assert main(["run", write_config(tmp, cfg)]) == 0
+    return out, cfg
+
+
+def test_short_run_byte_teacher_bpe_student(tiny_run, cross_run):
+    """The cross-tokenizer run trains, reports the aligned share, and evaluates in bits per
+    byte; the same teacher's bits per byte as the one-tokenizer run's."""
+    from tests.conftest import read_evals, read_train
+
+    out, _ = cross_run
     train, evals = read_train(out), read_evals(out)
     assert [r["step"] for r in train] == [2, 4, 6]
     for r in train:
@@ -267,6 +278,34 @@ def test_short_run_byte_teacher_bpe_student(tiny_run, corpus_dir, tmp_path):
         assert 0.8 < e["aligned_fraction"] <= 1.0
     same = [e for e in read_evals(tiny_run.out)]
     assert evals[0]["teacher_bpb"] == pytest.approx(same[0]["teacher_bpb"], rel=0.1)
+
+
+def test_cross_run_resume_is_exact(cross_run, tmp_path):
+    """Drop the last checkpoint and rerun: steps 4-6 repeat exactly (the student rows, the
+    teacher's rows of their text and the alignment come back with the data iterator's
+    state), and so does the last evaluation."""
+    import shutil
+
+    from pipelines.commands.cli import main
+    from tests.conftest import read_evals, read_train, write_config
+
+    out, cfg = cross_run
+    resumed = tmp_path / "out"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    (resumed / "summary.json").unlink()
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(resumed)}}
+    assert main(["run", write_config(tmp_path, cfg)]) == 0
+    before = {r["step"]: r for r in read_train(out)}
+    after = read_train(resumed)[len(before) :]
+    assert [r["step"] for r in after] == [4, 6]
+    for r in after:
+        for key in ("loss", "kd_loss", "ce_loss", "grad_norm", "aligned_fraction"):
+            assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-5), key
+    last, again = read_evals(out)[-1], read_evals(resumed)[-1]
+    assert again["step"] == last["step"] == 6
+    for key in ("student_loss", "student_bpb", "teacher_bpb", "aligned_fraction"):
+        assert again[key] == pytest.approx(last[key], rel=1e-5), key
 
 
 def test_first_byte_loss_and_gradient_match_a_dense_projection(bpe):
