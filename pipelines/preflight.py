@@ -187,6 +187,12 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
 def _corpus(cfg: Config) -> Corpus:
     if cfg.cross_tokenizer():  # the teacher's own tokens of every row's text, aligned
         teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
+        if cfg.distill.cross_tokenizer == "byte_path" and teacher.kind != "bytes":
+            raise DistillError(
+                "distill.cross_tokenizer: byte_path reads the teacher's positions inside each "
+                f"student token and needs a byte-level teacher (teacher.tokenizer: bytes), "
+                f"not {cfg.teacher.tokenizer}"
+            )
         corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
         if teacher.vocab_size > cfg.teacher.model.vocab_size:
             raise DistillError(
