@@ -146,6 +146,10 @@ def check_cross_tokenizer(cfg: Config) -> None:
         ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
          "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
         ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),
+        ("distill.cross_tokenizer: byte_path",
+         cfg.distill.cross_tokenizer == "byte_path" and cfg.teacher.tokenizer != "bytes",
+         "a byte-level teacher (teacher.tokenizer: bytes): it reads the teacher's positions "
+         "inside each student token"),
     ]  # fmt: skip
     for key, bad, needs in refused:
         if bad:
@@ -187,12 +191,6 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
 def _corpus(cfg: Config) -> Corpus:
     if cfg.cross_tokenizer():  # the teacher's own tokens of every row's text, aligned
         teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
-        if cfg.distill.cross_tokenizer == "byte_path" and teacher.kind != "bytes":
-            raise DistillError(
-                "distill.cross_tokenizer: byte_path reads the teacher's positions inside each "
-                f"student token and needs a byte-level teacher (teacher.tokenizer: bytes), "
-                f"not {cfg.teacher.tokenizer}"
-            )
         corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
         if teacher.vocab_size > cfg.teacher.model.vocab_size:
             raise DistillError(

@@ -403,3 +403,17 @@ def test_byte_path_loss_and_gradient_match_a_dense_reference(cfg, bpe):
     np.testing.assert_allclose(g, jax.grad(ref)(z), rtol=2e-4, atol=1e-6)
     first = xl.cross_divergence(z, lp, cfg, bp.first, "first_byte")
     assert float(f(z)) > float(jnp.sum(first))  # the deeper bytes add to depth 0
+
+
+def test_byte_path_needs_a_byte_level_teacher(bpe, corpus_dir, tmp_path, capsys):
+    """byte_path reads the teacher's positions inside a student token: a BPE teacher is one
+    line naming the key, before any device work."""
+    from pipelines.commands.cli import main
+    from tests.conftest import tiny_config, write_config
+
+    cfg = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    cfg["teacher"].update(tokenizer=str(bpe.files[0]), top_k=None, pretrain_steps=0)
+    cfg["teacher"]["model"]["vocab_size"] = 320
+    cfg["distill"] = {"cross_tokenizer": "byte_path"}
+    assert main(["validate", write_config(tmp_path, cfg)]) == 2
+    assert "distill.cross_tokenizer: byte_path" in capsys.readouterr().err
