@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from distill import outputs
 from distill.config import Config
+from distill.data.byte_paths import BytePaths
 from distill.data.corpus import Corpus
 from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths
 from distill.data.tokenizers import vocab_limit
@@ -61,8 +62,9 @@ def cross_spec(cfg: Config, corpus: Corpus) -> CrossSpec | None:
     if corpus.teacher is None:
         return None
     vmap, method = None, cfg.distill.cross_tokenizer
-    if method in ("mapped", "first_byte"):
-        vmap = (VocabMap if method == "mapped" else FirstBytes).between(
+    if method in ("mapped", "first_byte", "byte_path"):
+        kind = {"mapped": VocabMap, "first_byte": FirstBytes, "byte_path": BytePaths}[method]
+        vmap = kind.between(
             corpus.teacher, corpus.tokenizer, cfg.teacher.model.vocab_size,
             cfg.student_model().vocab_size,
         )  # fmt: skip

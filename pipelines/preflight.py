@@ -146,6 +146,10 @@ def check_cross_tokenizer(cfg: Config) -> None:
         ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
          "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
         ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),
+        ("distill.cross_tokenizer: byte_path",
+         cfg.distill.cross_tokenizer == "byte_path" and cfg.teacher.tokenizer != "bytes",
+         "a byte-level teacher (teacher.tokenizer: bytes): it reads the teacher's positions "
+         "inside each student token"),
     ]  # fmt: skip
     for key, bad, needs in refused:
         if bad:

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from distill.config import DistillLossConfig
 from distill.data.bpe import train_bpe
+from distill.data.byte_paths import BytePaths
 from distill.data.cross_rows import cross_splits
 from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths, token_bytes
 from distill.data.tokenizers import ByteTokenizer, load_tokenizer
@@ -212,7 +213,7 @@ def test_uld_loss_and_gradient():
     np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["mapped", "uld"])
+@pytest.mark.parametrize("method", ["mapped", "uld", "byte_path"])
 def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     """`cross_kd_loss_chunked` over chunks of 3 positions equals the per-token formula on
     the whole logits, unaligned positions out of the divergence but in the CE."""
@@ -224,12 +225,23 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     targets = jax.random.randint(jax.random.key(9), (b, s), 0, vs)
     mask = jnp.ones((b, s)).at[1, 6].set(0.0)
     cfg = DistillLossConfig(temperature=1.0, alpha=0.7)
-    vmap = VocabMap.between(ByteTokenizer(), bpe, vt, vs) if method == "mapped" else None
+    kinds = {"mapped": VocabMap, "byte_path": BytePaths}
+    vmap = kinds[method].between(ByteTokenizer(), bpe, vt, vs) if method in kinds else None
     loss, m = xl.cross_kd_loss_chunked(
         x, head, lp_t, align, targets, mask, cfg, vmap=vmap, method=method, chunk=3
     )
     z = x @ head
-    kd = xl.cross_divergence(z, xl.at_student_positions(lp_t, align), cfg, vmap, method)
+    lp_s = xl.at_student_positions(lp_t, align)
+    if method == "byte_path":  # the teacher's bytes at the positions after the aligned one
+        ins = xl.byte_path_inputs(lp_t, align, vmap)
+        np.testing.assert_array_equal(ins["path"][0, 1, 2], lp_t[0, 2 + 3, 3:])
+        assert ins["deep_ok"][0].tolist() == [True, False, True, True, True, True, False]
+        flat = [a.reshape(b * s, *a.shape[2:]) for a in (lp_s, jax.nn.log_softmax(z), ins["path"])]
+        kd = xl.byte_path_divergence(
+            *flat, targets.reshape(-1), ins["deep_ok"].reshape(-1), cfg, vmap
+        ).reshape(b, s)
+    else:
+        kd = xl.cross_divergence(z, lp_s, cfg, vmap, method)
     w = mask * (align >= 0)
     want_kd = jnp.sum(kd * w) / jnp.sum(w)
     ce = jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, targets[..., None], -1)[..., 0]
@@ -240,23 +252,34 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     np.testing.assert_allclose(loss, 0.7 * want_kd + 0.3 * want_ce, rtol=1e-5)
 
 
-def test_short_run_byte_teacher_bpe_student(tiny_run, corpus_dir, tmp_path):
+@pytest.fixture(scope="module")
+def cross_run(tiny_run, corpus_dir, tmp_path_factory):
     """`distill run` with the tiny run's byte-level teacher and a BPE student tokenizer
-    trained on the same corpus: it trains, reports the aligned share, and evaluates in bits
-    per byte; the same teacher's bits per byte as the one-tokenizer run's."""
+    trained on the same corpus (metrics at steps 2, 4, 6; evaluations at 0, 3, 6;
+    checkpoints 3 and 6): its output dir and config tree."""
     from pipelines.commands.cli import main
-    from tests.conftest import read_evals, read_train, tiny_config, write_config
+    from tests.conftest import tiny_config, write_config
 
+    tmp = tmp_path_factory.mktemp("cross_run")
     texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
-    bpe_path = train_bpe(texts, 300, tmp_path / "bpe" / "tokenizer.json")
-    out = tmp_path / "out"
+    bpe_path = train_bpe(texts, 300, tmp / "bpe" / "tokenizer.json")
+    out = tmp / "out"
     cfg = tiny_config(str(corpus_dir), str(out))
     cfg["teacher"].update(
         checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0, top_k=None, tokenizer="bytes"
     )
     cfg["student"]["model"]["vocab_size"] = 320
     cfg["data"]["tokenizer"] = str(bpe_path)
-    assert main(["run", write_config(tmp_path, cfg)]) == 0
+    assert main(["run", write_config(tmp, cfg)]) == 0
+    return out, cfg
+
+
+def test_short_run_byte_teacher_bpe_student(tiny_run, cross_run):
+    """The cross-tokenizer run trains, reports the aligned share, and evaluates in bits per
+    byte; the same teacher's bits per byte as the one-tokenizer run's."""
+    from tests.conftest import read_evals, read_train
+
+    out, _ = cross_run
     train, evals = read_train(out), read_evals(out)
     assert [r["step"] for r in train] == [2, 4, 6]
     for r in train:
@@ -267,6 +290,34 @@ def test_short_run_byte_teacher_bpe_student(tiny_run, corpus_dir, tmp_path):
         assert 0.8 < e["aligned_fraction"] <= 1.0
     same = [e for e in read_evals(tiny_run.out)]
     assert evals[0]["teacher_bpb"] == pytest.approx(same[0]["teacher_bpb"], rel=0.1)
+
+
+def test_cross_run_resume_is_exact(cross_run, tmp_path):
+    """Drop the last checkpoint and rerun: steps 4-6 repeat exactly (the student rows, the
+    teacher's rows of their text and the alignment come back with the data iterator's
+    state), and so does the last evaluation."""
+    import shutil
+
+    from pipelines.commands.cli import main
+    from tests.conftest import read_evals, read_train, write_config
+
+    out, cfg = cross_run
+    resumed = tmp_path / "out"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    (resumed / "summary.json").unlink()
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(resumed)}}
+    assert main(["run", write_config(tmp_path, cfg)]) == 0
+    before = {r["step"]: r for r in read_train(out)}
+    after = read_train(resumed)[len(before) :]
+    assert [r["step"] for r in after] == [4, 6]
+    for r in after:
+        for key in ("loss", "kd_loss", "ce_loss", "grad_norm", "aligned_fraction"):
+            assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-5), key
+    last, again = read_evals(out)[-1], read_evals(resumed)[-1]
+    assert again["step"] == last["step"] == 6
+    for key in ("student_loss", "student_bpb", "teacher_bpb", "aligned_fraction"):
+        assert again[key] == pytest.approx(last[key], rel=1e-5), key
 
 
 def test_first_byte_loss_and_gradient_match_a_dense_projection(bpe):
@@ -294,3 +345,75 @@ def test_first_byte_loss_and_gradient_match_a_dense_projection(bpe):
     zb = _logits(12, (2, 3, 259))
     got = xl.cross_divergence(zb, lp, cfg, same, "first_byte")
     np.testing.assert_allclose(got, kd_divergence(zb, TeacherOutput(lp), cfg), rtol=1e-5)
+
+
+def _dense_byte_path(z, lp, lp_path, targets, deep_ok, cfg, bpe):
+    """Reference: each depth's buckets summed by explicit 0/1 matrices built from the
+    tokens' bytes (no trie), the divergence of `kd_divergence` over them, summed."""
+    from distill.models.losses import _divergence
+
+    sb = token_bytes(bpe)[: z.shape[-1]]
+    fb = FirstBytes.between(ByteTokenizer(), bpe, 259, z.shape[-1])
+    total = xl.cross_divergence(z, lp, cfg, fb, "first_byte")
+    q = jax.nn.softmax(z / cfg.temperature)
+    for n, y in enumerate(np.asarray(targets)):
+        y_bytes = sb[y] or b""
+        for d in range(1, len(y_bytes) + 1):
+            if d == len(y_bytes) and not deep_ok[n]:
+                continue
+            prefix = y_bytes[:d]
+            kids = sorted({b[d] for b in sb if b and len(b) > d and b.startswith(prefix)})
+            end = [i for i, b in enumerate(sb) if b == prefix][:1]
+            m = np.zeros((len(sb), len(kids) + len(end)), np.float32)
+            for i, b in enumerate(sb):
+                if b and len(b) > d and b.startswith(prefix):
+                    m[i, kids.index(b[d])] = 1
+            if end:
+                m[end[0], -1] = 1
+            p_kids = jnp.exp(lp_path[n, d - 1, np.array(kids, int)])
+            p = jnp.concatenate([p_kids, jnp.array([1.0]) - p_kids.sum()])[: m.shape[1]]
+            qb = q[n] @ m
+            lp_b, lq_b = jnp.log(p / p.sum()), jnp.log(qb / qb.sum())
+            total = total.at[n].add(_divergence(lp_b, lq_b, cfg))
+    return total
+
+
+@pytest.mark.parametrize("cfg", LOSSES[::2], ids=lambda c: c.loss)
+def test_byte_path_loss_and_gradient_match_a_dense_reference(cfg, bpe):
+    """The byte-path divergence (trie tables) against explicit bucket sums per depth, its
+    gradient too; depth 0 is first_byte, and a target's last depth counts only when the
+    position after it has a teacher."""
+    bp = BytePaths.between(ByteTokenizer(), bpe, 259, 320)
+    sb = token_bytes(bpe)
+    longest = sorted((i for i, b in enumerate(sb) if b), key=lambda i: -len(sb[i]))
+    targets = jnp.array([longest[0], longest[5], longest[40], sb.index(b" the"), bpe.eos_id, 70])
+    n = len(targets)
+    z = _logits(13, (n, 320))
+    lp = jax.nn.log_softmax(_logits(14, (n, 259)) / cfg.temperature)
+    lp_path = jax.nn.log_softmax(_logits(15, (n, bp.depth, 256)))
+    deep_ok = jnp.array([True, False, True, True, True, False])
+    f = lambda z: jnp.sum(  # noqa: E731
+        xl.byte_path_divergence(lp, jax.nn.log_softmax(z / cfg.temperature), lp_path,
+                                targets, deep_ok, cfg, bp)
+    )  # fmt: skip
+    ref = lambda z: jnp.sum(_dense_byte_path(z, lp, lp_path, targets, deep_ok, cfg, bpe))  # noqa: E731
+    np.testing.assert_allclose(f(z), ref(z), rtol=2e-5)
+    g = jax.grad(f)(z)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, jax.grad(ref)(z), rtol=2e-4, atol=1e-6)
+    first = xl.cross_divergence(z, lp, cfg, bp.first, "first_byte")
+    assert float(f(z)) > float(jnp.sum(first))  # the deeper bytes add to depth 0
+
+
+def test_byte_path_needs_a_byte_level_teacher(bpe, corpus_dir, tmp_path, capsys):
+    """byte_path reads the teacher's positions inside a student token: a BPE teacher is one
+    line naming the key, before any device work."""
+    from pipelines.commands.cli import main
+    from tests.conftest import tiny_config, write_config
+
+    cfg = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    cfg["teacher"].update(tokenizer=str(bpe.files[0]), top_k=None, pretrain_steps=0)
+    cfg["teacher"]["model"]["vocab_size"] = 320
+    cfg["distill"] = {"cross_tokenizer": "byte_path"}
+    assert main(["validate", write_config(tmp_path, cfg)]) == 2
+    assert "distill.cross_tokenizer: byte_path" in capsys.readouterr().err

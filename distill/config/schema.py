@@ -234,12 +234,14 @@ class DistillLossConfig(Section):
     temperature: float = Field(2.0, gt=0, description="Softmax temperature T (KD scaled by T^2).")
     alpha: float = Field(0.5, ge=0, le=1, description="loss = alpha * T^2 * KD + (1 - alpha) * CE.")
     beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")
-    cross_tokenizer: Literal["mapped", "first_byte", "uld"] = Field(
+    cross_tokenizer: Literal["mapped", "first_byte", "byte_path", "uld"] = Field(
         "first_byte",
         description="With a teacher.tokenizer other than data.tokenizer: mapped (teacher tokens "
         "spelling a student token's bytes map to it, the rest to a tail bucket), first_byte "
-        "(both marginalised onto the next byte), each with distill.loss over the buckets; or "
-        "uld (sorted-probability L1 distance, no shared tokens needed).",
+        "(both marginalised onto the next byte), byte_path (first_byte, then the next byte "
+        "after each byte of the target token; a byte-level teacher only), each with "
+        "distill.loss over the buckets; or uld (sorted-probability L1 distance, no shared "
+        "tokens needed).",
     )
     moe_aux_loss: float = Field(
         0.0,

@@ -34,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from distill.config import DistillLossConfig
+from distill.data.byte_paths import BytePaths
 from distill.data.token_bytes import FirstBytes, VocabMap
 from distill.models.losses import PADDED_LOGIT, TAIL_FLOOR, _divergence, _token_ce
 from distill.models.vocab_loss import Tree, _chunked_sums
 
-METHODS = ("mapped", "uld", "first_byte")
+METHODS = ("mapped", "uld", "first_byte", "byte_path")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class CrossSpec:
     ``mapped``, the teacher-to-student map. Hashable: part of a compiled step's key."""
 
     method: str
-    vmap: VocabMap | FirstBytes | None = None
+    vmap: VocabMap | FirstBytes | BytePaths | None = None
 
 
 def mapped_buckets(
@@ -114,6 +115,69 @@ def first_byte_buckets(
     return _by_first_byte(lp_bsw, fb.teacher, keep), _by_first_byte(lq_bsv, fb.student, keep)
 
 
+def _renormalised(p: jax.Array, valid: jax.Array) -> jax.Array:
+    """log of `p` over the `valid` buckets, renormalised over them; PADDED_LOGIT elsewhere."""
+    p = jnp.where(valid, p, 0.0)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    return jnp.where(valid, jnp.log(jnp.maximum(p, 1e-30)), PADDED_LOGIT)
+
+
+def byte_path_buckets(
+    lq_nv: jax.Array, lp_ndb: jax.Array, targets_n: jax.Array, deep_ok_n: jax.Array, bp: BytePaths
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Teacher and student log-probs [n, D, 257] of the next byte after each of the first
+    d = 1..D bytes of the target token, and which depths count [n, D] (`byte_path_divergence`).
+
+    lq_nv: the student's log-probs; lp_ndb: the teacher's log-probs of each byte at its
+    positions d = 1..D after the aligned one; deep_ok_n: whether the position after the
+    whole target exists (the next student position is aligned). Buckets: the 256 bytes
+    some student token goes on with, then "ends here" (the token that is exactly the
+    prefix). The student's mass on them is its probability of the tokens under each child
+    node (and of the prefix's token), over that of the tokens under the prefix; the
+    teacher's is its probability of each child byte, its other mass in "ends here". Both
+    are renormalised over the buckets the student has."""
+    q = jnp.exp(lq_nv)
+    under = jax.ops.segment_sum(
+        q.T[jnp.asarray(bp.pair_id)], jnp.asarray(bp.pair_node), num_segments=len(bp.ends)
+    ).T  # [n, N]: the probability of the tokens under each node
+    path = jnp.asarray(bp.path)[targets_n][:, 1:]  # [n, D] node after d bytes
+    length = jnp.sum(path >= 0, axis=-1, keepdims=True)  # bytes followed, up to D
+    depth = jnp.arange(1, bp.depth + 1)
+    counts = (path >= 0) & ((depth < length) | deep_ok_n[:, None])  # the last: its successor
+    node = jnp.maximum(path, 0)
+    kids = jnp.asarray(bp.child)[node]  # [n, D, 256]
+    ends = jnp.asarray(bp.ends)[node]  # [n, D]
+    q_kids = jnp.take_along_axis(under[:, None, :], jnp.maximum(kids, 0).reshape(len(q), -1)
+                                 [:, None, :], axis=-1).reshape(kids.shape)  # fmt: skip
+    q_ends = jnp.take_along_axis(q, jnp.maximum(ends, 0), axis=-1)
+    valid = jnp.concatenate([kids >= 0, (ends >= 0)[..., None]], axis=-1)
+    q_all = jnp.concatenate([q_kids, q_ends[..., None]], axis=-1)
+    p_bytes = jnp.exp(lp_ndb)
+    p_kids = jnp.where(kids >= 0, p_bytes, 0.0)
+    p_rest = jnp.maximum(1.0 - jnp.sum(p_kids, axis=-1, keepdims=True), 0.0)
+    p_all = jnp.concatenate([p_kids, p_rest], axis=-1)
+    return _renormalised(p_all, valid), _renormalised(q_all, valid), counts
+
+
+def byte_path_divergence(
+    lp_v: jax.Array,
+    lq_v: jax.Array,
+    lp_ndb: jax.Array,
+    targets_n: jax.Array,
+    deep_ok_n: jax.Array,
+    cfg: DistillLossConfig,
+    bp: BytePaths,
+) -> jax.Array:
+    """[n] the first-byte divergence (depth 0) plus, along the target token's bytes, the
+    divergence of the next-byte distributions after each of its first d bytes (the chain
+    rule of the divergence between distributions over byte strings, read along the observed
+    path). lp_v [n, Vt] the teacher at the aligned position, lq_v [n, Vs] the student."""
+    first = _divergence(*first_byte_buckets(lp_v, lq_v, bp.first), cfg)
+    lp, lq, counts = byte_path_buckets(lq_v, lp_ndb, targets_n, deep_ok_n, bp)
+    deeper = jnp.where(counts, _divergence(lp, lq, cfg), 0.0)
+    return first + jnp.sum(deeper, axis=-1)
+
+
 def uld_distance(lp_bsw: jax.Array, lq_bsv: jax.Array) -> jax.Array:
     """[...] sum |sort(p) - sort(q)|: both distributions sorted in decreasing order, the
     shorter vocabulary padded with zero probabilities."""
@@ -153,6 +217,33 @@ def at_student_positions(teacher_lp_btw: jax.Array, align_bs: jax.Array) -> jax.
     return jnp.take_along_axis(teacher_lp_btw, idx, axis=1)
 
 
+def byte_path_inputs(teacher_lp_btw: jax.Array, align_bs: jax.Array, bp: BytePaths) -> dict:
+    """The byte-path loss's per-position inputs: "path" [B, S, D, 256], the teacher's
+    log-probs of each byte at the D positions after the aligned one (its positions inside
+    the target token's span, for a byte-level teacher), and "deep_ok" [B, S], whether the
+    position after the whole target is aligned (then the last depth has its teacher)."""
+    b, s = align_bs.shape
+    ids = jnp.asarray(np.maximum(bp.teacher_byte, 0))
+    lpb = jnp.where(jnp.asarray(bp.teacher_byte >= 0), teacher_lp_btw[..., ids], PADDED_LOGIT)
+    idx = jnp.maximum(align_bs, 0)[..., None] + jnp.arange(1, bp.depth + 1)
+    idx = jnp.minimum(idx, teacher_lp_btw.shape[1] - 1).reshape(b, s * bp.depth, 1)
+    path = jnp.take_along_axis(lpb, idx, axis=1).reshape(b, s, bp.depth, 256)
+    deep_ok = jnp.concatenate([align_bs[:, 1:] >= 0, jnp.zeros((b, 1), bool)], axis=1)
+    return {"path": path, "deep_ok": deep_ok}
+
+
+def _byte_path_tokens(z_bcv: jax.Array, t: Tree, cfg: DistillLossConfig, bp: BytePaths):
+    """`byte_path_divergence` [B, c] of one chunk's student logits and inputs."""
+    zt = z_bcv.astype(jnp.float32) / cfg.temperature
+    lq = zt - jax.nn.logsumexp(zt, axis=-1, keepdims=True)
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+    kd = byte_path_divergence(
+        flat(t["lp"].astype(jnp.float32)), flat(lq), flat(t["path"]), flat(t["targets"]),
+        flat(t["deep_ok"]), cfg, bp,
+    )  # fmt: skip
+    return kd.reshape(z_bcv.shape[:2])
+
+
 def cross_kd_loss_chunked(
     x_bsd: jax.Array,
     head_dv: jax.Array,
@@ -176,11 +267,18 @@ def cross_kd_loss_chunked(
     [B, S] int32: the teacher position of each student position, -1 unmatched. KD is the
     mean over masked, aligned positions; CE the mean over masked ones. Metrics as
     `kd_loss` plus "aligned_fraction" (aligned share of the masked positions)."""
-    lp = at_student_positions(jax.lax.stop_gradient(teacher_lp_btw), align_bs)
+    teacher_lp_btw = jax.lax.stop_gradient(teacher_lp_btw)
+    lp = at_student_positions(teacher_lp_btw, align_bs)
     aligned = (align_bs >= 0).astype(jnp.float32)
+    per_token = {"targets": targets_bs, "aligned": aligned}
+    if method == "byte_path":
+        per_token.update(byte_path_inputs(teacher_lp_btw, align_bs, vmap))
 
     def token_fn(z_bcv: jax.Array, t: Tree) -> Tree:
-        kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method)
+        if method == "byte_path":
+            kd = _byte_path_tokens(z_bcv, t, cfg, vmap)
+        else:
+            kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method)
         return {
             "kd": jnp.where(t["aligned"] > 0, kd, 0.0),
             "ce": _token_ce(z_bcv, t["targets"]),
@@ -191,7 +289,7 @@ def cross_kd_loss_chunked(
         token_fn,
         x_bsd,
         head_dv,
-        {"targets": targets_bs, "aligned": aligned},
+        per_token,
         {"lp": lp},
         mask_bs,
         vocab_limit=vocab_limit,

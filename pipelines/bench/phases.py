@@ -27,13 +27,16 @@ from distill.checkpoint import params_exist, save_params
 from distill.config import Config, ServerConfig
 from distill.data.corpus import Corpus
 from distill.data.tokenizers import vocab_limit
+from distill.errors import DistillError
 from distill.mesh import Meshes
 from distill.models import model
+from distill.models.cross_losses import CrossSpec
 from distill.observability.metrics import MetricsStore
 from distill.observability.server import start_server
 from distill.outputs import teacher_path
 from distill.types import TeacherOutput
-from pipelines.local import distill_local
+from pipelines.local import cross_spec, distill_local
+from pipelines.sources import own_rows
 from student import train
 from teacher import sharding as teacher_sharding
 from teacher.forward import make_forward
@@ -208,6 +211,9 @@ def bench(
     configured, the loops' checkpoints, a teacher cache) goes to a temporary directory.
     `torch_mode`: also time the plain PyTorch + transformers KD loop on the same shapes
     (`pipelines.bench.torch_ref`)."""
+    if cfg.cross_tokenizer() and (ray_mode or cache_mode):
+        flag = "--ray" if ray_mode else "--cache"
+        raise DistillError(f"{flag}: not supported with teacher.tokenizer of its own yet")
     if torch_mode:
         from pipelines.bench.torch_ref import modules, torch_kd_bench
 
@@ -228,13 +234,16 @@ def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
     t_params = _teacher_params(cfg, meshes, tmp)
     it = corpus.train_iterator(bsz, seed=cfg.run.seed)
     host_batch = next(it)
-    t_batch = jax.device_put(host_batch, teacher_sharding.batch_sharding(meshes.teacher))
+    t_put = teacher_sharding.batch_sharding(meshes.teacher)
+    t_batch = jax.device_put(own_rows(host_batch), t_put)
     s_put = train.batch_sharding(meshes.student)
     limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     res, fwd = teacher_phases_ms(cfg, meshes.teacher, t_params, t_batch, limit, repeats)
-    outs = {m: handoff.hop(fwd[m](t_params, t_batch), s_put) for m in ("dense", "topk")}
+    cross = cross_spec(cfg, corpus)  # across tokenizers the step takes dense outputs only
+    kinds = ("dense",) if cross is not None else ("dense", "topk")
+    outs = {m: handoff.hop(fwd[m](t_params, t_batch), s_put) for m in kinds}
     s_batch = jax.device_put(host_batch, s_put)
-    res.update(student_phases_ms(cfg, meshes.student, s_batch, outs, limit, repeats))
+    res.update(student_phases_ms(cfg, meshes.student, s_batch, outs, limit, repeats, cross))
 
     data_times = []
     for _ in range(repeats * 5):
@@ -278,26 +287,45 @@ def teacher_phases_ms(cfg: Config, mesh, params, batch, limit, repeats: int):
     return res, fwd
 
 
-def student_phases_ms(cfg: Config, mesh, batch, outs: dict, limit, repeats: int) -> dict:
+def student_phases_ms(
+    cfg: Config, mesh, batch, outs: dict, limit, repeats: int, cross: CrossSpec | None = None
+) -> dict:
     """The student step alone on `mesh`, as runs build it (`train.remat`,
     `train.grad_accum`, `student.dtype`): cross-entropy, and KD from each teacher output
-    of `outs` ({"dense", "topk"} or a part of it, placed in the student's batch sharding)."""
-    scfg = cfg.student_model()
-
-    def student_step(teacher_out: TeacherOutput | None):
-        tx, step = train.distill_step_for(cfg, mesh, limit, with_teacher=teacher_out is not None)
-        box = [train.init_state(scfg, tx, 0, mesh)]
-        extra = () if teacher_out is None else (teacher_out,)
-
-        def one():
-            box[0], metrics = step(box[0], batch, *extra)
-            return metrics
-
-        return one
-
-    steps = {"student_ce_ms": student_step(None)}
-    steps.update({f"student_kd_{kind}_ms": student_step(out) for kind, out in outs.items()})
+    of `outs` ({"dense", "topk"} or a part of it, placed in the student's batch sharding);
+    `cross`: the cross-tokenizer comparison, for batches that carry the teacher's rows."""
+    steps = {"student_ce_ms": _stepper(cfg, mesh, limit, batch, None, cross)}
+    for kind, out in outs.items():
+        steps[f"student_kd_{kind}_ms"] = _stepper(cfg, mesh, limit, batch, out, cross)
+    if cross is not None:  # the one-vocabulary step of the same student shapes, timed alike
+        steps["student_kd_one_vocab_ms"] = _one_vocab_step(cfg, mesh, batch, limit)
     return _interleaved_ms(steps, repeats)
+
+
+def _one_vocab_step(cfg: Config, mesh, batch, limit):
+    """A same-tokenizer KD step of the cross-tokenizer batch's student shapes: the batch
+    without the teacher's rows, a dense teacher output [B, S, Vs] in the student's
+    vocabulary (values do not change the time)."""
+    plain = batch._replace(teacher=None)
+    v = cfg.student_model().vocab_size
+    logits = jax.random.normal(jax.random.key(0), (*plain.tokens.shape, v))
+    out = jax.device_put(TeacherOutput(jax.nn.log_softmax(logits)), train.batch_sharding(mesh))
+    return _stepper(cfg, mesh, limit, plain, out)
+
+
+def _stepper(cfg: Config, mesh, limit, batch, teacher_out, cross: CrossSpec | None = None):
+    """one() -> metrics: the run's step on `batch` (and `teacher_out`, or CE without),
+    its state carried from call to call."""
+    with_teacher = teacher_out is not None
+    tx, step = train.distill_step_for(cfg, mesh, limit, with_teacher=with_teacher, cross=cross)
+    box = [train.init_state(cfg.student_model(), tx, 0, mesh)]
+    extra = () if teacher_out is None else (teacher_out,)
+
+    def one():
+        box[0], metrics = step(box[0], batch, *extra)
+        return metrics
+
+    return one
 
 
 def _bench(
@@ -403,6 +431,11 @@ def student_figures(res: dict, cfg: Config, mesh) -> dict:
             for kind in ("dense", "topk")
             if f"student_kd_{kind}_ms" in res
         },
+        **(
+            {"cross_over_one_vocab": res["student_kd_dense_ms"] / res["student_kd_one_vocab_ms"]}
+            if "student_kd_one_vocab_ms" in res
+            else {}
+        ),
     }
 
 
@@ -413,9 +446,13 @@ def format_bench(r: dict) -> str:
             f"{r['teacher_dense_ms']:.1f} ms, top-k {r['teacher_topk_ms']:.1f} ms "
             f"({r['topk_over_plain_teacher']:.2f}x plain)",
             f"student step: CE {r['student_ce_ms']:.1f} ms, "
-            f"KD dense {r['student_kd_dense_ms']:.1f} ms "
-            f"({r['kd_over_ce_dense']:.2f}x), KD top-k {r['student_kd_topk_ms']:.1f} ms "
-            f"({r['kd_over_ce_topk']:.2f}x)",
+            f"KD dense {r['student_kd_dense_ms']:.1f} ms ({r['kd_over_ce_dense']:.2f}x)"
+            + (
+                f", KD top-k {r['student_kd_topk_ms']:.1f} ms ({r['kd_over_ce_topk']:.2f}x)"
+                if "kd_over_ce_topk" in r
+                else f" across tokenizers, {r['cross_over_one_vocab']:.2f}x the one-vocabulary "
+                f"KD step of the same shapes ({r['student_kd_one_vocab_ms']:.1f} ms)"
+            ),
             f"pipelined step: {r['pipeline_ms']:.1f} ms = {r['pipeline_over_sum']:.2f}x "
             f"(teacher + student), {r['pipeline_over_max']:.2f}x max; "
             f"{r['tokens_per_s']:.0f} tok/s",
