@@ -17,8 +17,8 @@ from jax.sharding import Mesh
 
 from distill.config import Config
 from distill.data.tokenizers import Tokenizer, vocab_limit
+from distill.observability.expert_load import LoadWindow
 from distill.types import Batch
-from pipelines.expert_load import LoadWindow
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
 from pipelines.timing import ReadyWatcher

@@ -19,9 +19,9 @@ from distill.data.pipeline import load_corpus  # noqa: E402
 from distill.mesh import teacher_mesh  # noqa: E402
 from distill.models import hf, model  # noqa: E402
 from distill.models.moe import ExpertLoad  # noqa: E402
+from distill.observability.expert_load import LoadWindow, load_figures  # noqa: E402
 from pipelines import hooks as h  # noqa: E402
 from pipelines.commands.run import run  # noqa: E402
-from pipelines.expert_load import LoadWindow, load_figures  # noqa: E402
 from pipelines.loop import Loop, LoopSpec  # noqa: E402
 from pipelines.sources import QueueSource  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402

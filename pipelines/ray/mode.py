@@ -35,9 +35,9 @@ import ray
 
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.observability.expert_load import LoadWindow
 from distill.observability.metrics import MetricsStore
 from pipelines.evaluation import Evaluation, eval_batches
-from pipelines.expert_load import LoadWindow
 from pipelines.hooks import Hook, Status
 from pipelines.local import distill_hooks, eval_byte_lengths
 from pipelines.loop import Item, Loop, LoopSpec
