@@ -64,7 +64,12 @@ def _step(n_experts, dp, fsdp):
 
 @pytest.mark.parametrize(
     "n_experts, dp, fsdp, split",
-    [(4, 2, 2, True), (4, 1, 4, True), (6, 2, 2, True), (6, 1, 4, False)],
+    [
+        (4, 2, 2, True),
+        pytest.param(4, 1, 4, True, marks=pytest.mark.slow),  # one expert a device
+        pytest.param(6, 2, 2, True, marks=pytest.mark.slow),  # three experts a device
+        (6, 1, 4, False),
+    ],
 )
 def test_sharded_step_equals_one_device(n_experts, dp, fsdp, split):
     """Experts split over fsdp (tokens dispatched to them) when fsdp divides E, else
