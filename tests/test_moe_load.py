@@ -26,31 +26,14 @@ from pipelines.loop import Loop, LoopSpec  # noqa: E402
 from pipelines.sources import QueueSource  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
+from tests import test_moe as moe_tests  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 from tests.test_families import _save as save_family  # noqa: E402
 from tests.test_hf import _batch  # noqa: E402
 from tests.test_loop import Executor  # noqa: E402
 
-QWEN3_MOE = (
-    "Qwen3Moe",
-    "Qwen3MoeConfig",
-    dict(
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        head_dim=16,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],  # layers 0 and 2 MoE, layer 1 dense
-    ),
-)
-COMMON = dict(
-    vocab_size=260,  # the byte tokenizer's: a run on the test corpus
-    hidden_size=32,
-    intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+QWEN3_MOE = "qwen3_moe_dense_layer_norm_topk"  # layers 0 and 2 MoE, layer 1 dense
+COMMON = {**moe_tests.COMMON, "vocab_size": 260}  # the byte tokenizer's: runs on the corpus
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +41,7 @@ def qwen3_moe(tmp_path_factory):
     """(directory of a tiny transformers Qwen3-MoE, its model config, its single-device
     parameters)."""
     path = tmp_path_factory.mktemp("qwen3_moe")
-    save_family(path, "qwen3_moe", {"qwen3_moe": QWEN3_MOE}, COMMON)
+    save_family(path, QWEN3_MOE, moe_tests.FAMILIES, COMMON)
     cfg = hf.read_model_config(path)
     return path, cfg, read_hf_layers(path, cfg, list(range(cfg.n_layers)))
 
