@@ -17,6 +17,7 @@ from distill.errors import DistillError
 from pipelines.commands.cli import main
 from tests.conftest import tiny_config
 from tests.test_chat import CONVERSATIONS, _hf, _model_dir, _trained_text, _write_jsonl, bpe
+from tests.test_tokenizers import train_spm
 
 __all__ = ["bpe"]  # the tokenizer fixture, shared with tests/test_chat.py
 
@@ -158,24 +159,12 @@ def test_each_bad_kind_names_its_first_file_and_line(tmp_path, bpe, capsys, capl
 def spm_dir(tmp_path_factory):
     """A SentencePiece model (byte fallback, as Llama 2's) beside a Mistral-style chat
     template, as a model directory without tokenizer.json."""
-    spm = pytest.importorskip("sentencepiece")
     root = tmp_path_factory.mktemp("spm")
     texts = [m["content"] for c in CONVERSATIONS for m in c] * 20
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts),
-        model_prefix=str(root / "tokenizer"),
-        vocab_size=300,
-        model_type="bpe",
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        hard_vocab_limit=False,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=3,
-        minloglevel=2,
-    )
+    train_spm(
+        root / "tokenizer", texts, 300, byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+    )  # fmt: skip
     template = (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
         "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"

@@ -54,13 +54,19 @@ def hf_json(tmp_path_factory, corpus_dir):
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory, corpus_dir):
     """A tiny SentencePiece BPE model trained here (skipped without sentencepiece)."""
-    spm = pytest.importorskip("sentencepiece")
     prefix = tmp_path_factory.mktemp("spm") / "sp"
     lines = [line for t in _texts(corpus_dir) for line in t.splitlines() if line]
+    return train_spm(prefix, lines, 96)
+
+
+def train_spm(prefix, lines, vocab_size: int, **options):
+    """A SentencePiece BPE model trained on `lines` at `prefix`.model (unk, bos, eos, pad =
+    0..3; skipped without sentencepiece); `options`: more trainer settings."""
+    spm = pytest.importorskip("sentencepiece")
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
         model_prefix=str(prefix),
-        vocab_size=96,
+        vocab_size=vocab_size,
         model_type="bpe",
         hard_vocab_limit=False,
         unk_id=0,
@@ -68,6 +74,7 @@ def spm_model(tmp_path_factory, corpus_dir):
         eos_id=2,
         pad_id=3,
         minloglevel=2,
+        **options,
     )
     return prefix.with_suffix(".model")
 
