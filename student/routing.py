@@ -26,6 +26,7 @@ import numpy as np
 from distill.config import ModelConfig
 from distill.mesh import DP, FSDP
 from distill.models import moe
+from distill.observability.expert_load import load_figures
 from student import sharding
 
 # Step metrics that are counts over the batch: summed over microbatches, not averaged.
@@ -64,8 +65,8 @@ class Routing:
         balance = jax.tree.map(lambda x: jnp.sum(x, axis=0), stats.balance)
         real = jnp.sum((batch.segment_ids != 0).astype(jnp.float32))
         aux = moe.balance_loss(balance, real, layers, cfg.n_experts)
-        metrics = dict(metrics, moe_aux_loss=aux, student_expert_counts=balance[0])
-        return loss + self.coef * aux, dict(metrics, loss=loss + self.coef * aux)
+        loss = loss + self.coef * aux
+        return loss, dict(metrics, loss=loss, moe_aux_loss=aux, student_expert_counts=balance[0])
 
 
 def load_record(metrics: dict) -> dict:
@@ -75,13 +76,8 @@ def load_record(metrics: dict) -> dict:
     count over the mean; 1.0 is balanced); {} for a dense student."""
     if "student_expert_counts" not in metrics:
         return {}
-    counts = np.asarray(metrics["student_expert_counts"], np.float64)
-    total = float(counts.sum())
-    figures = {"moe_aux_loss": metrics["moe_aux_loss"]}
-    if total > 0:
-        figures["student_expert_load"] = [float(x) for x in counts / total]
-        figures["student_expert_load_max_mean"] = float(counts.max() / counts.mean())
-    return figures
+    load = load_figures(metrics["student_expert_counts"], dropped=None)  # the teacher's fields
+    return {"moe_aux_loss": metrics["moe_aux_loss"], **{f"student_{k}": v for k, v in load.items()}}
 
 
 def host_metrics(metrics) -> dict:
