@@ -188,12 +188,10 @@ class TeacherActor(_Member):
         else:
             rows = ray_rows.join_batch(list(batch), owners)
         out, load = self._teacher.output(rows)
-        if self._n == 1 and max(owners) == 0:
-            out = self._jax.device_get(out)
-        else:
-            out = ray_rows.teacher_parts(out, owners)
+        whole = self._n == 1 and max(owners) == 0
+        out = self._jax.device_get(out) if whole else ray_rows.teacher_parts(out, owners)
         done = (1e3 * (time.perf_counter() - t0), self._jax.device_get(load))
-        return (out, done) if self._n == 1 and max(owners) == 0 else (*out, done)
+        return (out, done) if whole else (*out, done)
 
     def eval_logits(self, owners: tuple[int, ...], batch):
         """The dense teacher logits [B, S, V] of an eval chunk, as `forward` returns its
