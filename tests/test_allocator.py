@@ -2,9 +2,9 @@
 
 The effect is checked in fresh processes (the settings only take before JAX's CPU client
 starts its threads): a jitted program with a 36 MiB intermediate (past glibc's largest
-mmap threshold, 32 MiB), run ten times, with and without `keep_freed_memory`, counting the
-page faults a run (without: hundreds to thousands, as the kernel faults pages in 4 KiB or
-2 MiB at a time; with: none); and the same settings as
+mmap threshold, 32 MiB) and little arithmetic, run ten times, with and without
+`keep_freed_memory`, counting the page faults a run (without: hundreds to thousands, as
+the kernel faults pages in 4 KiB or 2 MiB at a time; with: none); and the same settings as
 glibc tunables in a started process's environment, as Ray actors on CPU devices get them.
 """
 
@@ -21,7 +21,7 @@ if sys.argv[1] == "keep":
     from distill.allocator import keep_freed_memory
     assert keep_freed_memory()
 import jax, jax.numpy as jnp
-x = jnp.ones((3072, 256))
+x = jnp.ones((3072, 8))
 f = jax.jit(lambda x: jnp.sum(jnp.tanh(x @ x.T) @ x))
 f(x).block_until_ready()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
