@@ -159,6 +159,8 @@ class ActorPool:
         return resume
 
     def restart_teacher(self, r: int, err: Exception) -> None:
+        """Recreate replica r's group and resubmit its share of the in-flight batches (whichever
+        call found the death: a forward's, an evaluation's), so one death is one restart."""
         self.restarts["teacher"] += 1
         self._replica_restarts[r] += 1
         limit = self.cfg.ray.max_teacher_restarts
@@ -172,6 +174,10 @@ class ActorPool:
         self._down(f"teacher-{r}", self.teachers[r])
         self.teachers[r].start()
         self._record(f"teacher-{r}", self.teachers[r])
+        self.in_flight = deque(
+            self._forward(p.data_state, p.batch, p.replica) if p.replica == r else p
+            for p in self.in_flight
+        )
         self.publish()
 
     def restart_student(self, err: BaseException) -> tuple[int, dict | None]:
@@ -295,18 +301,11 @@ class ActorPool:
                 done = get_all(head.busy_ms)  # (busy ms, counts) of each process
                 return self.in_flight.popleft(), max(ms for ms, _ in done), done[0][1]
             except RayActorError as e:
-                self._redo(head.replica, e)
+                self.restart_teacher(head.replica, e)
             except RayError as e:
                 if self.teachers[head.replica].hosts == 1 or self.teachers[head.replica].alive():
                     raise
-                self._redo(head.replica, e)
-
-    def _redo(self, r: int, err: Exception) -> None:
-        self.restart_teacher(r, err)
-        self.in_flight = deque(
-            self._forward(p.data_state, p.batch, p.replica) if p.replica == r else p
-            for p in self.in_flight
-        )
+                self.restart_teacher(head.replica, e)
 
     def eval_teacher_logits(self, batches: list[ray.ObjectRef]):
         """Per eval chunk, for each student process the refs of its rows of the teacher's
