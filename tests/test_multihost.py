@@ -277,20 +277,26 @@ def test_a_raw_corpus_read_by_many_processes_is_worth_a_warning(tmp_path, caplog
 
 @pytest.mark.ray
 def test_groups_match_local(ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch):
+    """The groups' run matches local mode's through the death of a teacher process (not the
+    group's coordinator) at step 2: its group is recreated and the step retried."""
     statuses, free_hosts = [], []
 
-    def record(step, pool):
+    def record_and_kill_teacher(step, pool):
         statuses.append(pool.store.status())
         free_hosts.append(ray.available_resources().get("student_host", 0))
+        if step == 2:
+            _kill(pool.info["teacher-0"]["processes"][1]["pid"])
 
     out = tmp_path / "out"
-    assert _run(tmp_path, _groups_config(corpus_dir, out, local_run), record) == 0
+    cfg = _groups_config(corpus_dir, out, local_run)
+    assert _run(tmp_path, cfg, record_and_kill_teacher) == 0
     _assert_same_losses(out, local_run)
     records, summary = _train(out), _summary(out)
     assert records[6]["bytes_per_token"] == 8 * 8  # each row once: top-8 float32 + int32 ids
     assert summary["bytes_per_step"] == 8 * 8 * 8 * 32
     assert summary["hosts"] == {"teacher": 2, "student": 2}
-    assert summary["completed"] and summary["actor_restarts"] == {"teacher": 0, "student": 0}
+    assert summary["completed"] and summary["actor_restarts"] == {"teacher": 1, "student": 0}
+    assert statuses[0]["restarts"] == 0 and statuses[-1]["restarts"] == 1
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == ["3", "6"]
     assert free_hosts[-1] == 0  # both student processes hold a student_host
@@ -310,18 +316,17 @@ def _run_matching_local(tmp_path, corpus_dir, local_run, fault=None) -> dict:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize(
-    # process 0 runs the group's JAX coordinator: killing it takes the group down like any
-    # member's death (the others are stopped, not left waiting on it)
-    "process",
-    [1, pytest.param(0, marks=pytest.mark.slow)],
-)
-def test_killed_teacher_process_recreates_its_group(
-    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch, process
+@pytest.mark.slow
+def test_killed_teacher_coordinator_recreates_its_group(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
 ):
+    """Process 0 runs the group's JAX coordinator: killing it takes the group down like any
+    member's death (test_groups_match_local kills another member; the others are stopped,
+    not left waiting on it)."""
+
     def kill_teacher(step, pool):
         if step == 2:
-            _kill(pool.info["teacher-0"]["processes"][process]["pid"])
+            _kill(pool.info["teacher-0"]["processes"][0]["pid"])
 
     summary = _run_matching_local(tmp_path, corpus_dir, local_run, kill_teacher)
     assert summary["actor_restarts"] == {"teacher": 1, "student": 0}
