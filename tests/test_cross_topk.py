@@ -184,3 +184,71 @@ def test_topk_of_every_id_is_the_dense_loss(method, bpe):  # noqa: F811
     v = jax.random.normal(jax.random.key(31), head.shape)
     num = (loss(part, x, head + 1e-2 * v) - loss(part, x, head - 1e-2 * v)) / 2e-2
     np.testing.assert_allclose(jnp.sum(g * v), num, rtol=1e-2)
+
+
+def test_cache_record_keeps_the_teacher_rows(bpe):  # noqa: F811
+    """A cross-tokenizer batch's record holds its teacher rows and alignment; read back,
+    the batch and the top-k at the teacher's rows are the ones written."""
+    from pipelines.offline.teacher_cache import batch_record, read_batch
+    from tests.test_cross_tokenizer import _rows
+
+    rows = _rows(bpe, ByteTokenizer())
+    batch = rows.gather(np.arange(2))
+    t = rows.teacher_len
+    ids = np.arange(2 * t * 4).reshape(2, t, 4) % 259
+    out = TeacherOutput(np.asarray(_logits(32, (2, t, 4))), ids)
+    back, got = read_batch(batch_record(batch, out, 320, t))
+    assert back.teacher.rows.tokens.shape == (2, t) and back.teacher.align.shape == (2, 16)
+    for a, b in zip(jax.tree.leaves((batch, out)), jax.tree.leaves((back, got)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cache_manifest_names_the_teacher_tokenizer(tmp_path):
+    """A one-vocabulary cache in a cross run, a cross cache in a one-vocabulary run,
+    another teacher tokenizer or another T: one line naming teacher.tokenizer; the same
+    tokenizer elsewhere on disk is the same."""
+    from distill.errors import DistillError
+    from pipelines.offline.teacher_cache import FORMAT, check_manifest
+
+    ident = {"path": "a.json", "kind": "hf", "sha256": "ab" * 32, "vocab_size": 300}
+    cross = {"format": FORMAT, "teacher_tokenizer": ident, "teacher_len": 64}
+    one = {"format": FORMAT}
+    check_manifest(cross, {**cross, "teacher_tokenizer": {**ident, "path": "b.json"}}, tmp_path)
+    check_manifest(one, {**one, "teacher_tokenizer": None, "teacher_len": None}, tmp_path)
+    other = {**ident, "sha256": "cd" * 32}
+    for cache, run in [(one, cross), (cross, one), (cross, {**cross, "teacher_tokenizer": other}),
+                       (cross, {**cross, "teacher_len": 72})]:  # fmt: skip
+        with pytest.raises(DistillError, match=r"^teacher\.tokenizer: .* teacher cache manifest"):
+            check_manifest(cache, run, tmp_path)
+
+
+@pytest.mark.slow
+def test_cached_cross_run_matches_the_online_one(tiny_run, corpus_dir, tmp_path):
+    """A byte-level top-k teacher for a BPE student: `distill cache-teacher` then a run from
+    the cache gives the online top-k run's losses."""
+    from distill.data.bpe import train_bpe
+    from pipelines.commands.cli import main
+    from tests.conftest import read_train, tiny_config, write_config
+
+    texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
+    bpe_path = train_bpe(texts, 300, tmp_path / "bpe" / "tokenizer.json")
+
+    def config(name, **teacher):
+        cfg = tiny_config(str(corpus_dir), str(tmp_path / name))
+        cfg["teacher"].update(
+            checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0, top_k=16,
+            tokenizer="bytes", cache_dir=str(tmp_path / "cache"), **teacher,
+        )  # fmt: skip
+        cfg["student"]["model"]["vocab_size"] = 320
+        cfg["data"]["tokenizer"] = str(bpe_path)
+        return write_config(tmp_path / name, cfg)
+
+    (tmp_path / "online").mkdir(), (tmp_path / "cached").mkdir()
+    assert main(["run", config("online")]) == 0
+    assert main(["cache-teacher", config("cached")]) == 0
+    assert main(["run", config("cached", source="cache")]) == 0
+    online, cached = read_train(tmp_path / "online"), read_train(tmp_path / "cached")
+    assert [r["step"] for r in cached] == [r["step"] for r in online]
+    for a, b in zip(online, cached, strict=True):
+        for key in ("loss", "kd_loss", "ce_loss", "aligned_fraction"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
