@@ -68,7 +68,7 @@ def cross_spec(cfg: Config, corpus: Corpus) -> CrossSpec | None:
             corpus.teacher, corpus.tokenizer, cfg.teacher.model.vocab_size,
             cfg.student_model().vocab_size,
         )  # fmt: skip
-    return CrossSpec(method, vmap)
+    return CrossSpec(method, vmap, corpus.teacher.vocab_size)
 
 
 def eval_byte_lengths(cfg: Config, corpus: Corpus) -> tuple:

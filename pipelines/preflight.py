@@ -35,7 +35,8 @@ def check_shapes(cfg: Config) -> None:
     check_divisible(t, tp, ep=cfg.mesh.teacher.ep)
     check_batch_split(cfg)
     check_teacher_split(cfg)
-    smallest = min(t.vocab_size, s.vocab_size)
+    # across tokenizers the top-k are the teacher's own ids: its vocabulary bounds them
+    smallest = t.vocab_size if cfg.cross_tokenizer() else min(t.vocab_size, s.vocab_size)
     if cfg.teacher.top_k is not None and cfg.teacher.top_k > smallest:
         raise DistillError(
             f"teacher.top_k: {cfg.teacher.top_k} exceeds the smaller model vocabulary "
@@ -134,13 +135,12 @@ def preflight_shapes(cfg: Config) -> None:
 
 def check_cross_tokenizer(cfg: Config) -> None:
     """A teacher tokenizer of its own (teacher.tokenizer) works with what is built for it:
-    a dense teacher online in local mode, on text data, with the teacher already trained
-    (its bootstrap reads the data in its own tokens, which a cross-tokenizer corpus is not)."""
+    a dense or top-k teacher, online or from its cache, in local mode, on text data, with
+    the teacher already trained (its bootstrap reads the data in its own tokens, which a
+    cross-tokenizer corpus is not)."""
     if not cfg.cross_tokenizer():
         return
     refused = [
-        ("teacher.top_k", cfg.teacher.top_k is not None, "the dense teacher (top_k: null)"),
-        ("teacher.source", cfg.teacher.source != "online", "teacher.source: online"),
         ("pipeline.mode", cfg.pipeline.mode != "local", "pipeline.mode: local"),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction 0"),
         ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
@@ -198,10 +198,23 @@ def _corpus(cfg: Config) -> Corpus:
                 f"tokenizer's vocabulary ({teacher.vocab_size}, "
                 f"teacher.tokenizer={cfg.teacher.tokenizer})"
             )
+        check_cross_top_k(cfg, teacher.vocab_size)
     else:
         corpus = load_corpus(cfg.data, cfg.train.seq_len)
     check_vocabularies(cfg, corpus.tokenizer.vocab_size)
     return corpus
+
+
+def check_cross_top_k(cfg: Config, teacher_live: int) -> None:
+    """Across tokenizers a top-k with a tail (k below the teacher tokenizer's `teacher_live`
+    ids) keeps k below the student's vocabulary, so the student always has mass outside
+    the top-k's buckets for the tail; a top-k of every teacher id has no tail."""
+    k, vs = cfg.teacher.top_k, cfg.student_model().vocab_size
+    if k is not None and vs <= k < teacher_live:
+        raise DistillError(
+            f"teacher.top_k: {k} must be below student.model.vocab_size ({vs}), or hold every "
+            f"id of teacher.tokenizer ({teacher_live})"
+        )
 
 
 def check_vocabularies(cfg: Config, live: int) -> None:

@@ -400,8 +400,8 @@ def make_loss_fn(
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
         if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
             return cross_losses.cross_kd_loss_chunked(
-                x, head, teacher_out.logprobs, batch.teacher.align, batch.targets, batch.mask,
-                loss_cfg, vmap=cross.vmap, method=cross.method, **kw,
+                x, head, teacher_out, batch.teacher.align, batch.targets, batch.mask, loss_cfg,
+                vmap=cross.vmap, method=cross.method, teacher_live=cross.teacher_live, **kw,
             )  # fmt: skip
         cfg_here = loss_cfg
         if isinstance(batch, Continuations):  # the student's own samples: no CE on them

@@ -228,7 +228,7 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     kinds = {"mapped": VocabMap, "byte_path": BytePaths}
     vmap = kinds[method].between(ByteTokenizer(), bpe, vt, vs) if method in kinds else None
     loss, m = xl.cross_kd_loss_chunked(
-        x, head, lp_t, align, targets, mask, cfg, vmap=vmap, method=method, chunk=3
+        x, head, TeacherOutput(lp_t), align, targets, mask, cfg, vmap=vmap, method=method, chunk=3
     )
     z = x @ head
     lp_s = xl.at_student_positions(lp_t, align)

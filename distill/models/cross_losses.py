@@ -23,6 +23,7 @@ to compare the two next-token distributions (`distill.cross_tokenizer`):
 
 Positions without a teacher match count in the cross-entropy, not in the divergence; the
 divergence is a mean over the aligned positions, and "aligned_fraction" reports their share.
+A top-k teacher (`teacher.top_k`) is compared through `distill.models.cross_topk`.
 """
 
 from __future__ import annotations
@@ -36,19 +37,31 @@ import numpy as np
 from distill.config import DistillLossConfig
 from distill.data.byte_paths import BytePaths
 from distill.data.token_bytes import FirstBytes, VocabMap
+from distill.models.cross_topk import (
+    bucket_sums,
+    cross_topk_divergence,
+    dense_from_topk,
+    first_byte_keep,
+    first_byte_topk_buckets,
+    renormalised,
+)
 from distill.models.losses import PADDED_LOGIT, TAIL_FLOOR, _divergence, _token_ce
 from distill.models.vocab_loss import Tree, _chunked_sums
+from distill.types import TeacherOutput
 
 METHODS = ("mapped", "uld", "first_byte", "byte_path")
 
 
 @dataclass(frozen=True)
 class CrossSpec:
-    """How a cross-tokenizer step compares vocabularies: `method` (`METHODS`) and, for
-    ``mapped``, the teacher-to-student map. Hashable: part of a compiled step's key."""
+    """How a cross-tokenizer step compares vocabularies: `method` (`METHODS`), the tables
+    of ``mapped``, ``first_byte`` and ``byte_path``, and `teacher_live`, the ids of the
+    teacher's tokenizer (a top-k teacher with k >= it has no tail). Hashable: part of a
+    compiled step's key."""
 
     method: str
     vmap: VocabMap | FirstBytes | BytePaths | None = None
+    teacher_live: int | None = None
 
 
 def mapped_buckets(
@@ -93,12 +106,8 @@ def mapped_buckets(
 
 
 def _by_first_byte(l_bsv: jax.Array, bucket: np.ndarray, keep: np.ndarray) -> jax.Array:
-    """Log-probs [..., len(keep)] of the buckets `keep`: the probabilities [..., V] of
-    `exp(l)` summed by bucket (ids of bucket -1 dropped), renormalised over `keep`."""
-    seg = np.where(bucket >= 0, bucket, FirstBytes.size)
-    p = jnp.exp(l_bsv).reshape(-1, l_bsv.shape[-1]).T  # [V, N]: segments on the leading axis
-    summed = jax.ops.segment_sum(p, jnp.asarray(seg), num_segments=FirstBytes.size + 1)
-    kept = summed[jnp.asarray(keep)].T.reshape(*l_bsv.shape[:-1], len(keep))
+    """Log-probs [..., len(keep)] of the buckets `keep`: `bucket_sums` renormalised."""
+    kept = bucket_sums(l_bsv, bucket, keep)
     kept = kept / jnp.maximum(jnp.sum(kept, axis=-1, keepdims=True), 1e-30)
     return jnp.log(jnp.maximum(kept, 1e-30))
 
@@ -111,19 +120,17 @@ def first_byte_buckets(
     each side renormalised over them. Exact for a byte-level teacher (its distribution is
     the next byte's), and consistent with the student's targets: the student's next token
     starts with the byte the teacher predicts."""
-    keep = np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
+    keep = first_byte_keep(fb)
     return _by_first_byte(lp_bsw, fb.teacher, keep), _by_first_byte(lq_bsv, fb.student, keep)
 
 
-def _renormalised(p: jax.Array, valid: jax.Array) -> jax.Array:
-    """log of `p` over the `valid` buckets, renormalised over them; PADDED_LOGIT elsewhere."""
-    p = jnp.where(valid, p, 0.0)
-    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    return jnp.where(valid, jnp.log(jnp.maximum(p, 1e-30)), PADDED_LOGIT)
-
-
 def byte_path_buckets(
-    lq_nv: jax.Array, lp_ndb: jax.Array, targets_n: jax.Array, deep_ok_n: jax.Array, bp: BytePaths
+    lq_nv: jax.Array,
+    lp_ndb: jax.Array,
+    targets_n: jax.Array,
+    deep_ok_n: jax.Array,
+    bp: BytePaths,
+    seen_ndb: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Teacher and student log-probs [n, D, 257] of the next byte after each of the first
     d = 1..D bytes of the target token, and which depths count [n, D] (`byte_path_divergence`).
@@ -135,7 +142,11 @@ def byte_path_buckets(
     prefix). The student's mass on them is its probability of the tokens under each child
     node (and of the prefix's token), over that of the tokens under the prefix; the
     teacher's is its probability of each child byte, its other mass in "ends here". Both
-    are renormalised over the buckets the student has."""
+    are renormalised over the buckets the student has.
+
+    `seen_ndb` [n, D, 256] (a top-k teacher): which bytes its top-k hold at each position.
+    A child byte outside them joins "ends here" on both sides (the student's mass on it; the
+    teacher's mass outside its top-k is already there), so the tail is never read as zero."""
     q = jnp.exp(lq_nv)
     under = jax.ops.segment_sum(
         q.T[jnp.asarray(bp.pair_id)], jnp.asarray(bp.pair_node), num_segments=len(bp.ends)
@@ -150,13 +161,20 @@ def byte_path_buckets(
     q_kids = jnp.take_along_axis(under[:, None, :], jnp.maximum(kids, 0).reshape(len(q), -1)
                                  [:, None, :], axis=-1).reshape(kids.shape)  # fmt: skip
     q_ends = jnp.take_along_axis(q, jnp.maximum(ends, 0), axis=-1)
-    valid = jnp.concatenate([kids >= 0, (ends >= 0)[..., None]], axis=-1)
-    q_all = jnp.concatenate([q_kids, q_ends[..., None]], axis=-1)
+    seen = kids >= 0 if seen_ndb is None else (kids >= 0) & seen_ndb
+    if seen_ndb is None:
+        rest, rest_ok = q_ends, ends >= 0
+    else:
+        unseen = (kids >= 0) & ~seen
+        rest = jnp.where(ends >= 0, q_ends, 0.0) + jnp.sum(jnp.where(unseen, q_kids, 0.0), -1)
+        rest_ok = (ends >= 0) | jnp.any(unseen, axis=-1)
+    valid = jnp.concatenate([seen, rest_ok[..., None]], axis=-1)
+    q_all = jnp.concatenate([jnp.where(seen, q_kids, 0.0), rest[..., None]], axis=-1)
     p_bytes = jnp.exp(lp_ndb)
-    p_kids = jnp.where(kids >= 0, p_bytes, 0.0)
+    p_kids = jnp.where(seen, p_bytes, 0.0)
     p_rest = jnp.maximum(1.0 - jnp.sum(p_kids, axis=-1, keepdims=True), 0.0)
     p_all = jnp.concatenate([p_kids, p_rest], axis=-1)
-    return _renormalised(p_all, valid), _renormalised(q_all, valid), counts
+    return renormalised(p_all, valid), renormalised(q_all, valid), counts
 
 
 def byte_path_divergence(
@@ -173,9 +191,15 @@ def byte_path_divergence(
     rule of the divergence between distributions over byte strings, read along the observed
     path). lp_v [n, Vt] the teacher at the aligned position, lq_v [n, Vs] the student."""
     first = _divergence(*first_byte_buckets(lp_v, lq_v, bp.first), cfg)
-    lp, lq, counts = byte_path_buckets(lq_v, lp_ndb, targets_n, deep_ok_n, bp)
+    return first + deeper_bytes_divergence(lq_v, lp_ndb, targets_n, deep_ok_n, cfg, bp)
+
+
+def deeper_bytes_divergence(lq_v, lp_ndb, targets_n, deep_ok_n, cfg, bp, seen_ndb=None):
+    """[n] the byte path's divergences after the first byte, summed over the depths that
+    count (`byte_path_buckets`)."""
+    lp, lq, counts = byte_path_buckets(lq_v, lp_ndb, targets_n, deep_ok_n, bp, seen_ndb)
     deeper = jnp.where(counts, _divergence(lp, lq, cfg), 0.0)
-    return first + jnp.sum(deeper, axis=-1)
+    return jnp.sum(deeper, axis=-1)
 
 
 def uld_distance(lp_bsw: jax.Array, lq_bsv: jax.Array) -> jax.Array:
@@ -211,17 +235,22 @@ def cross_divergence(
 
 
 def at_student_positions(teacher_lp_btw: jax.Array, align_bs: jax.Array) -> jax.Array:
-    """[B, S, Vt] the teacher's log-probs at each student position's aligned teacher
-    position (position 0's where unmatched: the loss leaves those out)."""
+    """[B, S, ...] the teacher's values [B, T, ...] (log-probs, top-k ids) at each student
+    position's aligned teacher position (position 0's where unmatched: the loss leaves
+    those out)."""
     idx = jnp.maximum(align_bs, 0).astype(jnp.int32)[..., None]
     return jnp.take_along_axis(teacher_lp_btw, idx, axis=1)
 
 
-def byte_path_inputs(teacher_lp_btw: jax.Array, align_bs: jax.Array, bp: BytePaths) -> dict:
+def byte_path_inputs(
+    teacher_lp_btw: jax.Array, align_bs: jax.Array, bp: BytePaths, topk: bool = False
+) -> dict:
     """The byte-path loss's per-position inputs: "path" [B, S, D, 256], the teacher's
     log-probs of each byte at the D positions after the aligned one (its positions inside
     the target token's span, for a byte-level teacher), and "deep_ok" [B, S], whether the
-    position after the whole target is aligned (then the last depth has its teacher)."""
+    position after the whole target is aligned (then the last depth has its teacher).
+    `topk`: `teacher_lp_btw` holds a top-k teacher's log-probs at their ids, -inf elsewhere
+    (`dense_from_topk`); "seen" [B, S, D, 256] says which bytes its top-k hold."""
     b, s = align_bs.shape
     ids = jnp.asarray(np.maximum(bp.teacher_byte, 0))
     lpb = jnp.where(jnp.asarray(bp.teacher_byte >= 0), teacher_lp_btw[..., ids], PADDED_LOGIT)
@@ -229,32 +258,75 @@ def byte_path_inputs(teacher_lp_btw: jax.Array, align_bs: jax.Array, bp: BytePat
     idx = jnp.minimum(idx, teacher_lp_btw.shape[1] - 1).reshape(b, s * bp.depth, 1)
     path = jnp.take_along_axis(lpb, idx, axis=1).reshape(b, s, bp.depth, 256)
     deep_ok = jnp.concatenate([align_bs[:, 1:] >= 0, jnp.zeros((b, 1), bool)], axis=1)
-    return {"path": path, "deep_ok": deep_ok}
+    out = {"path": path, "deep_ok": deep_ok}
+    if topk:
+        out["seen"] = path > -jnp.inf
+        out["path"] = jnp.maximum(path, PADDED_LOGIT)  # exp is still 0; no -inf downstream
+    return out
 
 
 def _byte_path_tokens(z_bcv: jax.Array, t: Tree, cfg: DistillLossConfig, bp: BytePaths):
-    """`byte_path_divergence` [B, c] of one chunk's student logits and inputs."""
+    """`byte_path_divergence` [B, c] of one chunk's student logits and inputs; from a top-k
+    teacher ("ids" and "seen" in `t`), its first byte by `first_byte_topk_buckets`."""
     zt = z_bcv.astype(jnp.float32) / cfg.temperature
     lq = zt - jax.nn.logsumexp(zt, axis=-1, keepdims=True)
     flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
-    kd = byte_path_divergence(
-        flat(t["lp"].astype(jnp.float32)), flat(lq), flat(t["path"]), flat(t["targets"]),
-        flat(t["deep_ok"]), cfg, bp,
-    )  # fmt: skip
-    return kd.reshape(z_bcv.shape[:2])
+    lp = flat(t["lp"].astype(jnp.float32))
+    if "ids" in t:
+        first = _divergence(*first_byte_topk_buckets(flat(lq), lp, flat(t["ids"]), bp.first), cfg)
+    else:
+        first = _divergence(*first_byte_buckets(lp, flat(lq), bp.first), cfg)
+    seen = flat(t["seen"]) if "seen" in t else None
+    deeper = deeper_bytes_divergence(
+        flat(lq), flat(t["path"]), flat(t["targets"]), flat(t["deep_ok"]), cfg, bp, seen
+    )
+    return (first + deeper).reshape(z_bcv.shape[:2])
+
+
+def _teacher_vocab(vmap: VocabMap | FirstBytes | BytePaths | None) -> int | None:
+    """The teacher model's vocabulary size, from the method's tables (None for ``uld``)."""
+    if isinstance(vmap, VocabMap):
+        return len(vmap.student_of)
+    if isinstance(vmap, BytePaths):
+        return len(vmap.first.teacher)
+    return None if vmap is None else len(vmap.teacher)
+
+
+def _teacher_inputs(teacher: TeacherOutput, align_bs, method, vmap, teacher_live):
+    """(per-token inputs, dense inputs, whether the divergence reads a top-k teacher, and
+    whether its top-k hold every live teacher id) of `cross_kd_loss_chunked`. A top-k
+    holding every id is scattered back into the dense teacher (``uld`` excepted), so that
+    it gives the dense loss; ``byte_path`` reads the deeper bytes from that scatter."""
+    lp = jax.lax.stop_gradient(teacher.logprobs)
+    vocab = _teacher_vocab(vmap)
+    whole = teacher.ids is not None and teacher.ids.shape[-1] >= (teacher_live or vocab or 0)
+    if teacher.ids is None or (whole and method != "uld"):
+        if teacher.ids is not None:
+            lp = dense_from_topk(lp, teacher.ids, vocab)
+        per_token = byte_path_inputs(lp, align_bs, vmap) if method == "byte_path" else {}
+        return per_token, {"lp": at_student_positions(lp, align_bs)}, False, whole
+    per_token = {
+        "lp": at_student_positions(lp, align_bs),
+        "ids": at_student_positions(teacher.ids.astype(jnp.int32), align_bs),
+    }
+    if method == "byte_path":
+        per_token.update(byte_path_inputs(dense_from_topk(lp, teacher.ids, vocab), align_bs,
+                                          vmap, topk=True))  # fmt: skip
+    return per_token, {}, True, whole
 
 
 def cross_kd_loss_chunked(
     x_bsd: jax.Array,
     head_dv: jax.Array,
-    teacher_lp_btw: jax.Array,
+    teacher: TeacherOutput,
     align_bs: jax.Array,
     targets_bs: jax.Array,
     mask_bs: jax.Array,
     cfg: DistillLossConfig,
     *,
-    vmap: VocabMap | None,
+    vmap: VocabMap | FirstBytes | BytePaths | None,
     method: str,
+    teacher_live: int | None = None,
     vocab_limit: int | None = None,
     chunk: int | None = None,
     compute_dtype=jnp.float32,
@@ -263,20 +335,21 @@ def cross_kd_loss_chunked(
     """loss = alpha * T^2 * KD + (1 - alpha) * CE with KD across vocabularies, from the
     student's hidden states a chunk of positions at a time (`distill.models.vocab_loss`).
 
-    teacher_lp_btw: the teacher's dense log-probs [B, T, Vt] on its own rows; align_bs
-    [B, S] int32: the teacher position of each student position, -1 unmatched. KD is the
-    mean over masked, aligned positions; CE the mean over masked ones. Metrics as
-    `kd_loss` plus "aligned_fraction" (aligned share of the masked positions)."""
-    teacher_lp_btw = jax.lax.stop_gradient(teacher_lp_btw)
-    lp = at_student_positions(teacher_lp_btw, align_bs)
+    teacher: on its own rows, dense log-probs [B, T, Vt] or top-k [B, T, k] with its ids
+    (`cross_topk_divergence`; k >= `teacher_live`, every id of its tokenizer, is the dense
+    loss); align_bs [B, S] int32: the teacher position of each student position, -1
+    unmatched. KD is the mean over masked, aligned positions; CE the mean over masked
+    ones. Metrics as `kd_loss` plus "aligned_fraction" (aligned share of the masked
+    positions)."""
+    per_token, dense, topk, whole = _teacher_inputs(teacher, align_bs, method, vmap, teacher_live)
     aligned = (align_bs >= 0).astype(jnp.float32)
-    per_token = {"targets": targets_bs, "aligned": aligned}
-    if method == "byte_path":
-        per_token.update(byte_path_inputs(teacher_lp_btw, align_bs, vmap))
+    per_token.update(targets=targets_bs, aligned=aligned)
 
     def token_fn(z_bcv: jax.Array, t: Tree) -> Tree:
         if method == "byte_path":
             kd = _byte_path_tokens(z_bcv, t, cfg, vmap)
+        elif topk:
+            kd = cross_topk_divergence(z_bcv, t["lp"], t["ids"], cfg, vmap, method, whole)
         else:
             kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method)
         return {
@@ -290,7 +363,7 @@ def cross_kd_loss_chunked(
         x_bsd,
         head_dv,
         per_token,
-        {"lp": lp},
+        dense,
         mask_bs,
         vocab_limit=vocab_limit,
         chunk=chunk,

@@ -64,7 +64,7 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     done, steps = manifest["steps_written"], cfg.train.steps
     teacher = None
     if done < steps or not _has_eval(root):
-        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)
+        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
     if teacher is not None and not _has_eval(root):
         _write_eval(cfg, corpus, teacher, root)
     written_now = 0
@@ -122,7 +122,8 @@ def _write_batches(cfg: Config, source, root: Path, manifest: dict) -> int:
     import jax
 
     done, steps = manifest["steps_written"], cfg.train.steps
-    vocab, seq = cfg.teacher.model.vocab_size, cfg.train.seq_len
+    vocab = max(cfg.teacher.model.vocab_size, cfg.student_model().vocab_size)  # both sides' ids
+    seq = max(cfg.train.seq_len, manifest.get("teacher_len") or 0)
     writer = _ShardWriter(root, manifest, manifest["batches_per_shard"])
     source.start({"next_index": done})
     submitted = done

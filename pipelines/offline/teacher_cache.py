@@ -50,9 +50,9 @@ import numpy as np
 from distill.config import Config
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
-from distill.identity import data_hash
+from distill.identity import data_hash, same
 from distill.observability.metrics_log import dumps
-from distill.types import Batch, TeacherOutput
+from distill.types import Batch, TeacherOutput, TeacherView
 
 log = logging.getLogger("distill")
 
@@ -118,29 +118,44 @@ def small_int(limit: int) -> np.dtype:
     return np.dtype(np.uint16) if limit <= 2**16 else np.dtype(np.int32)
 
 
+def _rows(batch: Batch, prefix: str, vocab_t: np.dtype, pos_t: np.dtype) -> dict:
+    return {
+        prefix + "tokens": np.asarray(batch.tokens).astype(vocab_t),
+        prefix + "targets": np.asarray(batch.targets).astype(vocab_t),
+        prefix + "segment_ids": np.asarray(batch.segment_ids).astype(pos_t),
+        prefix + "positions": np.asarray(batch.positions).astype(pos_t),
+        prefix + "mask": np.asarray(batch.mask).astype(np.uint8),
+    }
+
+
 def batch_record(batch: Batch, out: TeacherOutput, vocab_size: int, seq_len: int) -> bytes:
+    """One batch's record. A cross-tokenizer batch also stores the teacher's rows
+    ("teacher_" fields, [B, T]) and the alignment ("align", [B, S]); the top-k are at the
+    teacher's rows. `vocab_size`, `seq_len`: the largest vocabulary and row of both sides."""
     vocab_t, pos_t = small_int(vocab_size), small_int(seq_len + 1)
-    return encode(
-        {
-            "tokens": np.asarray(batch.tokens).astype(vocab_t),
-            "targets": np.asarray(batch.targets).astype(vocab_t),
-            "segment_ids": np.asarray(batch.segment_ids).astype(pos_t),
-            "positions": np.asarray(batch.positions).astype(pos_t),
-            "mask": np.asarray(batch.mask).astype(np.uint8),
-            "logprobs": np.asarray(out.logprobs).astype(LOGPROBS_DTYPE),
-            "ids": np.asarray(out.ids).astype(vocab_t),
-        }
-    )
+    arrays = _rows(batch, "", vocab_t, pos_t)
+    if batch.teacher is not None:
+        arrays.update(_rows(batch.teacher.rows, "teacher_", vocab_t, pos_t))
+        arrays["align"] = np.asarray(batch.teacher.align).astype(np.int32)
+    arrays["logprobs"] = np.asarray(out.logprobs).astype(LOGPROBS_DTYPE)
+    arrays["ids"] = np.asarray(out.ids).astype(vocab_t)
+    return encode(arrays)
 
 
 def read_batch(record: bytes) -> tuple[Batch, TeacherOutput]:
     """A record back as host arrays with the dtypes of online mode (int32, float32)."""
     a = decode(record)
     i32 = lambda k: a[k].astype(np.int32)  # noqa: E731
-    batch = Batch(
-        i32("tokens"), i32("targets"), i32("segment_ids"), i32("positions"),
-        a["mask"].astype(np.float32),
-    )  # fmt: skip
+
+    def rows(prefix: str) -> Batch:
+        return Batch(
+            i32(prefix + "tokens"), i32(prefix + "targets"), i32(prefix + "segment_ids"),
+            i32(prefix + "positions"), a[prefix + "mask"].astype(np.float32),
+        )  # fmt: skip
+
+    batch = rows("")
+    if "align" in a:
+        batch = batch._replace(teacher=TeacherView(rows("teacher_"), i32("align")))
     return batch, TeacherOutput(a["logprobs"].astype(np.float32), i32("ids"))
 
 
@@ -169,14 +184,26 @@ def expected_manifest(cfg: Config, corpus, thash: str | None, batches_per_shard:
         "temperature": cfg.distill.temperature,
         "teacher_dtype": cfg.teacher.dtype,
         "vocab_size": cfg.teacher.model.vocab_size,
-        "vocab_limit": vocab_limit(corpus.tokenizer, cfg.teacher.model.vocab_size),
+        "vocab_limit": vocab_limit(corpus.teacher_tokenizer, cfg.teacher.model.vocab_size),
         "seq_len": cfg.train.seq_len,
         "batch_size": cfg.train.batch_size,
         "seed": cfg.run.seed,
         "data_hash": data_hash(corpus),
         "eval_batches": cfg.data.eval_batches,
         "batches_per_shard": batches_per_shard,
+        "teacher_tokenizer": teacher_tokenizer_id(cfg, corpus),
+        "teacher_len": getattr(corpus.train, "teacher_len", None) if corpus.teacher else None,
     }
+
+
+def teacher_tokenizer_id(cfg: Config, corpus) -> dict | None:
+    """The identity of a teacher tokenizer of its own (`distill.identity.tokenizer_id`'s
+    fields), None for one vocabulary: the teacher's outputs are in its ids, at its rows."""
+    from distill.data.prepared import tokenizer_identity
+
+    if corpus.teacher is None:
+        return None
+    return {"path": cfg.teacher.tokenizer, **tokenizer_identity(corpus.teacher)}
 
 
 def read_manifest(root: Path) -> dict | None:
@@ -205,6 +232,30 @@ def check_manifest(manifest: dict, expected: dict, root: Path) -> None:
                 f"{field}: {key} {want} differs from {manifest.get(key)} in the teacher cache "
                 f"manifest {root / _MANIFEST}; use another teacher.cache_dir or the same settings"
             )
+    _check_teacher_rows(manifest, expected, root)
+
+
+def _check_teacher_rows(manifest: dict, expected: dict, root: Path) -> None:
+    """The teacher's tokenizer and row length T: a one-vocabulary cache (neither recorded)
+    is read by one-vocabulary runs only, a cross-tokenizer one by runs of its tokenizer."""
+
+    def describe(ident: dict | None) -> str:
+        if ident is None:
+            return "none (one vocabulary: the teacher in data.tokenizer's ids)"
+        return f"{ident['path']} ({str(ident.get('sha256') or ident.get('kind'))[:12]})"
+
+    was, now = manifest.get("teacher_tokenizer"), expected.get("teacher_tokenizer")
+    if (was is None) != (now is None) or (now is not None and not same(was, now)):
+        raise DistillError(
+            f"teacher.tokenizer: {describe(now)} differs from {describe(was)} in the teacher "
+            f"cache manifest {root / _MANIFEST}; use another teacher.cache_dir or the same settings"
+        )
+    if manifest.get("teacher_len") != expected.get("teacher_len"):
+        raise DistillError(
+            f"teacher.tokenizer: teacher rows of {expected.get('teacher_len')} tokens differ "
+            f"from {manifest.get('teacher_len')} in the teacher cache manifest "
+            f"{root / _MANIFEST}; use another teacher.cache_dir or the same settings"
+        )
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
