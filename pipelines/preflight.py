@@ -141,8 +141,6 @@ def check_cross_tokenizer(cfg: Config) -> None:
     refused = [
         ("teacher.top_k", cfg.teacher.top_k is not None, "the dense teacher (top_k: null)"),
         ("teacher.source", cfg.teacher.source != "online", "teacher.source: online"),
-        ("pipeline.mode", cfg.pipeline.mode != "local", "pipeline.mode: local"),
-        ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction 0"),
         ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
          "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
         ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),
