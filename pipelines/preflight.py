@@ -134,7 +134,8 @@ def preflight_shapes(cfg: Config) -> None:
 
 def check_cross_tokenizer(cfg: Config) -> None:
     """A teacher tokenizer of its own (teacher.tokenizer) works with what is built for it:
-    a dense teacher online in local mode, on text data, with the teacher already trained
+    a dense teacher online (local or ray mode, on-policy or not), on text data, with the
+    teacher already trained
     (its bootstrap reads the data in its own tokens, which a cross-tokenizer corpus is not)."""
     if not cfg.cross_tokenizer():
         return
