@@ -23,6 +23,7 @@ generated token) and `sample_len`.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -30,6 +31,7 @@ from jax.sharding import Mesh
 
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.data.cross_samples import SampleRows
 from distill.data.prompts import PromptSet, answer_prompts, prompt_set
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
@@ -129,6 +131,11 @@ class OnPolicySource(QueueSource):
         # in order; and of the recent on-policy ones handed to the student
         self._in_flight: deque[jax.Array | None] = deque()
         self._generated: deque[jax.Array] = deque(maxlen=256)
+        # across tokenizers: the teacher's rows of the samples, made on a host thread
+        self._cross = None
+        if corpus.teacher is not None:
+            self._cross = SampleRows(corpus.tokenizer, corpus.teacher, corpus.train.teacher_len)
+            self._host = ThreadPoolExecutor(1, thread_name_prefix="cross-samples")
 
     def start(self, data_state: dict | None) -> None:
         super().start(data_state)
@@ -139,7 +146,28 @@ class OnPolicySource(QueueSource):
         tokens = self._in_flight.popleft()
         if tokens is not None:
             self._generated.append(tokens)
+        self._resolve()
         return super().pop()
+
+    def peek(self):
+        self._resolve()
+        return super().peek()
+
+    def _resolve(self) -> None:
+        """The oldest item's teacher work, when it is still being made on the host thread
+        (on-policy across tokenizers): waited for now that the loop needs it."""
+        head = self._queue[0]
+        if isinstance(head.batch, Future):
+            batch, out, load = head.batch.result()
+            self._watch.watch(out)
+            self._queue[0] = head._replace(batch=batch, teacher_out=out, tag=load)
+
+    def _score_samples(self, rows):
+        """(the host rows with the teacher's rows of their text, the teacher's output and
+        load, dispatched): on the host thread, which waits for the generation."""
+        host = jax.device_get(rows)
+        batch = host._replace(teacher=self._cross.view(host))
+        return batch, *self.teacher.output(batch)
 
     def _work(self, batch: Batch):
         step, self._next_step = self._next_step, self._next_step + 1
@@ -152,6 +180,8 @@ class OnPolicySource(QueueSource):
         rows, stats = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
         self._gen_watch.watch(stats["tokens"])
         self._in_flight.append(stats["tokens"])
+        if self._cross is not None:  # re-tokenised for the teacher off the loop's thread
+            return self._host.submit(self._score_samples, rows), None, None
         return rows, *self.teacher.output(rows)
 
     def figures(self, steps: int, since: float, step: int) -> dict:
@@ -179,6 +209,8 @@ class OnPolicySource(QueueSource):
     def close(self) -> None:
         super().close()
         self._gen_watch.close()
+        if self._cross is not None:
+            self._host.shutdown(cancel_futures=True)
 
 
 def sample_score(cfg: Config, corpus: Corpus, teacher: OnlineTeacher, mesh: Mesh) -> SampleScore:

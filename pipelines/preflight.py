@@ -135,14 +135,12 @@ def preflight_shapes(cfg: Config) -> None:
 
 def check_cross_tokenizer(cfg: Config) -> None:
     """A teacher tokenizer of its own (teacher.tokenizer) works with what is built for it:
-    a dense or top-k teacher, online or from its cache, in local mode, on text data, with
-    the teacher already trained (its bootstrap reads the data in its own tokens, which a
-    cross-tokenizer corpus is not)."""
+    a dense or top-k teacher, online or from its cache, in local or ray mode, on-policy or
+    not, on text data, with the teacher already trained (its bootstrap reads the data in its
+    own tokens, which a cross-tokenizer corpus is not)."""
     if not cfg.cross_tokenizer():
         return
     refused = [
-        ("pipeline.mode", cfg.pipeline.mode != "local", "pipeline.mode: local"),
-        ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction 0"),
         ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
          "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
         ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),

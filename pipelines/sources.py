@@ -104,7 +104,7 @@ class QueueSource:
     def submit(self) -> None:
         data_state = self._it.get_state()
         batch, out, load = self._work(next(self._it))
-        if self._watch is not None:
+        if self._watch is not None and out is not None:  # None: made later (`pop`)
             self._watch.watch(out)
         self._queue.append(Item(data_state, batch, out, load))
 

@@ -398,14 +398,14 @@ def make_loss_fn(
         }
         if teacher_out is None:
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
-        if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
-            return cross_losses.cross_kd_loss_chunked(
-                x, head, teacher_out, batch.teacher.align, batch.targets, batch.mask, loss_cfg,
-                vmap=cross.vmap, method=cross.method, teacher_live=cross.teacher_live, **kw,
-            )  # fmt: skip
         cfg_here = loss_cfg
         if isinstance(batch, Continuations):  # the student's own samples: no CE on them
             cfg_here = loss_cfg.model_copy(update={"alpha": 1.0})
+        if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
+            return cross_losses.cross_kd_loss_chunked(
+                x, head, teacher_out, batch.teacher.align, batch.targets, batch.mask, cfg_here,
+                vmap=cross.vmap, method=cross.method, teacher_live=cross.teacher_live, **kw,
+            )  # fmt: skip
         return vocab_loss.kd_loss_chunked(
             x, head, teacher_out, batch.targets, batch.mask, cfg_here, **kw
         )

@@ -255,7 +255,8 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
 @pytest.fixture(scope="module")
 def cross_run(tiny_run, corpus_dir, tmp_path_factory):
     """`distill run` with the tiny run's byte-level teacher and a BPE student tokenizer
-    trained on the same corpus (metrics at steps 2, 4, 6; evaluations at 0, 3, 6;
+    trained on the same corpus, half its steps on-policy (the student's samples
+    re-tokenised for the teacher; metrics at steps 2, 4, 6; evaluations at 0, 3, 6;
     checkpoints 3 and 6): its output dir and config tree."""
     from pipelines.commands.cli import main
     from tests.conftest import tiny_config, write_config
@@ -270,6 +271,7 @@ def cross_run(tiny_run, corpus_dir, tmp_path_factory):
     )
     cfg["student"]["model"]["vocab_size"] = 320
     cfg["data"]["tokenizer"] = str(bpe_path)
+    cfg["distill"] = {"on_policy": {"fraction": 0.5, "max_new_tokens": 12}}
     assert main(["run", write_config(tmp, cfg)]) == 0
     return out, cfg
 
@@ -282,6 +284,7 @@ def test_short_run_byte_teacher_bpe_student(tiny_run, cross_run):
     out, _ = cross_run
     train, evals = read_train(out), read_evals(out)
     assert [r["step"] for r in train] == [2, 4, 6]
+    assert any(r["on_policy"] > 0 for r in train)  # steps trained on re-tokenised samples
     for r in train:
         assert np.isfinite(r["loss"]) and r["kd_loss"] > 0
         assert 0.8 < r["aligned_fraction"] <= 1.0

@@ -12,6 +12,7 @@ from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
 from tests.conftest import run_with_fault, tiny_config, write_config
 from tests.conftest import train_by_step as _train
+from tests.test_cross_tokenizer import cross_run  # noqa: F401 (the local run compared against)
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("pipelines.ray.mode")
@@ -84,6 +85,20 @@ def test_ray_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):
     assert summary["actor_restarts"] == {"teacher": 0, "student": 0}
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == ["3", "6"]
+
+
+@pytest.mark.slow
+def test_ray_across_tokenizers_matches_local(ray_cluster, cross_run, tmp_path):  # noqa: F811
+    """A byte-level teacher and a BPE student, half the steps on-policy: the teacher actor
+    reads the teacher's rows, the student actor the alignment and re-tokenises its own
+    samples for the teacher; the local run's losses and evaluation."""
+    local_out, cfg = cross_run
+    out = tmp_path / "out"
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(out)}}
+    cfg["pipeline"] = {**cfg.get("pipeline", {}), "mode": "ray"}
+    assert _run(tmp_path, cfg) == 0
+    _assert_same_losses(out, local_out)
+    assert _train(out)[6]["aligned_fraction"] == _train(local_out)[6]["aligned_fraction"]
 
 
 def test_killed_student_resumes_from_checkpoint(

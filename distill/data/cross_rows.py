@@ -124,20 +124,31 @@ def teacher_rows(
     """Each row's teacher slots (ids, starts, keys [L + 1]) and the alignment [R, S]
     (int32, -1 unmatched), for student rows `rows` packed from `texts` whose tokens have
     character `offsets`."""
-    doc, kind, lo, hi = _slots(texts, offsets)
-    ends = _prefix_ends(doc, kind, hi)
     s = rows.seq_len
+    windows = [r * s + np.arange(s + 1) for r in range(len(rows))]
+    out, align = slot_rows(texts, _slots(texts, offsets), windows, teacher)
+    return out, np.asarray(align, np.int32).reshape(len(rows), s)
+
+
+def slot_rows(
+    texts: list[str], slots: tuple[np.ndarray, ...], windows: list[np.ndarray], teacher: Tokenizer
+) -> tuple[list[tuple[np.ndarray, ...]], list[np.ndarray]]:
+    """Each window's teacher slots (ids, starts, keys [L + 1]) and alignment [len - 1]
+    (int32, -1 unmatched). `slots`: (document, kind, start and end character) of a stream
+    of documents' slots in `_slots`' layout (a document's BOS or EOS may be absent: text
+    that goes on beyond the stream); `windows`: each row's consecutive slot indices."""
+    doc, kind, lo, hi = slots
+    ends = _prefix_ends(doc, kind, hi)
     per_row, wanted = [], []
-    for r in range(len(rows)):
-        window = r * s + np.arange(s + 1)
+    for window in windows:
         seg, parts = _segments(window, doc, kind, lo, hi, texts)
         per_row.append((window, seg, parts))
         wanted += [texts[d][a:b] for d, a, b, _, _ in parts]
     encoded = []
     for i in range(0, len(wanted), _ENCODE_CHUNK):
         encoded += teacher.encode_offsets(wanted[i : i + _ENCODE_CHUNK])
-    out, align, k = [], np.full((len(rows), s), -1, np.int32), 0
-    for r, (window, seg, parts) in enumerate(per_row):
+    out, align, k = [], [], 0
+    for window, seg, parts in per_row:
         ids, starts, keys = [], [], []
         for p, (_, start, stop, has_bos, has_eos) in enumerate(parts):
             t_ids, t_off = encoded[k]
@@ -154,7 +165,7 @@ def teacher_rows(
                 keys.append([_keys(p, EOS, stop)])
         ids, starts, keys = (np.concatenate(a) for a in (ids, starts, keys))
         out.append((ids.astype(np.int32), starts.astype(bool), keys.astype(np.int64)))
-        align[r] = _match(window[:-1], seg[:-1], kind, hi, ends, keys[:-1])
+        align.append(_match(window[:-1], seg[:-1], kind, hi, ends, keys[:-1]))
     return out, align
 
 

@@ -36,7 +36,7 @@ from distill.config.load import config_from_dict
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
 from distill.mesh import DP, TP, device_grid, student_shape, teacher_shape
-from distill.types import Batch, TeacherOutput
+from distill.types import TeacherOutput
 from pipelines.ray import rows as ray_rows
 
 log = logging.getLogger("distill")
@@ -147,13 +147,20 @@ class _Member:
 
     def _load_data(self, cfg):
         """This process's own copy of the corpus (rows read by index, from
-        `data.prepared_dir` on demand when set); its tokenizer."""
+        `data.prepared_dir` on demand when set; with a teacher tokenizer of its own, the
+        teacher's rows of each row's text and the alignment, `distill.data.cross_rows`)."""
+        from distill.data.cross_rows import cross_corpus
         from distill.data.pipeline import load_corpus
+        from distill.data.tokenizers import load_tokenizer
 
-        corpus = load_corpus(cfg.data, cfg.train.seq_len)
+        if cfg.cross_tokenizer():
+            teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
+            corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
+        else:
+            corpus = load_corpus(cfg.data, cfg.train.seq_len)
         self._reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
         self._data_check = ray_rows.data_check(self._reader)
-        return corpus.tokenizer
+        return corpus
 
 
 @ray.remote
@@ -166,8 +173,8 @@ class TeacherActor(_Member):
 
         cfg = self._join(coordinator, n, i, platform)
         self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
-        tokenizer = self._load_data(cfg)
-        self._teacher = OnlineTeacher(cfg, self._mesh, tokenizer)
+        corpus = self._load_data(cfg)
+        self._teacher = OnlineTeacher(cfg, self._mesh, corpus.teacher_tokenizer)
         return self.info()
 
     def info(self) -> dict:
@@ -224,19 +231,22 @@ class StudentActor(_Member):
     where, and the driver's data position starts there."""
 
     def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
+        from pipelines.local import cross_spec
         from student import train
         from student.evaluate import StudentEval
         from student.state import run_checkpointer, start_student
         from teacher.weights import student_init_params
 
         cfg = self._join(coordinator, n, i, platform)
-        tokenizer = self._load_data(cfg)
+        corpus = self._load_data(cfg)
+        tokenizer = corpus.tokenizer
         limit = vocab_limit(tokenizer, *cfg.vocab_sizes())
         self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
         self._owners = ray_rows.row_owners(self._split)
         self._spans = ray_rows.spans(self._owners, i, cfg.train.batch_size)
-        tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit)
+        cross = cross_spec(cfg, corpus)
+        tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit, cross=cross)
         self._ckpt = run_checkpointer(cfg)
         self._state, self._data_state, self._start = start_student(
             cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg)
@@ -246,6 +256,11 @@ class StudentActor(_Member):
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
         self._eval = StudentEval(cfg, self._mesh, limit)
         self._setup_sampling(cfg, tx, tokenizer, limit)
+        self._cross = None  # across tokenizers: the teacher's rows of the samples
+        if corpus.teacher is not None:
+            from distill.data.cross_samples import SampleRows
+
+            self._cross = SampleRows(tokenizer, corpus.teacher, corpus.train.teacher_len)
         return self.info()
 
     def _setup_sampling(self, cfg, tx, tokenizer, limit) -> None:
@@ -298,7 +313,10 @@ class StudentActor(_Member):
         `pipelines.on_policy.OnPolicySource`)."""
         key = self._jax.random.fold_in(self._key, step_no)
         prompts = self._prompts(step_no, data_state)
-        return self._sample(self._sampler, self._history.after(source_step), prompts, key)
+        rows, figures = self._sample(self._sampler, self._history.after(source_step), prompts, key)
+        if self._cross is not None:  # its rows re-tokenised for the teacher, here on the host
+            rows = rows._replace(teacher=self._cross.view(rows))
+        return rows, figures
 
     @ray.method(num_returns=2)
     def sample_eval(self, prompts, chunk: int):
@@ -358,7 +376,7 @@ class StudentActor(_Member):
         spans = ray_rows.spans(self._owners, self._i, rows)
         t_in, _ = ray_rows.student_rows(list(teacher_parts), spans)
         logits = ray_rows.global_arrays(t_in.logprobs, self._split, rows)
-        mine = Batch(*(None if x is None else ray_rows.take(x, spans) for x in batch))
+        mine = self._jax.tree.map(lambda x: ray_rows.take(x, spans), batch)
         mine = ray_rows.global_arrays(mine, self._split, rows)
         return self._eval.one(self._state.params, mine, logits)
 

@@ -234,6 +234,8 @@ def _run(
     batches = eval_batches(cfg, corpus)
     prompts = eval_prompts(cfg, batches)
     samples = lambda: pool.sample_eval(prompts)  # noqa: E731
+    if corpus.teacher is not None:  # the teacher scores samples in its own tokens: not built
+        samples = None
     evaluate = Evaluation(cfg, [ray.put(b) for b in batches], source, executor, samples)
 
     def publish(step: int, queued: int) -> None:

@@ -65,6 +65,8 @@ def _actor_config(cfg: Config) -> dict:
     data["source"], data["prepared_dir"] = absolute(data["source"]), absolute(data["prepared_dir"])
     if data["tokenizer"] != "bytes":
         data["tokenizer"] = absolute(data["tokenizer"])
+    if tree["teacher"]["tokenizer"] not in (None, "bytes"):
+        tree["teacher"]["tokenizer"] = absolute(tree["teacher"]["tokenizer"])
     return tree
 
 

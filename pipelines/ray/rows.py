@@ -90,17 +90,21 @@ def take(x, spans: Spans):
 
 def global_batch(reader: BatchReader, data_state: dict, sharding) -> Batch:
     """The batch at `data_state` as global arrays on `sharding` (rows split over some of its
-    axes), this process reading only the rows its own devices hold."""
+    axes), this process reading only the rows its own devices hold; across tokenizers, the
+    teacher's own rows of them (what the teacher reads)."""
     import jax
 
-    shape = (reader.batch_size, reader.seq_len)
+    rows = (reader.batch_size, reader.seq_len)
     held = sorted(
         {
-            idx[0].indices(shape[0])[:2]
-            for idx in sharding.addressable_devices_indices_map(shape).values()
+            idx[0].indices(rows[0])[:2]
+            for idx in sharding.addressable_devices_indices_map(rows).values()
         }
     )
     local = reader.rows(data_state, held)
+    if local.teacher is not None:  # the teacher reads its own rows of the text [B, T]
+        local = local.teacher.rows
+    shape = (reader.batch_size, local.tokens.shape[1])
     at, n = {}, 0  # a device's rows -> where they start in `local`
     for a, b in held:
         at[a, b], n = n, n + b - a
@@ -148,7 +152,9 @@ def join_batch(parts: list[Batch], owners: Owners) -> Batch:
                 out[lo:hi], at = f[at : at + hi - lo], at + hi - lo
         return out
 
-    return Batch(*(None if f[0] is None else join(*f) for f in zip(*parts, strict=True)))
+    import jax
+
+    return jax.tree.map(join, *parts)  # the teacher's rows too, on-policy across tokenizers
 
 
 def _owned_rows(arr) -> dict[tuple[int, int], np.ndarray]:
