@@ -14,6 +14,7 @@ from distill import storage
 from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.data.cross_examples import cross_example_corpus
 from distill.data.cross_rows import cross_corpus
 from distill.data.pipeline import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
@@ -134,8 +135,16 @@ def preflight_shapes(cfg: Config) -> None:
 
 def check_cross_tokenizer(cfg: Config) -> None:
     """A teacher tokenizer of its own (teacher.tokenizer) works with what is built for it:
-    a dense teacher online in local mode, on text data, with the teacher already trained
-    (its bootstrap reads the data in its own tokens, which a cross-tokenizer corpus is not)."""
+    a dense teacher online in local mode, with the teacher already trained
+    (its bootstrap reads the data in its own tokens, which a cross-tokenizer corpus is not);
+    its own chat template (teacher.chat_template) only for chat data across tokenizers."""
+    if cfg.teacher.chat_template is not None and not (
+        cfg.cross_tokenizer() and cfg.data.format == "chat"
+    ):
+        raise DistillError(
+            "teacher.chat_template: read only for data.format: chat with a teacher.tokenizer "
+            "of its own (else data.chat_template is both sides' template); remove it"
+        )
     if not cfg.cross_tokenizer():
         return
     refused = [
@@ -191,7 +200,10 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
 def _corpus(cfg: Config) -> Corpus:
     if cfg.cross_tokenizer():  # the teacher's own tokens of every row's text, aligned
         teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
-        corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
+        if cfg.data.is_examples:  # each side renders the records with its own template
+            corpus = cross_example_corpus(cfg.data, cfg.train.seq_len, teacher, cfg.teacher)
+        else:
+            corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
         if teacher.vocab_size > cfg.teacher.model.vocab_size:
             raise DistillError(
                 f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "
