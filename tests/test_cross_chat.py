@@ -262,3 +262,61 @@ def test_teacher_template_errors_name_the_key(tmp_path, bpe):
     msg = str(info.value)
     assert msg.startswith("teacher.chat_template: chat data needs a chat template")
     assert "teacher.tokenizer=bytes" in msg and len(msg.splitlines()) == 1
+
+
+def _chat_run_config(teacher, tmp_path, bpe) -> dict:
+    """A byte-level teacher (checkpoint ``teacher``) with a Llama-3-style template of its
+    own, and a ChatML student with a BPE tokenizer, on conversations."""
+    from tests.conftest import tiny_config
+
+    student_dir = _model_dir(tmp_path / "student", bpe, "chatml")
+    template = tmp_path / "teacher.jinja"
+    template.write_text(LLAMA3_TOOLS.replace("bos_token + content", "content"))
+    source = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS] * 8)
+    data = {"source": str(source), "format": "chat", "tokenizer": str(student_dir)}
+    cfg = tiny_config(str(source), str(tmp_path / "out"), data=data)
+    cfg["data"].pop("include")
+    cfg["teacher"].update(
+        checkpoint=str(teacher), pretrain_steps=0, top_k=None,
+        tokenizer="bytes", chat_template=str(template),
+    )  # fmt: skip
+    cfg["student"]["model"]["vocab_size"] = 320
+    cfg["train"].update(steps=2, seq_len=128, log_every=1, eval_every=2, checkpoint_every=2)
+    return cfg
+
+
+def test_preflight_reads_chat_across_tokenizers(tmp_path, bpe):
+    """The config's corpus of a chat run across tokenizers is the cross-tokenizer one (no
+    refusal); the teacher's template set where it is not read is one line naming the key."""
+    from distill.config.load import load_config
+    from pipelines.preflight import _corpus, check_cross_tokenizer
+    from tests.conftest import write_config
+
+    tree = _chat_run_config(tmp_path / "teacher-ckpt", tmp_path, bpe)
+    cfg = load_config(write_config(tmp_path, tree))
+    check_cross_tokenizer(cfg)
+    corpus = _corpus(cfg)
+    assert corpus.teacher.kind == "bytes" and corpus.train.aligned_fraction() > 0.8
+    tree["teacher"]["tokenizer"] = None
+    cfg = load_config(write_config(tmp_path, tree))
+    with pytest.raises(DistillError, match="^teacher.chat_template: read only for data.format"):
+        check_cross_tokenizer(cfg)
+
+
+@pytest.mark.slow  # a CLI run with its compiles: about 40 s on two shared cores
+def test_short_run_on_chat_across_tokenizers(tiny_run, tmp_path, bpe):
+    """`distill run` on conversations: the tiny run's byte-level teacher, rendering them with
+    a Llama-3-style template of its own, teaches a ChatML student with a BPE tokenizer; the
+    records report the aligned share, the evaluation bits per byte of the answers."""
+    from pipelines.commands.cli import main
+    from tests.conftest import read_evals, read_train, write_config
+
+    cfg = _chat_run_config(tiny_run.out / "teacher", tmp_path, bpe)
+    assert main(["run", write_config(tmp_path, cfg)]) == 0
+    train, evals = read_train(tmp_path / "out"), read_evals(tmp_path / "out")
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert np.isfinite(r["loss"]) and r["kd_loss"] > 0 and 0.8 < r["aligned_fraction"] <= 1
+    for e in evals:
+        assert 0 < e["student_bpb"] < 12 and 0 < e["teacher_bpb"] < 12
+        assert 0.8 < e["aligned_fraction"] <= 1.0
