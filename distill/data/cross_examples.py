@@ -154,11 +154,13 @@ def _tagged(keys: np.ndarray, piece: int) -> np.ndarray:
 
 def _align(s_keys: np.ndarray, t_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """[R, S] int32 teacher position of each student position whose key (+ 1; 0 none) a
-    teacher input position [R, T] shares and whose target the loss counts, else -1."""
+    teacher input position [R, T] shares and whose target the loss counts (``mask`` [R, S]
+    bool), else -1."""
     flat = t_keys.reshape(-1)
     order = np.argsort(flat, kind="stable")
-    at = np.clip(np.searchsorted(flat[order], s_keys), 0, max(len(flat) - 1, 0))
-    hit = (s_keys > 0) & (flat[order][at] == s_keys) & (mask > 0)
+    ranked = flat[order]
+    at = np.clip(np.searchsorted(ranked, s_keys), 0, max(len(flat) - 1, 0))
+    hit = (s_keys > 0) & (ranked[at] == s_keys) & mask
     return np.where(hit, order[at] % t_keys.shape[1], -1).astype(np.int32)
 
 
@@ -171,8 +173,8 @@ def split_rows(student: ExampleRows, t_rows: list, keys: np.ndarray, length: int
         pieces, layout, length + 1, (np.int32, bool, np.int64)
     )
     t_ids[~t_real] = pad_id
-    mask = student.gather(np.arange(len(student))).mask
-    align = _align(keys[:, :-1], t_keys[:, :-1], mask)
+    counted = student.train[:, 1:] & student.real[:, 1:] & ~student.starts[:, 1:]  # the mask
+    align = _align(keys[:, :-1], t_keys[:, :-1], counted)
     return CrossRows(student, t_ids, t_starts, t_real, align, t_train=t_train)
 
 
