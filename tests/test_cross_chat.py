@@ -303,7 +303,6 @@ def test_preflight_reads_chat_across_tokenizers(tmp_path, bpe):
         check_cross_tokenizer(cfg)
 
 
-@pytest.mark.slow  # a CLI run with its compiles: about 40 s on two shared cores
 def test_short_run_on_chat_across_tokenizers(tiny_run, tmp_path, bpe):
     """`distill run` on conversations: the tiny run's byte-level teacher, rendering them with
     a Llama-3-style template of its own, teaches a ChatML student with a BPE tokenizer; the
