@@ -14,10 +14,11 @@ from distill import storage
 from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.data.cross_examples import cross_example_corpus
 from distill.data.cross_rows import cross_corpus
 from distill.data.pipeline import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
-from distill.data.tokenizers import load_tokenizer
+from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit, check_hosts
 from distill.models import hf
@@ -136,14 +137,26 @@ def preflight_shapes(cfg: Config) -> None:
 def check_cross_tokenizer(cfg: Config) -> None:
     """A teacher tokenizer of its own (teacher.tokenizer) works with what is built for it:
     a dense or top-k teacher, online or from its cache, in local or ray mode, on-policy or
-    not, on text data, with the teacher already trained (its bootstrap reads the data in its
-    own tokens, which a cross-tokenizer corpus is not)."""
+    not, with the teacher already trained (its bootstrap reads the data in its own tokens,
+    which a cross-tokenizer corpus is not); its own chat template (teacher.chat_template)
+    only for chat data across tokenizers."""
+    if cfg.teacher.chat_template is not None and not (
+        cfg.cross_tokenizer() and cfg.data.format == "chat"
+    ):
+        raise DistillError(
+            "teacher.chat_template: read only for data.format: chat with a teacher.tokenizer "
+            "of its own (else data.chat_template is both sides' template); remove it"
+        )
     if not cfg.cross_tokenizer():
         return
     refused = [
         ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
          "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
         ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),
+        ("distill.on_policy.fraction",
+         cfg.distill.on_policy.fraction > 0 and cfg.data.is_examples,
+         "text data (a sample of chat or prompt/completion data is not re-rendered with the "
+         "teacher's template)"),
         ("distill.cross_tokenizer: byte_path",
          cfg.distill.cross_tokenizer == "byte_path" and cfg.teacher.tokenizer != "bytes",
          "a byte-level teacher (teacher.tokenizer: bytes): it reads the teacher's positions "
@@ -186,10 +199,19 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
     return _corpus(cfg)
 
 
+def cross_tokenizer_corpus(cfg: Config) -> tuple[Corpus, Tokenizer]:
+    """The student's rows with the teacher's own tokens of every row's text, aligned (each
+    side renders chat and prompt/completion records with its own template); with the
+    teacher's tokenizer. Local mode and every Ray actor read it so."""
+    teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
+    if cfg.data.is_examples:
+        return cross_example_corpus(cfg.data, cfg.train.seq_len, teacher, cfg.teacher), teacher
+    return cross_corpus(cfg.data, cfg.train.seq_len, teacher), teacher
+
+
 def _corpus(cfg: Config) -> Corpus:
-    if cfg.cross_tokenizer():  # the teacher's own tokens of every row's text, aligned
-        teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
-        corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
+    if cfg.cross_tokenizer():
+        corpus, teacher = cross_tokenizer_corpus(cfg)
         if teacher.vocab_size > cfg.teacher.model.vocab_size:
             raise DistillError(
                 f"teacher.model.vocab_size: {cfg.teacher.model.vocab_size} is smaller than the "

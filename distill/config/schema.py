@@ -120,6 +120,12 @@ class TeacherConfig(Section):
         "tokenised by both, the teacher runs on its own tokens, and distill.cross_tokenizer "
         "compares the two vocabularies (docs/guides/cross-tokenizer.md).",
     )
+    chat_template: str | None = Field(
+        None,
+        description="Chat data across tokenizers (a teacher.tokenizer of its own): the teacher's "
+        "Jinja chat template file; None: the one saved beside teacher.tokenizer. Each side "
+        "renders the conversations with its own template.",
+    )
     microbatch: int | None = Field(
         None,
         ge=1,

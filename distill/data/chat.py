@@ -127,13 +127,14 @@ class ChatTemplate:
     text: str
     where: str  # the file it was read from, for error messages
     specials: dict[str, str]
+    key: str = "data.chat_template"  # the config key that names it, for error messages
 
     def __post_init__(self):
         self._env, self._tracker = _sandbox()
         try:
             self._template = self._env.from_string(self.text)
         except Exception as exc:
-            raise DistillError(f"data.chat_template: {self.where}: {_first_line(exc)}") from None
+            raise DistillError(f"{self.key}: {self.where}: {_first_line(exc)}") from None
         self.has_generation = bool(_GENERATION_TAG.search(self.text))
         quoted = set(re.findall(r"""['"](\w+)['"]""", self.text))
         self.roles = frozenset(BASE_ROLES) | {r for r in quoted if r not in BASE_ROLES}
@@ -220,36 +221,39 @@ def _specials(tokenizer) -> dict[str, str]:
     return named
 
 
-def load_template(cfg, tokenizer) -> ChatTemplate:
-    """The chat template of ``data.chat_template``, else the one saved beside the tokenizer.
+def load_template(cfg, tokenizer, role: str = "data") -> ChatTemplate:
+    """The chat template of ``cfg.chat_template``, else the one saved beside the tokenizer
+    ``cfg.tokenizer`` names; ``role``: the config section of both (``data``; ``teacher`` for
+    a teacher tokenizer of its own), for errors.
 
     A SentencePiece model is refused: it spells the special tokens a template writes
     (``<s>``, ``[INST]``, ...) out as text, where ``transformers`` gives their ids."""
+    tok_key, key = f"{role}.tokenizer", f"{role}.chat_template"
     if tokenizer.kind == "sentencepiece":
         (path,) = tokenizer.files
         raise DistillError(
-            f"data.tokenizer: {path} is a SentencePiece model, which encodes the special tokens "
+            f"{tok_key}: {path} is a SentencePiece model, which encodes the special tokens "
             "a chat template writes as plain text; chat data needs the model's tokenizer.json "
             "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) writes one)"
         )
     if cfg.chat_template is not None:
         path = Path(cfg.chat_template).expanduser()
         if not path.is_file():
-            raise DistillError(f"data.chat_template: no such file: {path}")
-        return ChatTemplate(path.read_text(), str(path), _specials(tokenizer))
+            raise DistillError(f"{key}: no such file: {path}")
+        return ChatTemplate(path.read_text(), str(path), _specials(tokenizer), key)
     for f in tokenizer.files:
         beside = Path(f).parent
         if (beside / "chat_template.jinja").is_file():
             path = beside / "chat_template.jinja"
-            return ChatTemplate(path.read_text(), str(path), _specials(tokenizer))
+            return ChatTemplate(path.read_text(), str(path), _specials(tokenizer), key)
         text = _configured_template(beside / "tokenizer_config.json")
         if text is not None:
             where = str(beside / "tokenizer_config.json")
-            return ChatTemplate(text, where, _specials(tokenizer))
+            return ChatTemplate(text, where, _specials(tokenizer), key)
     raise DistillError(
-        f"data.chat_template: data.format={cfg.format} needs a chat template and none is saved "
-        f"beside data.tokenizer={cfg.tokenizer} (chat_template.jinja, or chat_template in "
-        "tokenizer_config.json); set data.chat_template to a .jinja file"
+        f"{key}: chat data needs a chat template and none is saved "
+        f"beside {tok_key}={cfg.tokenizer} (chat_template.jinja, or chat_template in "
+        f"tokenizer_config.json); set {key} to a .jinja file"
     )
 
 

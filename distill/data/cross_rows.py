@@ -46,25 +46,29 @@ class CrossRows:
     """Student rows (`PackedRows`) with the teacher's rows of the same text and the
     alignment; ``gather`` returns a Batch whose ``teacher`` is a `TeacherView`.
 
-    Holds the teacher's ids, starts and real flags [R, T + 1] and align [R, S] int32.
+    Holds the teacher's ids, starts and real flags [R, T + 1] and align [R, S] int32; the
+    student's rows are `PackedRows`, or `ExampleRows` of conversations and pairs
+    (`distill.data.cross_examples`, whose teacher rows flag what its loss counts: `t_train`).
     """
 
-    def __init__(self, student: PackedRows, t_ids, t_starts, t_real, align):
+    def __init__(self, student: PackedRows, t_ids, t_starts, t_real, align, t_train=None):
         self.student = student
         self.t_ids, self.t_starts, self.t_real, self.align = t_ids, t_starts, t_real, align
+        self.t_train = t_real if t_train is None else t_train
         self.seq_len = student.seq_len
         self.teacher_len = t_ids.shape[1] - 1
         self.num_tokens = student.num_tokens
         self.num_documents = student.num_documents
         self.stream = student.stream  # what `distill.identity.data_hash` reads
-        self.doc_start = student.doc_start
+        self.doc_start = getattr(student, "doc_start", None)
+        self.num_long = getattr(student, "num_long", 0)
 
     def __len__(self) -> int:
         return len(self.student)
 
     def gather(self, rows: np.ndarray) -> Batch:
         rows = np.asarray(rows, dtype=np.int64)
-        teacher = flagged_batch(self.t_ids[rows], self.t_starts[rows], self.t_real[rows],
+        teacher = flagged_batch(self.t_ids[rows], self.t_starts[rows], self.t_train[rows],
                                 self.t_real[rows])  # fmt: skip
         return self.student.gather(rows)._replace(teacher=TeacherView(teacher, self.align[rows]))
 
@@ -221,11 +225,10 @@ def cross_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, progress=Non
     """Text documents tokenised by both tokenizers, held out as ``tokenize_corpus`` holds
     them out (by the student's tokens), packed into the student's rows with the teacher's
     rows of the same text and the alignment (``distill.data.cross_rows``)."""
-    if cfg.is_examples or cfg.prepared_dir is not None:
-        what = "data.format: " + cfg.format if cfg.is_examples else "data.prepared_dir"
+    if cfg.prepared_dir is not None:  # (conversations and pairs: distill.data.cross_examples)
         raise DistillError(
-            f"teacher.tokenizer: a teacher tokenizer of its own needs text documents read here;"
-            f" {what} is not supported across tokenizers yet"
+            "teacher.tokenizer: a teacher tokenizer of its own needs the documents read here;"
+            " data.prepared_dir is not supported across tokenizers yet"
         )
     student = build_tokenizer(cfg)
     texts = load_documents(cfg, student.vocab_size, progress)

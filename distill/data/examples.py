@@ -121,8 +121,8 @@ def records(
             )
 
 
-def _message_problem(messages, template: ChatTemplate, train_on: str) -> str | None:
-    """Why a conversation cannot be used, or None."""
+def _message_problem(messages, roles: frozenset, train_on: str) -> str | None:
+    """Why a conversation cannot be used (``roles``: those every template knows), or None."""
     if messages is None:
         return "without the field"
     if not isinstance(messages, list):
@@ -134,14 +134,14 @@ def _message_problem(messages, template: ChatTemplate, train_on: str) -> str | N
             return "with a message without a role"
         if not isinstance(m.get("content"), (str, list)) and not m.get("tool_calls"):
             return "with a message without content"
-        if m["role"] not in template.roles:
+        if m["role"] not in roles:
             return f"with a role the template does not know ('{m['role']}')"
     if train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
         return "with no assistant turn (data.train_on: assistant)"
     return None
 
 
-def _conversation(record, cfg: DataConfig, template: ChatTemplate, train_on: str):
+def _conversation(record, cfg: DataConfig, roles: frozenset, train_on: str):
     """(messages, tools, why the record cannot be used or None) of one record: ``tools`` is
     the record's ``data.tools_field`` (a list of JSON schemas, or one as a JSON string)."""
     if not isinstance(record, dict):
@@ -156,15 +156,17 @@ def _conversation(record, cfg: DataConfig, template: ChatTemplate, train_on: str
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         return messages, None, "whose tools are not a list of JSON schemas (data.tools_field)"
-    return messages, tools, _message_problem(messages, template, train_on)
+    return messages, tools, _message_problem(messages, roles, train_on)
 
 
-def _chat_records(cfg: DataConfig, paths, template: ChatTemplate, bad: BadRecords):
-    """(where, messages, tools, problem or None) of every record of ``paths``."""
+def _chat_records(cfg: DataConfig, paths, templates: tuple[ChatTemplate, ...], bad: BadRecords):
+    """(where, messages, tools, problem or None) of every record of ``paths``, its roles
+    known to each of ``templates``."""
+    roles = frozenset.intersection(*(t.roles for t in templates))
     for where, record in records(
         cfg, paths, [cfg.messages_field], "data.messages_field", bad, [cfg.tools_field]
     ):
-        yield where, *_conversation(record, cfg, template, cfg.train_on)
+        yield where, *_conversation(record, cfg, roles, cfg.train_on)
 
 
 def _render(template: ChatTemplate, messages: list, tools, where: str) -> tuple[str, list]:
@@ -173,31 +175,39 @@ def _render(template: ChatTemplate, messages: list, tools, where: str) -> tuple[
     except Exception as exc:  # the template's own errors: raise_exception, undefined names
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DistillError(
-            f"data.chat_template: {template.where} fails to render {where}: {first}"
+            f"{template.key}: {template.where} fails to render {where}: {first}"
         ) from None
 
 
-def _chat_texts(cfg: DataConfig, paths, template: ChatTemplate, bad: BadRecords):
-    """(rendered text, answer spans) of every usable conversation."""
-    out, budget = [], cfg.max_bytes
-    for where, messages, tools, problem in _chat_records(cfg, paths, template, bad):
+# One usable record: its (text, answer spans) through each template (one, for pairs, which
+# have none), and its answers' texts (the assistant's string contents; the completion).
+Rendered = tuple[tuple[tuple[str, list], ...], list[str]]
+
+
+def _chat_texts(cfg: DataConfig, paths, templates: tuple[ChatTemplate, ...], bad: BadRecords):
+    """The ``Rendered`` of every usable conversation (``data.max_bytes`` counts the first
+    template's text)."""
+    out: list[Rendered] = []
+    budget = cfg.max_bytes
+    for where, messages, tools, problem in _chat_records(cfg, paths, templates, bad):
         if problem is None:
-            text, spans = _render(template, messages, tools, where)
-            if cfg.train_on == "assistant" and not spans:
+            renders = tuple(_render(t, messages, tools, where) for t in templates)
+            if cfg.train_on == "assistant" and not renders[0][1]:
                 problem = "with no assistant turn (data.train_on: assistant)"
         if problem is not None:
             bad.add(problem, where)
             continue
-        out.append((text, spans if cfg.train_on == "assistant" else [(0, len(text))]))
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        out.append((renders, [a for a in answers if isinstance(a, str)]))
         if budget is not None:
-            budget -= len(text.encode("utf-8"))
+            budget -= len(renders[0][0].encode("utf-8"))
             if budget <= 0:
                 break
     return out
 
 
 def _pair_texts(cfg: DataConfig, paths, bad: BadRecords):
-    """(prompt + completion, [completion span]) of every usable pair."""
+    """The ``Rendered`` of every usable pair: prompt + completion, the completion's span."""
     fields = [cfg.prompt_field, cfg.completion_field]
     out, budget = [], cfg.max_bytes
     for where, record in records(cfg, paths, fields, "data.prompt_field", bad):
@@ -211,8 +221,7 @@ def _pair_texts(cfg: DataConfig, paths, bad: BadRecords):
             bad.add("with an empty completion", where)
             continue
         text = prompt + completion
-        start = 0 if cfg.train_on == "all" else len(prompt)
-        out.append((text, [(start, len(text))]))
+        out.append((((text, [(len(prompt), len(text))]),), [completion]))
         if budget is not None:
             budget -= len(text.encode("utf-8"))
             if budget <= 0:
@@ -220,31 +229,57 @@ def _pair_texts(cfg: DataConfig, paths, bad: BadRecords):
     return out
 
 
-def load_examples(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> list[Example]:
-    """Every usable example of ``paths`` in order, tokenised with its loss flags."""
+def read_examples(
+    cfg: DataConfig, paths: list[Path], templates: tuple[ChatTemplate, ...] = ()
+) -> list[Rendered]:
+    """The ``Rendered`` of every usable record of ``paths`` in order: conversations through
+    each of ``templates`` (chat), or pairs; malformed records counted and reported."""
+    bad = BadRecords()
+    if cfg.format == "chat":
+        texts = _chat_texts(cfg, paths, templates, bad)
+    else:
+        texts = _pair_texts(cfg, paths, bad)
+    bad.check(len(texts), cfg)
+    return texts
+
+
+def _check_offsets(cfg: DataConfig, tokenizer: Tokenizer) -> None:
     if not hasattr(tokenizer, "encode_offsets"):
         raise DistillError(
             f"data.tokenizer: data.format={cfg.format} needs character offsets, which a "
             f"{tokenizer.kind} tokenizer does not give; use a tokenizer.json or 'bytes'"
         )
-    bad = BadRecords()
+
+
+def tokenise_examples(
+    cfg: DataConfig, tokenizer: Tokenizer, renders: list[tuple[str, list]]
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Token ids [n] int32, loss flags [n] bool and character offsets [n, 2] int64 of each
+    rendered (text, answer spans); a pair is ``[BOS] + text + [EOS]`` (BOS at (0, 0), EOS at
+    (len, len)), its EOS trained on."""
+    _check_offsets(cfg, tokenizer)
     chat = cfg.format == "chat"
-    if chat:
-        texts = _chat_texts(cfg, paths, load_template(cfg, tokenizer), bad)
-    else:
-        texts = _pair_texts(cfg, paths, bad)
-    bad.check(len(texts), cfg)
-    examples = []
-    for lo in range(0, len(texts), _ENCODE_CHUNK):
-        chunk = texts[lo : lo + _ENCODE_CHUNK]
+    out = []
+    for lo in range(0, len(renders), _ENCODE_CHUNK):
+        chunk = renders[lo : lo + _ENCODE_CHUNK]
         encoded = tokenizer.encode_offsets([t for t, _ in chunk])
-        for (_, spans), (ids, offsets) in zip(chunk, encoded, strict=True):
-            train = trained_tokens(offsets, spans)
+        for (text, spans), (ids, offsets) in zip(chunk, encoded, strict=True):
+            counted = spans if cfg.train_on == "assistant" else [(0, len(text))]
+            train = trained_tokens(offsets, counted)
             if not chat:  # a pair is one document: [BOS] + text + [EOS], EOS trained on
                 ids = np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]])
                 train = np.concatenate([[False], train, [True]])
-            examples.append((ids.astype(np.int32), train))
-    return examples
+                offsets = np.concatenate([[[0, 0]], offsets.reshape(-1, 2), [[len(text)] * 2]])
+            out.append((ids.astype(np.int32), train, offsets.astype(np.int64).reshape(-1, 2)))
+    return out
+
+
+def load_examples(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> list[Example]:
+    """Every usable example of ``paths`` in order, tokenised with its loss flags."""
+    _check_offsets(cfg, tokenizer)
+    templates = (load_template(cfg, tokenizer),) if cfg.format == "chat" else ()
+    renders = [r[0] for r, _ in read_examples(cfg, paths, templates)]
+    return [(ids, train) for ids, train, _ in tokenise_examples(cfg, tokenizer, renders)]
 
 
 def conversation_prompts(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> list[str]:
@@ -252,7 +287,7 @@ def conversation_prompts(cfg: DataConfig, paths: list[Path], tokenizer: Tokenize
     turn, rendered with the template's generation prompt (the student answers from there)."""
     template, bad = load_template(cfg, tokenizer), BadRecords()
     out = []
-    for where, messages, tools, problem in _chat_records(cfg, paths, template, bad):
+    for where, messages, tools, problem in _chat_records(cfg, paths, (template,), bad):
         if problem is not None or not any(m["role"] == "assistant" for m in messages):
             continue  # counted and reported when the corpus was read
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -261,6 +296,6 @@ def conversation_prompts(cfg: DataConfig, paths: list[Path], tokenizer: Tokenize
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise DistillError(
-                f"data.chat_template: {template.where} fails to render {where}: {first}"
+                f"{template.key}: {template.where} fails to render {where}: {first}"
             ) from None
     return out

@@ -25,28 +25,39 @@ from distill.data.corpus import row_at, rows_batch
 from distill.types import Batch
 
 
-def fit_examples(
-    examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, split_long: bool
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """Examples (ids [n], train [n] bool) that fit a row of S+1 slots: longer ones cut to
-    S+1 tokens, or split into windows of S+1 overlapping by one token; a cut or window with
-    no token to learn is left out. Returns them and how many were longer than a row."""
+def fit_pieces(
+    trains: list[np.ndarray], seq_len: int, split_long: bool
+) -> tuple[list[tuple[int, int, int]], int]:
+    """The pieces (example, first token, end token) of examples with train flags ``trains``
+    ([n] bool each) that fit a row of S+1 slots: a whole example, the first S+1 tokens of a
+    longer one, or windows of S+1 overlapping by one token; a cut or window with no token to
+    learn is left out. Returns them and how many examples were longer than a row."""
     cap = seq_len + 1
     out, long = [], 0
-    for ids, train in examples:
-        if len(ids) <= cap:
-            out.append((ids, train))
+    for i, train in enumerate(trains):
+        n = len(train)
+        if n <= cap:
+            out.append((i, 0, n))
             continue
         long += 1
         if not split_long:
             if train[1:cap].any():  # a cut that kept nothing to learn is left out
-                out.append((ids[:cap], train[:cap]))
+                out.append((i, 0, cap))
             continue
-        for lo in range(0, len(ids) - 1, seq_len):
-            piece = slice(lo, lo + cap)
-            if train[piece][1:].any():  # a window with nothing to learn is left out
-                out.append((ids[piece], train[piece]))
+        for lo in range(0, n - 1, seq_len):
+            hi = min(lo + cap, n)
+            if train[lo + 1 : hi].any():  # a window with nothing to learn is left out
+                out.append((i, lo, hi))
     return out, long
+
+
+def fit_examples(
+    examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, split_long: bool
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """Examples (ids [n], train [n] bool) that fit a row of S+1 slots (``fit_pieces``), and
+    how many were longer than a row."""
+    pieces, long = fit_pieces([train for _, train in examples], seq_len, split_long)
+    return [(examples[i][0][lo:hi], examples[i][1][lo:hi]) for i, lo, hi in pieces], long
 
 
 def best_fit(lengths: np.ndarray, cap: int) -> list[list[int]]:
@@ -99,20 +110,8 @@ class ExampleRows:
     ) -> ExampleRows:
         """Pack ``examples`` (ids [n] int32, train [n] bool) into rows of ``seq_len``."""
         fitted, num_long = fit_examples(examples, seq_len, split_long)
-        lengths = np.array([len(ids) for ids, _ in fitted], dtype=np.int64)
-        rows = best_fit(lengths, seq_len + 1)
-        shape = (len(rows), seq_len + 1)
-        ids = np.zeros(shape, np.int32)
-        starts, train, real = (np.zeros(shape, bool) for _ in range(3))
-        for r, members in enumerate(rows):
-            at = 0
-            for i in members:
-                e_ids, e_train = fitted[i]
-                ids[r, at : at + len(e_ids)] = e_ids
-                train[r, at : at + len(e_ids)] = e_train
-                starts[r, at] = True
-                at += len(e_ids)
-            real[r, :at] = True
+        rows = best_fit(np.array([len(ids) for ids, _ in fitted], np.int64), seq_len + 1)
+        ids, train, starts, real = lay_out(fitted, rows, seq_len + 1, (np.int32, bool))
         return cls(ids, starts, train, real, len(examples), num_long)
 
     def __len__(self) -> int:
@@ -131,6 +130,26 @@ class ExampleRows:
         return flagged_batch(*self.windows(rows))
 
 
+def lay_out(pieces: list[tuple[np.ndarray, ...]], rows: list[list[int]], width: int, dtypes):
+    """Rows of pieces, each piece a tuple of [n] arrays (ids, flags, ...) of ``dtypes``: the
+    arrays [R, width] (each piece after the one before it in its row, zero after), then the
+    flags [R, width] bool ``starts`` (a piece's first slot) and ``real`` (not padding)."""
+    shape = (len(rows), width)
+    planes = [np.zeros(shape, dtype) for dtype in dtypes]
+    starts, real = np.zeros(shape, bool), np.zeros(shape, bool)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            n = len(pieces[i][0])
+            for plane, values in zip(planes, pieces[i], strict=True):
+                plane[r, at : at + n] = values
+            if n:
+                starts[r, at] = True
+            at += n
+        real[r, :at] = True
+    return (*planes, starts, real)
+
+
 def flagged_batch(ids, starts, train, real) -> Batch:
     """The Batch [B, S] of rows given as ids and the flags starts, train, real [B, S+1]."""
     b = rows_batch(ids, starts)
@@ -144,7 +163,9 @@ def flagged_batch(ids, starts, train, real) -> Batch:
 
 def packing_stats(rows) -> dict:
     """Packing efficiency of rows (in memory): the share of the rows' S target positions that
-    are real tokens, and of those the share the loss counts."""
+    are real tokens, and of those the share the loss counts (of the student's rows, for
+    cross-tokenizer rows)."""
+    rows = getattr(rows, "student", rows)
     positions = len(rows) * rows.seq_len
     if isinstance(rows, ExampleRows):
         real = int(rows.real[:, 1:].sum())

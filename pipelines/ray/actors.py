@@ -148,14 +148,12 @@ class _Member:
     def _load_data(self, cfg):
         """This process's own copy of the corpus (rows read by index, from
         `data.prepared_dir` on demand when set; with a teacher tokenizer of its own, the
-        teacher's rows of each row's text and the alignment, `distill.data.cross_rows`)."""
-        from distill.data.cross_rows import cross_corpus
+        teacher's rows of each row's text and the alignment, as local mode reads them)."""
         from distill.data.pipeline import load_corpus
-        from distill.data.tokenizers import load_tokenizer
+        from pipelines.preflight import cross_tokenizer_corpus
 
         if cfg.cross_tokenizer():
-            teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
-            corpus = cross_corpus(cfg.data, cfg.train.seq_len, teacher)
+            corpus, _ = cross_tokenizer_corpus(cfg)
         else:
             corpus = load_corpus(cfg.data, cfg.train.seq_len)
         self._reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
