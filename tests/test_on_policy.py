@@ -80,14 +80,15 @@ def test_on_policy_resume_is_exact(on_policy_run, tmp_path):
     )
 
 
-def test_fraction_zero_is_the_off_policy_run_bit_for_bit(tmp_path, corpus_dir):
-    """On-policy keys at fraction 0 (and the evaluation's sampling) change nothing trained."""
-    base = tiny_config(str(corpus_dir), str(tmp_path / "a"), train={"steps": 4})
+def test_fraction_zero_is_the_off_policy_run_bit_for_bit(tiny_run, tmp_path, corpus_dir):
+    """On-policy keys at fraction 0 (and the evaluation's sampling) change nothing trained:
+    the shared tiny run's records, from its teacher."""
     keys = {"on_policy": {"fraction": 0.0, "temperature": 0.7, "max_new_tokens": 5}}
-    zero = tiny_config(str(corpus_dir), str(tmp_path / "b"), train={"steps": 4}, distill=keys)
-    assert main(["run", _write(tmp_path, base, "a.yaml")]) == 0
+    zero = tiny_config(str(corpus_dir), str(tmp_path / "b"), distill=keys)
+    zero["teacher"]["checkpoint"] = str(tiny_run.out / "teacher")
     assert main(["run", _write(tmp_path, zero, "b.yaml")]) == 0
-    a, b = _train(tmp_path / "a"), _train(tmp_path / "b")
+    a, b = _train(tiny_run.out), _train(tmp_path / "b")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
     assert "on_policy" not in a[0]
