@@ -401,7 +401,7 @@ def make_loss_fn(
         if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
             return cross_losses.cross_kd_loss_chunked(
                 x, head, teacher_out.logprobs, batch.teacher.align, batch.targets, batch.mask,
-                loss_cfg, vmap=cross.vmap, method=cross.method, **kw,
+                loss_cfg, vmap=cross.vmap, method=cross.method, inputs_bs=batch.tokens, **kw,
             )  # fmt: skip
         cfg_here = loss_cfg
         if isinstance(batch, Continuations):  # the student's own samples: no CE on them

@@ -213,10 +213,11 @@ def test_uld_loss_and_gradient():
     np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["mapped", "uld", "byte_path"])
+@pytest.mark.parametrize("method", ["mapped", "uld", "first_byte", "byte_path"])
 def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     """`cross_kd_loss_chunked` over chunks of 3 positions equals the per-token formula on
-    the whole logits, unaligned positions out of the divergence but in the CE."""
+    the whole logits, unaligned positions out of the divergence but in the CE; first_byte
+    and byte_path read the input tokens (the teacher conditioned on the boundary)."""
     b, s, t_len, d, vs, vt = 2, 7, 11, 8, 320, 259
     x = jax.random.normal(jax.random.key(6), (b, s, d))
     head = jax.random.normal(jax.random.key(7), (d, vs))
@@ -225,11 +226,17 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     targets = jax.random.randint(jax.random.key(9), (b, s), 0, vs)
     mask = jnp.ones((b, s)).at[1, 6].set(0.0)
     cfg = DistillLossConfig(temperature=1.0, alpha=0.7)
-    kinds = {"mapped": VocabMap, "byte_path": BytePaths}
+    kinds = {"mapped": VocabMap, "first_byte": FirstBytes, "byte_path": BytePaths}
     vmap = kinds[method].between(ByteTokenizer(), bpe, vt, vs) if method in kinds else None
+    inputs = None
+    if method in ("first_byte", "byte_path"):
+        rows = _rows(bpe, ByteTokenizer())
+        vmap = vmap.after_tokens(rows.stream, rows.doc_start)
+        inputs = jnp.asarray(rows.stream[: b * s].reshape(b, s))
     loss, m = xl.cross_kd_loss_chunked(
-        x, head, lp_t, align, targets, mask, cfg, vmap=vmap, method=method, chunk=3
-    )
+        x, head, lp_t, align, targets, mask, cfg, vmap=vmap, method=method, chunk=3,
+        inputs_bs=inputs,
+    )  # fmt: skip
     z = x @ head
     lp_s = xl.at_student_positions(lp_t, align)
     if method == "byte_path":  # the teacher's bytes at the positions after the aligned one
@@ -238,10 +245,10 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
         assert ins["deep_ok"][0].tolist() == [True, False, True, True, True, True, False]
         flat = [a.reshape(b * s, *a.shape[2:]) for a in (lp_s, jax.nn.log_softmax(z), ins["path"])]
         kd = xl.byte_path_divergence(
-            *flat, targets.reshape(-1), ins["deep_ok"].reshape(-1), cfg, vmap
+            *flat, targets.reshape(-1), ins["deep_ok"].reshape(-1), cfg, vmap, inputs.reshape(-1)
         ).reshape(b, s)
     else:
-        kd = xl.cross_divergence(z, lp_s, cfg, vmap, method)
+        kd = xl.cross_divergence(z, lp_s, cfg, vmap, method, inputs)
     w = mask * (align >= 0)
     want_kd = jnp.sum(kd * w) / jnp.sum(w)
     ce = jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, targets[..., None], -1)[..., 0]
@@ -345,6 +352,60 @@ def test_first_byte_loss_and_gradient_match_a_dense_projection(bpe):
     zb = _logits(12, (2, 3, 259))
     got = xl.cross_divergence(zb, lp, cfg, same, "first_byte")
     np.testing.assert_allclose(got, kd_divergence(zb, TeacherOutput(lp), cfg), rtol=1e-5)
+
+
+def _boundary_table(bpe, vs=320):
+    """`FirstBytes` of the byte teacher and `bpe` with `follows` read from the hand-made
+    texts packed as a student stream, and that stream."""
+    rows = _rows(bpe, ByteTokenizer())
+    fb = FirstBytes.between(ByteTokenizer(), bpe, 259, vs)
+    return fb.after_tokens(rows.stream, rows.doc_start), rows
+
+
+def test_first_byte_follows_are_the_successors_in_the_text(bpe):
+    """`follows` holds exactly the first-byte buckets of each token's successors within a
+    document (EOS included, the next document's BOS not)."""
+    fb, rows = _boundary_table(bpe)
+    want = np.zeros_like(fb.follows)
+    stream, starts = rows.stream, rows.doc_start
+    for i in range(len(stream) - 1):
+        if not starts[i + 1]:
+            want[stream[i], fb.student[stream[i + 1]]] = True
+    np.testing.assert_array_equal(fb.follows, want)
+    spaces = token_bytes(bpe).index(b"  ")  # a run of spaces is followed by " word"
+    assert fb.follows[spaces].nonzero()[0].tolist() == [ord(" ")]
+    assert not fb.follows[:, 256].any()  # BOS never follows within a document
+
+
+@pytest.mark.parametrize("cfg", LOSSES[::2], ids=lambda c: c.loss)
+def test_first_byte_at_the_boundary_matches_a_dense_reference(cfg, bpe):
+    """With `follows`, both next-byte distributions renormalised over the buckets that
+    follow each input token (explicit 0/1 matrices and masks as the reference), its
+    gradient too; a token never seen followed keeps every bucket."""
+    fb, _ = _boundary_table(bpe)
+    sb = token_bytes(bpe)
+    unseen = int(np.flatnonzero(~fb.follows.any(axis=-1))[-1])  # never followed in the text
+    inputs = jnp.array([[sb.index(b"  "), sb.index(b" the")], [bpe.bos_id, unseen]])
+    z, lp = _logits(16, (2, 2, 320)), jax.nn.log_softmax(_logits(17, (2, 2, 259)))
+    keep = np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
+    allowed = fb.follows[:, keep][np.asarray(inputs)]
+    allowed[1, 1] = True
+
+    def ref(z):
+        onto = lambda b: (b[:, None] == keep[None, :]).astype(np.float32)  # noqa: E731
+        p = jnp.exp(lp) @ onto(fb.teacher) * allowed
+        q = jax.nn.softmax(z / cfg.temperature) @ onto(fb.student) * allowed
+        p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+        logit = lambda x: jnp.log(jnp.maximum(x, 1e-30))  # noqa: E731
+        return jnp.sum(kd_divergence(logit(q) * cfg.temperature, TeacherOutput(logit(p)), cfg))
+
+    f = lambda z: jnp.sum(xl.cross_divergence(z, lp, cfg, fb, "first_byte", inputs))  # noqa: E731
+    np.testing.assert_allclose(f(z), ref(z), rtol=2e-5)
+    g = jax.grad(f)(z)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, jax.grad(ref)(z), rtol=2e-4, atol=1e-6)
+    plain = xl.cross_divergence(z, lp, cfg, fb, "first_byte")  # no inputs: every bucket
+    assert abs(float(f(z)) - float(jnp.sum(plain))) > 1e-3
 
 
 def _dense_byte_path(z, lp, lp_path, targets, deep_ok, cfg, bpe):

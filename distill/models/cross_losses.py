@@ -92,27 +92,48 @@ def mapped_buckets(
     )
 
 
-def _by_first_byte(l_bsv: jax.Array, bucket: np.ndarray, keep: np.ndarray) -> jax.Array:
+def _by_first_byte(
+    l_bsv: jax.Array, bucket: np.ndarray, keep: np.ndarray, allowed: jax.Array | None
+) -> jax.Array:
     """Log-probs [..., len(keep)] of the buckets `keep`: the probabilities [..., V] of
-    `exp(l)` summed by bucket (ids of bucket -1 dropped), renormalised over `keep`."""
+    `exp(l)` summed by bucket (ids of bucket -1 dropped), renormalised over `keep`, or over
+    the `allowed` ones [..., len(keep)] bool (PADDED_LOGIT on the others)."""
     seg = np.where(bucket >= 0, bucket, FirstBytes.size)
     p = jnp.exp(l_bsv).reshape(-1, l_bsv.shape[-1]).T  # [V, N]: segments on the leading axis
     summed = jax.ops.segment_sum(p, jnp.asarray(seg), num_segments=FirstBytes.size + 1)
     kept = summed[jnp.asarray(keep)].T.reshape(*l_bsv.shape[:-1], len(keep))
-    kept = kept / jnp.maximum(jnp.sum(kept, axis=-1, keepdims=True), 1e-30)
-    return jnp.log(jnp.maximum(kept, 1e-30))
+    if allowed is None:
+        kept = kept / jnp.maximum(jnp.sum(kept, axis=-1, keepdims=True), 1e-30)
+        return jnp.log(jnp.maximum(kept, 1e-30))
+    return _renormalised(kept, allowed)
+
+
+def _allowed(fb: FirstBytes, keep: np.ndarray, inputs: jax.Array | None) -> jax.Array | None:
+    """[..., len(keep)] bool: the buckets that can follow each student input token (`inputs`
+    [...] ids, `FirstBytes.follows`); every bucket for a token never seen followed."""
+    if fb.follows is None or inputs is None:
+        return None
+    table = fb.follows[:, keep]
+    table = table | ~table.any(axis=-1, keepdims=True)
+    return jnp.asarray(table)[inputs]
 
 
 def first_byte_buckets(
-    lp_bsw: jax.Array, lq_bsv: jax.Array, fb: FirstBytes
+    lp_bsw: jax.Array, lq_bsv: jax.Array, fb: FirstBytes, inputs: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Both distributions as next-byte distributions: each token's probability summed into
     the bucket of its first byte (`FirstBytes`), over the buckets both vocabularies reach,
     each side renormalised over them. Exact for a byte-level teacher (its distribution is
     the next byte's), and consistent with the student's targets: the student's next token
-    starts with the byte the teacher predicts."""
+    starts with the byte the teacher predicts. With `fb.follows` and the student's input
+    tokens `inputs` [...], both sides are renormalised over the buckets that can follow
+    each input token: the teacher conditioned on the student's token boundary."""
     keep = np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
-    return _by_first_byte(lp_bsw, fb.teacher, keep), _by_first_byte(lq_bsv, fb.student, keep)
+    allowed = _allowed(fb, keep, inputs)
+    return (
+        _by_first_byte(lp_bsw, fb.teacher, keep, allowed),
+        _by_first_byte(lq_bsv, fb.student, keep, allowed),
+    )
 
 
 def _renormalised(p: jax.Array, valid: jax.Array) -> jax.Array:
@@ -167,12 +188,14 @@ def byte_path_divergence(
     deep_ok_n: jax.Array,
     cfg: DistillLossConfig,
     bp: BytePaths,
+    inputs_n: jax.Array | None = None,
 ) -> jax.Array:
     """[n] the first-byte divergence (depth 0) plus, along the target token's bytes, the
     divergence of the next-byte distributions after each of its first d bytes (the chain
     rule of the divergence between distributions over byte strings, read along the observed
-    path). lp_v [n, Vt] the teacher at the aligned position, lq_v [n, Vs] the student."""
-    first = _divergence(*first_byte_buckets(lp_v, lq_v, bp.first), cfg)
+    path). lp_v [n, Vt] the teacher at the aligned position, lq_v [n, Vs] the student;
+    inputs_n [n] the student's input tokens (`first_byte_buckets`)."""
+    first = _divergence(*first_byte_buckets(lp_v, lq_v, bp.first, inputs_n), cfg)
     lp, lq, counts = byte_path_buckets(lq_v, lp_ndb, targets_n, deep_ok_n, bp)
     deeper = jnp.where(counts, _divergence(lp, lq, cfg), 0.0)
     return first + jnp.sum(deeper, axis=-1)
@@ -194,16 +217,19 @@ def cross_divergence(
     cfg: DistillLossConfig,
     vmap: VocabMap | None,
     method: str,
+    inputs: jax.Array | None = None,
 ) -> jax.Array:
     """Per-token divergence [...] between the teacher's log-probs [..., Vt] (at T) and the
-    student's logits [..., Vs] / T, by `method` (`METHODS`; ``mapped`` needs `vmap`)."""
+    student's logits [..., Vs] / T, by `method` (`METHODS`; ``mapped`` needs `vmap`;
+    ``first_byte`` reads the student's input tokens `inputs` [...], see
+    `first_byte_buckets`)."""
     zt = student_logits.astype(jnp.float32) / cfg.temperature
     lq = zt - jax.nn.logsumexp(zt, axis=-1, keepdims=True)
     lp = jax.lax.stop_gradient(teacher_lp.astype(jnp.float32))
     if method == "uld":
         return uld_distance(lp, lq)
     if method == "first_byte":
-        return _divergence(*first_byte_buckets(lp, lq, vmap), cfg)
+        return _divergence(*first_byte_buckets(lp, lq, vmap, inputs), cfg)
     if method != "mapped":
         raise ValueError(f"cross-tokenizer method {method!r}, expected one of {METHODS}")
     lp, lq = mapped_buckets(lp, lq, vmap)
@@ -239,7 +265,7 @@ def _byte_path_tokens(z_bcv: jax.Array, t: Tree, cfg: DistillLossConfig, bp: Byt
     flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
     kd = byte_path_divergence(
         flat(t["lp"].astype(jnp.float32)), flat(lq), flat(t["path"]), flat(t["targets"]),
-        flat(t["deep_ok"]), cfg, bp,
+        flat(t["deep_ok"]), cfg, bp, flat(t["inputs"]) if "inputs" in t else None,
     )  # fmt: skip
     return kd.reshape(z_bcv.shape[:2])
 
@@ -259,18 +285,23 @@ def cross_kd_loss_chunked(
     chunk: int | None = None,
     compute_dtype=jnp.float32,
     softcap: float | None = None,
+    inputs_bs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """loss = alpha * T^2 * KD + (1 - alpha) * CE with KD across vocabularies, from the
     student's hidden states a chunk of positions at a time (`distill.models.vocab_loss`).
 
     teacher_lp_btw: the teacher's dense log-probs [B, T, Vt] on its own rows; align_bs
-    [B, S] int32: the teacher position of each student position, -1 unmatched. KD is the
-    mean over masked, aligned positions; CE the mean over masked ones. Metrics as
-    `kd_loss` plus "aligned_fraction" (aligned share of the masked positions)."""
+    [B, S] int32: the teacher position of each student position, -1 unmatched; inputs_bs
+    [B, S]: the student's input tokens, which ``first_byte`` and ``byte_path`` condition
+    the teacher's next byte on (`first_byte_buckets`). KD is the mean over masked, aligned
+    positions; CE the mean over masked ones. Metrics as `kd_loss` plus "aligned_fraction"
+    (aligned share of the masked positions)."""
     teacher_lp_btw = jax.lax.stop_gradient(teacher_lp_btw)
     lp = at_student_positions(teacher_lp_btw, align_bs)
     aligned = (align_bs >= 0).astype(jnp.float32)
     per_token = {"targets": targets_bs, "aligned": aligned}
+    if inputs_bs is not None:
+        per_token["inputs"] = inputs_bs
     if method == "byte_path":
         per_token.update(byte_path_inputs(teacher_lp_btw, align_bs, vmap))
 
@@ -278,7 +309,7 @@ def cross_kd_loss_chunked(
         if method == "byte_path":
             kd = _byte_path_tokens(z_bcv, t, cfg, vmap)
         else:
-            kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method)
+            kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method, t.get("inputs"))
         return {
             "kd": jnp.where(t["aligned"] > 0, kd, 0.0),
             "ce": _token_ce(z_bcv, t["targets"]),
