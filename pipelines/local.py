@@ -68,6 +68,8 @@ def cross_spec(cfg: Config, corpus: Corpus) -> CrossSpec | None:
             corpus.teacher, corpus.tokenizer, cfg.teacher.model.vocab_size,
             cfg.student_model().vocab_size,
         )  # fmt: skip
+    if cfg.distill.cross_boundary and method in ("first_byte", "byte_path"):
+        vmap = vmap.after_tokens(*corpus.train.successions())
     return CrossSpec(method, vmap, corpus.teacher.vocab_size)
 
 

@@ -404,7 +404,8 @@ def make_loss_fn(
         if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
             return cross_losses.cross_kd_loss_chunked(
                 x, head, teacher_out, batch.teacher.align, batch.targets, batch.mask, cfg_here,
-                vmap=cross.vmap, method=cross.method, teacher_live=cross.teacher_live, **kw,
+                vmap=cross.vmap, method=cross.method, teacher_live=cross.teacher_live,
+                inputs_bs=batch.tokens, **kw,
             )  # fmt: skip
         return vocab_loss.kd_loss_chunked(
             x, head, teacher_out, batch.targets, batch.mask, cfg_here, **kw

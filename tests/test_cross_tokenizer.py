@@ -123,6 +123,47 @@ def test_alignment_sentencepiece_style_against_byte_level(bpe, metaspace):
     _check_alignment(metaspace, bpe, 0.3)
 
 
+def test_teacher_rows_score_as_the_text_alone(bpe):
+    """A byte-level teacher's NLL of each cross row (its rows, positions, segments and mask
+    as the loss and eval read them) equals its NLL of the row's text rebuilt from the
+    student's tokens, each document's stretch run alone from position 0 (rows cut inside a
+    character, whose teacher rows hold the whole character or none of it, left out)."""
+    from distill.config import ModelConfig
+    from distill.models import model
+
+    mc = ModelConfig(vocab_size=259, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    params = model.init_params(mc, 0)
+
+    @jax.jit
+    def nll(tokens, seg, pos, targets, mask):
+        lp = jax.nn.log_softmax(model.apply(mc, params, tokens, seg, pos), axis=-1)
+        got = -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(jnp.where(mask > 0, got, 0.0), axis=-1)
+
+    rows, byte = _rows(bpe, ByteTokenizer()), ByteTokenizer()
+    t = rows.gather(np.arange(len(rows))).teacher.rows
+    got = np.asarray(nll(t.tokens, t.segment_ids, t.positions, t.targets, t.mask))
+    special = {bpe.bos_id: [byte.bos_id], bpe.eos_id: [byte.eos_id]}
+    sb, width = token_bytes(bpe), t.tokens.shape[1] + 1
+    alone, owner = [], []  # each document's stretch of each whole-character row, its row
+    for r in range(len(rows)):
+        ids, starts = (a[0] for a in rows.student.windows(np.array([r])))
+        text = b"".join(sb[i] or b"" for i in ids)
+        if text.decode("utf-8", "replace").encode() != text:
+            continue  # cut inside a character
+        for part in np.split(ids, np.flatnonzero(starts[1:]) + 1):
+            seq = np.concatenate([special.get(i, np.frombuffer(sb[i] or b"", np.uint8) + 3)
+                                  for i in part]).astype(np.int32)  # fmt: skip
+            alone.append(np.pad(seq, (0, width - len(seq)))), owner.append(r)
+    seq, n = np.stack(alone), np.array([np.count_nonzero(a) for a in alone]) - 1
+    live = np.arange(width - 1)[None] < n[:, None]
+    pos = np.broadcast_to(np.arange(width - 1), live.shape)
+    want = nll(seq[:, :-1], live.astype(np.int32), pos * live, seq[:, 1:], live)
+    compared = np.unique(owner)
+    assert len(compared) >= len(rows) // 2
+    np.testing.assert_allclose(got[compared], np.bincount(owner, want)[compared], rtol=1e-5)
+
+
 def test_vocab_map_spells_the_same_bytes(bpe):
     vmap = VocabMap.between(ByteTokenizer(), bpe, 259, 320)
     sb, tb = token_bytes(bpe), token_bytes(ByteTokenizer())
@@ -213,10 +254,11 @@ def test_uld_loss_and_gradient():
     np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["mapped", "uld", "byte_path"])
+@pytest.mark.parametrize("method", ["mapped", "uld", "first_byte", "byte_path"])
 def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     """`cross_kd_loss_chunked` over chunks of 3 positions equals the per-token formula on
-    the whole logits, unaligned positions out of the divergence but in the CE."""
+    the whole logits, unaligned positions out of the divergence but in the CE; first_byte
+    and byte_path read the input tokens (the teacher conditioned on the boundary)."""
     b, s, t_len, d, vs, vt = 2, 7, 11, 8, 320, 259
     x = jax.random.normal(jax.random.key(6), (b, s, d))
     head = jax.random.normal(jax.random.key(7), (d, vs))
@@ -225,11 +267,17 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     targets = jax.random.randint(jax.random.key(9), (b, s), 0, vs)
     mask = jnp.ones((b, s)).at[1, 6].set(0.0)
     cfg = DistillLossConfig(temperature=1.0, alpha=0.7)
-    kinds = {"mapped": VocabMap, "byte_path": BytePaths}
+    kinds = {"mapped": VocabMap, "first_byte": FirstBytes, "byte_path": BytePaths}
     vmap = kinds[method].between(ByteTokenizer(), bpe, vt, vs) if method in kinds else None
+    inputs = None
+    if method in ("first_byte", "byte_path"):
+        rows = _rows(bpe, ByteTokenizer())
+        vmap = vmap.after_tokens(rows.stream, rows.doc_start)
+        inputs = jnp.asarray(rows.stream[: b * s].reshape(b, s))
     loss, m = xl.cross_kd_loss_chunked(
-        x, head, TeacherOutput(lp_t), align, targets, mask, cfg, vmap=vmap, method=method, chunk=3
-    )
+        x, head, TeacherOutput(lp_t), align, targets, mask, cfg, vmap=vmap, method=method,
+        chunk=3, inputs_bs=inputs,
+    )  # fmt: skip
     z = x @ head
     lp_s = xl.at_student_positions(lp_t, align)
     if method == "byte_path":  # the teacher's bytes at the positions after the aligned one
@@ -238,10 +286,10 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
         assert ins["deep_ok"][0].tolist() == [True, False, True, True, True, True, False]
         flat = [a.reshape(b * s, *a.shape[2:]) for a in (lp_s, jax.nn.log_softmax(z), ins["path"])]
         kd = xl.byte_path_divergence(
-            *flat, targets.reshape(-1), ins["deep_ok"].reshape(-1), cfg, vmap
+            *flat, targets.reshape(-1), ins["deep_ok"].reshape(-1), cfg, vmap, inputs.reshape(-1)
         ).reshape(b, s)
     else:
-        kd = xl.cross_divergence(z, lp_s, cfg, vmap, method)
+        kd = xl.cross_divergence(z, lp_s, cfg, vmap, method, inputs)
     w = mask * (align >= 0)
     want_kd = jnp.sum(kd * w) / jnp.sum(w)
     ce = jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, targets[..., None], -1)[..., 0]
@@ -348,6 +396,61 @@ def test_first_byte_loss_and_gradient_match_a_dense_projection(bpe):
     zb = _logits(12, (2, 3, 259))
     got = xl.cross_divergence(zb, lp, cfg, same, "first_byte")
     np.testing.assert_allclose(got, kd_divergence(zb, TeacherOutput(lp), cfg), rtol=1e-5)
+
+
+def _boundary_table(bpe, vs=320):
+    """`FirstBytes` of the byte teacher and `bpe` with `follows` read from the hand-made
+    texts packed as a student stream, and that stream."""
+    rows = _rows(bpe, ByteTokenizer())
+    fb = FirstBytes.between(ByteTokenizer(), bpe, 259, vs)
+    return fb.after_tokens(rows.stream, rows.doc_start), rows
+
+
+def test_first_byte_follows_are_the_successors_in_the_text(bpe):
+    """`follows` holds exactly the first-byte buckets of each token's successors within a
+    document (EOS included, the next document's BOS not)."""
+    fb, rows = _boundary_table(bpe)
+    want = np.zeros_like(fb.follows)
+    stream, starts = rows.stream, rows.doc_start
+    for i in range(len(stream) - 1):
+        if not starts[i + 1]:
+            want[stream[i], fb.student[stream[i + 1]]] = True
+    np.testing.assert_array_equal(fb.follows, want)
+    spaces = token_bytes(bpe).index(b"  ")  # a run of spaces is followed by " word"
+    assert fb.follows[spaces].nonzero()[0].tolist() == [ord(" ")]
+    assert not fb.follows[:, 256].any()  # BOS never follows within a document
+
+
+def test_first_byte_at_the_boundary_matches_a_dense_reference(bpe):
+    """With `follows`, both next-byte distributions renormalised over the buckets that
+    follow each input token (explicit 0/1 matrices and masks as the reference), its
+    gradient too; a token never seen followed keeps every bucket. JSD at T=1.5 reads both
+    directions of the divergence and the temperature."""
+    cfg = LOSSES[-1]
+    fb, _ = _boundary_table(bpe)
+    sb = token_bytes(bpe)
+    unseen = int(np.flatnonzero(~fb.follows.any(axis=-1))[-1])  # never followed in the text
+    inputs = jnp.array([[sb.index(b"  "), sb.index(b" the")], [bpe.bos_id, unseen]])
+    z, lp = _logits(16, (2, 2, 320)), jax.nn.log_softmax(_logits(17, (2, 2, 259)))
+    keep = np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
+    allowed = fb.follows[:, keep][np.asarray(inputs)]
+    allowed[1, 1] = True
+
+    def ref(z):
+        onto = lambda b: (b[:, None] == keep[None, :]).astype(np.float32)  # noqa: E731
+        p = jnp.exp(lp) @ onto(fb.teacher) * allowed
+        q = jax.nn.softmax(z / cfg.temperature) @ onto(fb.student) * allowed
+        p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+        logit = lambda x: jnp.log(jnp.maximum(x, 1e-30))  # noqa: E731
+        return jnp.sum(kd_divergence(logit(q) * cfg.temperature, TeacherOutput(logit(p)), cfg))
+
+    f = lambda z: jnp.sum(xl.cross_divergence(z, lp, cfg, fb, "first_byte", inputs))  # noqa: E731
+    (got, g), (want, g_ref) = (jax.jit(jax.value_and_grad(h))(z) for h in (f, ref))
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, g_ref, rtol=2e-4, atol=1e-6)
+    plain = xl.cross_divergence(z, lp, cfg, fb, "first_byte")  # no inputs: every bucket
+    assert abs(float(got) - float(jnp.sum(plain))) > 1e-3
 
 
 def _dense_byte_path(z, lp, lp_path, targets, deep_ok, cfg, bpe):

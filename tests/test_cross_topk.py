@@ -67,13 +67,17 @@ def _ref_mapped(z, vals, ids, vmap, cfg):
     return jnp.stack(out)
 
 
-def _ref_first_byte(z, vals, ids, fb, cfg):
+def _ref_first_byte(z, vals, ids, fb, cfg, inputs=None):
     """Per position: the first bytes both reach that a top-k id starts with, then a tail
-    (the teacher's mass outside the top-k, the student's on the other kept bytes)."""
-    keep = list(np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0]))
+    (the teacher's mass outside the top-k, the student's on the other kept bytes); with
+    the student's `inputs`, only the bytes seen after that input token in `fb.follows`."""
+    both = list(np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0]))
     q_all = jax.nn.softmax(z / cfg.temperature)
     out = []
     for n in range(z.shape[0]):
+        keep = both
+        if inputs is not None and fb.follows[inputs[n], both].any():
+            keep = [b for b in both if fb.follows[inputs[n], b]]
         first = fb.teacher[np.asarray(ids[n])]
         seen = sorted({int(b) for b in first if b in keep})
         to_t = np.array([[f == b for b in seen] for f in first], np.float32)
@@ -112,6 +116,29 @@ def test_topk_mapped_and_first_byte_match_explicit_buckets(bpe):  # noqa: F811
         g = jax.grad(f)(z)
         assert np.all(np.isfinite(g))
         np.testing.assert_allclose(g, jax.grad(r)(z), rtol=2e-4, atol=1e-6, err_msg=method)
+
+
+def test_topk_first_byte_conditioned_on_the_boundary_matches_explicit_buckets(bpe):  # noqa: F811
+    """With the student's input tokens, the top-k first-byte buckets keep only the bytes
+    that follow each input token (`FirstBytes.after_tokens`); values and gradients against
+    per-position 0/1 projections, one input token never seen followed (every byte)."""
+    cfg = DistillLossConfig(loss="jsd", temperature=1.5, beta=0.3)
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, 300, 4000).astype(np.int32)  # ids 300-319 never seen
+    fb = FirstBytes.between(ByteTokenizer(), bpe, 259, 320)
+    fb = fb.after_tokens(stream, rng.random(4000) < 0.01)
+    inputs = np.array([int(stream[5]), int(stream[9]), 310, int(stream[40])])
+    z = _logits(22, (4, 320))
+    vals, ids = _topk(jax.nn.log_softmax(_logits(23, (4, 259)) / cfg.temperature), 12)
+    f = lambda z: jnp.sum(  # noqa: E731
+        cross_topk_divergence(z, vals, ids, cfg, fb, "first_byte", inputs=jnp.asarray(inputs))
+    )
+    r = lambda z: jnp.sum(_ref_first_byte(z, vals, np.asarray(ids), fb, cfg, inputs))  # noqa: E731
+    (value, g), (want, want_g) = (jax.jit(jax.value_and_grad(h))(z) for h in (f, r))
+    np.testing.assert_allclose(value, want, rtol=2e-5)
+    np.testing.assert_allclose(g, want_g, rtol=2e-4, atol=1e-6)
+    plain = cross_topk_divergence(z, vals, ids, cfg, fb, "first_byte")
+    assert not np.allclose(f(z), jnp.sum(plain))  # the condition changes the loss
 
 
 def test_topk_uld_against_sorted_reference():

@@ -249,6 +249,13 @@ class DistillLossConfig(Section):
         "distill.loss over the buckets; or uld (sorted-probability L1 distance, no shared "
         "tokens needed).",
     )
+    cross_boundary: bool = Field(
+        True,
+        description="first_byte and byte_path: keep both next-byte distributions at a student "
+        "position to the bytes that follow its input token somewhere in the training text "
+        "(the teacher's next byte conditioned on the student's token boundary); false: over "
+        "every byte both vocabularies reach.",
+    )
     moe_aux_loss: float = Field(
         0.0,
         ge=0,

@@ -20,7 +20,7 @@ are numpy constants of the compiled step, built once per run:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -80,6 +80,11 @@ class BytePaths:
         first = FirstBytes.between(teacher, student, teacher_vocab, student_vocab)
         arrays = (path, child, ends, np.asarray(pair_id, np.int32), np.asarray(pair_node, np.int32))
         return cls(first, *arrays, teacher_byte)
+
+    def after_tokens(self, stream: np.ndarray, doc_start: np.ndarray) -> BytePaths:
+        """These tables with depth 0 conditioned on the student's token boundary
+        (`FirstBytes.after_tokens`)."""
+        return replace(self, first=self.first.after_tokens(stream, doc_start))
 
     def _key(self) -> tuple:
         return (self.first._key(), *(a.tobytes() for a in (self.path, self.child, self.ends)))

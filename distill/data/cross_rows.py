@@ -63,6 +63,17 @@ class CrossRows:
         self.doc_start = getattr(student, "doc_start", None)
         self.num_long = getattr(student, "num_long", 0)
 
+    def successions(self) -> tuple[np.ndarray, np.ndarray]:
+        """The student's tokens as one stream [n] and where a token does not follow the one
+        before it in the same document [n] bool (`FirstBytes.after_tokens` reads both): a
+        packed corpus's document starts; for rows of whole examples, each example's start,
+        the padding and each row's first token."""
+        if self.doc_start is not None:
+            return self.stream, self.doc_start
+        breaks = self.student.starts | ~self.student.real
+        breaks[:, 0] = True
+        return self.student.ids.reshape(-1), breaks.reshape(-1)
+
     def __len__(self) -> int:
         return len(self.student)
 

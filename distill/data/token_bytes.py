@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -165,10 +165,18 @@ class FirstBytes:
     for teacher and student; -1 for ids that spell nothing. Both distributions summed
     into these buckets are the next byte's distribution (and the specials'), whatever the
     vocabularies: for a byte-level teacher, its own distribution exactly. Equality and
-    hash go by contents, as `VocabMap`'s."""
+    hash go by contents, as `VocabMap`'s.
+
+    `follows` [Vs, size] bool, or None: the buckets a student token's successor starts
+    with somewhere in the training text (`after_tokens`). A byte-level teacher predicts the
+    next byte from the text alone; at a student token boundary the tokenizer has already
+    said something about it (byte-level BPE keeps a word's leading space in the word's
+    token, so a token of spaces is followed by a space), and the loss keeps the teacher's
+    mass to the buckets that can follow the student's current token."""
 
     teacher: np.ndarray
     student: np.ndarray
+    follows: np.ndarray | None = None
     size = 259
 
     @classmethod
@@ -177,8 +185,18 @@ class FirstBytes:
     ) -> FirstBytes:
         return cls(_first_bytes(teacher, teacher_vocab), _first_bytes(student, student_vocab))
 
-    def _key(self) -> tuple[bytes, bytes]:
-        return self.teacher.tobytes(), self.student.tobytes()
+    def after_tokens(self, stream: np.ndarray, doc_start: np.ndarray) -> FirstBytes:
+        """These buckets with `follows` read from a packed student stream [n] (its ids)
+        and its document-start flags [n]: each id's successors in the same document."""
+        nxt = self.student[stream[1:]]
+        seen = (nxt >= 0) & ~doc_start[1:]
+        follows = np.zeros((len(self.student), self.size), bool)
+        follows[stream[:-1][seen], nxt[seen]] = True
+        return replace(self, follows=follows)
+
+    def _key(self) -> tuple[bytes, ...]:
+        after = b"" if self.follows is None else np.packbits(self.follows).tobytes()
+        return self.teacher.tobytes(), self.student.tobytes(), after
 
     def __eq__(self, other) -> bool:
         return isinstance(other, FirstBytes) and self._key() == other._key()

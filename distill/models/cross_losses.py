@@ -38,6 +38,7 @@ from distill.config import DistillLossConfig
 from distill.data.byte_paths import BytePaths
 from distill.data.token_bytes import FirstBytes, VocabMap
 from distill.models.cross_topk import (
+    allowed_after,
     bucket_sums,
     cross_topk_divergence,
     dense_from_topk,
@@ -105,23 +106,34 @@ def mapped_buckets(
     )
 
 
-def _by_first_byte(l_bsv: jax.Array, bucket: np.ndarray, keep: np.ndarray) -> jax.Array:
-    """Log-probs [..., len(keep)] of the buckets `keep`: `bucket_sums` renormalised."""
+def _by_first_byte(
+    l_bsv: jax.Array, bucket: np.ndarray, keep: np.ndarray, allowed: jax.Array | None = None
+) -> jax.Array:
+    """Log-probs [..., len(keep)] of the buckets `keep`: `bucket_sums` renormalised over
+    `keep`, or over the `allowed` ones [..., len(keep)] bool (PADDED_LOGIT on the others)."""
     kept = bucket_sums(l_bsv, bucket, keep)
-    kept = kept / jnp.maximum(jnp.sum(kept, axis=-1, keepdims=True), 1e-30)
-    return jnp.log(jnp.maximum(kept, 1e-30))
+    if allowed is None:
+        kept = kept / jnp.maximum(jnp.sum(kept, axis=-1, keepdims=True), 1e-30)
+        return jnp.log(jnp.maximum(kept, 1e-30))
+    return renormalised(kept, allowed)
 
 
 def first_byte_buckets(
-    lp_bsw: jax.Array, lq_bsv: jax.Array, fb: FirstBytes
+    lp_bsw: jax.Array, lq_bsv: jax.Array, fb: FirstBytes, inputs: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Both distributions as next-byte distributions: each token's probability summed into
     the bucket of its first byte (`FirstBytes`), over the buckets both vocabularies reach,
     each side renormalised over them. Exact for a byte-level teacher (its distribution is
     the next byte's), and consistent with the student's targets: the student's next token
-    starts with the byte the teacher predicts."""
+    starts with the byte the teacher predicts. With `fb.follows` and the student's input
+    tokens `inputs` [...], both sides are renormalised over the buckets that can follow
+    each input token: the teacher conditioned on the student's token boundary."""
     keep = first_byte_keep(fb)
-    return _by_first_byte(lp_bsw, fb.teacher, keep), _by_first_byte(lq_bsv, fb.student, keep)
+    allowed = allowed_after(fb, keep, inputs)
+    return (
+        _by_first_byte(lp_bsw, fb.teacher, keep, allowed),
+        _by_first_byte(lq_bsv, fb.student, keep, allowed),
+    )
 
 
 def byte_path_buckets(
@@ -185,12 +197,14 @@ def byte_path_divergence(
     deep_ok_n: jax.Array,
     cfg: DistillLossConfig,
     bp: BytePaths,
+    inputs_n: jax.Array | None = None,
 ) -> jax.Array:
     """[n] the first-byte divergence (depth 0) plus, along the target token's bytes, the
     divergence of the next-byte distributions after each of its first d bytes (the chain
     rule of the divergence between distributions over byte strings, read along the observed
-    path). lp_v [n, Vt] the teacher at the aligned position, lq_v [n, Vs] the student."""
-    first = _divergence(*first_byte_buckets(lp_v, lq_v, bp.first), cfg)
+    path). lp_v [n, Vt] the teacher at the aligned position, lq_v [n, Vs] the student;
+    inputs_n [n] the student's input tokens (`first_byte_buckets`)."""
+    first = _divergence(*first_byte_buckets(lp_v, lq_v, bp.first, inputs_n), cfg)
     return first + deeper_bytes_divergence(lq_v, lp_ndb, targets_n, deep_ok_n, cfg, bp)
 
 
@@ -218,16 +232,19 @@ def cross_divergence(
     cfg: DistillLossConfig,
     vmap: VocabMap | None,
     method: str,
+    inputs: jax.Array | None = None,
 ) -> jax.Array:
     """Per-token divergence [...] between the teacher's log-probs [..., Vt] (at T) and the
-    student's logits [..., Vs] / T, by `method` (`METHODS`; ``mapped`` needs `vmap`)."""
+    student's logits [..., Vs] / T, by `method` (`METHODS`; ``mapped`` needs `vmap`;
+    ``first_byte`` reads the student's input tokens `inputs` [...], see
+    `first_byte_buckets`)."""
     zt = student_logits.astype(jnp.float32) / cfg.temperature
     lq = zt - jax.nn.logsumexp(zt, axis=-1, keepdims=True)
     lp = jax.lax.stop_gradient(teacher_lp.astype(jnp.float32))
     if method == "uld":
         return uld_distance(lp, lq)
     if method == "first_byte":
-        return _divergence(*first_byte_buckets(lp, lq, vmap), cfg)
+        return _divergence(*first_byte_buckets(lp, lq, vmap, inputs), cfg)
     if method != "mapped":
         raise ValueError(f"cross-tokenizer method {method!r}, expected one of {METHODS}")
     lp, lq = mapped_buckets(lp, lq, vmap)
@@ -272,10 +289,12 @@ def _byte_path_tokens(z_bcv: jax.Array, t: Tree, cfg: DistillLossConfig, bp: Byt
     lq = zt - jax.nn.logsumexp(zt, axis=-1, keepdims=True)
     flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
     lp = flat(t["lp"].astype(jnp.float32))
+    inputs = flat(t["inputs"]) if "inputs" in t else None
     if "ids" in t:
-        first = _divergence(*first_byte_topk_buckets(flat(lq), lp, flat(t["ids"]), bp.first), cfg)
+        buckets = first_byte_topk_buckets(flat(lq), lp, flat(t["ids"]), bp.first, inputs)
     else:
-        first = _divergence(*first_byte_buckets(lp, flat(lq), bp.first), cfg)
+        buckets = first_byte_buckets(lp, flat(lq), bp.first, inputs)
+    first = _divergence(*buckets, cfg)
     seen = flat(t["seen"]) if "seen" in t else None
     deeper = deeper_bytes_divergence(
         flat(lq), flat(t["path"]), flat(t["targets"]), flat(t["deep_ok"]), cfg, bp, seen
@@ -331,6 +350,7 @@ def cross_kd_loss_chunked(
     chunk: int | None = None,
     compute_dtype=jnp.float32,
     softcap: float | None = None,
+    inputs_bs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """loss = alpha * T^2 * KD + (1 - alpha) * CE with KD across vocabularies, from the
     student's hidden states a chunk of positions at a time (`distill.models.vocab_loss`).
@@ -338,20 +358,25 @@ def cross_kd_loss_chunked(
     teacher: on its own rows, dense log-probs [B, T, Vt] or top-k [B, T, k] with its ids
     (`cross_topk_divergence`; k >= `teacher_live`, every id of its tokenizer, is the dense
     loss); align_bs [B, S] int32: the teacher position of each student position, -1
-    unmatched. KD is the mean over masked, aligned positions; CE the mean over masked
-    ones. Metrics as `kd_loss` plus "aligned_fraction" (aligned share of the masked
-    positions)."""
+    unmatched; inputs_bs [B, S]: the student's input tokens, which ``first_byte`` and
+    ``byte_path`` condition the teacher's next byte on (`first_byte_buckets`). KD is the
+    mean over masked, aligned positions; CE the mean over masked ones. Metrics as
+    `kd_loss` plus "aligned_fraction" (aligned share of the masked positions)."""
     per_token, dense, topk, whole = _teacher_inputs(teacher, align_bs, method, vmap, teacher_live)
     aligned = (align_bs >= 0).astype(jnp.float32)
     per_token.update(targets=targets_bs, aligned=aligned)
+    if inputs_bs is not None:
+        per_token["inputs"] = inputs_bs
 
     def token_fn(z_bcv: jax.Array, t: Tree) -> Tree:
         if method == "byte_path":
             kd = _byte_path_tokens(z_bcv, t, cfg, vmap)
         elif topk:
-            kd = cross_topk_divergence(z_bcv, t["lp"], t["ids"], cfg, vmap, method, whole)
+            kd = cross_topk_divergence(
+                z_bcv, t["lp"], t["ids"], cfg, vmap, method, whole, t.get("inputs")
+            )
         else:
-            kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method)
+            kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method, t.get("inputs"))
         return {
             "kd": jnp.where(t["aligned"] > 0, kd, 0.0),
             "ce": _token_ce(z_bcv, t["targets"]),

@@ -86,8 +86,23 @@ def mapped_topk_buckets(
     return lp, lq
 
 
+def allowed_after(fb: FirstBytes, keep: np.ndarray, inputs: jax.Array | None) -> jax.Array | None:
+    """[..., len(keep)] bool: the first-byte buckets that can follow each student input token
+    (`inputs` [...] ids, `FirstBytes.follows`); every bucket for a token never seen followed.
+    None without the table or the inputs (no condition)."""
+    if fb.follows is None or inputs is None:
+        return None
+    table = fb.follows[:, keep]
+    table = table | ~table.any(axis=-1, keepdims=True)
+    return jnp.asarray(table)[inputs]
+
+
 def first_byte_topk_buckets(
-    lq_bsv: jax.Array, lp_k: jax.Array, ids_k: jax.Array, fb: FirstBytes
+    lq_bsv: jax.Array,
+    lp_k: jax.Array,
+    ids_k: jax.Array,
+    fb: FirstBytes,
+    inputs: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`first_byte_buckets` from a top-k teacher: over the first bytes both vocabularies
     reach that some top-k id starts with ("seen"), plus a tail bucket. The teacher's seen
@@ -95,7 +110,10 @@ def first_byte_topk_buckets(
     (floored at TAIL_FLOOR); the student's tail holds its mass on the unseen bytes. The
     teacher's tokens outside its top-k are taken to start with unseen bytes: exact for a
     byte-level teacher (its tail is the other bytes), for a BPE teacher an approximation
-    (a tail token starting with a seen byte is counted in the tail, not in its byte)."""
+    (a tail token starting with a seen byte is counted in the tail, not in its byte). With
+    the student's input tokens `inputs` (`allowed_after`), the buckets that cannot follow
+    the input token are left out on both sides, as the dense loss does; the teacher's tail
+    keeps all its mass outside the top-k (which bytes it holds is not known)."""
     keep = first_byte_keep(fb)
     n = len(keep)
     place = np.full(FirstBytes.size + 1, n, np.int32)  # bucket -> index in keep; n: dropped
@@ -108,6 +126,9 @@ def first_byte_topk_buckets(
     seen = jnp.zeros((len(rows), n + 1), bool).at[rows, flat].set(True)
     p_seen, seen = p_seen[:, :n].reshape(*lead, n), seen[:, :n].reshape(*lead, n)
     q = bucket_sums(lq_bsv, fb.student, keep)
+    allowed = allowed_after(fb, keep, inputs)
+    if allowed is not None:
+        seen, q = seen & allowed, jnp.where(allowed, q, 0.0)
     p_tail = jnp.maximum(teacher_tail(lp_k), TAIL_FLOOR)
     q_tail = jnp.sum(jnp.where(seen, 0.0, q), axis=-1)
     valid = jnp.concatenate([seen, jnp.ones((*lead, 1), bool)], axis=-1)
@@ -138,10 +159,12 @@ def cross_topk_divergence(
     vmap: VocabMap | FirstBytes | None,
     method: str,
     tail_empty: bool = False,
+    inputs: jax.Array | None = None,
 ) -> jax.Array:
     """Per-token divergence [...] between a top-k teacher (log-probs lp_k and its own ids
     ids_k [..., k], at T) and the student's logits [..., Vs] / T, by `method`: ``mapped``,
-    ``first_byte`` or ``uld`` (the module docstring)."""
+    ``first_byte`` (conditioned on the student's input tokens `inputs`, when given) or
+    ``uld`` (the module docstring)."""
     zt = student_logits.astype(jnp.float32) / cfg.temperature
     lse = jax.nn.logsumexp(zt, axis=-1)
     lp_k = jax.lax.stop_gradient(lp_k.astype(jnp.float32))
@@ -149,7 +172,8 @@ def cross_topk_divergence(
     if method == "uld":
         return uld_topk_distance(lp_k, zt - lse[..., None], tail_empty)
     if method == "first_byte":
-        return _divergence(*first_byte_topk_buckets(zt - lse[..., None], lp_k, ids_k, vmap), cfg)
+        buckets = first_byte_topk_buckets(zt - lse[..., None], lp_k, ids_k, vmap, inputs)
+        return _divergence(*buckets, cfg)
     if method != "mapped":
         raise ValueError(f"cross-tokenizer top-k method {method!r}: mapped, first_byte or uld")
     return _divergence(*mapped_topk_buckets(zt, lse, lp_k, ids_k, vmap), cfg)
