@@ -9,7 +9,6 @@ import json
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from distill.config import DataConfig, TeacherConfig
 from distill.data.cross_examples import cross_example_corpus, regions
@@ -23,6 +22,7 @@ from tests.test_chat import (
     _write_jsonl,
     bpe,
 )
+from tests.test_cross_tokenizer import train_metaspace
 
 __all__ = ["bpe"]  # the tokenizer fixture, shared with tests/test_chat.py
 
@@ -56,18 +56,8 @@ MORE = [
 def teacher_dir(tmp_path_factory):
     """The teacher's model directory: a SentencePiece-style tokenizer.json (U+2581 spaces,
     byte-fallback pieces) with the chat specials and a Llama-3-style template."""
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    alphabet = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(
-        vocab_size=420, special_tokens=["<unk>", *SPECIALS, *alphabet], show_progress=False
-    )
     texts = [m["content"] for c in CONVERSATIONS + MORE for m in c] * 20
-    tok.train_from_iterator(texts, trainer)
+    tok = train_metaspace(texts, 420, SPECIALS)
     root = tmp_path_factory.mktemp("teacher")
     tok.save(str(root / "tokenizer.json"))
     specials = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}

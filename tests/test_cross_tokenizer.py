@@ -34,9 +34,9 @@ def bpe(tmp_path_factory):
     return load_tokenizer(str(train_bpe(TEXTS * 20, 320, path)))
 
 
-@pytest.fixture(scope="module")
-def metaspace(tmp_path_factory):
-    """A SentencePiece-style tokenizer.json: U+2581 for spaces, byte fallback pieces."""
+def train_metaspace(texts: list[str], vocab_size: int, specials: list[str]) -> Tokenizer:
+    """A SentencePiece-style tokenizer.json (U+2581 for spaces, byte-fallback pieces) trained
+    on `texts`, with "<unk>", `specials` and the 256 byte pieces first."""
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
@@ -45,9 +45,32 @@ def metaspace(tmp_path_factory):
     )
     alphabet = [f"<0x{b:02X}>" for b in range(256)]
     trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *alphabet], show_progress=False
+        vocab_size=vocab_size, special_tokens=["<unk>", *specials, *alphabet], show_progress=False
     )
-    tok.train_from_iterator(TEXTS * 20, trainer)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def assert_grad_is_central_difference(distance, teacher, z) -> None:
+    """The gradient of sum(distance(teacher, log_softmax(z))) in z, in float64, against
+    central finite differences of each logit."""
+    z64 = np.asarray(z, np.float64)
+    with jax.enable_x64():
+        t64 = jnp.asarray(np.asarray(teacher), jnp.float64)
+        f = lambda z: jnp.sum(distance(t64, jax.nn.log_softmax(z)))  # noqa: E731
+        g = np.asarray(jax.grad(f)(jnp.asarray(z64)))
+        eps, num = 1e-6, np.zeros_like(z64)
+        for idx in np.ndindex(z64.shape):
+            d = np.zeros_like(z64)
+            d[idx] = eps
+            num[idx] = (f(jnp.asarray(z64 + d)) - f(jnp.asarray(z64 - d))) / (2 * eps)
+    np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory):
+    """A SentencePiece-style tokenizer.json: U+2581 for spaces, byte fallback pieces."""
+    tok = train_metaspace(TEXTS * 20, 600, ["<s>", "</s>"])
     path = tmp_path_factory.mktemp("sp") / "tokenizer.json"
     tok.save(str(path))
     return load_tokenizer(str(path))
@@ -241,17 +264,7 @@ def test_uld_loss_and_gradient():
     q = -np.sort(-np.asarray(jax.nn.softmax(z)), axis=-1)
     p = np.concatenate([p, np.zeros((2, 3, 3))], axis=-1)
     np.testing.assert_allclose(got, np.abs(p - q).sum(-1), rtol=1e-5)
-    z64 = np.asarray(z, np.float64)
-    with jax.enable_x64():
-        lp64 = jnp.asarray(np.asarray(lp), jnp.float64)
-        f = lambda z: jnp.sum(xl.uld_distance(lp64, jax.nn.log_softmax(z)))  # noqa: E731
-        g = np.asarray(jax.grad(f)(jnp.asarray(z64)))
-        eps, num = 1e-6, np.zeros_like(z64)
-        for idx in np.ndindex(z64.shape):
-            d = np.zeros_like(z64)
-            d[idx] = eps
-            num[idx] = (f(jnp.asarray(z64 + d)) - f(jnp.asarray(z64 - d))) / (2 * eps)
-    np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-6)
+    assert_grad_is_central_difference(xl.uld_distance, lp, z)
 
 
 @pytest.mark.parametrize("method", ["mapped", "uld", "first_byte", "byte_path"])

@@ -17,7 +17,12 @@ from distill.models import cross_losses as xl
 from distill.models.cross_topk import cross_topk_divergence, uld_topk_distance
 from distill.models.losses import kd_divergence
 from distill.types import TeacherOutput
-from tests.test_cross_tokenizer import LOSSES, _logits, bpe  # noqa: F401  (the fixture)
+from tests.test_cross_tokenizer import (  # noqa: F401  (bpe: the fixture)
+    LOSSES,
+    _logits,
+    assert_grad_is_central_difference,
+    bpe,
+)
 
 EPS = float(np.finfo(np.float32).eps)
 
@@ -152,17 +157,7 @@ def test_topk_uld_against_sorted_reference():
     q = -np.sort(-np.asarray(jax.nn.softmax(z)), axis=-1)
     want = np.abs(p - q[..., :4]).sum(-1) + np.abs((1 - p.sum(-1)) - q[..., 4:].sum(-1))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    z64 = np.asarray(z, np.float64)
-    with jax.enable_x64():
-        lp64 = jnp.asarray(np.asarray(vals), jnp.float64)
-        f = lambda z: jnp.sum(uld_topk_distance(lp64, jax.nn.log_softmax(z)))  # noqa: E731
-        g = np.asarray(jax.grad(f)(jnp.asarray(z64)))
-        eps, num = 1e-6, np.zeros_like(z64)
-        for idx in np.ndindex(z64.shape):
-            d = np.zeros_like(z64)
-            d[idx] = eps
-            num[idx] = (f(jnp.asarray(z64 + d)) - f(jnp.asarray(z64 - d))) / (2 * eps)
-    np.testing.assert_allclose(g, num, rtol=1e-4, atol=1e-6)
+    assert_grad_is_central_difference(uld_topk_distance, vals, z)
 
 
 def _chunked(method, table, teacher, vs, live, x, head, align, targets, mask):
