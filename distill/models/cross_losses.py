@@ -111,11 +111,7 @@ def _by_first_byte(
 ) -> jax.Array:
     """Log-probs [..., len(keep)] of the buckets `keep`: `bucket_sums` renormalised over
     `keep`, or over the `allowed` ones [..., len(keep)] bool (PADDED_LOGIT on the others)."""
-    kept = bucket_sums(l_bsv, bucket, keep)
-    if allowed is None:
-        kept = kept / jnp.maximum(jnp.sum(kept, axis=-1, keepdims=True), 1e-30)
-        return jnp.log(jnp.maximum(kept, 1e-30))
-    return renormalised(kept, allowed)
+    return renormalised(bucket_sums(l_bsv, bucket, keep), True if allowed is None else allowed)
 
 
 def first_byte_buckets(

@@ -42,8 +42,9 @@ def first_byte_keep(fb: FirstBytes) -> np.ndarray:
     return np.intersect1d(fb.teacher[fb.teacher >= 0], fb.student[fb.student >= 0])
 
 
-def renormalised(p: jax.Array, valid: jax.Array) -> jax.Array:
-    """log of `p` over the `valid` buckets, renormalised over them; PADDED_LOGIT elsewhere."""
+def renormalised(p: jax.Array, valid: jax.Array | bool) -> jax.Array:
+    """log of `p` over the `valid` buckets (True: all), renormalised over them; PADDED_LOGIT
+    elsewhere."""
     p = jnp.where(valid, p, 0.0)
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
     return jnp.where(valid, jnp.log(jnp.maximum(p, 1e-30)), PADDED_LOGIT)
