@@ -12,10 +12,13 @@ collection walks again (with the default, about 10% of the CPU time of tests/tes
 test_tokenizers.py and test_fsdp.py goes to the collector; with these thresholds, about 4%).
 
 XLA:CPU compiles without LLVM's optimisations (`--xla_backend_optimization_level=0`, no
-expensive passes): the tests' programs are tiny, so codegen time dominates and the
-programs run as fast either way (test_fsdp.py, test_student.py and test_on_policy.py take
-about 126 s with a cold cache with these flags, 182 s without; warm, 56 s either way).
-Tests compare programs compiled alike, so their references are unaffected.
+expensive passes) and with its older elemental emitters rather than the MLIR fusion
+emitters (`--xla_cpu_use_fusion_emitters=false`, where this XLA still has the flag): the
+tests' programs are tiny, so compile time dominates and the programs run as fast either
+way. The fusion-emitter flag alone takes about 40% off the compile-bound tests' time
+(test_student.py, test_fsdp.py, test_cli.py and test_tokenizers.py on 2 cores with a cold
+cache: 198 s without it, 112 s with it). Tests compare programs compiled alike, so their
+references are unaffected.
 
 The README's command runs two pytest-xdist workers (`-n 2`, with `--dist loadgroup` from
 pyproject.toml): every `ray` test is in one group, run first on one worker, so no two local
@@ -27,13 +30,27 @@ which JAX answers with a warning and a compile.
 
 import gc
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA accepts `flag` (it aborts on an unknown one)."""
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True).returncode == 0
+
+
+_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8"
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
+# Probed once: the xdist workers inherit the flags from the controller's environment.
+if _FUSION_EMITTERS not in os.environ["XLA_FLAGS"] and _xla_knows(_FUSION_EMITTERS):
+    os.environ["XLA_FLAGS"] += " " + _FUSION_EMITTERS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
@@ -217,9 +234,6 @@ def run_jax_group(tmp_path, script: str, *args: str, n: int = 2) -> list[str]:
     """Run `script` as the `n` processes of one JAX group on this machine (argv: the
     group's coordinator address, the process id, then `args`); each process's stdout, once
     every one exited cleanly."""
-    import subprocess
-    import sys
-
     from distill.distributed import free_port
 
     path = tmp_path / "member.py"
