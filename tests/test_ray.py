@@ -1,6 +1,6 @@
 """`pipeline.mode: ray` on a real local Ray cluster: parity with local mode, killed actors,
 teacher replicas. One cluster serves the whole module; every run uses the teacher that the
-local baseline run bootstrapped, so all runs distil from the same weights."""
+session's tiny run (local mode) bootstrapped, so all runs distil from the same weights."""
 
 import warnings
 
@@ -39,11 +39,10 @@ def _run(tmp_path, cfg: dict, fault=None) -> int:
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory, corpus_dir):
-    tmp = tmp_path_factory.mktemp("local")
-    out = tmp / "out"
-    assert _run(tmp, tiny_config(str(corpus_dir), str(out))) == 0
-    return out
+def local_run(tiny_run):
+    """The session's tiny run: local mode on `tiny_config`, the reference of the ray runs
+    below and their teacher."""
+    return tiny_run.out
 
 
 def _ray_config(corpus_dir, out, local_out, **sections) -> dict:
