@@ -56,10 +56,17 @@ def bench_role(
     repeats: int = 10,
     *,
     device_memory: Callable[[object], int | None] = plan_memory.device_memory,
+    torch_mode: bool = False,
 ) -> dict:
     """Every figure of `distill bench --role ROLE` (module docstring). `device_memory(mesh)`:
     the bytes of one device, None where unknown (CPU); tests give one to run the
-    accelerator's checks on CPU."""
+    accelerator's checks on CPU. `torch_mode`: also the role's PyTorch + transformers peer
+    (`pipelines.bench.torch_role`), run first: JAX, once started, holds most of a GPU."""
+    peer = {}
+    if torch_mode:
+        from pipelines.bench.torch_role import torch_role_bench
+
+        peer = torch_role_bench(cfg, role, repeats)
     corpus = preflight_role(cfg, role)
     mesh = role_mesh(cfg, role)
     limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
@@ -91,6 +98,11 @@ def bench_role(
         device_memory_bytes=device_bytes,
         tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
     )
+    if peer:
+        res.update(
+            peer,
+            distill_over_torch=res[f"{role}_tokens_per_s"] / peer[f"torch_{role}_tokens_per_s"],
+        )
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
 
 
@@ -175,4 +187,14 @@ def format_role(r: dict) -> str:
         ]
     if r["device_memory_bytes"]:
         lines[-1] += f" of {gib(r['device_memory_bytes'])}"
+    if "distill_over_torch" in r:
+        role, peak = r["role"], r["torch_peak_bytes"]
+        where = r["torch_device"] if peak is None else f"{r['torch_device']}, cuda:0"
+        threads = f", {r['torch_threads']} threads" if r["torch_threads"] else ""
+        lines.append(
+            f"PyTorch {r['torch_version']} + transformers peer ({where}{threads}): "
+            f"{r[f'torch_{role}_ms']:.1f} ms, {r[f'torch_{role}_tokens_per_s']:.0f} tok/s, "
+            f"peak {'n/a' if peak is None else gib(peak)}; distill "
+            f"{r['distill_over_torch']:.2f}x its tokens/s"
+        )
     return "\n".join(lines)
