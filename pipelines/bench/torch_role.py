@@ -30,6 +30,7 @@ would leave a later peer too little.
 
 from __future__ import annotations
 
+import gc
 import math
 
 from distill.config import Config, DistillLossConfig
@@ -55,27 +56,10 @@ def torch_role_bench(cfg: Config, role: str, repeats: int) -> dict:
     cfg = cfg.model_copy(deep=True)
     cfg.resolve_dtypes(device.type)  # "cpu" -> float32, else bfloat16, as distill's
     live = vocab_limit(build_tokenizer(cfg.data), *cfg.vocab_sizes())
-    sync = torch.cuda.synchronize if cuda else None
     with cpu_threads(torch) as threads:
-        torch.manual_seed(cfg.run.seed)
-        ids = random_ids(torch, cfg, live, device)
-        if role == "teacher":
-            dtype = torch.bfloat16 if cfg.teacher.dtype == "bfloat16" else torch.float32
-            model = hf_model(
-                transformers, cfg.teacher.model, cfg.train.seq_len, dtype=dtype, device=device
-            )
-            step = teacher_peer(torch, cfg, model.eval(), live, ids[:, :-1])
-        else:
-            model = hf_model(transformers, cfg.student_model(), cfg.train.seq_len, device=device)
-            out = random_teacher_out(torch, cfg, live, device)
-            mask = torch.ones(ids[:, 1:].shape, device=device)
-            step = student_peer(torch, cfg, model.train(), live, ids[:, :-1], ids[:, 1:], mask, out)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = median_step_ms(step, repeats, sync)
-        peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    del model, step
-    if cuda:
+        ms, peak = _measure(torch, transformers, cfg, role, live, device, repeats)
+    if cuda:  # the models and outputs went with `_measure` (and any cycles now): hand back
+        gc.collect()
         torch.cuda.empty_cache()
     tokens = cfg.train.batch_size * cfg.train.seq_len
     return {
@@ -86,6 +70,27 @@ def torch_role_bench(cfg: Config, role: str, repeats: int) -> dict:
         "torch_threads": None if cuda else threads,
         "torch_version": torch.__version__,
     }
+
+
+def _measure(torch, transformers, cfg: Config, role: str, live, device, repeats: int):
+    """(median ms, peak CUDA bytes or None) of the role's peer step on `device`."""
+    cuda = device.type == "cuda"
+    torch.manual_seed(cfg.run.seed)
+    ids = random_ids(torch, cfg, live, device)
+    seq = cfg.train.seq_len
+    if role == "teacher":
+        dtype = torch.bfloat16 if cfg.teacher.dtype == "bfloat16" else torch.float32
+        model = hf_model(transformers, cfg.teacher.model, seq, dtype=dtype, device=device)
+        step = teacher_peer(torch, cfg, model.eval(), live, ids[:, :-1])
+    else:
+        model = hf_model(transformers, cfg.student_model(), seq, device=device)
+        out = random_teacher_out(torch, cfg, live, device)
+        mask = torch.ones(ids[:, 1:].shape, device=device)
+        step = student_peer(torch, cfg, model.train(), live, ids[:, :-1], ids[:, 1:], mask, out)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = median_step_ms(step, repeats, torch.cuda.synchronize if cuda else None)
+    return ms, torch.cuda.max_memory_allocated(device) if cuda else None
 
 
 def _masked(torch, z, live: int | None, fill: float):
