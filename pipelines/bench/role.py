@@ -14,7 +14,8 @@ Before it runs anything the role's program is compiled and, on an accelerator, r
 one line when its peak exceeds the device's memory (as `distill validate` does for both
 roles). The figures: each variant's median step (`pipelines.bench.phases`), tokens/s, MFU against
 the device's bfloat16 peak (the measured float32 matmul rate on CPU), and the compiled
-per-device memory.
+per-device memory; with `--torch` also the role's PyTorch + transformers peer's figures
+(`pipelines.bench.torch_role`) and distill's tokens/s over the peer's.
 """
 
 from __future__ import annotations
