@@ -196,6 +196,29 @@ def test_qwen3_corpus_holds_each_record_whole(tmp_path, bpe, caplog):
     assert 2 in counts and 0 in counts
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_train_on_all_keeps_each_conversation_whole(tmp_path, bpe, family):
+    """data.train_on: all trains on every token of the conversation as the whole renders it:
+    one example per record, never split, even where no answer can be placed (Mistral with a
+    system message)."""
+    root = model_dir(tmp_path / family, bpe, family)
+    records = [{"messages": c} for c in [REASONING, INLINE, CONVERSATIONS[0]] * 2]
+    source = _write_jsonl(tmp_path / "chat.jsonl", records)
+    cfg = DataConfig(source=str(source), format="chat", tokenizer=str(root), train_on="all")
+    corpus = load_corpus(cfg, 256)
+    hf, tok = _hf(root), corpus.tokenizer
+    want = sorted(hf.apply_chat_template(c, tokenize=False) for c in [REASONING, INLINE] * 2)
+    want = sorted(want + [hf.apply_chat_template(PLAIN[0], tokenize=False)] * 2)
+    got = []
+    for rows in (corpus.train, corpus.eval):
+        for r in range(len(rows)):
+            bounds = [*np.flatnonzero(rows.starts[r]), int(rows.real[r].sum())]
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                got.append(tok._tok.decode(rows.ids[r][a:b].tolist(), skip_special_tokens=False))
+    got.sort()
+    assert got == want
+
+
 def _numbered(messages, k):
     """``messages`` with `` #k`` after the first user turn."""
     out = [dict(m) for m in messages]

@@ -178,8 +178,8 @@ class ChatTemplate:
             self._tracker.blocks = None
 
     def render_spans(self, messages: list[dict], tools=None) -> Example:
-        """The rendered text and the character spans [start, end) of the assistant's turns,
-        each rendered after the conversation before it (else ValueError)."""
+        """The rendered text and the character spans [start, end) of the assistant's turns
+        it renders after the conversation before them."""
         (example,) = self.render_examples(messages, tools, split=False)
         return example
 
@@ -187,11 +187,12 @@ class ChatTemplate:
         """(text, answer spans) of the conversation: one example with every answer when the
         template renders each after the conversation before it with the generation prompt
         (or marks them with generation blocks), else one per answer (the conversation
-        through it, that answer's span). ``split``: True or False forces either form.
+        through it, that answer's span). ``split=True`` forces the second form;
+        ``split=False`` the first, with the spans of the answers it renders so (the others
+        left out, none refused).
 
         ValueError where an answer, rendered as the last turn, does not follow the
-        conversation before it with the generation prompt (or, with ``split=False``, the
-        whole conversation does not hold it so)."""
+        conversation before it with the generation prompt."""
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if self.has_generation:
             if not split:
@@ -203,23 +204,19 @@ class ChatTemplate:
             head = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             through = self.render(messages[: i + 1], tools=tools)
             if not through.startswith(head):
+                if split is False:
+                    continue
                 raise ValueError(
                     f"message {i}, an answer, does not follow the conversation before it with "
                     "the generation prompt as the template renders them (give the template "
                     "{% generation %} blocks around the assistant's text)"
                 )
             pieces.append((head, through))
-        continuous = all(text.startswith(through) for _, through in pieces)
+        placed = [(head, through) for head, through in pieces if text.startswith(through)]
         if split is None:
-            split = not continuous
+            split = len(placed) < len(turns)
         if not split:
-            if not continuous:
-                raise ValueError(
-                    "the template rewrites an earlier answer once a later turn follows, so the "
-                    "answers cannot be located in the whole conversation (give the template "
-                    "{% generation %} blocks around the assistant's text)"
-                )
-            return [(text, [(len(head), len(through.rstrip())) for head, through in pieces])]
+            return [(text, [(len(head), len(through.rstrip())) for head, through in placed])]
         return [(through, [(len(head), len(through.rstrip()))]) for head, through in pieces]
 
 

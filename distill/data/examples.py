@@ -174,12 +174,13 @@ def _chat_records(cfg: DataConfig, paths, templates: tuple[ChatTemplate, ...], b
         yield where, *_conversation(record, cfg, roles, cfg.train_on)
 
 
-def _render(templates: tuple[ChatTemplate, ...], messages: list, tools) -> list:
+def _render(templates: tuple[ChatTemplate, ...], messages: list, tools, train_on: str) -> list:
     """Each of ``templates``' examples of one conversation (``render_examples``), split
-    alike: one per answer on every side when one template needs it. A template's failure
+    alike: one per answer on every side when one template needs it (never under
+    ``train_on: all``, which trains on the whole conversation once). A template's failure
     raises ``_Unrenderable`` naming it."""
     renders = []
-    for split in (None, True):
+    for split in (None, True) if train_on == "assistant" else (False,):
         renders = []
         for t in templates:
             try:
@@ -211,7 +212,7 @@ def _chat_texts(cfg: DataConfig, paths, templates: tuple[ChatTemplate, ...], bad
         renders = []
         if problem is None:
             try:
-                renders = _render(templates, messages, tools)
+                renders = _render(templates, messages, tools, cfg.train_on)
             except _Unrenderable as exc:
                 problem = str(exc)
         if (
