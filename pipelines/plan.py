@@ -6,7 +6,8 @@ import math
 
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import EP, Meshes, student_shape, student_size
+from distill.limits import MAX_ELEMENTS, rows_that_fit
+from distill.mesh import EP, Meshes, student_shape, student_size, teacher_size
 from distill.models import model, moe
 from student import optim, sharding, train
 from teacher.forward import microbatch_rows
@@ -46,11 +47,44 @@ def dense_output_budget(device) -> tuple[int, str]:
     return int(limit * DENSE_FRACTION), f"{DENSE_FRACTION:.0%} of {_gib(limit)} device memory"
 
 
+def dense_rows_per_device(cfg: Config) -> int:
+    """The most rows of one device's dense teacher output array [rows, S, V]: on the
+    inference mesh (rows split over every device when they divide, else over dp x ep:
+    `teacher.sharding.out_spec`) and on the training mesh."""
+    t = cfg.mesh.teacher
+    b = cfg.train.batch_size
+    teacher = b // teacher_size(cfg) if b % teacher_size(cfg) == 0 else b // (t.dp * t.ep)
+    return max(teacher, b // student_size(cfg))
+
+
+def check_dense_elements(cfg: Config) -> None:
+    """Refuse a dense teacher output whose array on one device would reach MAX_ELEMENTS
+    (`distill.limits`: GPU sorts and kernels index with 32 bits), in one line naming
+    teacher.top_k and the rows a device that would fit."""
+    s, v = cfg.train.seq_len, cfg.teacher.model.vocab_size
+    rows = dense_rows_per_device(cfg)
+    if rows * s * v < MAX_ELEMENTS:
+        return
+    fit = rows_that_fit(s, v)
+    way = (
+        f"at most {fit} rows per device fit (train.batch_size / devices)"
+        if fit
+        else ("not even one row fits (train.seq_len)")
+    )
+    raise DistillError(
+        f"teacher.top_k: null makes a dense teacher output of {rows} rows x {s} tokens x {v} "
+        f"ids = {rows * s * v:,} elements on a device, not under 2^31 (32-bit GPU indexing); "
+        f"{way}, or set teacher.top_k (e.g. --set teacher.top_k=64)"
+    )
+
+
 def check_dense_output(cfg: Config, device) -> None:
     """Refuse a dense teacher output too large for the student's devices (`device`: one of
-    them), in one line naming the figures and the way out."""
+    them), or for one array (`check_dense_elements`), in one line naming the figures and
+    the way out."""
     if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
         return
+    check_dense_elements(cfg)
     need, (budget, where) = dense_output_bytes_per_device(cfg), dense_output_budget(device)
     if need > budget:
         rows = cfg.train.batch_size // student_size(cfg)

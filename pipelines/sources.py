@@ -39,14 +39,13 @@ class OnlineTeacher:
         self.put = batch_sharding(mesh)  # batches: rows split over dp, replicated over tp
         self.moe = bool(mcfg.n_experts)
         self._output = make_output_forward(cfg, mesh, limit, expert_load=self.moe)
-        self._logits = forward_for(
-            mcfg,
-            mesh,
-            mode="logits",
-            dtype=cfg.teacher.dtype,
-            vocab_limit=limit,
-            microbatch=cfg.teacher.microbatch,
-        )
+        kw = {
+            "dtype": cfg.teacher.dtype,
+            "vocab_limit": limit,
+            "microbatch": cfg.teacher.microbatch,
+        }
+        self._logits = forward_for(mcfg, mesh, mode="logits", **kw)
+        self._target_logprobs = forward_for(mcfg, mesh, mode="target_logprobs", **kw)
 
     def output(self, batch: Batch) -> tuple:
         """Dispatch the teacher's output for a host batch (not waited for): on the teacher's
@@ -63,9 +62,10 @@ class OnlineTeacher:
         return (self.logits(b) for b in batches)
 
     def nll(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        """(the teacher's summed NLL of `batch`'s masked targets, their count), on device."""
+        """(the teacher's summed NLL of `batch`'s masked targets, their count), on device:
+        from its log-probs of the targets alone, never its [B, S, V] ones."""
         batch = jax.device_put(own_rows(batch), self.put)
-        return _masked_nll(self._logits(self.params, batch), batch)
+        return _masked_nll(self._target_logprobs(self.params, batch), batch)
 
 
 def own_rows(batch: Batch) -> Batch:
@@ -75,10 +75,8 @@ def own_rows(batch: Batch) -> Batch:
 
 
 @jax.jit
-def _masked_nll(logits, batch: Batch):
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    target = jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
-    return -jnp.sum(target * batch.mask), jnp.sum(batch.mask)
+def _masked_nll(target_logprobs, batch: Batch):
+    return -jnp.sum(target_logprobs * batch.mask), jnp.sum(batch.mask)
 
 
 class QueueSource:

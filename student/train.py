@@ -282,23 +282,31 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
     one-shot step's: losses are token means (`distill.models.losses`). Counts
     (`routing.COUNTS`) are summed; an MoE student's `moe_aux_loss` is the microbatches'
     token-weighted mean."""
-    rows = NamedSharding(mesh, P(None, *sharding.batch_spec(mesh)))
+    rows = NamedSharding(mesh, sharding.batch_spec(mesh))
 
-    def split(x):  # [B, ...] -> [n, B / n, ...]
+    def split(x):  # [B, ...] -> [B / n, n, ...]: a free reshape, rows still split
         if x.shape[0] % (n * mesh.size):
             raise ValueError(
                 f"{x.shape[0]} rows do not split into {n} microbatches x {mesh.size} devices"
             )
-        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(x, rows)
+        return x.reshape(x.shape[0] // n, n, *x.shape[1:])
 
-    micro = jax.tree.map(split, inputs)
+    def microbatch(j):  # [B / n, ...]: rows j, j + n, ..., sliced where each device is
+        # (never a transposed copy of the inputs: a dense teacher's [B, S, V] is the largest)
+        return jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(
+                jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), rows
+            ),
+            grouped,
+        )
+
+    grouped = jax.tree.map(split, inputs)
     total = jnp.maximum(jnp.sum(inputs[0].mask.astype(jnp.float32)), 1.0)
-    first = jax.tree.map(lambda x: x[0], micro)
-    _, metric_shapes = jax.eval_shape(grad_fn, params, *first)[0]
+    _, metric_shapes = jax.eval_shape(grad_fn, params, *microbatch(0))[0]
 
-    def body(carry, mb):
+    def body(carry, j):
         grads_acc, metrics_acc = carry
+        mb = microbatch(j)
         (_, metrics), grads = grad_fn(params, *mb)
         w = jnp.sum(mb[0].mask.astype(jnp.float32)) / total
         grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
@@ -314,7 +322,7 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
         jax.lax.with_sharding_constraint(zeros, grad_shardings),
         {k: jnp.zeros(v.shape, jnp.float32) for k, v in metric_shapes.items()},
     )
-    (grads, metrics), _ = jax.lax.scan(body, init, micro)
+    (grads, metrics), _ = jax.lax.scan(body, init, jnp.arange(n))
     return grads, metrics
 
 
