@@ -122,12 +122,7 @@ def make_forward(
 
     def run(params, batch: Batch):
         spec = out_spec(batch.tokens.shape[0], mesh)
-        out_specs = {
-            "logits": spec,
-            "dense": TeacherOutput(spec, None),
-            "topk": TeacherOutput(spec, spec),
-            "target_logprobs": spec,
-        }[mode]
+        out_specs = _mode_specs(mode, spec)
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
@@ -139,6 +134,13 @@ def make_forward(
         return sharded(params, batch)
 
     return jax.jit(run)
+
+
+def _mode_specs(mode: Mode, spec):
+    """The output specs of `mode`, each array's rows laid out by `spec`."""
+    if mode in ("dense", "topk"):
+        return TeacherOutput(spec, spec if mode == "topk" else None)
+    return spec  # logits, target log-probs
 
 
 def by_positions(fn: Callable, xs, chunk: int):
