@@ -57,20 +57,20 @@ def dense_rows_per_device(cfg: Config) -> int:
     return max(teacher, b // student_size(cfg))
 
 
-def check_dense_elements(cfg: Config) -> None:
+def check_dense_elements(cfg: Config, teacher_len: int | None = None) -> None:
     """Refuse a dense teacher output whose array on one device would reach MAX_ELEMENTS
     (`distill.limits`: GPU sorts and kernels index with 32 bits), in one line naming
-    teacher.top_k and the rows a device that would fit."""
-    s, v = cfg.train.seq_len, cfg.teacher.model.vocab_size
+    teacher.top_k and the rows a device that would fit. `teacher_len`: across tokenizers,
+    the teacher's own row length (known once the corpus is read); its output is [rows, T,
+    V] and the student's loss reads it at [rows, S, V] positions."""
+    if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
+        return
+    s, v = max(cfg.train.seq_len, teacher_len or 0), cfg.teacher.model.vocab_size
     rows = dense_rows_per_device(cfg)
     if rows * s * v < MAX_ELEMENTS:
         return
     fit = rows_that_fit(s, v)
-    way = (
-        f"at most {fit} rows per device fit (train.batch_size / devices)"
-        if fit
-        else ("not even one row fits (train.seq_len)")
-    )
+    way = f"at most {fit} rows per device fit (train.batch_size)" if fit else "no row fits"
     raise DistillError(
         f"teacher.top_k: null makes a dense teacher output of {rows} rows x {s} tokens x {v} "
         f"ids = {rows * s * v:,} elements on a device, not under 2^31 (32-bit GPU indexing); "
@@ -82,9 +82,9 @@ def check_dense_output(cfg: Config, device) -> None:
     """Refuse a dense teacher output too large for the student's devices (`device`: one of
     them), or for one array (`check_dense_elements`), in one line naming the figures and
     the way out."""
+    check_dense_elements(cfg)
     if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
         return
-    check_dense_elements(cfg)
     need, (budget, where) = dense_output_bytes_per_device(cfg), dense_output_budget(device)
     if need > budget:
         rows = cfg.train.batch_size // student_size(cfg)
