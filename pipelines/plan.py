@@ -47,35 +47,69 @@ def dense_output_budget(device) -> tuple[int, str]:
     return int(limit * DENSE_FRACTION), f"{DENSE_FRACTION:.0%} of {_gib(limit)} device memory"
 
 
-def dense_rows_per_device(cfg: Config) -> int:
-    """The most rows of one device's dense teacher output array [rows, S, V]: on the
-    inference mesh (rows split over every device when they divide, else over dp x ep:
-    `teacher.sharding.out_spec`) and on the training mesh."""
+def dense_rows_per_device(cfg: Config, rows: int | None = None) -> int:
+    """The most rows one device holds of a dense teacher output of `rows` rows (default: the
+    training batch): on the inference mesh (split over every device when they divide, else
+    over dp x ep: `teacher.sharding.out_spec`) and on the training mesh."""
     t = cfg.mesh.teacher
-    b = cfg.train.batch_size
+    b = rows or cfg.train.batch_size
     teacher = b // teacher_size(cfg) if b % teacher_size(cfg) == 0 else b // (t.dp * t.ep)
     return max(teacher, b // student_size(cfg))
 
 
-def check_dense_elements(cfg: Config, teacher_len: int | None = None) -> None:
-    """Refuse a dense teacher output whose array on one device would reach MAX_ELEMENTS
-    (`distill.limits`: GPU sorts and kernels index with 32 bits), in one line naming
-    teacher.top_k and the rows a device that would fit. `teacher_len`: across tokenizers,
-    the teacher's own row length (known once the corpus is read); its output is [rows, T,
-    V] and the student's loss reads it at [rows, S, V] positions."""
+def _dense_elements(cfg: Config, blocks: int, teacher_len: int | None) -> tuple[int, int, int]:
+    """(rows, positions, elements) of one device's array of a dense output in `blocks`."""
+    s = max(cfg.train.seq_len, teacher_len or 0)
+    rows = dense_rows_per_device(cfg, cfg.train.batch_size // blocks)
+    return rows, s, rows * s * cfg.teacher.model.vocab_size
+
+
+def dense_blocks(cfg: Config, teacher_len: int | None = None) -> int:
+    """How many arrays a batch's dense teacher output is handed over in
+    (`distill.types.TeacherOutput`): one while one array per device stays under
+    MAX_ELEMENTS, else one per `train.grad_accum` microbatch (block j: rows j, j + n, ...,
+    made by a teacher forward of its own and read by the student's microbatch j). One for
+    a top-k output. `teacher_len`: across tokenizers, the teacher's own row length (known
+    once the corpus is read); its output is [rows, T, V], read at [rows, S, V] positions."""
     if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
+        return 1
+    return 1 if _dense_elements(cfg, 1, teacher_len)[2] < MAX_ELEMENTS else cfg.train.grad_accum
+
+
+def check_dense_elements(cfg: Config, teacher_len: int | None = None) -> None:
+    """Refuse a dense teacher output whose arrays (`dense_blocks`) would reach MAX_ELEMENTS
+    on a device (`distill.limits`: GPU sorts and kernels index with 32 bits), in one line
+    naming teacher.top_k and the rows a device that fit; or whose blocks the layout cannot
+    make (the Ray hand-off takes one array; the teacher's dp x ep splits each block)."""
+    n = dense_blocks(cfg, teacher_len)
+    if n == 1 and (cfg.teacher.top_k is not None or cfg.teacher.source != "online"):
         return
-    s, v = max(cfg.train.seq_len, teacher_len or 0), cfg.teacher.model.vocab_size
-    rows = dense_rows_per_device(cfg)
-    if rows * s * v < MAX_ELEMENTS:
+    rows, s, elements = _dense_elements(cfg, n, teacher_len)
+    v = cfg.teacher.model.vocab_size
+    if elements >= MAX_ELEMENTS:
+        fit = rows_that_fit(s, v)
+        raise DistillError(
+            f"teacher.top_k: null makes dense teacher outputs of {rows} rows x {s} tokens x "
+            f"{v} ids = {elements:,} elements on a device (an array per train.grad_accum "
+            f"microbatch), not under 2^31 (32-bit GPU indexing); {fit} rows per device and "
+            "microbatch fit: raise train.grad_accum, lower train.batch_size or set "
+            "teacher.top_k (e.g. --set teacher.top_k=64)"
+        )
+    if n == 1:
         return
-    fit = rows_that_fit(s, v)
-    way = f"at most {fit} rows per device fit (train.batch_size)" if fit else "no row fits"
-    raise DistillError(
-        f"teacher.top_k: null makes a dense teacher output of {rows} rows x {s} tokens x {v} "
-        f"ids = {rows * s * v:,} elements on a device, not under 2^31 (32-bit GPU indexing); "
-        f"{way}, or set teacher.top_k (e.g. --set teacher.top_k=64)"
-    )
+    t, block = cfg.mesh.teacher, cfg.train.batch_size // n
+    if cfg.pipeline.mode == "ray":
+        raise DistillError(
+            f"teacher.top_k: null makes a dense teacher output of {rows * n} rows x {s} x {v} "
+            "ids on a device, past 2^31 elements as one array, and pipeline.mode ray hands it "
+            "over whole; set teacher.top_k or use pipeline.mode local"
+        )
+    if block % (t.dp * t.ep):
+        raise DistillError(
+            f"train.grad_accum: the dense teacher output is made in {n} blocks of {block} rows "
+            f"(one array per microbatch: whole it would reach 2^31 elements on a device), which "
+            f"do not split over mesh.teacher.dp x ep = {t.dp * t.ep}"
+        )
 
 
 def check_dense_output(cfg: Config, device) -> None:

@@ -23,7 +23,8 @@ from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import TP, Meshes
 from distill.models import model
-from distill.types import Batch, Prompts
+from distill.types import Batch, Prompts, TeacherOutput
+from pipelines.plan import dense_blocks
 from student import sharding as student_sharding
 from student import train
 from student.generate import Sampler
@@ -57,11 +58,16 @@ def teacher_params(cfg: Config, mesh):
 
 
 def _teacher(cfg: Config, mesh, vocab_limit: int | None):
+    """(the compiled teacher output forward, its abstract output for a training batch): a
+    dense output in blocks (`pipelines.plan.dense_blocks`) is n forwards of a block."""
     fwd = make_output_forward(cfg, mesh, vocab_limit)
     params = teacher_params(cfg, mesh)
-    batch = abstract_batch(cfg, sharding.batch_sharding(mesh))
-    lowered = fwd.lower(params, batch)
-    return lowered.compile(), jax.eval_shape(fwd, params, batch)
+    n = dense_blocks(cfg)
+    batch = abstract_batch(cfg, sharding.batch_sharding(mesh), cfg.train.batch_size // n)
+    out = jax.eval_shape(fwd, params, batch)
+    if n > 1:
+        out = TeacherOutput((out.logprobs,) * n, None)
+    return fwd.lower(params, batch).compile(), out
 
 
 def _student(cfg: Config, mesh, teacher_out, vocab_limit: int | None):

@@ -202,6 +202,8 @@ def make_train_step(
     def step(state: TrainState, batch: Batch, teacher_out: TeacherOutput | None):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if grad_accum == 1:
+            if teacher_out is not None and isinstance(teacher_out.logprobs, tuple):
+                raise ValueError("a dense teacher output in blocks needs train.grad_accum > 1")
             (_, metrics), grads = grad_fn(state.params, batch, teacher_out)
         else:
             grads, metrics = _accumulate(
@@ -276,10 +278,11 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
     microbatches run one after another by `jax.lax.scan`.
 
     Microbatch j takes rows j, j + n, j + 2n, ... of the batch: an equal share of every
-    device's own rows, so nothing moves between devices. Each microbatch's mean loss,
-    gradient and metrics are weighted by its share of the batch's tokens and summed in
-    float32 (the gradient accumulator laid out like the parameters), so the result is the
-    one-shot step's: losses are token means (`distill.models.losses`). Counts
+    device's own rows, so nothing moves between devices. A dense teacher output in blocks
+    (`distill.types.TeacherOutput`) gives microbatch j its block j, those same rows. Each
+    microbatch's mean loss, gradient and metrics are weighted by its share of the batch's
+    tokens and summed in float32 (the gradient accumulator laid out like the parameters),
+    so the result is the one-shot step's: losses are token means (`distill.models.losses`). Counts
     (`routing.COUNTS`) are summed; an MoE student's `moe_aux_loss` is the microbatches'
     token-weighted mean."""
     rows = NamedSharding(mesh, sharding.batch_spec(mesh))
@@ -293,13 +296,17 @@ def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
 
     def microbatch(j):  # [B / n, ...]: rows j, j + n, ..., sliced where each device is
         # (never a transposed copy of the inputs: a dense teacher's [B, S, V] is the largest)
-        return jax.tree.map(
-            lambda x: jax.lax.with_sharding_constraint(
-                jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), rows
-            ),
-            grouped,
-        )
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 1, False), grouped)
+        if blocks is not None:  # the teacher's output for these rows: block j
+            pick = [lambda bs, i=i: bs[i] for i in range(n)]
+            mb = (mb[0], TeacherOutput(jax.lax.switch(j, pick, blocks), None))
+        return jax.lax.with_sharding_constraint(mb, rows)
 
+    blocks = None
+    if inputs[1] is not None and isinstance(inputs[1].logprobs, tuple):
+        blocks, inputs = inputs[1].logprobs, (inputs[0], None)
+        if len(blocks) != n:
+            raise ValueError(f"a dense teacher output in {len(blocks)} blocks, {n} microbatches")
     grouped = jax.tree.map(split, inputs)
     total = jnp.maximum(jnp.sum(inputs[0].mask.astype(jnp.float32)), 1.0)
     _, metric_shapes = jax.eval_shape(grad_fn, params, *microbatch(0))[0]

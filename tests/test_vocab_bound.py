@@ -3,8 +3,8 @@
 
 The 8B-to-1B programs are compiled, never run, from abstract shapes on the simulated CPU
 devices, at 8 and 16 rows a device (the shipped layout: teacher dp=4, student fsdp=4): the
-teacher's top-k output and the student step from it, the dense output at the most rows a
-device that fit (more are refused by `distill validate`), evaluation (the teacher's logits
+teacher's top-k output and the student step from it, the dense output (in one block per
+microbatch) and the student step from its blocks, evaluation (the teacher's logits
 and the student's metrics), the on-policy teacher's target log-probs and `distill score` of
 a 32,768-token document (a row past 16,744 tokens of 128,256 ids is over the bound). The
 real widths, vocabulary and S = 4,096, but one layer of each model: the vocabulary arrays
@@ -38,8 +38,9 @@ SHAPE = re.compile(r"\b(?:pred|bf16|[fsuc]\d+)\[([\d,]*)\]")
 SORTS = re.compile(r"\b(?:sort|topk)\(|custom_call_target=\"[^\"]*[Tt]op[Kk]")
 
 
-def _cfg(rows: int, top_k: int | None):
+def _cfg(rows: int, top_k: int | None, *more: str):
     sets = [
+        *more,
         "mesh.platform=cpu",
         "teacher.model.n_layers=1",
         "student.model.n_layers=1",
@@ -78,9 +79,11 @@ def _teacher_and_student(cfg, meshes, what: str):
 
 
 def test_the_check_finds_a_vocabulary_array_past_the_bound():
-    """The dense forward at 8 rows a device, as it compiles without the refusal, holds its
-    [8, 4096, 128256] output whole: what the check must find (and what validate refuses)."""
-    cfg = _cfg(8, None)
+    """The dense forward at 8 rows a device in one array (no microbatches to split it by),
+    as it compiles without the refusal, holds its [8, 4096, 128256] output whole: what the
+    check must find (and what validate refuses)."""
+    cfg = _cfg(8, None, "train.grad_accum=1")
+    assert plan.dense_blocks(cfg) == 1
     compiled, _ = plan_memory._teacher(cfg, build_meshes(cfg).teacher, None)
     found = oversized(compiled.as_text(), {cfg.teacher.model.vocab_size})
     assert any(f.startswith("[8, 4096, 128256]") for f in found), found
@@ -95,15 +98,18 @@ def test_top_k_programs_hold_the_bound(rows):
 
 
 @pytest.mark.parametrize("rows", [8, 16])
-def test_a_dense_output_past_the_bound_is_refused_and_the_rows_that_fit_hold_it(rows):
-    cfg = _cfg(rows, None)
-    fit = rows_that_fit(cfg.train.seq_len, cfg.teacher.model.vocab_size)
+def test_a_dense_output_is_made_in_blocks_that_hold_the_bound(rows):
+    """Past the bound the dense output is handed over in one block per microbatch
+    (train.grad_accum: 4 in the shipped layout, 2 or 4 rows a device each); in one array
+    (grad_accum 1) it is refused, naming the rows that fit."""
+    fit = rows_that_fit(4096, 128256)
     assert fit == 4  # 4 x 4096 x 128256 = 2.10e9 < 2^31 <= 5 x ...
-    with pytest.raises(DistillError, match=f"^teacher.top_k: null .* at most {fit} rows per"):
-        plan.check_dense_elements(cfg)
-    cfg = _cfg(fit, None)
+    with pytest.raises(DistillError, match=f"^teacher.top_k: null .*; {fit} rows per device"):
+        plan.check_dense_elements(_cfg(rows, None, "train.grad_accum=1"))
+    cfg = _cfg(rows, None)
     plan.check_dense_elements(cfg)
-    _teacher_and_student(cfg, build_meshes(cfg), f"dense at {fit} rows")
+    assert plan.dense_blocks(cfg) == cfg.train.grad_accum == 4
+    _teacher_and_student(cfg, build_meshes(cfg), f"dense in 4 blocks at {rows} rows")
 
 
 def test_evaluation_and_scoring_programs_hold_the_bound():
@@ -138,3 +144,34 @@ def test_evaluation_and_scoring_programs_hold_the_bound():
     flat = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), doc)
     program = score.student_program(cfg, None)
     _check(program.lower(model.abstract_params(scfg), flat).compile(), v, "student score")
+
+
+def test_the_online_teacher_makes_a_dense_output_in_the_microbatches_blocks(tiny_run, monkeypatch):
+    """With the bound lowered below the tiny run's dense output (2 rows x 32 x 260 ids a
+    device), `OnlineTeacher.output` hands it over in train.grad_accum blocks, block j the
+    whole output's rows j, j + n, ... (the student's microbatch j: tests/test_fsdp.py)."""
+    import numpy as np
+
+    from distill.config.load import config_from_dict
+    from distill.data.tokenizers import ByteTokenizer
+    from distill.types import Batch
+    from pipelines.sources import OnlineTeacher
+
+    tree = {**tiny_run.tree, "train": {**tiny_run.tree["train"], "grad_accum": 2}}
+    tree["teacher"] = {**tree["teacher"], "top_k": None, "pretrain_steps": 0}
+    cfg = config_from_dict(tree)
+    cfg.resolve_dtypes("cpu")
+    teacher = OnlineTeacher(cfg, build_meshes(cfg).teacher, ByteTokenizer())
+    rng = np.random.default_rng(0)
+    ones = np.ones((4, 32), np.int32)
+    tokens = rng.integers(0, 256, (4, 32)).astype(np.int32)
+    positions = np.tile(np.arange(32, dtype=np.int32), (4, 1))
+    batch = Batch(tokens, tokens, ones, positions, ones.astype(np.float32))
+    whole, _ = teacher.output(batch)
+    assert plan.dense_blocks(cfg) == 1 and whole.logprobs.shape == (4, 32, 260)
+    monkeypatch.setattr(plan, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a device: not under it
+    plan.check_dense_elements(cfg)  # blocks of 1 row a device are
+    blocks, _ = teacher.output(batch)
+    assert plan.dense_blocks(cfg) == 2 and isinstance(blocks.logprobs, tuple)
+    for j, block in enumerate(blocks.logprobs):
+        np.testing.assert_allclose(block, np.asarray(whole.logprobs)[j::2], atol=1e-6)
