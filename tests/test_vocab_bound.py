@@ -175,3 +175,31 @@ def test_the_online_teacher_makes_a_dense_output_in_the_microbatches_blocks(tiny
     assert plan.dense_blocks(cfg) == 2 and isinstance(blocks.logprobs, tuple)
     for j, block in enumerate(blocks.logprobs):
         np.testing.assert_allclose(block, np.asarray(whole.logprobs)[j::2], atol=1e-6)
+
+
+def test_score_of_the_student_in_chunks_is_its_whole_log_softmax(tmp_path, monkeypatch):
+    """`distill score`'s student program, 5 positions at a time (32 = 6 x 5 + a last chunk
+    shifted back), on a vocabulary padded past the tokenizer's: the targets' log-probs of
+    the whole logits' log-softmax."""
+    import numpy as np
+
+    from distill.collectives import mask_vocab
+    from distill.config.load import config_from_dict
+    from distill.models import vocab_loss
+    from tests.conftest import tiny_config
+
+    cfg = config_from_dict(tiny_config(str(tmp_path), str(tmp_path / "out")))
+    cfg.resolve_dtypes("cpu")
+    scfg, limit = cfg.student_model(), 200
+    params = model.init_params(scfg, 0)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, scfg.vocab_size, (1, 32)).astype(np.int32)
+    ones = np.ones((1, 32), np.int32)
+    positions = np.arange(32, dtype=np.int32)[None]
+    batch = plan_memory.Batch(tokens, tokens, ones, positions, ones.astype(np.float32))
+    z = mask_vocab(model.apply(scfg, params, tokens, ones, positions), limit, None)
+    want = np.take_along_axis(np.asarray(jax.nn.log_softmax(z)), tokens[..., None], -1)[..., 0]
+    assert np.isneginf(want).any() and np.isfinite(want).any()  # padded ids among the targets
+    monkeypatch.setattr(vocab_loss, "default_chunk", lambda vocab, rows: 5)
+    got = score.student_program(cfg, limit)(params, batch)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
