@@ -91,8 +91,8 @@ def check_dense_elements(cfg: Config, teacher_len: int | None = None) -> None:
         raise DistillError(
             f"teacher.top_k: null makes dense teacher outputs of {rows} rows x {s} tokens x "
             f"{v} ids = {elements:,} elements on a device (an array per train.grad_accum "
-            f"microbatch), not under 2^31 (32-bit GPU indexing); {fit} rows per device and "
-            "microbatch fit: raise train.grad_accum, lower train.batch_size or set "
+            f"microbatch), not under 2^31 (32-bit GPU indexing); at most {fit} rows a device "
+            "and microbatch fit: raise train.grad_accum, lower train.batch_size or set "
             "teacher.top_k (e.g. --set teacher.top_k=64)"
         )
     if n == 1:

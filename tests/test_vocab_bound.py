@@ -104,7 +104,7 @@ def test_a_dense_output_is_made_in_blocks_that_hold_the_bound(rows):
     (grad_accum 1) it is refused, naming the rows that fit."""
     fit = rows_that_fit(4096, 128256)
     assert fit == 4  # 4 x 4096 x 128256 = 2.10e9 < 2^31 <= 5 x ...
-    with pytest.raises(DistillError, match=f"^teacher.top_k: null .*; {fit} rows per device"):
+    with pytest.raises(DistillError, match=f"^teacher.top_k: null .*; at most {fit} rows a device"):
         plan.check_dense_elements(_cfg(rows, None, "train.grad_accum=1"))
     cfg = _cfg(rows, None)
     plan.check_dense_elements(cfg)
