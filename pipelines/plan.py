@@ -209,10 +209,15 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
         "tokens_per_step": cfg.train.batch_size * seq,
         "per_device_batch": cfg.train.batch_size // student_size(cfg),
         "grad_accum": cfg.train.grad_accum,
-        "teacher_output": f"top-{k}" if k else "dense",
+        "teacher_output": f"top-{k}" if k else _dense_layout(cfg),
         "bytes_per_token_between_meshes": teacher_output_bytes_per_token(cfg),
         "teacher_output_bytes_per_step": teacher_output_bytes_per_step(cfg),
     }
+
+
+def _dense_layout(cfg: Config) -> str:
+    n = dense_blocks(cfg)
+    return "dense" if n == 1 else f"dense in {n} blocks (one per microbatch, under 2^31 elements)"
 
 
 def format_plan(p: dict) -> str:

@@ -430,8 +430,9 @@ def make_cross_eval_fn(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | No
             softcap=cfg.final_softcap,
         )  # fmt: skip
         t = batch.teacher.rows
-        lt = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(lt, t.targets[..., None], axis=-1)[..., 0]
+        zt = teacher_logits.astype(jnp.float32)  # a reduction: no second [B, T, V] array
+        picked = jnp.take_along_axis(zt, t.targets[..., None], axis=-1)[..., 0]
+        nll = jax.nn.logsumexp(zt, axis=-1) - picked
         t_tokens = jnp.sum(t.mask)
         aligned = (batch.teacher.align >= 0) & (batch.mask > 0)
         return {
