@@ -112,7 +112,10 @@ class TeacherConfig(Section):
     )
     dtype: DType = Field("auto", description=DTYPE_DOC)
     top_k: int | None = Field(
-        None, ge=1, description="Send only the top-k log-probs per token; None: dense."
+        None,
+        ge=1,
+        description="Send only the top-k log-probs per token; None: dense (in one array per "
+        "train.grad_accum microbatch where one a device would reach 2^31 elements).",
     )
     tokenizer: str | None = Field(
         None,
