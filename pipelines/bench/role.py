@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from distill.collectives import mask_vocab
 from distill.config import Config
 from distill.data.tokenizers import vocab_limit
+from distill.limits import MAX_ELEMENTS
 from distill.mesh import role_mesh
 from distill.types import TeacherOutput
 from pipelines import plan_memory
@@ -45,10 +46,6 @@ from teacher import sharding as teacher_sharding
 from teacher.weights import random_teacher
 
 ROLES = ("teacher", "student")
-
-# No random logits, log-softmax or top-k operand of the bench reaches this many elements
-# (XLA:GPU's CUB sorts and GPU kernels index with 32-bit integers).
-MAX_ELEMENTS = 2**31
 
 
 def bench_role(
