@@ -1,0 +1,151 @@
+"""`mesh.placement`: split, colocated, and `auto`'s choice from a table of role costs."""
+
+import json
+
+import pytest
+
+from distill.config.load import config_from_dict, load_config
+from distill.errors import DistillError
+from distill.mesh import build_meshes, check_fit, devices_needed
+from pipelines import placement
+from pipelines.commands.cli import main
+from pipelines.placement import Layout, RoleCost, candidates, choose, predict
+from tests.conftest import tiny_config
+
+GIB = 2**30
+
+
+def _cfg(corpus_dir, tmp_path, **mesh):
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    tree["mesh"].update(mesh)
+    return config_from_dict(tree)
+
+
+def test_colocated_meshes_share_the_first_devices(corpus_dir, tmp_path):
+    cfg = _cfg(corpus_dir, tmp_path, placement="colocated")
+    assert devices_needed(cfg) == 2  # tp=2 and dp=2 on the same two devices
+    meshes = build_meshes(cfg)
+    ids = lambda m: [d.id for d in m.devices.flat]  # noqa: E731
+    assert ids(meshes.teacher) == ids(meshes.student) == [0, 1]
+    assert meshes.layout()["placement"] == "colocated"
+    assert build_meshes(_cfg(corpus_dir, tmp_path)).layout()["placement"] == "split"
+    split = _cfg(corpus_dir, tmp_path, student={"dp": 2, "devices": [1, 2]})
+    with pytest.raises(DistillError, match="overlap: \\[1\\]; set mesh.placement: colocated"):
+        check_fit(split, 8, "cpu")
+    check_fit(
+        split.model_copy(update={"mesh": split.mesh.model_copy(update={"placement": "colocated"})}),
+        8,
+        "cpu",
+    )
+
+
+def test_ray_mode_refuses_colocated_in_one_line(corpus_dir, tmp_path):
+    from pipelines.preflight import check_mode
+
+    cfg = _cfg(corpus_dir, tmp_path, placement="colocated")
+    cfg.pipeline.mode = "ray"
+    with pytest.raises(DistillError, match="^mesh.placement: colocated needs pipeline.mode local"):
+        check_mode(cfg)
+
+
+def test_candidates_follow_the_divisibility_rules():
+    """The quick start (8 heads, 4 KV heads, vocabulary 384, batch 16) on 8 devices: the
+    colocated layouts of all 8 and the splits of 8 that the batch divides; on one device
+    only colocated with every axis 1."""
+    cfg = load_config("pipelines/quickstart.yaml")
+    layouts = candidates(cfg, 8)
+    split = [x for x in layouts if x.placement == "split"]
+    assert {x.teacher for x in split} == {(4, 1, 1), (2, 1, 2), (1, 1, 4)}  # 4 + 4 only
+    assert {x.student for x in split} == {(4, 1), (2, 2), (1, 4)}
+    assert Layout("split", (1, 1, 4), (4, 1)) in split  # the quick start's own
+    co = [x for x in layouts if x.placement == "colocated"]
+    assert len(co) == 16 and layouts[: len(co)] == co  # colocated first
+    assert candidates(cfg, 1) == [Layout("colocated", (1, 1, 1), (1, 1))]
+    two = [x for x in candidates(cfg, 2) if x.placement == "split"]
+    assert two == [Layout("split", (1, 1, 1), (1, 1))]  # 1 + 1
+
+
+def _rows(table, platform="gpu"):
+    """Rows from {layout: (teacher seconds, student seconds)}, 1 GiB a role per device."""
+    role = lambda s: RoleCost(s, GIB, GIB // 2, GIB // 2)  # noqa: E731
+    return [predict(x, role(t), role(s), platform) for x, (t, s) in table.items()]
+
+
+SPLIT = Layout("split", (1, 1, 4), (4, 1))
+COLO = Layout("colocated", (2, 1, 4), (8, 1))
+OTHER = Layout("split", (2, 1, 2), (2, 2))
+
+
+def test_prediction_model():
+    """split: the slower role (they overlap); colocated: the sum (in turn); on CPU the sum
+    of each role over its devices for both (simulated devices share the host's cores).
+    A colocated device holds both roles' resident bytes and the larger temporaries."""
+    s, c = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5)})
+    assert s.seconds == 2.0 and c.seconds == 1.5
+    assert s.bytes_per_device == GIB and c.bytes_per_device == GIB + GIB // 2
+    assert c.host_bytes == 8 * c.bytes_per_device and s.host_bytes == 8 * GIB
+    s, c = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5)}, "cpu")
+    assert s.seconds == 4 * 2.0 + 4 * 1.0 and c.seconds == 8 * 1.0 + 8 * 0.5
+
+
+def test_auto_is_deterministic_for_a_table():
+    # the fastest by more than the margin wins
+    rows = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5), OTHER: (1.9, 1.9)})
+    assert choose(rows, SPLIT, None, None).layout == COLO
+    # within the margin: the layout the config gives is kept
+    rows = _rows({OTHER: (1.0, 0.1), SPLIT: (1.0, 1.0), COLO: (0.5, 0.45)})
+    assert choose(rows, SPLIT, None, None).layout == SPLIT
+    # a tie without it: the least memory per device (colocated holds both roles: more),
+    # then the table's order
+    assert choose(rows, Layout("split", (1, 1, 1), (1, 1)), None, None).layout == OTHER
+    # ... on CPU the least host memory
+    rows = _rows({SPLIT: (1.0, 1.0), OTHER: (1.0, 1.0)}, "cpu")
+    assert choose(rows, COLO, None, 100 * GIB).layout == SPLIT  # equal: the first
+    # what does not fit is out, whatever its speed; nothing fitting is one line
+    rows = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5)})
+    assert choose(rows, SPLIT, int(1.2 * GIB), None).layout == SPLIT
+    with pytest.raises(DistillError, match="^mesh.placement: auto found no layout that fits"):
+        choose(rows, SPLIT, GIB // 2, None)
+    assert [choose(rows, SPLIT, None, None).layout for _ in range(3)] == [COLO] * 3
+
+
+def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys):
+    """`distill plan` with auto on the 8 simulated devices: every candidate compiled from
+    abstract shapes, the table printed, the choice applied to the plan."""
+    path = tmp_path / "cfg.yaml"
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    tree["mesh"]["placement"] = "auto"
+    tree["teacher"]["model"]["attention"] = "reference"  # compiles fastest; not what is tested
+    path.write_text(json.dumps(tree))
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mesh.placement auto: 9 candidates")
+    chosen = [line for line in out[1:10] if line.startswith(" ->")]
+    assert len(chosen) == 1
+    p = json.loads(out[-1])
+    assert p["layout"]["placement"] in chosen[0]
+    assert "auto" not in json.dumps(p["layout"])
+
+
+def test_colocated_8b_to_1b_plans_fitting_8_gpus(capsys):
+    """The shipped real-size pipeline colocated on 8 devices (teacher dp=8, student fsdp=8),
+    planned from shapes alone: a device holding both roles stays under 80 GB; with less
+    memory the run is refused in one line."""
+    path = "pipelines/llama3-8b-to-1b.yaml"
+    sets = ["mesh.platform=cpu", "mesh.placement=colocated", "mesh.teacher.dp=8"]
+    sets += ["mesh.student.fsdp=8"]
+    assert main(["plan", path, *sum((["--set", s] for s in sets), [])]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    both = p["colocated"]
+    assert both["peak_bytes_per_device"] < 80e9
+    t, s = p["teacher"], p["student"]
+    assert both["teacher_resident_bytes_per_device"] >= t["weight_bytes_per_device"]
+    assert both["student_resident_bytes_per_device"] >= (
+        s["weight_bytes_per_device"] + s["optimizer_bytes_per_device"]
+    )
+    peak = max(t["peak_bytes_per_device"], s["peak_bytes_per_device"])
+    assert both["peak_bytes_per_device"] > peak  # more than either role alone
+    mem = {"colocated": both, "device_memory_bytes": 80 * 10**9}
+    placement.check_colocated_fits(mem)
+    with pytest.raises(DistillError, match="^mesh.placement: colocated needs .* per device"):
+        placement.check_colocated_fits({**mem, "device_memory_bytes": 32 * GIB})
