@@ -10,8 +10,10 @@ of `n` devices exists, those of the largest smaller count that has some.
 Each role's cost on a layout is a `RoleCost`: its time per step and its memory per device.
 Where the devices are not measured, the time comes from the compiled program (XLA's cost
 analysis of the SPMD program: FLOPs and bytes accessed per device, the same abstract
-compile `distill plan` makes, nothing run), over a nominal roofline of the platform
-(`ROOFLINE`). A candidate's step time is
+compile `distill plan` makes, nothing run; scaled for the scanned layers, which it counts
+once: `layers_factor`), over a nominal roofline of the platform (`ROOFLINE`). Only this
+compiled-cost predictor is built so far: measured role times (`distill bench --role`) are
+not fed in yet. A candidate's step time is
 
 - split: `max(teacher, student)`: the two meshes work at once;
 - colocated: `teacher + student`: the same devices take the roles in turn;
@@ -248,13 +250,26 @@ def host_memory_bytes() -> int | None:
 # -- the costs, from compiled programs --------------------------------------------------
 
 
-def _cost_seconds(compiled, platform: str) -> float:
+def layers_factor(mcfg, seq_len: int) -> float:
+    """XLA's cost analysis counts a loop's body once: the scanned layers (`nnx.scan`) as one
+    layer. The program's figures are scaled by the model's analytic FLOPs over those of its
+    LM head and one average layer (`model.flops_per_token`)."""
+    from distill.models import model
+
+    total = model.flops_per_token(mcfg, seq_len)
+    head = 2.0 * mcfg.vocab_size * mcfg.d_model
+    return total / (head + (total - head) / mcfg.n_layers)
+
+
+def _cost_seconds(compiled, platform: str, factor: float) -> float:
     """A compiled SPMD program's time on one device: its FLOPs and bytes accessed (XLA's
-    cost analysis, per device) over the platform's nominal roofline."""
+    cost analysis, per device; x `factor` for the layers counted once) over the platform's
+    nominal roofline."""
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
     flops_per_s, bytes_per_s = ROOFLINE.get(platform, ROOFLINE["gpu"])
-    return max(ca.get("flops", 0.0) / flops_per_s, ca.get("bytes accessed", 0.0) / bytes_per_s)
+    flops, bytes_ = ca.get("flops", 0.0), ca.get("bytes accessed", 0.0)
+    return factor * max(flops / flops_per_s, bytes_ / bytes_per_s)
 
 
 def output_bytes_per_device(cfg: Config) -> int:
@@ -289,6 +304,9 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     from pipelines import plan_memory
 
     platform, costs, out = devices[0].platform, {}, None
+    seq = cfg.train.seq_len
+    t_factor = layers_factor(cfg.teacher.model, seq)
+    s_factor = layers_factor(cfg.student_model(), seq)
     for shape in dict.fromkeys(x.teacher for x in layouts):
         dp, ep, tp = shape
         c = Layout("split", shape, (1, 1)).apply(cfg)
@@ -300,7 +318,7 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
             "peak_bytes_per_device": figures["peak"],
             "forward_temp_bytes_per_device": figures["temp"],
         }
-        costs["teacher", shape] = teacher_cost(c, _cost_seconds(compiled, platform), fig)
+        costs["teacher", shape] = teacher_cost(c, _cost_seconds(compiled, platform, t_factor), fig)
     for shape in dict.fromkeys(x.student for x in layouts):
         dp, fsdp = shape
         c = Layout("split", (1, 1, 1), shape).apply(cfg)
@@ -312,7 +330,7 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
             "peak_bytes_per_device": figures["peak"],
             "step_temp_bytes_per_device": figures["temp"],
         }
-        costs["student", shape] = student_cost(_cost_seconds(compiled, platform), fig)
+        costs["student", shape] = student_cost(_cost_seconds(compiled, platform, s_factor), fig)
     return costs
 
 

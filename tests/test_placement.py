@@ -1,8 +1,10 @@
 """`mesh.placement`: split, colocated, and `auto`'s choice from a table of role costs."""
 
 import json
+import shutil
 
 import pytest
+import yaml
 
 from distill.config.load import config_from_dict, load_config
 from distill.errors import DistillError
@@ -10,7 +12,14 @@ from distill.mesh import build_meshes, check_fit, devices_needed
 from pipelines import placement
 from pipelines.commands.cli import main
 from pipelines.placement import Layout, RoleCost, candidates, choose, predict
-from tests.conftest import tiny_config
+from tests.conftest import (
+    read_evals,
+    read_summary,
+    read_train,
+    tiny_config,
+    train_by_step,
+    write_config,
+)
 
 GIB = 2**30
 
@@ -149,3 +158,54 @@ def test_colocated_8b_to_1b_plans_fitting_8_gpus(capsys):
     placement.check_colocated_fits(mem)
     with pytest.raises(DistillError, match="^mesh.placement: colocated needs .* per device"):
         placement.check_colocated_fits({**mem, "device_memory_bytes": 32 * GIB})
+
+
+# -- colocated runs ------------------------------------------------------------------------
+
+
+def _colocated_tree(tiny_run, out, **mesh) -> dict:
+    """The session's tiny run's config, colocated, on its bootstrapped teacher."""
+    tree = json.loads(json.dumps(tiny_run.tree))
+    tree["run"]["output_dir"] = str(out)
+    tree["mesh"].update(placement="colocated", **mesh)
+    tree["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
+    return tree
+
+
+@pytest.fixture(scope="module")
+def colocated_run(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated") / "out"
+    assert main(["run", write_config(out.parent, _colocated_tree(tiny_run, out))]) == 0
+    return out
+
+
+def test_colocated_gives_the_split_runs_losses(tiny_run, colocated_run):
+    """The tiny run's teacher tp=2 and student dp=2 on the same two devices instead of four:
+    the same arithmetic, the same losses and evaluations (local mode)."""
+    split, both = train_by_step(tiny_run.out), train_by_step(colocated_run)
+    assert sorted(both) == sorted(split) == [2, 4, 6]
+    for step, r in split.items():
+        for key in ("loss", "kd_loss", "ce_loss"):
+            assert abs(both[step][key] - r[key]) <= 1e-6, (step, key)
+    for a, b in zip(read_evals(tiny_run.out), read_evals(colocated_run), strict=True):
+        assert abs(a["student_loss"] - b["student_loss"]) <= 1e-6
+    saved = yaml.safe_load((colocated_run / "config.yaml").read_text())["mesh"]
+    assert saved["placement"] == "colocated"
+
+
+@pytest.mark.parametrize("started", ["split", "colocated"])
+def test_a_run_resumes_colocated(tiny_run, colocated_run, tmp_path, started):
+    """Drop the last checkpoint of a finished run (started split: the tiny run; or
+    colocated) and rerun colocated: it resumes from step 3 and repeats steps 4-6."""
+    first = tiny_run.out if started == "split" else colocated_run
+    resumed = tmp_path / "out"
+    shutil.copytree(first, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    (resumed / "summary.json").unlink()
+    assert main(["run", write_config(tmp_path, _colocated_tree(tiny_run, resumed))]) == 0
+    before = train_by_step(first)
+    after = read_train(resumed)[len(read_train(first)) :]
+    assert [r["step"] for r in after] == [4, 6]
+    for r in after:
+        assert abs(r["loss"] - before[r["step"]]["loss"]) <= 1e-6
+    assert read_summary(resumed)["steps"] == 6
