@@ -209,3 +209,21 @@ def test_a_run_resumes_colocated(tiny_run, colocated_run, tmp_path, started):
     for r in after:
         assert abs(r["loss"] - before[r["step"]]["loss"]) <= 1e-6
     assert read_summary(resumed)["steps"] == 6
+
+
+def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_path):
+    """Dense teacher log-probs, teacher microbatches of one row and two gradient
+    accumulation microbatches: colocated (teacher dp=2 x tp=2, student dp=2 on devices 0-3;
+    the teacher's rows sliced on each device) gives the split run's losses."""
+    losses = {}
+    for placement_ in ("split", "colocated"):
+        out = tmp_path / placement_
+        tree = _colocated_tree(tiny_run, out, teacher={"dp": 2, "tp": 2})
+        tree["mesh"]["placement"] = placement_
+        tree["teacher"].update(top_k=None, microbatch=1)
+        tree["train"].update(steps=2, grad_accum=2, eval_every=2, checkpoint_every=2)
+        assert main(["run", write_config(tmp_path, tree, f"{placement_}.yaml")]) == 0
+        losses[placement_] = train_by_step(out)
+    assert sorted(losses["split"]) == sorted(losses["colocated"]) == [2]
+    for key in ("loss", "kd_loss", "ce_loss"):
+        assert abs(losses["split"][2][key] - losses["colocated"][2][key]) <= 1e-6, key
