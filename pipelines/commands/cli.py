@@ -111,6 +111,12 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
         help="also write a teacher cache and time offline training from it",
     )
     b.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also time the loop split (as configured) and colocated on the same devices, "
+        "beside the tokens/s mesh.placement: auto predicts for each",
+    )
+    b.add_argument(
         "--role",
         choices=["teacher", "student"],
         default=None,
@@ -243,6 +249,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
         result.update(bench_on_policy(cfg, corpus, meshes, repeats=args.repeats))
         text += "\n" + format_on_policy(result)
+    if args.colocated:
+        from pipelines.bench.placements import bench_colocated, format_layouts
+
+        result.update(bench_colocated(cfg, corpus, repeats=args.repeats))
+        text += "\n" + format_layouts(result["placements"])
     print(text)
     print(dumps(result))
 
@@ -250,7 +261,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def _bench_role(cfg, args: argparse.Namespace) -> None:
     from pipelines.bench.role import bench_role, format_role
 
-    both = [f"--{n}" for n in ("ray", "cache", "torch", "on_policy", "http") if getattr(args, n)]
+    flags = ("ray", "cache", "torch", "on_policy", "http", "colocated")
+    both = [f"--{n}" for n in flags if getattr(args, n)]
     if both:
         raise DistillError(
             f"--role: times one role alone; {', '.join(both).replace('_', '-')} needs both"
