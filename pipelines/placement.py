@@ -17,8 +17,10 @@ not fed in yet. A candidate's step time is
 
 - split: `max(teacher, student)`: the two meshes work at once;
 - colocated: `teacher + student`: the same devices take the roles in turn;
-- on CPU, `teacher + student` for both placements, each role's time summed over its
-  devices: simulated CPU devices share the host's cores, so nothing overlaps.
+- on CPU, each role's time is its work summed over its devices (simulated CPU devices share
+  the host's cores, so more of them is not more compute), the placements as above: the
+  split loop does overlap its two programs on the host's cores (measured: the quick
+  start's pipelined step is about the slower role's, `docs/benchmarks/`).
 
 The choice (`choose`) is deterministic for a given table: the candidates that fit
 (memory per device on an accelerator; on CPU the sum over the devices, which share the
@@ -183,12 +185,10 @@ def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str)
     else:
         per_device = max(teacher.peak, student.peak)
         host = teacher.peak * nt + student.peak * ns
-    if platform == "cpu":  # one host's cores: each role's time over all its devices, in turn
-        seconds = teacher.seconds * nt + student.seconds * ns
-    elif layout.placement == "colocated":
-        seconds = teacher.seconds + student.seconds
-    else:
-        seconds = max(teacher.seconds, student.seconds)
+    t, s = teacher.seconds, student.seconds
+    if platform == "cpu":  # one host's cores: each role's work summed over its devices
+        t, s = t * nt, s * ns
+    seconds = t + s if layout.placement == "colocated" else max(t, s)
     return Row(layout, seconds, per_device, host)
 
 
