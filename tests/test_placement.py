@@ -74,6 +74,18 @@ def test_candidates_follow_the_divisibility_rules():
     assert two == [Layout("split", (1, 1, 1), (1, 1))]  # 1 + 1
 
 
+def test_bench_colocates_over_the_splits_devices():
+    """`distill bench --colocated`: the quick start's split and both roles over its 8
+    devices, each role's dp scaled; a layout the batch does not divide is one line."""
+    from pipelines.bench.placements import colocated_over
+
+    cfg = load_config("pipelines/quickstart.yaml", ["mesh.placement=split"])
+    assert colocated_over(cfg) == Layout("colocated", (2, 1, 4), (8, 1))
+    odd = load_config("pipelines/quickstart.yaml", ["train.batch_size=4"])
+    with pytest.raises(DistillError, match="^--colocated: colocated .*batch_size: 4 is not"):
+        colocated_over(odd)  # student dp=8 does not divide 4 rows
+
+
 def _rows(table, platform="gpu"):
     """Rows from {layout: (teacher seconds, student seconds)}, 1 GiB a role per device."""
     role = lambda s: RoleCost(s, GIB, GIB // 2, GIB // 2)  # noqa: E731
