@@ -32,6 +32,7 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -56,6 +57,8 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax-compilation-cache"),
 )
+# What distill caches per machine (mesh.placement auto's costs): fresh for each test run.
+os.environ.setdefault("DISTILL_CACHE_DIR", tempfile.mkdtemp(prefix="distill-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 gc.set_threshold(10_000, 50, 100)

@@ -239,3 +239,25 @@ def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_pat
     assert sorted(losses["split"]) == sorted(losses["colocated"]) == [2]
     for key in ("loss", "kd_loss", "ce_loss"):
         assert abs(losses["split"][2][key] - losses["colocated"][2][key]) <= 1e-6, key
+
+
+def test_auto_costs_are_compiled_once_per_config_devices_and_code(corpus_dir, tmp_path):
+    """pipelines.placement.cache: a second resolve of the same config and devices reads the
+    costs back instead of compiling; another config misses."""
+    import jax
+
+    from pipelines.placement.cache import cached_costs, key
+
+    cfg = _cfg(corpus_dir, tmp_path, placement="auto")
+    devices = jax.devices()
+    costs = {("teacher", (1, 1, 2)): RoleCost(1.5, 10, 4, 6), ("student", (2, 1)): RoleCost(2.0, 7)}
+    calls = []
+    compute = lambda: calls.append(1) or costs  # noqa: E731
+    assert cached_costs(cfg, devices, compute) == costs
+    assert cached_costs(cfg, devices, compute) == costs  # read back: equal, not recompiled
+    assert len(calls) == 1
+    other = _cfg(corpus_dir, tmp_path, placement="auto", teacher={"tp": 1, "dp": 2})
+    assert key(other, devices) != key(cfg, devices)
+    assert key(cfg, devices[:4]) != key(cfg, devices)
+    cached_costs(other, devices, compute)
+    assert len(calls) == 2

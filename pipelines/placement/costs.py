@@ -8,6 +8,7 @@ import logging
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import check_placement_mode
+from pipelines.placement.cache import cached_costs
 from pipelines.placement.choice import (
     ROOFLINE,
     Layout,
@@ -131,7 +132,7 @@ def resolve(cfg: Config, devices: list) -> str | None:
         chosen = layouts[0]
         table = f"mesh.placement auto: the one layout of {n} {platform} device(s): {chosen.label()}"
     else:
-        costs = compiled_costs(cfg, devices, layouts)
+        costs = cached_costs(cfg, devices, lambda: compiled_costs(cfg, devices, layouts))
         rows = [
             predict(x, costs["teacher", x.teacher], costs["student", x.student], platform)
             for x in layouts

@@ -1,0 +1,83 @@
+"""Role costs kept on disk, so `mesh.placement: auto` compiles its candidates once per
+config, device set and code rather than at every `validate`, `plan` and `run`.
+
+Compiling every candidate role layout costs seconds to minutes (14 small programs for the
+quick start on 8 simulated CPU devices). The costs are a pure function of the config's
+shapes, the devices and the code that builds the programs, so they are cached under
+`$DISTILL_CACHE_DIR` (default `$XDG_CACHE_HOME/distill`, i.e. `~/.cache/distill`), keyed by
+a digest of all three: a changed config, device kind, jax or distill source is a miss. An
+unreadable or unwritable cache is ignored (the costs are compiled again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from distill.config import Config
+from pipelines.placement.choice import RoleCost
+
+log = logging.getLogger("distill")
+
+# Sections that do not change a program's shapes or cost.
+_IGNORED = {"run", "server", "wandb", "ray"}
+_PACKAGES = ("distill", "teacher", "student", "pipelines")
+
+
+def cache_dir() -> Path:
+    """Where distill keeps what it computes once per machine."""
+    if os.environ.get("DISTILL_CACHE_DIR"):
+        return Path(os.environ["DISTILL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distill"
+
+
+def _code_digest() -> str:
+    """A digest of distill's Python sources: the programs the costs were compiled from."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for pkg in _PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def key(cfg: Config, devices: list) -> str:
+    """The digest of what the costs depend on: the config's shapes, the devices, the code."""
+    import jax
+
+    what = {
+        "config": cfg.model_dump(mode="json", exclude=_IGNORED),
+        "devices": [len(devices), devices[0].platform, devices[0].device_kind],
+        "jax": jax.__version__,
+        "code": _code_digest(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached_costs(cfg: Config, devices: list, compute: Callable[[], dict]) -> dict:
+    """`compute()` ({(role, shape): RoleCost}), or the costs it gave before for the same key."""
+    path = cache_dir() / "placement" / f"{key(cfg, devices)}.json"
+    try:
+        rows = json.loads(path.read_text())
+        return {(r["role"], tuple(r["shape"])): RoleCost(**r["cost"]) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = compute()
+    rows = [
+        {"role": role, "shape": list(shape), "cost": dataclasses.asdict(cost)}
+        for (role, shape), cost in costs.items()
+    ]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rows))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("mesh.placement auto: the costs were not cached (%s)", e)
+    return costs
