@@ -41,9 +41,9 @@ import numpy as np
 # key-value pair sort's second buffer and the padding a sort rounds its rows up to.
 MAX_SORT_ELEMENTS = 2**30
 
-# Ids per chunk of `top_k`: on a 2-core CPU at [512, 128256], k=64, c=64 measured best
-# (docs/benchmarks/2026-11-27-topk.md); sqrt(V / k) balances the V / c maxima and the
-# k * c candidates each row sorts (45 at 128,256 ids, k = 64).
+# Ids per chunk of `top_k`: sqrt(V / k) balances the V / c maxima and the k * c candidates
+# each row sorts (45 at 128,256 ids and k = 64, 63 at k = 32); on a 2-core CPU at
+# [512, 128256] c = 32 and 64 measured alike, 128 slower (docs/benchmarks/2026-11-27-topk.md).
 CHUNK = 64
 
 
