@@ -115,10 +115,11 @@ def test_tp_sharded_fast_path():
     _assert_bit_equal(jax.jit(sharded)(x), jax.lax.top_k(x, k))
 
 
-@pytest.mark.parametrize("bound", [151, 400, 3 * 50 * 2 + 1, 10**6])
+@pytest.mark.parametrize("bound", [40, 151, 400, 3 * 50 * 2 + 1, 10**6])
 def test_bounded_calls_equal_one_call(bound):
     """`by_rows` at bounds that split the rows unevenly, fold the leading dims into rows,
-    or leave one call: the same sort, top-k and gradient as one call."""
+    or leave one call (rows past the bound, arrays under it): the same sort, top-k and
+    gradient as one call."""
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 37, 50)), jnp.float32)
     sort = lambda a: -jnp.sort(-a, axis=-1)  # noqa: E731
     np.testing.assert_array_equal(topk.by_rows(sort, x, bound=bound), sort(x))

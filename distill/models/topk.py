@@ -14,11 +14,11 @@ The result equals `jax.lax.top_k`'s bit for bit (values and ids): its comparator
 IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN), ties to the lowest id.
 A float maximum orders values alike but for the sign of a zero and NaNs (it may propagate
 one, of either sign, or drop it), so when a row holds a NaN (its chunk sums tell, read in
-the same pass), or its k-th chunk maximum is a zero, that call takes `jax.lax.top_k` whole
-instead (`jax.lax.cond`; finite logits whose k-th chunk maximum is not exactly 0 never do). Ids past
-the vocabulary in the last, partial chunk are never candidates: they read as the least
-value of that order and sit after every real id. When k * c reaches the vocabulary there
-is nothing to save and `jax.lax.top_k` runs.
+the same pass) or its k-th chunk maximum is a zero, that call takes `jax.lax.top_k` whole
+instead (`jax.lax.cond`; logits without NaN whose k-th chunk maximum is not exactly 0
+never do). Ids past the vocabulary in the last, partial chunk are never candidates: they
+read as the least value of that order and sit after every real id. When k * c reaches the
+vocabulary there is nothing to save and `jax.lax.top_k` runs.
 
 **Bounded calls** (`by_rows`). XLA:GPU's sorts (CUB's segmented radix sort, behind every
 top-k with k > 16) index with 32-bit offsets: a top-k over more than 16,744 rows of 128,256
@@ -125,15 +125,16 @@ def sort_descending(x: jax.Array) -> jax.Array:
 
 def by_rows(fn: Callable, *xs: jax.Array, bound: int | None = None):
     """fn(*xs) with every call under `bound` (default `MAX_SORT_ELEMENTS`) elements per
-    array: arrays [..., R, V_i] (the
-    same leading dims and rows R) are cut along R into blocks of equal size, fn runs on
-    each (`jax.lax.map`: one compiled body) and its outputs [..., r, ...] are put back
-    together along that axis. The last block is shifted back to end at R, so it recomputes
-    a few rows rather than padding. One call when the arrays are under `bound` already.
-    Leading dims too large for one row each are folded into the rows first."""
+    array: arrays [..., R, V_i] (the same leading dims and rows R) are cut along R into
+    blocks of equal size, fn runs on each (`jax.lax.map`: one compiled body) and its
+    outputs [..., r, ...] are put back together along that axis. The last block is shifted
+    back to end at R, so it recomputes a few rows rather than padding. One call when the
+    arrays are under `bound` already; leading dims too large for one row each are folded
+    into the rows first. A single row of `bound` elements or more cannot be split and
+    runs whole (as do 1-D arrays)."""
     bound = MAX_SORT_ELEMENTS if bound is None else bound
     widest = max(xs, key=lambda a: a.shape[-1])
-    if widest.size < bound or widest.ndim < 2:
+    if widest.size < bound or widest.ndim < 2 or widest.shape[-1] >= bound:
         return fn(*xs)
     lead = widest.shape[:-2]
     if math.prod(lead) * widest.shape[-1] >= bound:
