@@ -4,8 +4,9 @@
 #   docker build --build-arg ACCELERATOR=cuda12 --build-arg EXTRAS="ray gcs" -t distill:cuda12 .
 #   docker build --build-arg ACCELERATOR=tpu --build-arg EXTRAS=gcs -t distill:tpu .
 #
-# ACCELERATOR picks the JAX install: cpu -> jax, cuda12 -> jax[cuda12] (CUDA, cuDNN and NCCL
-# come as pip wheels; the node only needs the NVIDIA driver), tpu -> jax[tpu] (libtpu).
+# ACCELERATOR picks the JAX install: cpu -> jax, cuda12 -> jax[cuda12], cuda13 -> jax[cuda13]
+# (CUDA, cuDNN and NCCL come as pip wheels; the node only needs an NVIDIA driver new enough
+# for that CUDA: 525+ for 12, 580+ for 13), tpu -> jax[tpu] (libtpu).
 # EXTRAS names [project.optional-dependencies] groups of pyproject.toml to add (e.g. ray;
 # gcs: gcsfs, for a gs:// run.output_dir).
 #

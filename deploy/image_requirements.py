@@ -4,7 +4,7 @@ The Dockerfile installs these in their own layer, before the source is copied, s
 change does not reinstall the dependencies. Only the standard library is used: this runs
 in the bare build venv.
 
-    python3 image_requirements.py [--pyproject FILE] [--accelerator cpu|cuda12|tpu]
+    python3 image_requirements.py [--pyproject FILE] [--accelerator cpu|cuda12|cuda13|tpu]
                                   [--extras "ray gcs"]
 
 ``--accelerator`` adds the matching JAX extra to the ``jax`` requirement (``cpu``: plain
@@ -19,7 +19,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-ACCELERATORS = {"cpu": None, "cuda12": "cuda12", "tpu": "tpu"}
+ACCELERATORS = {"cpu": None, "cuda12": "cuda12", "cuda13": "cuda13", "tpu": "tpu"}
 _REQ = re.compile(
     r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[(?P<extras>[^\]]*)\])?(?P<rest>.*)$"
 )

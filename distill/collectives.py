@@ -66,6 +66,18 @@ def log_softmax(logits_bsv: jax.Array, axis: str | None) -> jax.Array:
     return logits_bsv.astype(jnp.float32) - logsumexp(logits_bsv, axis)
 
 
+def take_ids(x_bsv: jax.Array, ids_bs: jax.Array, axis: str | None) -> jax.Array:
+    """x [B, S] at each token's global vocabulary id `ids_bs` (a log-prob of the target),
+    from a vocabulary sharded on `axis`: the shard owning the id gives it, the others zero,
+    psum."""
+    local_v = x_bsv.shape[-1]
+    local = ids_bs - _vocab_offset(local_v, axis)
+    owned = (local >= 0) & (local < local_v)
+    picked = jnp.take_along_axis(x_bsv, jnp.clip(local, 0, local_v - 1)[..., None], axis=-1)
+    picked = jnp.where(owned, picked[..., 0], 0.0)
+    return picked if axis is None else jax.lax.psum(picked, axis)
+
+
 def top_k(scores_bsv: jax.Array, k: int, axis: str | None) -> tuple[jax.Array, jax.Array]:
     """Vocab-parallel top-k: a local top-k per shard (`distill.models.topk.top_k`, never a
     sort of the shard's whole vocabulary), then an all-gather of k candidates per shard and

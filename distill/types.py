@@ -41,7 +41,9 @@ class Continuations(Batch):
 class TeacherOutput(NamedTuple):
     """Teacher log-probabilities at the distillation temperature T: log softmax(z / T).
 
-    Dense: `logprobs` is [B, S, V] and `ids` is None.
+    Dense: `logprobs` is [B, S, V] and `ids` is None; or, where one such array per device
+    would reach `distill.limits.MAX_ELEMENTS`, a tuple of n blocks [B/n, S, V], block j the
+    rows j, j + n, ... (`train.grad_accum` microbatch j's: `pipelines.plan.dense_blocks`).
     Top-k: `logprobs` is [B, S, k] (the k largest, exact, not renormalised) and `ids` is
     [B, S, k] int32 vocabulary ids. The tail mass 1 - sum(exp(logprobs)) is implied.
     """

@@ -16,6 +16,8 @@ import math
 
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.errors import DistillError
+from distill.limits import MAX_ELEMENTS
 from distill.mesh import student_size
 from distill.types import Batch
 
@@ -33,6 +35,19 @@ def eval_rows(cfg: Config) -> int:
     row_bytes = cfg.train.seq_len * cfg.teacher.model.vocab_size * 4
     divisors = [r for r in range(step, bsz + 1, step) if bsz % r == 0]
     return max((r for r in divisors if r // n * row_bytes <= EVAL_DEVICE_BYTES), default=step)
+
+
+def check_eval_rows(cfg: Config) -> None:
+    """Refuse a row too long for evaluation's dense logits: a chunk holds at least one row
+    per device, and one row's [S, V] reaching MAX_ELEMENTS (`distill.limits`: 32-bit GPU
+    indexing) would be an array past it."""
+    s, v = cfg.train.seq_len, cfg.teacher.model.vocab_size
+    if s * v >= MAX_ELEMENTS:
+        raise DistillError(
+            f"train.seq_len: {s} tokens x {v} teacher ids = {s * v:,} elements, not under "
+            f"2^31 (32-bit GPU indexing): evaluation compares the dense logits of whole rows; "
+            f"at most {(MAX_ELEMENTS - 1) // v} tokens a row fit"
+        )
 
 
 def eval_batches(cfg: Config, corpus: Corpus) -> list[Batch]:

@@ -23,7 +23,8 @@ from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import TP, Meshes
 from distill.models import model
-from distill.types import Batch, Prompts
+from distill.types import Batch, Prompts, TeacherOutput
+from pipelines.plan import dense_blocks
 from student import sharding as student_sharding
 from student import train
 from student.generate import Sampler
@@ -32,8 +33,9 @@ from teacher.forward import make_output_forward
 from teacher.weights import held_dtype
 
 
-def _batch(cfg: Config, shard) -> Batch:
-    b, s = cfg.train.batch_size, cfg.train.seq_len
+def abstract_batch(cfg: Config, shard, rows: int | None = None, seq: int | None = None) -> Batch:
+    """A batch's shapes, `rows` x `seq` (default: the training batch), placed by `shard`."""
+    b, s = rows or cfg.train.batch_size, seq or cfg.train.seq_len
     i32 = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=shard)
     return Batch(i32, i32, i32, i32, jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=shard))
 
@@ -44,18 +46,28 @@ def _figures(compiled) -> dict:
     return {"temp": temp, "peak": args + out + temp - m.alias_size_in_bytes}
 
 
-def _teacher(cfg: Config, mesh, vocab_limit: int | None):
+def teacher_params(cfg: Config, mesh):
+    """The teacher's weights as loaded onto `mesh`, as abstract sharded arrays."""
     mcfg = cfg.teacher.model
-    fwd = make_output_forward(cfg, mesh, vocab_limit)
     held = held_dtype(cfg)  # as loaded
     shapes = jax.eval_shape(
         lambda p: sharding.expand_kv_heads(p, mcfg, mesh.shape[TP]),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, held), model.abstract_params(mcfg)),
     )
-    params = abstract_like(shapes, sharding.shardings(mcfg, mesh))
-    batch = _batch(cfg, sharding.batch_sharding(mesh))
-    lowered = fwd.lower(params, batch)
-    return lowered.compile(), jax.eval_shape(fwd, params, batch)
+    return abstract_like(shapes, sharding.shardings(mcfg, mesh))
+
+
+def _teacher(cfg: Config, mesh, vocab_limit: int | None):
+    """(the compiled teacher output forward, its abstract output for a training batch): a
+    dense output in blocks (`pipelines.plan.dense_blocks`) is n forwards of a block."""
+    fwd = make_output_forward(cfg, mesh, vocab_limit)
+    params = teacher_params(cfg, mesh)
+    n = dense_blocks(cfg)
+    batch = abstract_batch(cfg, sharding.batch_sharding(mesh), cfg.train.batch_size // n)
+    out = jax.eval_shape(fwd, params, batch)
+    if n > 1:
+        out = TeacherOutput((out.logprobs,) * n, None)
+    return fwd.lower(params, batch).compile(), out
 
 
 def _student(cfg: Config, mesh, teacher_out, vocab_limit: int | None):
@@ -65,7 +77,7 @@ def _student(cfg: Config, mesh, teacher_out, vocab_limit: int | None):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), teacher_out
     )
     state = train.abstract_state(cfg.student_model(), tx, mesh)
-    return step.lower(state, _batch(cfg, split), out).compile(), state
+    return step.lower(state, abstract_batch(cfg, split), out).compile(), state
 
 
 def _per_device_bytes(tree, mesh) -> int:

@@ -22,8 +22,9 @@ from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
 from distill.mesh import available_devices, check_fit, check_hosts
 from distill.models import hf
+from pipelines.evaluation import check_eval_rows
 from pipelines.on_policy import check_on_policy
-from pipelines.plan import check_dense_output
+from pipelines.plan import check_dense_elements, check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
 from teacher.sharding import check_divisible
 
@@ -129,6 +130,7 @@ def preflight_shapes(cfg: Config) -> None:
     check_fit(cfg, len(devices), devices[0].platform)
     check_shapes(cfg)
     check_dense_output(cfg, devices[0])
+    check_eval_rows(cfg)
     check_mode(cfg)
     check_on_policy(cfg)
     check_cross_tokenizer(cfg)
@@ -219,6 +221,7 @@ def _corpus(cfg: Config) -> Corpus:
                 f"teacher.tokenizer={cfg.teacher.tokenizer})"
             )
         check_cross_top_k(cfg, teacher.vocab_size)
+        check_dense_elements(cfg, getattr(corpus.train, "teacher_len", None))
     else:
         corpus = load_corpus(cfg.data, cfg.train.seq_len)
     check_vocabularies(cfg, corpus.tokenizer.vocab_size)

@@ -18,9 +18,10 @@ from jax.sharding import Mesh
 from distill.config import Config
 from distill.data.tokenizers import Tokenizer, vocab_limit
 from distill.observability.expert_load import LoadWindow
-from distill.types import Batch
+from distill.types import Batch, TeacherOutput
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
+from pipelines.plan import dense_blocks
 from pipelines.timing import ReadyWatcher
 from teacher.forward import forward_for, make_output_forward
 from teacher.sharding import batch_sharding
@@ -34,26 +35,38 @@ class OnlineTeacher:
 
     def __init__(self, cfg: Config, mesh: Mesh, tokenizer: Tokenizer):
         mcfg = cfg.teacher.model
+        self._cfg = cfg
         limit = vocab_limit(tokenizer, mcfg.vocab_size)  # padded ids: masked throughout
         self.params = load_teacher(cfg, mesh)
         self.put = batch_sharding(mesh)  # batches: rows split over dp, replicated over tp
         self.moe = bool(mcfg.n_experts)
         self._output = make_output_forward(cfg, mesh, limit, expert_load=self.moe)
-        self._logits = forward_for(
-            mcfg,
-            mesh,
-            mode="logits",
-            dtype=cfg.teacher.dtype,
-            vocab_limit=limit,
-            microbatch=cfg.teacher.microbatch,
-        )
+        kw = {
+            "dtype": cfg.teacher.dtype,
+            "vocab_limit": limit,
+            "microbatch": cfg.teacher.microbatch,
+        }
+        self._logits = forward_for(mcfg, mesh, mode="logits", **kw)
+        self._target_logprobs = forward_for(mcfg, mesh, mode="target_logprobs", **kw)
 
     def output(self, batch: Batch) -> tuple:
         """Dispatch the teacher's output for a host batch (not waited for): on the teacher's
-        own rows [B, T] when the batch carries them (cross-tokenizer), else on the batch.
+        own rows [B, T] when the batch carries them (cross-tokenizer), else on the batch; a
+        dense one too large for one array per device in blocks, one per `train.grad_accum`
+        microbatch (`pipelines.plan.dense_blocks`: block j holds rows j, j + n, ...).
         Returns (the output, a mixture of experts' `moe.ExpertLoad` on device, else None)."""
-        out = self._output(self.params, jax.device_put(own_rows(batch), self.put))
-        return out if self.moe else (out, None)
+        rows = own_rows(batch)
+        n = dense_blocks(self._cfg, rows.tokens.shape[1])
+        if n == 1:
+            out = self._output(self.params, jax.device_put(rows, self.put))
+            return out if self.moe else (out, None)
+        made = [
+            self._output(self.params, jax.device_put(every(rows, j, n), self.put)) for j in range(n)
+        ]
+        if not self.moe:
+            return TeacherOutput(tuple(o.logprobs for o in made), None), None
+        load = jax.tree.map(lambda *c: sum(c), *(load for _, load in made))
+        return TeacherOutput(tuple(o.logprobs for o, _ in made), None), load
 
     def logits(self, batch: Batch):
         return self._logits(self.params, jax.device_put(own_rows(batch), self.put))
@@ -63,9 +76,15 @@ class OnlineTeacher:
         return (self.logits(b) for b in batches)
 
     def nll(self, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        """(the teacher's summed NLL of `batch`'s masked targets, their count), on device."""
+        """(the teacher's summed NLL of `batch`'s masked targets, their count), on device:
+        from its log-probs of the targets alone, never its [B, S, V] ones."""
         batch = jax.device_put(own_rows(batch), self.put)
-        return _masked_nll(self._logits(self.params, batch), batch)
+        return _masked_nll(self._target_logprobs(self.params, batch), batch)
+
+
+def every(rows: Batch, j: int, n: int) -> Batch:
+    """Rows j, j + n, j + 2n, ... of `rows` (`train.grad_accum` microbatch j of n)."""
+    return jax.tree.map(lambda x: x[j::n], rows)
 
 
 def own_rows(batch: Batch) -> Batch:
@@ -75,10 +94,8 @@ def own_rows(batch: Batch) -> Batch:
 
 
 @jax.jit
-def _masked_nll(logits, batch: Batch):
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    target = jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
-    return -jnp.sum(target * batch.mask), jnp.sum(batch.mask)
+def _masked_nll(target_logprobs, batch: Batch):
+    return -jnp.sum(target_logprobs * batch.mask), jnp.sum(batch.mask)
 
 
 class QueueSource:

@@ -34,6 +34,7 @@ from distill.models import cross_losses, model, vocab_loss
 from distill.models.cross_losses import CrossSpec
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, routing, sharding
+from student.accumulate import accumulate
 
 # What a skipped step found not finite: bits of `Skips.kinds`.
 LOSS, GRAD_NORM = 1, 2
@@ -202,9 +203,11 @@ def make_train_step(
     def step(state: TrainState, batch: Batch, teacher_out: TeacherOutput | None):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if grad_accum == 1:
+            if teacher_out is not None and isinstance(teacher_out.logprobs, tuple):
+                raise ValueError("a dense teacher output in blocks needs train.grad_accum > 1")
             (_, metrics), grads = grad_fn(state.params, batch, teacher_out)
         else:
-            grads, metrics = _accumulate(
+            grads, metrics = accumulate(
                 grad_fn, state.params, (batch, teacher_out), grad_accum, mesh, placed.params
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -269,53 +272,6 @@ def unrolls(layer_loop: str, cfg: ModelConfig, mesh) -> bool:
     if layer_loop != "auto":
         return layer_loop == "unroll"
     return mesh.devices.flat[0].platform == "cpu" and cfg.n_layers <= UNROLL_MAX_LAYERS
-
-
-def _accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
-    """(gradient, metrics) of the whole batch `inputs` = (batch, teacher_out), from `n`
-    microbatches run one after another by `jax.lax.scan`.
-
-    Microbatch j takes rows j, j + n, j + 2n, ... of the batch: an equal share of every
-    device's own rows, so nothing moves between devices. Each microbatch's mean loss,
-    gradient and metrics are weighted by its share of the batch's tokens and summed in
-    float32 (the gradient accumulator laid out like the parameters), so the result is the
-    one-shot step's: losses are token means (`distill.models.losses`). Counts
-    (`routing.COUNTS`) are summed; an MoE student's `moe_aux_loss` is the microbatches'
-    token-weighted mean."""
-    rows = NamedSharding(mesh, P(None, *sharding.batch_spec(mesh)))
-
-    def split(x):  # [B, ...] -> [n, B / n, ...]
-        if x.shape[0] % (n * mesh.size):
-            raise ValueError(
-                f"{x.shape[0]} rows do not split into {n} microbatches x {mesh.size} devices"
-            )
-        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(x, rows)
-
-    micro = jax.tree.map(split, inputs)
-    total = jnp.maximum(jnp.sum(inputs[0].mask.astype(jnp.float32)), 1.0)
-    first = jax.tree.map(lambda x: x[0], micro)
-    _, metric_shapes = jax.eval_shape(grad_fn, params, *first)[0]
-
-    def body(carry, mb):
-        grads_acc, metrics_acc = carry
-        (_, metrics), grads = grad_fn(params, *mb)
-        w = jnp.sum(mb[0].mask.astype(jnp.float32)) / total
-        grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
-        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        metrics = {
-            k: metrics_acc[k] + (v if k in routing.COUNTS else w * v).astype(jnp.float32)
-            for k, v in metrics.items()
-        }
-        return (grads, metrics), None
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    init = (
-        jax.lax.with_sharding_constraint(zeros, grad_shardings),
-        {k: jnp.zeros(v.shape, jnp.float32) for k, v in metric_shapes.items()},
-    )
-    (grads, metrics), _ = jax.lax.scan(body, init, micro)
-    return grads, metrics
 
 
 def distill_step_for(
@@ -474,8 +430,9 @@ def make_cross_eval_fn(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | No
             softcap=cfg.final_softcap,
         )  # fmt: skip
         t = batch.teacher.rows
-        lt = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(lt, t.targets[..., None], axis=-1)[..., 0]
+        zt = teacher_logits.astype(jnp.float32)  # a reduction: no second [B, T, V] array
+        picked = jnp.take_along_axis(zt, t.targets[..., None], axis=-1)[..., 0]
+        nll = jax.nn.logsumexp(zt, axis=-1) - picked
         t_tokens = jnp.sum(t.mask)
         aligned = (batch.teacher.align >= 0) & (batch.mask > 0)
         return {

@@ -31,7 +31,7 @@ from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
 from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
 
-Mode = Literal["dense", "topk", "logits"]
+Mode = Literal["dense", "topk", "logits", "target_logprobs"]
 
 
 def make_forward(
@@ -67,6 +67,8 @@ def make_forward(
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
     mode "logits": raw logits z [B,S,V] (evaluation)
+    mode "target_logprobs": log softmax(z/T) [B,S] at each batch target (`distill score`,
+        on-policy scoring): formed a chunk of positions at a time, never the [B,S,V] ones
     each with its rows split over the whole mesh (`teacher.sharding.out_spec`).
     """
     if mode == "topk" and not top_k:
@@ -75,20 +77,21 @@ def make_forward(
         raise ValueError("expert_load needs a mixture of experts")
 
     def outputs(params, batch: Batch):
-        """What `mode` returns for some rows: top-k replicated over `tp`, else
-        vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at a time."""
+        """What `mode` returns for some rows: top-k and target log-probs replicated over
+        `tp`, else vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at
+        a time."""
         moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
         x, head, *stats = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
             dtype=dtype, moe_opts=moe_opts, with_stats=expert_load,
         )  # fmt: skip  # [b, S, D], [D, V/tp], (ExpertLoad per layer [L, E], [L])
         chunk = default_chunk(head.shape[-1], x.shape[0])
-        out = by_positions(lambda x_c: head_outputs(x_c, head), x, chunk)
+        out = by_positions(lambda c: head_outputs(*c, head), (x, batch.targets), chunk)
         if not expert_load:
             return out
         return out, jax.tree.map(lambda n: jnp.sum(n, axis=0), stats[0])  # over layers
 
-    def head_outputs(x, head):
+    def head_outputs(x, targets, head):
         logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
         if vocab_limit is not None and vocab_limit < cfg.vocab_size:
             logits = cc.mask_vocab(logits, vocab_limit, TP)
@@ -97,6 +100,8 @@ def make_forward(
         z = logits / temperature
         if mode == "dense":
             return TeacherOutput(cc.log_softmax(z, TP), None)
+        if mode == "target_logprobs":  # [b, c], replicated over tp
+            return cc.take_ids(z, targets, TP) - cc.logsumexp(z, TP)[..., 0]
         # log-probs are logits minus one per-token constant: the top-k of the logits are
         # theirs, so only k log-probs are formed, never the [b, S, V/tp] array
         values, ids = cc.top_k(z, top_k, TP)
@@ -106,7 +111,7 @@ def make_forward(
         out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
         if expert_load:
             out, load = out
-        if mode == "topk":
+        if mode in ("topk", "target_logprobs"):
             layout = cc.rows_of_replicated if split_rows else lambda x, _: x
         else:
             layout = cc.vocab_to_rows if split_rows else cc.gather_vocab
@@ -117,11 +122,7 @@ def make_forward(
 
     def run(params, batch: Batch):
         spec = out_spec(batch.tokens.shape[0], mesh)
-        out_specs = {
-            "logits": spec,
-            "dense": TeacherOutput(spec, None),
-            "topk": TeacherOutput(spec, spec),
-        }[mode]
+        out_specs = _mode_specs(mode, spec)
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
@@ -135,16 +136,24 @@ def make_forward(
     return jax.jit(run)
 
 
-def by_positions(fn: Callable, x_bsd: jax.Array, chunk: int):
-    """fn over runs of `chunk` positions of the hidden states x [b, S, D], each output leaf
-    [b, chunk, ...] written into its place in [b, S, ...]: one chunk's logits live at a
-    time (`distill.models.vocab_loss.default_chunk` sizes them), never the [b, S, V/tp] ones. The
+def _mode_specs(mode: Mode, spec):
+    """The output specs of `mode`, each array's rows laid out by `spec`."""
+    if mode in ("dense", "topk"):
+        return TeacherOutput(spec, spec if mode == "topk" else None)
+    return spec  # logits, target log-probs
+
+
+def by_positions(fn: Callable, xs, chunk: int):
+    """fn over runs of `chunk` positions of `xs` (an array or a tree of them, each
+    [b, S, ...]: the hidden states x [b, S, D], the targets), each output leaf [b, chunk,
+    ...] written into its place in [b, S, ...]: one chunk's logits live at a time
+    (`distill.models.vocab_loss.default_chunk` sizes them), never the [b, S, V/tp] ones. The
     last chunk is shifted back to end at S, so it rewrites a few positions with equal
     values rather than padding."""
-    s = x_bsd.shape[1]
+    s = jax.tree.leaves(xs)[0].shape[1]
     if chunk >= s:
-        return fn(x_bsd)
-    first = fn(x_bsd[:, :chunk])
+        return fn(xs)
+    first = fn(jax.tree.map(lambda x: x[:, :chunk], xs))
 
     def place(out, piece, start):
         return jax.tree.map(
@@ -156,7 +165,8 @@ def by_positions(fn: Callable, x_bsd: jax.Array, chunk: int):
 
     def body(i, out):
         start = jnp.minimum(i * chunk, s - chunk)
-        return place(out, fn(jax.lax.dynamic_slice_in_dim(x_bsd, start, chunk, axis=1)), start)
+        piece = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1), xs)
+        return place(out, fn(piece), start)
 
     out = place(jax.tree.map(whole, first), first, 0)
     return jax.lax.fori_loop(1, -(-s // chunk), body, out)

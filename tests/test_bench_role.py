@@ -10,7 +10,9 @@ import pytest
 
 from distill.config.load import config_from_dict
 from distill.mesh import role_mesh
-from pipelines.bench.role import random_outputs
+from distill.types import TeacherOutput
+from pipelines.bench import role as role_bench
+from pipelines.bench.role import _block_rows, _dense_fits, random_outputs
 from pipelines.commands.cli import main
 from tests.conftest import tiny_config, write_config
 
@@ -69,15 +71,26 @@ def test_a_role_too_big_for_the_host_is_one_line(tmp_path, corpus_dir, capsys):
     assert code == 2 and "mesh.teacher:" in out.err and "needs 16 devices" in out.err
 
 
-def test_random_outputs_are_teacher_shaped(corpus_dir, tmp_path):
-    """Dense log-probs normalised over the live ids (padded ids -inf, as the teacher gives
-    them), and their exact top-k, on the student's batch sharding."""
+def _student(corpus_dir, tmp_path, batch_size=8):
     cfg = config_from_dict(
         tiny_config(
-            str(corpus_dir), str(tmp_path / "out"), mesh=TOO_BIG_FOR_BOTH, train={"batch_size": 8}
+            str(corpus_dir),
+            str(tmp_path / "out"),
+            mesh=TOO_BIG_FOR_BOTH,
+            train={"batch_size": batch_size},
         )
     )
-    mesh = role_mesh(cfg, "student")
+    return cfg, role_mesh(cfg, "student")
+
+
+@pytest.mark.parametrize("elements", [None, 32 * 260 + 1])
+def test_random_outputs_are_teacher_shaped(corpus_dir, tmp_path, monkeypatch, elements):
+    """Dense log-probs normalised over the live ids (padded ids -inf, as the teacher gives
+    them), and their exact top-k, on the student's batch sharding; made whole, or (a bound
+    of one 32 x 260 row a call) a row at a time, each row its own."""
+    cfg, mesh = _student(corpus_dir, tmp_path, batch_size=16)
+    if elements:
+        monkeypatch.setattr(role_bench, "MAX_ELEMENTS", elements)
     outs = random_outputs(cfg, mesh, limit=259)
     dense = np.asarray(outs["dense"].logprobs)
     b, s, v = cfg.train.batch_size, cfg.train.seq_len, cfg.teacher.model.vocab_size
@@ -89,3 +102,32 @@ def test_random_outputs_are_teacher_shaped(corpus_dir, tmp_path):
     np.testing.assert_array_equal(top, -np.sort(-dense, -1)[..., : cfg.teacher.top_k])
     assert outs["topk"].ids.sharding.is_equivalent_to(outs["dense"].logprobs.sharding, 3)
     assert len(jax.tree.leaves(outs)) == 3 and outs["dense"].logprobs.dtype == jnp.float32
+    assert len({row.tobytes() for row in top}) == b  # no two rows (or blocks) alike
+    alone = random_outputs(cfg, mesh, limit=259, dense=False)
+    assert set(alone) == {"topk"}
+    np.testing.assert_array_equal(np.asarray(alone["topk"].ids), ids)
+
+
+def test_block_rows_stay_below_the_32_bit_bound():
+    """The bench's crash: 8 rows x 4,096 x 128,256 ids in one top-k (4.2e9 elements)."""
+    assert _block_rows(8, 4096 * 128256) == 4  # 2.1e9 < 2^31
+    assert _block_rows(6, 4096 * 128256) == 3
+    assert _block_rows(8, 2**31) == 1 and _block_rows(5, 7) == 5
+
+
+def test_dense_kd_is_timed_while_it_fits(corpus_dir, tmp_path):
+    """On an accelerator (device memory known) the dense variant is timed while each
+    device's share of the [B, S, V] log-probs takes at most a quarter of it and stays below
+    2^31 elements; its bytes come from the abstract output's shape and dtype (jax 0.11 has
+    no ShapeDtypeStruct.nbytes)."""
+    cfg, mesh = _student(corpus_dir, tmp_path)
+    dense = jax.eval_shape(lambda: random_outputs(cfg, mesh, limit=259))["dense"]
+    share = 8 * 32 * 260 * 4 // mesh.size  # bytes per device
+    assert _dense_fits(cfg, dense, mesh, 4 * share) and not _dense_fits(
+        cfg, dense, mesh, 4 * share - 4
+    )
+    assert _dense_fits(cfg, dense, mesh, None)  # CPU: memory unknown
+    huge = TeacherOutput(jax.ShapeDtypeStruct((8 * mesh.size, 4096, 128256), jnp.float32))
+    assert not _dense_fits(cfg, huge, mesh, 2**50)  # 4.2e9 elements a device
+    dense_run = cfg.model_copy(update={"teacher": cfg.teacher.model_copy(update={"top_k": None})})
+    assert _dense_fits(dense_run, dense, mesh, 4)  # the run's own output: always

@@ -137,15 +137,16 @@ CONVERSATIONS = [
 ]
 
 
-def _train_bpe(texts):
+def train_bpe(texts, specials=SPECIALS, vocab=VOCAB):
+    """A byte-level BPE tokenizer trained on ``texts`` with the ``specials``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIALS,
+        vocab_size=vocab,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -158,14 +159,18 @@ def bpe(tmp_path_factory):
     """A byte-level BPE tokenizer.json trained here with the chat specials (no download)."""
     texts = [m["content"] for c in CONVERSATIONS for m in c] * 20 + [ANSWER] * 50
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    _train_bpe(texts).save(str(path))
+    train_bpe(texts).save(str(path))
     return path
 
 
 def _model_dir(root, bpe, name):
+    """The model directory of the template ``name`` of ``TEMPLATES`` (``write_model_dir``)."""
+    return write_model_dir(root, bpe, *TEMPLATES[name])
+
+
+def write_model_dir(root, bpe, template: str, specials: dict):
     """A model directory as Hugging Face saves one: tokenizer.json and tokenizer_config.json
     with the chat template and the special tokens."""
-    template, specials = TEMPLATES[name]
     root.mkdir(parents=True, exist_ok=True)
     (root / "tokenizer.json").write_bytes(bpe.read_bytes())
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, **specials}
@@ -428,7 +433,7 @@ def test_bad_records_are_counted_and_refused_only_when_too_many(tmp_path, bpe, c
     assert corpus.train.num_documents + corpus.eval.num_documents == 21
 
 
-def test_template_that_fails_names_file_and_record(tmp_path, bpe):
+def test_template_that_fails_is_a_bad_record_naming_file_and_record(tmp_path, bpe):
     model_dir = _model_dir(tmp_path / "chatml", bpe, "chatml")
     template = tmp_path / "strict.jinja"
     template.write_text(
@@ -443,9 +448,10 @@ def test_template_that_fails_names_file_and_record(tmp_path, bpe):
     )
     with pytest.raises(DistillError) as info:
         load_corpus(cfg, 64)
-    msg = str(info.value)
-    assert len(msg.splitlines()) == 1
-    assert f"{template} fails to render {source} line 2: System role not supported" in msg
+    msg = str(info.value)  # a bad record: 1 of 2 is past data.max_bad_fraction
+    assert len(msg.splitlines()) == 1 and msg.startswith("data.source: 1 of 2 records")
+    want = f"1 record(s) that {template} fails to render (System role not supported)"
+    assert f"{want} (first: {source} line 2)" in msg
 
 
 # ----------------------------------------------------------------------------- prepare

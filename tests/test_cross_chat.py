@@ -21,6 +21,7 @@ from tests.test_chat import (
     _model_dir,
     _write_jsonl,
     bpe,
+    write_model_dir,
 )
 from tests.test_cross_tokenizer import train_metaspace
 
@@ -143,6 +144,40 @@ def test_each_side_renders_its_own_template(tmp_path, bpe, teacher_dir):
     t = corpus.train.gather(np.arange(len(corpus.train))).teacher.rows
     eot = teacher._tok.token_to_id("<|eot_id|>")
     assert ((t.targets == eot) & (t.mask > 0)).sum() > 0
+
+
+def test_a_template_that_splits_splits_both_sides(tmp_path, bpe, teacher_dir):
+    """A student with Qwen3's template (one example per answer of a multi-turn conversation)
+    and a Llama-3-style teacher: the teacher splits alike, each example its own
+    apply_chat_template of the turns through the answer, aligned through that answer."""
+    from tests.test_chat_templates import SHIPPED
+
+    template = (SHIPPED / "qwen3.jinja").read_text()
+    student_dir = write_model_dir(tmp_path / "student", bpe, template, {"eos_token": "<|im_end|>"})
+    teacher = load_tokenizer(str(teacher_dir))
+    records = [{"messages": c} for c in CONVERSATIONS]
+    corpus = _corpus(tmp_path, student_dir, records, teacher,
+                     TeacherConfig(tokenizer=str(teacher_dir)), format="chat")  # fmt: skip
+    hf_s, hf_t = _hf(student_dir), _hf(teacher_dir)
+    want = {}
+    for c in CONVERSATIONS:
+        for i in [i for i, m in enumerate(c) if m["role"] == "assistant"]:
+            s_ids, t_ids = (tuple(h.apply_chat_template(c[: i + 1], tokenize=True, return_dict=True)
+                                  ["input_ids"]) for h in (hf_s, hf_t))  # fmt: skip
+            want[s_ids] = list(t_ids)
+    seen = [
+        (tuple(s_ids), t_ids)
+        for rows in (corpus.train, corpus.eval)
+        for r in range(len(rows))
+        for s_ids, t_ids in zip(_pieces(rows, r), _pieces(rows, r, True), strict=True)
+    ]
+    assert len(seen) == len(want) == 5 and all(want[s] == t for s, t in seen)
+    n = 0
+    for s_text, t_text in _aligned_texts(corpus):  # the same stretch of the last answer
+        s_answer = s_text.split(S_HEAD)[-1].split("</think>\n\n")[-1]
+        assert s_answer.lstrip() == t_text.split(T_HEAD)[-1].lstrip(), (s_text, t_text)
+        n += 1
+    assert n > 0
 
 
 def test_byte_teacher_aligns_every_whole_character(tmp_path, bpe):

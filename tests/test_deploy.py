@@ -539,6 +539,7 @@ def test_dockerignore_keeps_runs_caches_and_git_out():
     [
         ("cpu", "jax>=0.8"),
         ("cuda12", "jax[cuda12]>=0.8"),
+        ("cuda13", "jax[cuda13]>=0.8"),
         ("tpu", "jax[tpu]>=0.8"),
     ],
 )

@@ -104,3 +104,60 @@ LOG_WORDING = re.compile(
 def test_no_development_log(page):
     hits = [m[0] for m in LOG_WORDING.finditer(page.read_text())]
     assert not hits, f"{page.relative_to(ROOT)} reads as a log: {hits}"
+
+
+# -- guides say what is true now -----------------------------------------------------------
+
+GUIDES = sorted(
+    [ROOT / "README.md", ROOT / "docs" / "architecture.md", *(ROOT / "docs").glob("*.md")]
+    + [*(ROOT / "docs" / "guides").glob("*.md")]
+)
+# A measurement: a date, or a time or a rate with its figure. Those belong on a dated
+# benchmark page (docs/benchmarks/), which a guide links to.
+MEASUREMENT = re.compile(
+    r"\b20\d\d-\d\d-\d\d\b|\b\d[\d,.]*\s?(?:ms|tok/s|tokens/s)\b|\b\d[\d,.]*\s?s on a\b"
+)
+# A claim that a feature is missing.
+MISSING = re.compile(
+    r"not (?:yet )?supported|not done yet|\bnot yet\b|\bunsupported\b|not implemented", re.I
+)
+SOURCES = "\n".join(
+    p.read_text()
+    for d in ("distill", "teacher", "student", "pipelines")
+    for p in (ROOT / d).rglob("*.py")
+)
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Paragraphs and list items of a page's text outside fenced code, link targets dropped."""
+    text = re.sub(r"\]\([^)]*\)", "]", _without_fences(text))
+    return [p for p in re.split(r"\n\s*\n|\n(?=\s*[-*] |\s*\d+\. )", text) if p.strip()]
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_guides_hold_no_measurements(page):
+    if page.name == "README.md" and page.parent == ROOT:
+        # the front page's quick-start table is the shipped pipeline's own output
+        text = page.read_text().split("## Tests")[0].split("### What the quick start shows")[0]
+    else:
+        text = page.read_text()
+    hits = [m[0] for p in _paragraphs(text) for m in MEASUREMENT.finditer(p)]
+    assert not hits, (
+        f"{page.relative_to(ROOT)} holds measurements {hits}: put them on a dated page in "
+        "docs/benchmarks/ and link to it"
+    )
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_missing_features_name_the_refusal(page):
+    """A claim that something is missing names, in inline code, a fragment of what the code
+    does instead (the refusal's message or key, as the source spells it): when the feature
+    lands and the refusal goes, the claim fails here rather than going stale."""
+    stale = []
+    for para in _paragraphs(page.read_text()):
+        if not MISSING.search(para):
+            continue
+        spans = re.findall(r"`([^`\n]+)`", para)
+        if not any(s in SOURCES for s in spans):
+            stale.append(" ".join(para.split())[:120])
+    assert not stale, f"{page.relative_to(ROOT)}: a missing feature with no refusal named: {stale}"

@@ -263,29 +263,61 @@ def test_default_config_is_llama():
     assert set(model.abstract_params(cfg)["layers"]) == set(hf.LAYER_WEIGHTS)
 
 
-def test_depth_pruned_student_keeps_the_teachers_layer_types(gemma3_dir, corpus_dir, tmp_path):
-    """student.init: from_teacher on a Gemma 3 teacher (layers sliding, sliding, full,
-    sliding): the student's layer_types must be the kept layers' types."""
+def pruned_reference(path, kept: list[int]):
+    """The transformers model saved at ``path`` with only its layers ``kept``, each with
+    its own attention type (window, RoPE): a model of len(kept) layers and those weights."""
+    import copy
+    import re
+
+    full = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    )
+    config = copy.deepcopy(full.config)
+    config.num_hidden_layers = len(kept)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in kept]
+    small = type(full)(config)
+    weights = {}
+    for key, value in full.state_dict().items():
+        layer = re.match(r"model\.layers\.(\d+)\.(.*)", key)
+        if layer is None:
+            weights[key] = value
+        elif int(layer[1]) in kept:
+            weights[f"model.layers.{kept.index(int(layer[1]))}.{layer[2]}"] = value
+    small.load_state_dict(weights)
+    return small.eval()
+
+
+@pytest.mark.parametrize(
+    "name", ["gemma3_one_kv_head_local_rope", "gemma2_softcaps_alternating", "mistral_sliding"]
+)
+def test_depth_pruned_student_matches_transformers_pruned_alike(name, corpus_dir, tmp_path_factory):
+    """student.init: from_teacher with student.model.n_layers 3 of a 4-layer teacher whose
+    layers differ in window and RoPE: the kept layers (0, 2, 3) bring their types, and the
+    student's log-probs are those of the transformers model with the same layers kept."""
     from distill.config.load import config_from_dict
     from tests.test_hf import _cfg_tree
 
-    def config(**student_model):
-        tree = _cfg_tree(corpus_dir, tmp_path, gemma3_dir)
-        tree["mesh"]["teacher"]["tp"] = 1
-        tree["student"] = {"init": "from_teacher", "model": {"n_layers": 2, **student_model}}
-        return config_from_dict(tree)
-
-    with pytest.raises(DistillError, match=r"student.model.*layer_types: 4 entries"):
-        config(attention="blockwise").student_model()
-    with pytest.raises(DistillError, match=r"student.model.layer_types: \['full', 'sliding'\]"):
-        config(layer_types=["full", "sliding"]).init_layers()
-    cfg = config(layer_types=["sliding", "sliding"])
-    assert cfg.init_layers() == [0, 3]
-    scfg = cfg.student_model()
-    params = read_hf_layers(gemma3_dir, cfg.teacher.model, cfg.init_layers())
-    tokens = _batch(LIVE).tokens
-    out = model.apply(scfg, params, tokens, np.ones_like(tokens), np.arange(20)[None] + 0 * tokens)
-    assert np.isfinite(np.asarray(out)).all()
+    path = tmp_path_factory.mktemp(name)
+    ref = _save(path, name)
+    tree = _cfg_tree(corpus_dir, tmp_path_factory.mktemp("out"), path)
+    tree["mesh"]["teacher"]["tp"] = 1
+    tree["student"] = {"init": "from_teacher", "model": {"n_layers": 3, "attention": "blockwise"}}
+    cfg = config_from_dict(tree)
+    kept, t, s = cfg.init_layers(), cfg.teacher.model, cfg.student_model()
+    assert kept == [0, 2, 3] and s.types() == tuple(t.types()[i] for i in kept)
+    if name != "mistral_sliding":  # each keeps a full and a sliding layer
+        assert s.mixed_layers() and "full" in s.types()
+    batch = packed_batch()
+    params = read_hf_layers(path, t, kept)
+    got = model.apply(s, params, batch.tokens, batch.segment_ids, batch.positions)
+    want = per_document_logprobs(pruned_reference(path, kept), batch)
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
+    assert not np.allclose(want, per_document_logprobs(ref, batch))  # pruning changed it
+    # a student that sets its own layer_types is checked against the kept layers
+    tree["student"]["model"]["layer_types"] = ["full"] * 3
+    with pytest.raises(DistillError, match=r"student.model.layer_types: \['full'"):
+        config_from_dict(tree)
 
 
 def test_export_in_the_students_own_family(family, tmp_path):

@@ -179,3 +179,23 @@ def test_fsdp_gathers_weights_never_activations():
     assert moved
     activations = rf"(f32|bf16)\[[^\]]*\b{s}\b[^\]]*\]"
     assert not [m for m in moved if re.search(activations, m)], moved
+
+
+@pytest.mark.parametrize("grad_accum", [2, 4])
+def test_a_dense_teacher_in_blocks_is_the_one_shot_step(grad_accum):
+    """A dense teacher output handed over in one block per microbatch (block j: rows j,
+    j + n, ...; `pipelines.plan.dense_blocks`) trains as the whole [B, S, V] array in one
+    shot: the same metrics and, through SGD, gradients."""
+    mesh, tx = _mesh(2, 2), optax.sgd(0.1)
+    logits = np.random.default_rng(3).normal(size=(16, 16, 64)).astype(np.float32) * 3
+    dense = TeacherOutput(np.asarray(jax.nn.log_softmax(logits)))
+    blocks = TeacherOutput(tuple(dense.logprobs[j::grad_accum] for j in range(grad_accum)))
+    runs = []
+    for n, out in ((1, dense), (grad_accum, blocks)):
+        step = train.make_train_step(
+            CFG, tx, mesh, loss_cfg=DistillLossConfig(temperature=2.0, alpha=0.7),
+            lr_schedule=optim.schedule(OPT, 10), grad_accum=n,
+        )  # fmt: skip
+        state, metrics = step(train.init_state(CFG, tx, 0, mesh, _params()), _batch(16), out)
+        runs.append((state, [{k: float(v) for k, v in jax.device_get(metrics).items()}]))
+    _assert_same(*runs, atol=1e-6)

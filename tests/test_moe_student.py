@@ -175,11 +175,15 @@ def test_a_student_is_dense_unless_it_says_experts():
     with pytest.raises(DistillError, match=r"student.model.n_experts: 0 differs .*from_teacher"):
         config_from_dict(tree)
     tree["teacher"]["model"].update(n_layers=3, dense_layers=[1])  # kept: layers 0 and 2
-    tree["student"]["model"] = {"n_layers": 2}
-    with pytest.raises(DistillError, match=r"dense_layers: \[1\] are not .* dense ones \[\]"):
+    tree["student"]["model"] = {"n_layers": 2}  # the kept layers' dense ones: none
+    cfg = config_from_dict(tree)
+    assert cfg.init_layers() == [0, 2] and cfg.student_model().dense_layers == ()
+    tree["student"]["init_layers"] = [1, 2]  # the dense layer kept, as the student's first
+    assert config_from_dict(tree).student_model().dense_layers == (0,)
+    tree["student"]["model"]["dense_layers"] = [1]
+    with pytest.raises(DistillError, match=r"dense_layers: \[1\] are not .* dense ones \[0\]"):
         config_from_dict(tree)
-    tree["student"]["model"]["dense_layers"] = []
-    assert config_from_dict(tree).init_layers() == [0, 2]
+    del tree["student"]["init_layers"]
     tree["student"] = {"model": {"d_model": 16}}
     tree["distill"] = {"moe_aux_loss": 0.01}
     with pytest.raises(DistillError, match=r"distill.moe_aux_loss: 0.01 needs a mixture"):

@@ -10,6 +10,7 @@ import yaml
 from distill.checkpoint import save_params
 from distill.config import ModelConfig
 from distill.config.load import config_from_dict
+from distill.errors import DistillError
 from distill.models import model
 from pipelines.commands.cli import main
 from teacher.weights import student_init_params
@@ -50,6 +51,26 @@ def test_default_layers_are_evenly_spaced(
     tree = _tree(corpus_dir, tmp_path, tmp_path / "t", model={"n_layers": student_layers})
     tree["teacher"]["model"]["n_layers"] = teacher_layers
     assert config_from_dict(tree).init_layers() == expected
+
+
+@pytest.mark.parametrize("init", ["from_teacher", "random"])
+def test_a_shallower_student_takes_the_kept_layers_types(corpus_dir, tmp_path, init):
+    """A teacher whose layers differ (Gemma 3's five sliding, one full): a student of 3
+    layers that does not set layer_types has those of the teacher layers kept (0, 3, 5),
+    whether it starts from them or from random weights; a deeper random student must set
+    its own."""
+    types = ["sliding"] * 5 + ["full"]
+    tree = _tree(corpus_dir, tmp_path, tmp_path / "t", init=init, model={"n_layers": 3})
+    tree["teacher"]["model"].update(n_layers=6, sliding_window=4, layer_types=types)
+    cfg = config_from_dict(tree)
+    assert cfg.student_model().layer_types == ("sliding", "sliding", "full")
+    tree["student"]["init_layers"] = [1, 2, 4]
+    if init == "from_teacher":
+        assert config_from_dict(tree).student_model().layer_types == ("sliding",) * 3
+    del tree["student"]["init_layers"]
+    tree["student"]["model"]["n_layers"] = 8
+    with pytest.raises(DistillError, match=r"layer_types: 6 entries for n_layers 8|exceeds"):
+        config_from_dict(tree).student_model()
 
 
 @pytest.mark.parametrize("fmt", ["distill", "hf"])

@@ -102,7 +102,7 @@ def test_microbatches_bound_the_forward_memory(params):
 def test_positions_in_chunks_match_single_device(params, monkeypatch, dp, tp):
     """The logits formed 5 positions at a time (12 = 5 + 5 + a last chunk shifted back to
     end at 12), on a vocabulary padded past the tokenizer's: equal to the whole-sequence
-    single-device teacher in every mode."""
+    single-device teacher in every mode (the targets' log-probs too)."""
     import teacher.forward as forward
 
     monkeypatch.setattr(forward, "default_chunk", lambda vocab, rows: 5)
@@ -124,6 +124,11 @@ def test_positions_in_chunks_match_single_device(params, monkeypatch, dp, tp):
     topk = make_forward(CFG, mesh, mode="topk", top_k=K, **kw)(sharded, batch)
     np.testing.assert_allclose(np.asarray(topk.logprobs), np.asarray(values), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(topk.ids), np.asarray(ids))
+    # the targets' log-probs alone (`distill score`, on-policy scoring); some are padded ids
+    picked = make_forward(CFG, mesh, mode="target_logprobs", **kw)(sharded, batch)
+    want = np.take_along_axis(logprobs, ref.targets[..., None], axis=-1)[..., 0]
+    assert np.isneginf(want).any() and np.isfinite(want).any()
+    np.testing.assert_allclose(np.asarray(picked), want, atol=2e-5)
 
 
 def test_chunks_bound_the_top_k_memory(monkeypatch):

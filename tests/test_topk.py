@@ -1,5 +1,5 @@
 """The exact top-k by chunk maxima equals `jax.lax.top_k` bit for bit, sharded or not, and
-every sort or top-k runs in calls under `MAX_SORT_ELEMENTS` elements (compiled at real
+every sort or top-k runs in calls under `distill.limits.MAX_ELEMENTS` elements (compiled at real
 shapes without running, for this CPU and lowered for CUDA)."""
 
 import math
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from distill import collectives as cc
+from distill import limits
 from distill.config import ModelConfig
 from distill.mesh import teacher_mesh
 from distill.models import model, topk
@@ -141,7 +142,7 @@ def test_uld_distance_in_bounded_calls(monkeypatch):
     lp = jax.nn.log_softmax(jnp.asarray(np.random.default_rng(2).normal(size=(2, 9, 30))))
     lq = jax.nn.log_softmax(jnp.asarray(np.random.default_rng(3).normal(size=(2, 9, 20))))
     want = uld_distance(lp, lq)
-    monkeypatch.setattr(topk, "MAX_SORT_ELEMENTS", 100)  # rows of 30 ids: 3 rows a call
+    monkeypatch.setattr(limits, "MAX_ELEMENTS", 100)  # rows of 30 ids: 3 rows a call
     np.testing.assert_allclose(uld_distance(lp, lq), want, rtol=1e-6)
 
 

@@ -3,11 +3,14 @@ chat, prompt/completion pairs), its tokenizer and chat template, and the held-ou
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from distill.config.model import Section
+
+# the variables every chat template is rendered with (distill.data.chat)
+RESERVED_TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class DataConfig(Section):
@@ -59,6 +62,11 @@ class DataConfig(Section):
         description="A Jinja chat template file; None: the template saved beside data.tokenizer "
         "(chat_template.jinja, or chat_template in tokenizer_config.json).",
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Variables the chat template is rendered with, as apply_chat_template's "
+        "keyword arguments (e.g. {enable_thinking: false} for Qwen3); None: none.",
+    )
     train_on: Literal["assistant", "all"] = Field(
         "assistant",
         description="chat and prompt_completion data: the loss counts the assistant's tokens "
@@ -98,6 +106,16 @@ class DataConfig(Section):
     def is_examples(self) -> bool:
         """Whether the data are conversations or pairs (packed whole, with loss masks)."""
         return self.format in ("chat", "prompt_completion")
+
+    @model_validator(mode="after")
+    def _template_kwargs(self) -> DataConfig:
+        taken = sorted(set(self.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_NAMES))
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs: '{taken[0]}' is set by distill itself (the template's "
+                f"own variables: {', '.join(RESERVED_TEMPLATE_NAMES)})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pairs_prompt(self) -> DataConfig:

@@ -260,7 +260,9 @@ def _overrides() -> type[Section]:
         __base__=Section,
         __doc__="Any `teacher.model` key; unset keys inherit the teacher's value, except an "
         "MoE teacher's experts: the student is dense unless it sets n_experts (or starts "
-        "from the teacher's layers, student.init: from_teacher).",
+        "from the teacher's layers, student.init: from_teacher), and the per-layer keys "
+        "(layer_types, dense_layers) of a student of another depth: those of the teacher "
+        "layers it keeps (student.init_layers, else evenly spaced).",
         **fields,
     )
 

@@ -31,9 +31,9 @@ A pipeline is one YAML file whose sections are the headings below; `distill CMD 
 `--set train.steps=50 --set teacher.top_k=null`). Every section rejects unknown keys, and
 every mistake is reported as one line naming its key, before any device work. The
 student's `student.model.*` keys are overrides of `teacher.model.*`: unset keys inherit the
-teacher's value. Shipped examples: `pipelines/quickstart.yaml`,
-`pipelines/quickstart-ray.yaml`, `pipelines/llama3-8b-to-1b.yaml`.
+teacher's value. Shipped examples: {{shipped}}.
 """
+PIPELINES = OUTPUT.parents[2] / "pipelines"
 
 
 def _section(annotation) -> type[BaseModel] | None:
@@ -53,6 +53,9 @@ def _type(annotation) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type(a) for a in args)
+    if origin in (tuple, list) and (len(args) == 1 or args[-1] is Ellipsis):
+        inner = _type(args[0])  # YAML writes a tuple as a list
+        return f"list of ({inner})" if " " in inner else f"list of {inner}"
     if origin is not None:
         return f"{origin.__name__}[{', '.join(_type(a) for a in args)}]"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -109,7 +112,8 @@ def _tables(cls: type[BaseModel], path: str) -> list[str]:
 
 def config_reference() -> str:
     """The Markdown of `docs/reference/config.md`, generated from `Config`."""
-    lines = [_HEADER]
+    shipped = ", ".join(f"`pipelines/{p.name}`" for p in sorted(PIPELINES.glob("*.yaml")))
+    lines = [_HEADER.replace("{shipped}", shipped)]
     for name, field in Config.model_fields.items():
         lines += _tables(_section(field.annotation), name)
     return "\n".join(lines).rstrip() + "\n"

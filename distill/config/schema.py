@@ -14,6 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
+from distill.config import pruning
 from distill.config.data import DataConfig
 from distill.config.model import (
     DTYPE_DOC,
@@ -111,7 +112,10 @@ class TeacherConfig(Section):
     )
     dtype: DType = Field("auto", description=DTYPE_DOC)
     top_k: int | None = Field(
-        None, ge=1, description="Send only the top-k log-probs per token; None: dense."
+        None,
+        ge=1,
+        description="Send only the top-k log-probs per token; None: dense (in one array per "
+        "train.grad_accum microbatch where one a device would reach 2^31 elements).",
     )
     tokenizer: str | None = Field(
         None,
@@ -406,7 +410,8 @@ class Config(Section):
     def student_model(self) -> ModelConfig:
         """The teacher's model schema with the student's overrides applied (dense unless
         they set experts or the student starts from the teacher's layers:
-        `student_fields`); a pretrained
+        `student_fields`; per-layer keys from the layers it keeps: `pruning`);
+        a pretrained
         student's (`student.checkpoint`) is its config.json's, with only the runtime keys
         (`RUNTIME_KEYS`) taken from the overrides."""
         overrides = self.student.model.model_dump(exclude_none=True)
@@ -417,6 +422,8 @@ class Config(Section):
         else:
             keep = self.student.init == "from_teacher"
             merged = student_fields(self.teacher.model, overrides, keep_experts=keep)
+            t, chosen = self.teacher.model, self.student.init_layers
+            merged.update(pruning.kept_layer_fields(t, overrides, keep, chosen))
         try:
             return ModelConfig(**merged)
         except ValidationError as e:
@@ -431,50 +438,8 @@ class Config(Section):
 
     def init_layers(self) -> list[int]:
         """The teacher layers a `from_teacher` student starts from (validated)."""
-        t, s = self.teacher.model, self.student_model()
-        for key in ModelConfig.model_fields:
-            per_layer = ("n_layers", "layer_types", "dense_layers", *RUNTIME_KEYS)
-            if key not in per_layer and getattr(s, key) != getattr(t, key):
-                raise DistillError(
-                    f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
-                    f"{getattr(t, key)}; student.init: from_teacher keeps the teacher's width"
-                )
-        layers = self._kept_layers(t, s)
-        dense = [j for j, i in enumerate(layers) if not t.moe_layers()[i]]
-        if t.n_experts and list(s.dense_layers) != dense:
-            raise DistillError(
-                f"student.model.dense_layers: {list(s.dense_layers)} are not the kept teacher "
-                f"layers' dense ones {dense} (student.init: from_teacher)"
-            )
-        want = tuple(t.types()[i] for i in layers)
-        if s.types() != want:
-            raise DistillError(
-                f"student.model.layer_types: {list(s.types())} are not the kept teacher layers' "
-                f"types {list(want)} (student.init: from_teacher)"
-            )
-        return layers
-
-    def _kept_layers(self, t: ModelConfig, s: ModelConfig) -> list[int]:
-        layers = self.student.init_layers
-        if layers is None:
-            if s.n_layers > t.n_layers:
-                raise DistillError(
-                    f"student.model.n_layers: {s.n_layers} exceeds the teacher's {t.n_layers};"
-                    " student.init: from_teacher takes a subset of the teacher's layers"
-                )
-            n, span = s.n_layers, t.n_layers - 1  # n evenly spaced in [0, span], rounded
-            return [(i * span + (n - 1) // 2) // (n - 1) for i in range(n)] if n > 1 else [0]
-        if len(layers) != s.n_layers:
-            raise DistillError(
-                f"student.init_layers: {len(layers)} layers given, but student.model.n_layers "
-                f"is {s.n_layers}"
-            )
-        if any(not 0 <= i < t.n_layers for i in layers) or sorted(set(layers)) != layers:
-            raise DistillError(
-                f"student.init_layers: {layers} must be increasing teacher layer indices in "
-                f"[0, {t.n_layers})"
-            )
-        return layers
+        t, chosen = self.teacher.model, self.student.init_layers
+        return pruning.init_layers(t, self.student_model(), chosen)
 
     def resolve_dtypes(self, platform: str) -> None:
         """Set `auto` compute dtypes for the platform the meshes are on: bfloat16 on

@@ -15,6 +15,15 @@ blocks where the template has them, else, for each assistant message, the text b
 the conversation rendered up to it with ``add_generation_prompt`` and rendered through it
 (trailing whitespace after the end-of-turn token left out). A token is trained on when it
 overlaps a span, the rule ``apply_chat_template(return_assistant_tokens_mask=True)`` uses.
+
+Each answer is learnt in the context the model answers in: the conversation before it with
+the generation prompt. Where the whole conversation renders every answer so (each turn a
+continuation of the ones before it), it is one example with every answer trained. A
+template that rewrites earlier turns once a later one follows (Qwen3 drops an earlier
+answer's ``<think>`` block; Mistral's moves the system message into the last user turn)
+makes one example per answer instead: the conversation through that answer, as the
+template renders it when the answer is the last turn, only that answer trained
+(``ChatTemplate.render_examples``).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ BASE_ROLES = ("system", "user", "assistant")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
+Example = tuple[str, list[tuple[int, int]]]  # a rendered text and its answers' spans
 
 
 def _sandbox():
@@ -128,6 +138,7 @@ class ChatTemplate:
     where: str  # the file it was read from, for error messages
     specials: dict[str, str]
     key: str = "data.chat_template"  # the config key that names it, for error messages
+    variables: dict | None = None  # data.chat_template_kwargs: more variables it sees
 
     def __post_init__(self):
         self._env, self._tracker = _sandbox()
@@ -154,34 +165,64 @@ class ChatTemplate:
             tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **self.specials,
+            **{**self.specials, **(self.variables or {})},
         )
 
-    def render_spans(self, messages: list[dict], tools=None) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the character spans [start, end) of the assistant's turns."""
+    def _generation_spans(self, messages, tools) -> Example:
+        self._tracker.blocks, self._tracker.spans = [], []
+        try:
+            for block in self._generate(messages, False, tools):
+                self._tracker.blocks.append(block)
+            return "".join(self._tracker.blocks), list(self._tracker.spans)
+        finally:
+            self._tracker.blocks = None
+
+    def render_spans(self, messages: list[dict], tools=None) -> Example:
+        """The rendered text and the character spans [start, end) of the assistant's turns
+        it renders after the conversation before them."""
+        (example,) = self.render_examples(messages, tools, split=False)
+        return example
+
+    def render_examples(self, messages: list[dict], tools=None, split=None) -> list[Example]:
+        """(text, answer spans) of the conversation: one example with every answer when the
+        template renders each after the conversation before it with the generation prompt
+        (or marks them with generation blocks), else one per answer (the conversation
+        through it, that answer's span). ``split=True`` forces the second form;
+        ``split=False`` the first, with the spans of the answers it renders so (the others
+        left out, none refused).
+
+        ValueError where an answer, rendered as the last turn, does not follow the
+        conversation before it with the generation prompt."""
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if self.has_generation:
-            self._tracker.blocks, self._tracker.spans = [], []
-            try:
-                for block in self._generate(messages, False, tools):
-                    self._tracker.blocks.append(block)
-                return "".join(self._tracker.blocks), list(self._tracker.spans)
-            finally:
-                self._tracker.blocks = None
+            if not split:
+                return [self._generation_spans(messages, tools)]
+            return [_last_span(self._generation_spans(messages[: i + 1], tools)) for i in turns]
         text = self.render(messages, tools=tools)
-        spans = []
-        for i, m in enumerate(messages):
-            if m.get("role") != "assistant":
-                continue
+        pieces = []
+        for i in turns:
             head = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             through = self.render(messages[: i + 1], tools=tools)
-            if not (through.startswith(head) and text.startswith(through)):
+            if not through.startswith(head):
+                if split is False:
+                    continue
                 raise ValueError(
-                    f"the template does not render message {i} as a continuation of the ones "
-                    "before it, so its answer cannot be located; give the template "
-                    "{% generation %} blocks around the assistant's text"
+                    f"message {i}, an answer, does not follow the conversation before it with "
+                    "the generation prompt as the template renders them (give the template "
+                    "{% generation %} blocks around the assistant's text)"
                 )
-            spans.append((len(head), len(through.rstrip())))
-        return text, spans
+            pieces.append((head, through))
+        placed = [(head, through) for head, through in pieces if text.startswith(through)]
+        if split is None:
+            split = len(placed) < len(turns)
+        if not split:
+            return [(text, [(len(head), len(through.rstrip())) for head, through in placed])]
+        return [(through, [(len(head), len(through.rstrip()))]) for head, through in pieces]
+
+
+def _last_span(example: Example) -> Example:
+    text, spans = example
+    return text, spans[-1:]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -221,14 +262,17 @@ def _specials(tokenizer) -> dict[str, str]:
     return named
 
 
-def load_template(cfg, tokenizer, role: str = "data") -> ChatTemplate:
-    """The chat template of ``cfg.chat_template``, else the one saved beside the tokenizer
+def load_template(cfg, tokenizer, role: str = "data", variables: dict | None = None):
+    """The ``ChatTemplate`` of ``cfg.chat_template``, else the one saved beside the tokenizer
     ``cfg.tokenizer`` names; ``role``: the config section of both (``data``; ``teacher`` for
-    a teacher tokenizer of its own), for errors.
+    a teacher tokenizer of its own), for errors; ``variables``: those it is rendered with
+    (default ``cfg.chat_template_kwargs``).
 
     A SentencePiece model is refused: it spells the special tokens a template writes
     (``<s>``, ``[INST]``, ...) out as text, where ``transformers`` gives their ids."""
     tok_key, key = f"{role}.tokenizer", f"{role}.chat_template"
+    if variables is None:
+        variables = getattr(cfg, "chat_template_kwargs", None)
     if tokenizer.kind == "sentencepiece":
         (path,) = tokenizer.files
         raise DistillError(
@@ -240,16 +284,16 @@ def load_template(cfg, tokenizer, role: str = "data") -> ChatTemplate:
         path = Path(cfg.chat_template).expanduser()
         if not path.is_file():
             raise DistillError(f"{key}: no such file: {path}")
-        return ChatTemplate(path.read_text(), str(path), _specials(tokenizer), key)
+        return ChatTemplate(path.read_text(), str(path), _specials(tokenizer), key, variables)
     for f in tokenizer.files:
         beside = Path(f).parent
         if (beside / "chat_template.jinja").is_file():
             path = beside / "chat_template.jinja"
-            return ChatTemplate(path.read_text(), str(path), _specials(tokenizer), key)
+            return ChatTemplate(path.read_text(), str(path), _specials(tokenizer), key, variables)
         text = _configured_template(beside / "tokenizer_config.json")
         if text is not None:
             where = str(beside / "tokenizer_config.json")
-            return ChatTemplate(text, where, _specials(tokenizer), key)
+            return ChatTemplate(text, where, _specials(tokenizer), key, variables)
     raise DistillError(
         f"{key}: chat data needs a chat template and none is saved "
         f"beside {tok_key}={cfg.tokenizer} (chat_template.jinja, or chat_template in "

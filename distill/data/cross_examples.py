@@ -40,7 +40,7 @@ from distill.data.corpus import Corpus
 from distill.data.cross_rows import ROW_MULTIPLE, CrossRows
 from distill.data.examples import read_examples, tokenise_examples
 from distill.data.packing import ExampleRows, best_fit, fit_pieces, lay_out
-from distill.data.pipeline import held_out, log_packing, resolve_paths
+from distill.data.pipeline import held_out_records, log_packing, resolve_paths
 from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
 
@@ -182,14 +182,19 @@ def _sides(cfg: DataConfig, student: Tokenizer, teacher: Tokenizer, teacher_cfg)
     """Each usable record tokenised by both sides, with its answers' `regions`."""
     templates = ()
     if cfg.format == "chat":
-        templates = (load_template(cfg, student), load_template(teacher_cfg, teacher, "teacher"))
+        variables = cfg.chat_template_kwargs
+        templates = (
+            load_template(cfg, student),
+            load_template(teacher_cfg, teacher, "teacher", variables),
+        )
     texts = read_examples(cfg, resolve_paths(cfg), templates)
-    s_renders = [r[0] for r, _ in texts]
-    t_renders = [r[-1] for r, _ in texts]  # a pair has one text for both sides
+    s_renders = [r[0] for r, _, _ in texts]
+    t_renders = [r[-1] for r, _, _ in texts]  # a pair has one text for both sides
     s_examples = tokenise_examples(cfg, student, s_renders)
     t_examples = tokenise_examples(cfg, teacher, t_renders)
-    found = [regions(s, t, a) for s, t, (_, a) in zip(s_renders, t_renders, texts, strict=True)]
-    return s_examples, t_examples, found
+    found = [regions(s, t, a) for s, t, (_, a, _) in zip(s_renders, t_renders, texts, strict=True)]
+    records = np.array([rec for _, _, rec in texts], dtype=np.int64)
+    return s_examples, t_examples, found, records
 
 
 def cross_example_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, teacher_cfg) -> Corpus:
@@ -203,13 +208,8 @@ def cross_example_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, teac
             " of its own the data are read here (unset data.prepared_dir)"
         )
     student = build_tokenizer(cfg)
-    s_examples, t_examples, found = _sides(cfg, student, teacher, teacher_cfg)
-    if len(s_examples) < 2:
-        raise DistillError(
-            f"data.source: '{cfg.source}' holds {len(s_examples)} usable {cfg.format} record(s);"
-            " need at least 2 (one for train, one for eval)"
-        )
-    is_eval = held_out([ids for ids, _, _ in s_examples], cfg.eval_fraction, 1, extra=0)
+    s_examples, t_examples, found, records = _sides(cfg, student, teacher, teacher_cfg)
+    is_eval = held_out_records([ids for ids, _, _ in s_examples], records, cfg)
     packed = {}
     for split, want in (("train", False), ("eval", True)):
         keep = np.flatnonzero(is_eval == want)

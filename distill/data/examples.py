@@ -9,10 +9,15 @@ strings ``data.prompt_field`` and ``data.completion_field`` and makes
 assistant's turns or the completion, with its end token; every token under
 ``data.train_on: all``).
 
+A conversation is one example, or one per assistant turn where the template rewrites
+earlier turns (``ChatTemplate.render_examples``); the examples of one record carry its
+index, so that the record is held out whole.
+
 Malformed records are counted per kind (``BadRecords``), each kind reported in one line
 with its first file and line; the corpus is refused (before any device work) only when
 nothing trainable is left or more than ``data.max_bad_fraction`` of the records are bad. A
-template that fails to render is an error at once, naming the template, file and record.
+conversation the template fails to render (its own ``raise_exception``, an undefined name,
+an answer it cannot place) is such a bad record, counted by the template's message.
 """
 
 from __future__ import annotations
@@ -169,40 +174,65 @@ def _chat_records(cfg: DataConfig, paths, templates: tuple[ChatTemplate, ...], b
         yield where, *_conversation(record, cfg, roles, cfg.train_on)
 
 
-def _render(template: ChatTemplate, messages: list, tools, where: str) -> tuple[str, list]:
-    try:
-        return template.render_spans(messages, tools)
-    except Exception as exc:  # the template's own errors: raise_exception, undefined names
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DistillError(
-            f"{template.key}: {template.where} fails to render {where}: {first}"
-        ) from None
+def _render(templates: tuple[ChatTemplate, ...], messages: list, tools, train_on: str) -> list:
+    """Each of ``templates``' examples of one conversation (``render_examples``), split
+    alike: one per answer on every side when one template needs it (never under
+    ``train_on: all``, which trains on the whole conversation once). A template's failure
+    raises ``_Unrenderable`` naming it."""
+    renders = []
+    for split in (None, True) if train_on == "assistant" else (False,):
+        renders = []
+        for t in templates:
+            try:
+                renders.append(t.render_examples(messages, tools, split))
+            except Exception as exc:  # the template's own errors: raise_exception, undefined
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise _Unrenderable(f"that {t.where} fails to render ({first})") from None
+        if len({len(r) for r in renders}) == 1:
+            break
+    return renders
 
 
-# One usable record: its (text, answer spans) through each template (one, for pairs, which
-# have none), and its answers' texts (the assistant's string contents; the completion).
-Rendered = tuple[tuple[tuple[str, list], ...], list[str]]
+class _Unrenderable(Exception):
+    """A conversation a template cannot render; its message is the bad record's kind."""
+
+
+# One usable example: its (text, answer spans) through each template (one, for pairs, which
+# have none), its answers' texts (the assistant's string contents; the completion), and the
+# index of the record it comes from (a conversation may make one example per answer).
+Rendered = tuple[tuple[tuple[str, list], ...], list[str], int]
 
 
 def _chat_texts(cfg: DataConfig, paths, templates: tuple[ChatTemplate, ...], bad: BadRecords):
     """The ``Rendered`` of every usable conversation (``data.max_bytes`` counts the first
-    template's text)."""
+    template's texts)."""
     out: list[Rendered] = []
-    budget = cfg.max_bytes
+    budget, record = cfg.max_bytes, 0
     for where, messages, tools, problem in _chat_records(cfg, paths, templates, bad):
+        renders = []
         if problem is None:
-            renders = tuple(_render(t, messages, tools, where) for t in templates)
-            if cfg.train_on == "assistant" and not renders[0][1]:
-                problem = "with no assistant turn (data.train_on: assistant)"
+            try:
+                renders = _render(templates, messages, tools, cfg.train_on)
+            except _Unrenderable as exc:
+                problem = str(exc)
+        if (
+            problem is None
+            and cfg.train_on == "assistant"
+            and not any(spans for _, spans in renders[0])
+        ):
+            problem = "with no assistant turn (data.train_on: assistant)"
         if problem is not None:
             bad.add(problem, where)
             continue
         answers = [m["content"] for m in messages if m["role"] == "assistant"]
-        out.append((renders, [a for a in answers if isinstance(a, str)]))
-        if budget is not None:
-            budget -= len(renders[0][0].encode("utf-8"))
-            if budget <= 0:
-                break
+        per_example = [answers] if len(renders[0]) == 1 else [[a] for a in answers]
+        for n, texts in enumerate(zip(*renders, strict=True)):
+            out.append((texts, [a for a in per_example[n] if isinstance(a, str)], record))
+            if budget is not None:
+                budget -= len(texts[0][0].encode("utf-8"))
+        record += 1
+        if budget is not None and budget <= 0:
+            break
     return out
 
 
@@ -221,7 +251,7 @@ def _pair_texts(cfg: DataConfig, paths, bad: BadRecords):
             bad.add("with an empty completion", where)
             continue
         text = prompt + completion
-        out.append((((text, [(len(prompt), len(text))]),), [completion]))
+        out.append((((text, [(len(prompt), len(text))]),), [completion], len(out)))
         if budget is not None:
             budget -= len(text.encode("utf-8"))
             if budget <= 0:
@@ -274,12 +304,17 @@ def tokenise_examples(
     return out
 
 
-def load_examples(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> list[Example]:
-    """Every usable example of ``paths`` in order, tokenised with its loss flags."""
+def load_examples(
+    cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer
+) -> tuple[list[Example], np.ndarray]:
+    """Every usable example of ``paths`` in order, tokenised with its loss flags, and the
+    index [n] of the record each comes from."""
     _check_offsets(cfg, tokenizer)
     templates = (load_template(cfg, tokenizer),) if cfg.format == "chat" else ()
-    renders = [r[0] for r, _ in read_examples(cfg, paths, templates)]
-    return [(ids, train) for ids, train, _ in tokenise_examples(cfg, tokenizer, renders)]
+    texts = read_examples(cfg, paths, templates)
+    renders = [r[0] for r, _, _ in texts]
+    examples = [(ids, train) for ids, train, _ in tokenise_examples(cfg, tokenizer, renders)]
+    return examples, np.array([rec for _, _, rec in texts], dtype=np.int64)
 
 
 def conversation_prompts(cfg: DataConfig, paths: list[Path], tokenizer: Tokenizer) -> list[str]:
@@ -287,15 +322,12 @@ def conversation_prompts(cfg: DataConfig, paths: list[Path], tokenizer: Tokenize
     turn, rendered with the template's generation prompt (the student answers from there)."""
     template, bad = load_template(cfg, tokenizer), BadRecords()
     out = []
-    for where, messages, tools, problem in _chat_records(cfg, paths, (template,), bad):
+    for _, messages, tools, problem in _chat_records(cfg, paths, (template,), bad):
         if problem is not None or not any(m["role"] == "assistant" for m in messages):
             continue  # counted and reported when the corpus was read
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         try:
             out.append(template.render(messages[:last], add_generation_prompt=True, tools=tools))
-        except Exception as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise DistillError(
-                f"{template.key}: {template.where} fails to render {where}: {first}"
-            ) from None
+        except Exception:  # noqa: S112 - a bad record, counted when the corpus was read
+            continue
     return out

@@ -344,6 +344,22 @@ def held_out(
     return is_eval
 
 
+def held_out_records(ids: list[np.ndarray], records: np.ndarray, cfg: DataConfig) -> np.ndarray:
+    """[n] bool: the examples (token ids ``ids``, from ``records`` [n]) held out for eval,
+    whole records at a time (a conversation may make one example per answer), ranked as
+    ``held_out`` ranks the records' tokens; refused when fewer than 2 records are usable."""
+    n = int(records.max()) + 1 if len(records) else 0
+    if n < 2:
+        raise DistillError(
+            f"data.source: '{cfg.source}' holds {n} usable {cfg.format} record(s);"
+            " need at least 2 (one for train, one for eval)"
+        )
+    bounds = np.flatnonzero(np.diff(records)) + 1
+    ends = [*bounds, len(ids)]
+    whole = [np.concatenate(ids[a:b]) for a, b in zip([0, *bounds], ends, strict=True)]
+    return held_out(whole, cfg.eval_fraction, 1, extra=0)[records]
+
+
 # ----------------------------------------------------------------------------- corpus
 
 
@@ -382,13 +398,8 @@ def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:
 def _example_corpus(cfg: DataConfig, seq_len: int, tokenizer: Tokenizer) -> Corpus:
     """Conversations or prompt/completion pairs, whole ones held out for eval, each split
     packed best-fit (``distill.data.packing``)."""
-    examples = load_examples(cfg, resolve_paths(cfg), tokenizer)
-    if len(examples) < 2:
-        raise DistillError(
-            f"data.source: '{cfg.source}' holds {len(examples)} usable {cfg.format} record(s);"
-            " need at least 2 (one for train, one for eval)"
-        )
-    is_eval = held_out([ids for ids, _ in examples], cfg.eval_fraction, 1, extra=0)
+    examples, records = load_examples(cfg, resolve_paths(cfg), tokenizer)
+    is_eval = held_out_records([ids for ids, _ in examples], records, cfg)
     split_long = cfg.long_conversations == "split"
     packed = {
         split: ExampleRows.pack(

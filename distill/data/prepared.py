@@ -61,6 +61,7 @@ EXAMPLE_KEYS = (
     "prompt_field",
     "completion_field",
     "chat_template",
+    "chat_template_kwargs",
     "train_on",
     "long_conversations",
 )

@@ -309,7 +309,8 @@ def _teacher_vocab(vmap: VocabMap | FirstBytes | BytePaths | None) -> int | None
 
 
 def _teacher_inputs(teacher: TeacherOutput, align_bs, method, vmap, teacher_live):
-    """(per-token inputs, dense inputs, whether the divergence reads a top-k teacher, and
+    """(per-token inputs, dense inputs on the teacher's rows (gathered at the aligned
+    positions a chunk at a time), whether the divergence reads a top-k teacher, and
     whether its top-k hold every live teacher id) of `cross_kd_loss_chunked`. A top-k
     holding every id is scattered back into the dense teacher (``uld`` excepted), so that
     it gives the dense loss; ``byte_path`` reads the deeper bytes from that scatter."""
@@ -320,7 +321,7 @@ def _teacher_inputs(teacher: TeacherOutput, align_bs, method, vmap, teacher_live
         if teacher.ids is not None:
             lp = dense_from_topk(lp, teacher.ids, vocab)
         per_token = byte_path_inputs(lp, align_bs, vmap) if method == "byte_path" else {}
-        return per_token, {"lp": at_student_positions(lp, align_bs)}, False, whole
+        return per_token, {"lp": lp}, False, whole
     per_token = {
         "lp": at_student_positions(lp, align_bs),
         "ids": at_student_positions(teacher.ids.astype(jnp.int32), align_bs),
@@ -359,7 +360,7 @@ def cross_kd_loss_chunked(
     ``byte_path`` condition the teacher's next byte on (`first_byte_buckets`). KD is the
     mean over masked, aligned positions; CE the mean over masked ones. Metrics as
     `kd_loss` plus "aligned_fraction" (aligned share of the masked positions)."""
-    per_token, dense, topk, whole = _teacher_inputs(teacher, align_bs, method, vmap, teacher_live)
+    per_token, at, topk, whole = _teacher_inputs(teacher, align_bs, method, vmap, teacher_live)
     aligned = (align_bs >= 0).astype(jnp.float32)
     per_token.update(targets=targets_bs, aligned=aligned)
     if inputs_bs is not None:
@@ -385,12 +386,13 @@ def cross_kd_loss_chunked(
         x_bsd,
         head_dv,
         per_token,
-        dense,
+        {},
         mask_bs,
         vocab_limit=vocab_limit,
         chunk=chunk,
         compute_dtype=compute_dtype,
         softcap=softcap,
+        at=(at, jnp.maximum(align_bs, 0).astype(jnp.int32)),
     )
     tokens = jnp.sum(mask_bs.astype(jnp.float32))
     kd = sums["kd"] / jnp.maximum(sums["aligned"], 1.0)

@@ -23,8 +23,8 @@ vocabulary there is nothing to save and `jax.lax.top_k` runs.
 **Bounded calls** (`by_rows`). XLA:GPU's sorts (CUB's segmented radix sort, behind every
 top-k with k > 16) index with 32-bit offsets: a top-k over more than 16,744 rows of 128,256
 ids overflowed. Every sort and top-k of the project runs through `by_rows`, which splits the
-rows (the second-to-last axis) so that no call holds `MAX_SORT_ELEMENTS` or more; calls
-under it run as written, in one piece.
+rows (the second-to-last axis) so that no call holds `distill.limits.MAX_ELEMENTS` (2^31)
+elements or more; calls under it run as written, in one piece.
 """
 
 from __future__ import annotations
@@ -36,10 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Elements of one sort or top-k operand, at most. XLA:GPU sorts through CUB with 32-bit
-# offsets (2^31 - 1 is the last one it can name); half of that leaves room for a
-# key-value pair sort's second buffer and the padding a sort rounds its rows up to.
-MAX_SORT_ELEMENTS = 2**30
+from distill import limits
 
 # Ids per chunk of `top_k`: sqrt(V / k) balances the V / c maxima and the k * c candidates
 # each row sorts (45 at 128,256 ids and k = 64, 63 at k = 32); on a 2-core CPU at
@@ -50,7 +47,7 @@ CHUNK = 64
 def top_k(x: jax.Array, k: int, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
     """(values [..., k] descending, ids [..., k] int32) of the last axis: exactly
     `jax.lax.top_k(x, k)` (module docstring), never sorting a whole row, in calls of fewer
-    than `MAX_SORT_ELEMENTS` elements."""
+    than `distill.limits.MAX_ELEMENTS` elements."""
     return by_rows(lambda a: _top_k(a, k, chunk), x)
 
 
@@ -119,20 +116,20 @@ def _int_of(dtype) -> np.dtype:
 
 def sort_descending(x: jax.Array) -> jax.Array:
     """The last axis sorted in decreasing order, in calls of fewer than
-    `MAX_SORT_ELEMENTS` elements."""
+    `distill.limits.MAX_ELEMENTS` elements."""
     return by_rows(lambda a: -jnp.sort(-a, axis=-1), x)
 
 
 def by_rows(fn: Callable, *xs: jax.Array, bound: int | None = None):
-    """fn(*xs) with every call under `bound` (default `MAX_SORT_ELEMENTS`) elements per
-    array: arrays [..., R, V_i] (the same leading dims and rows R) are cut along R into
-    blocks of equal size, fn runs on each (`jax.lax.map`: one compiled body) and its
+    """fn(*xs) with every call under `bound` elements per array (default
+    `distill.limits.MAX_ELEMENTS`): arrays [..., R, V_i] (the same leading dims and rows R)
+    are cut along R into blocks of equal size, fn runs on each (`jax.lax.map`: one compiled body) and its
     outputs [..., r, ...] are put back together along that axis. The last block is shifted
     back to end at R, so it recomputes a few rows rather than padding. One call when the
     arrays are under `bound` already; leading dims too large for one row each are folded
     into the rows first. A single row of `bound` elements or more cannot be split and
     runs whole (as do 1-D arrays)."""
-    bound = MAX_SORT_ELEMENTS if bound is None else bound
+    bound = limits.MAX_ELEMENTS if bound is None else bound
     widest = max(xs, key=lambda a: a.shape[-1])
     if widest.size < bound or widest.ndim < 2 or widest.shape[-1] >= bound:
         return fn(*xs)

@@ -103,11 +103,15 @@ def _chunked_sums(
     chunk: int | None,
     compute_dtype,
     softcap: float | None = None,
+    at: tuple[Tree, jax.Array] | None = None,
 ) -> Tree:
     """sum over tokens of mask * token_fn(logits, inputs)[key], for every key, chunk by chunk.
 
     `per_token`: [B, S, ...] inputs small enough to regroup into chunks (targets, top-k).
     `dense`: [B, S, V] inputs (a dense teacher), sliced per chunk in place.
+    `at`: ([B, T, V] inputs, index [B, S]): each chunk's positions gathered from them at
+    the index (a dense teacher on its own rows, at the student's aligned positions), never
+    a whole [B, S, V] copy.
     `token_fn(logits_bcv, inputs)`: per-token float32 values [B, c] for one chunk.
     """
     b, s, _ = x_bsd.shape
@@ -123,13 +127,18 @@ def _chunked_sums(
         return jnp.moveaxis(a, 1, 0)
 
     weight = jnp.where(fresh[:, None], regroup(mask_bs.astype(jnp.float32)), 0.0)
+    gathered, index = at if at is not None else ({}, jnp.zeros_like(mask_bs, jnp.int32))
     xs = (regroup(x_bsd), jax.tree.map(regroup, per_token), weight, jnp.asarray(start))
+    xs = (*xs, regroup(index))
 
     # The backward pass recomputes this chunk's logits instead of keeping every chunk's.
     @functools.partial(jax.checkpoint, prevent_cse=False)  # no CSE to fear inside a map
     def chunk_sums(xs) -> Tree:
-        x_bcd, inputs, w_bc, start_c = xs
+        x_bcd, inputs, w_bc, start_c, index_bc = xs
         sliced = {k: jax.lax.dynamic_slice_in_dim(a, start_c, c, axis=1) for k, a in dense.items()}
+        sliced.update(
+            {k: jnp.take_along_axis(a, index_bc[..., None], axis=1) for k, a in gathered.items()}
+        )
         z_bcv = head_logits(
             x_bcd, head_dv, vocab_limit=vocab_limit, compute_dtype=compute_dtype, softcap=softcap
         )

@@ -6,9 +6,9 @@ loss = alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) dense over
 vocabulary + (1 - alpha) * CE on the next tokens, gradient clipping (`optim.clip_norm`),
 then `torch.optim.AdamW` (`optim.lr` held constant, betas, weight decay on matrices only, as
 distill's optimizer) and `zero_grad(set_to_none=True)`. Both models are random
-`LlamaForCausalLM`s in float32 with SDPA attention, built from the config.json distill
-exports (`distill.models.hf_config.to_hf_config`), so their shapes are the teacher's and
-the student's.
+transformers models of their family (`LlamaForCausalLM`, ...) in float32 with SDPA
+attention, built from the config.json distill exports (`distill.models.hf_config.
+to_hf_config`), so their shapes are the teacher's and the student's.
 
 A batch is `train.batch_size` rows of `train.seq_len` + 1 random token ids (seeded by
 `run.seed`) below the tokenizer's vocabulary: the first `seq_len` are the input and the last
@@ -21,6 +21,7 @@ say; distill's pipelined step, which `distill_over_torch` compares it with, foll
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -51,24 +52,30 @@ def kd_loss(student_logits, teacher_logits, targets, alpha: float, temperature: 
     return alpha * temperature**2 * kl + (1.0 - alpha) * ce
 
 
-def hf_llama(transformers, mcfg: ModelConfig, seq_len: int):
-    """A random float32 `LlamaForCausalLM` of `mcfg`'s shape, SDPA attention."""
-    config = transformers.LlamaConfig.from_dict(
-        hf_config.to_hf_config(mcfg, max_position_embeddings=seq_len),
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config).float()
+def hf_model(transformers, mcfg: ModelConfig, seq_len: int, *, dtype=None, device=None):
+    """A random transformers model of `mcfg`'s family and shape (SDPA attention), made in
+    `dtype` (a torch dtype; None: float32) directly on `device` (None: the CPU)."""
+    import torch
+
+    raw = hf_config.to_hf_config(mcfg, max_position_embeddings=seq_len)
+    config = transformers.AutoConfig.for_model(**raw, use_cache=False)
+    with torch.device(device or "cpu"):
+        made = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="sdpa", dtype=dtype or torch.float32
+        )
+    return made
 
 
-def _adamw(torch, model, ocfg: OptimConfig):
-    """AdamW with weight decay on matrices only (norms exempt), as `student.optim`."""
+def adamw(torch, model, ocfg: OptimConfig, *, fused: bool = False):
+    """AdamW with weight decay on matrices only (norms exempt), as `student.optim`;
+    `fused`: torch's fused CUDA kernel."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": ocfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.b1, ocfg.b2))
+    betas = (ocfg.b1, ocfg.b2)
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=betas, fused=fused or None)
 
 
 def modules():
@@ -91,35 +98,18 @@ def modules():
 
 
 def torch_kd_bench(cfg: Config, repeats: int) -> dict:
-    """Median step time of the PyTorch KD loop on `cfg`'s shapes: 3 warm-up steps, then
-    `repeats` windows of 5 steps, each window's mean step time; the median over windows.
-
-    Runs on the CPU with `torch.set_num_threads(os.cpu_count())` (every core the OS reports;
-    the count is returned as `torch_threads`), restored afterwards, their OpenMP wait policy
-    passive when torch was first imported by `modules`."""
+    """Median step time of the PyTorch KD loop on `cfg`'s shapes (`median_step_ms`), on the
+    CPU with every core the OS reports (`cpu_threads`)."""
     torch, transformers = modules()
     bsz, seq = cfg.train.batch_size, cfg.train.seq_len
     live = vocab_limit(build_tokenizer(cfg.data), *cfg.vocab_sizes())
-    threads, before = os.cpu_count() or 1, torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with cpu_threads(torch) as threads:
         torch.manual_seed(cfg.run.seed)
-        teacher = hf_llama(transformers, cfg.teacher.model, seq).eval()
-        student = hf_llama(transformers, cfg.student_model(), seq).train()
-        gen = torch.Generator().manual_seed(cfg.run.seed)
-        ids = torch.randint(0, live or cfg.teacher.model.vocab_size, (bsz, seq + 1), generator=gen)
+        teacher = hf_model(transformers, cfg.teacher.model, seq).eval()
+        student = hf_model(transformers, cfg.student_model(), seq).train()
+        ids = random_ids(torch, cfg, live)
         step = _make_step(torch, cfg, teacher, student, ids[:, :-1], ids[:, 1:], live)
-        for _ in range(WARMUP_STEPS):
-            step()
-        windows = []
-        for _ in range(max(repeats, 1)):
-            t = time.perf_counter()
-            for _ in range(WINDOW_STEPS):
-                step()
-            windows.append((time.perf_counter() - t) / WINDOW_STEPS)
-    finally:
-        torch.set_num_threads(before)
-    ms = 1e3 * statistics.median(windows)
+        ms = median_step_ms(step, repeats)
     return {
         "torch_step_ms": ms,
         "torch_tokens_per_s": bsz * seq / (ms / 1e3),
@@ -128,9 +118,48 @@ def torch_kd_bench(cfg: Config, repeats: int) -> dict:
     }
 
 
+def random_ids(torch, cfg: Config, live: int | None, device=None):
+    """[train.batch_size, train.seq_len + 1] random token ids below the tokenizer's
+    vocabulary, seeded by `run.seed`: inputs [:, :-1], targets [:, 1:]."""
+    gen = torch.Generator().manual_seed(cfg.run.seed)
+    shape = (cfg.train.batch_size, cfg.train.seq_len + 1)
+    return torch.randint(0, live or cfg.teacher.model.vocab_size, shape, generator=gen).to(device)
+
+
+@contextlib.contextmanager
+def cpu_threads(torch):
+    """torch on every core the OS reports (`torch.set_num_threads(os.cpu_count())`; yields
+    the count), restored afterwards; their OpenMP wait policy passive when torch was first
+    imported by `modules`."""
+    threads, before = os.cpu_count() or 1, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def median_step_ms(step, repeats: int, sync=None) -> float:
+    """`step()`'s time in ms: 3 warm-up steps, then `repeats` windows of 5 steps, each
+    window's mean step time; the median over windows. `sync()` (a CUDA device's
+    synchronize) runs after the warm-up and at the end of each window."""
+    sync = sync or (lambda: None)
+    for _ in range(WARMUP_STEPS):
+        step()
+    sync()
+    windows = []
+    for _ in range(max(repeats, 1)):
+        t = time.perf_counter()
+        for _ in range(WINDOW_STEPS):
+            step()
+        sync()
+        windows.append((time.perf_counter() - t) / WINDOW_STEPS)
+    return 1e3 * statistics.median(windows)
+
+
 def _make_step(torch, cfg: Config, teacher, student, tokens, targets, live):
     """One KD training step of `student` against `teacher` on a fixed batch."""
-    opt = _adamw(torch, student, cfg.optim)
+    opt = adamw(torch, student, cfg.optim)
     clip, alpha, temp = cfg.optim.clip_norm, cfg.distill.alpha, cfg.distill.temperature
 
     def step() -> float:

@@ -120,7 +120,8 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--torch",
         action="store_true",
-        help="also time a plain PyTorch + transformers KD loop on the same shapes (needs .[hf])",
+        help="also time a plain PyTorch + transformers KD loop on the same shapes (with --role: "
+        "that role's PyTorch peer on torch's cuda:0, else the CPU; needs .[hf])",
     )
 
 
@@ -250,12 +251,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def _bench_role(cfg, args: argparse.Namespace) -> None:
     from pipelines.bench.role import bench_role, format_role
 
-    both = [f"--{n}" for n in ("ray", "cache", "torch", "on_policy", "http") if getattr(args, n)]
+    both = [f"--{n}" for n in ("ray", "cache", "on_policy", "http") if getattr(args, n)]
     if both:
         raise DistillError(
             f"--role: times one role alone; {', '.join(both).replace('_', '-')} needs both"
         )
-    result = bench_role(cfg, args.role, repeats=args.repeats)
+    result = bench_role(cfg, args.role, repeats=args.repeats, torch_mode=args.torch)
     print(format_role(result))
     print(dumps(result))
 

@@ -1,11 +1,13 @@
 """`distill score`: the log-probability a model gives each next token of a text file.
 
 The file is one document, tokenised as the corpus tokenises one (`[BOS] + tokens + [EOS]`,
-`distill.data.corpus`), and scored in one row. The teacher runs on its configured
-inference mesh's `mesh.teacher.tp` (one row: dp 1), the student on one device from the
-run's latest checkpoint, or from its initial weights (pretrained, pruned from the teacher,
-or random at `run.seed`) when the run has none. Padded vocabulary ids are masked, as in
-training, so the numbers compare with transformers' on the tokenizer's ids.
+`distill.data.corpus`), and scored in one row, a chunk of positions at a time: only the
+targets' log-probs leave the model, never a long document's [S, V] logits (past 16,744
+tokens at 128k ids they would reach 2^31 elements, `distill.limits`). The teacher runs on
+its configured inference mesh's `mesh.teacher.tp` (one row: dp 1), the student on one
+device from the run's latest checkpoint, or from its initial weights (pretrained, pruned
+from the teacher, or random at `run.seed`) when the run has none. Padded vocabulary ids are
+masked, as in training, so the numbers compare with transformers' on the tokenizer's ids.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.nn import logsumexp
 
 from distill.collectives import mask_vocab
 from distill.config import Config
@@ -57,7 +60,7 @@ def _row(ids: np.ndarray) -> Batch:
     return Batch(tokens, targets, seg, pos, mask)
 
 
-def _teacher_logits(cfg: Config, batch: Batch, limit: int | None):
+def _teacher_logprobs(cfg: Config, batch: Batch, limit: int | None):
     from distill.mesh import teacher_mesh
     from teacher.forward import forward_for
     from teacher.weights import load_teacher
@@ -68,12 +71,39 @@ def _teacher_logits(cfg: Config, batch: Batch, limit: int | None):
         raise DistillError(f"mesh.teacher.tp: {tp} devices needed, {len(devices)} here")
     mesh = teacher_mesh(devices[:tp], 1, tp)
     fwd = forward_for(
-        cfg.teacher.model, mesh, mode="logits", dtype=cfg.teacher.dtype, vocab_limit=limit
-    )
+        cfg.teacher.model, mesh, mode="target_logprobs", dtype=cfg.teacher.dtype,
+        vocab_limit=limit,
+    )  # fmt: skip
     return fwd(load_teacher(cfg, mesh), batch), "teacher"
 
 
-def _student_logits(cfg: Config, batch: Batch, limit: int | None):
+def student_program(cfg: Config, limit: int | None):
+    """jit((params, batch) -> [B, S] the student's log-probs of the batch's targets), the
+    logits formed a chunk of positions at a time (`teacher.forward.by_positions`): a
+    document of any length never makes its [S, V] logits whole."""
+    from distill.models import model
+    from distill.models.vocab_loss import default_chunk
+    from teacher.forward import by_positions
+
+    scfg = cfg.student_model()
+
+    def picked(x_c, targets_c, head):
+        z = mask_vocab(model.logits(x_c, head, scfg.final_softcap), limit, None)
+        return jnp.take_along_axis(z, targets_c[..., None], axis=-1)[..., 0] - logsumexp(z, -1)
+
+    @jax.jit
+    def run(params, batch: Batch):
+        x, head = model.apply_hidden(
+            scfg, params, batch.tokens, batch.segment_ids, batch.positions,
+            dtype=cfg.student.dtype,
+        )  # fmt: skip
+        chunk = default_chunk(head.shape[-1], x.shape[0])
+        return by_positions(lambda c: picked(*c, head), (x, batch.targets), chunk)
+
+    return run
+
+
+def _student_logprobs(cfg: Config, batch: Batch, limit: int | None):
     from jax.sharding import Mesh
 
     from distill.checkpoint import has_checkpoint
@@ -93,15 +123,7 @@ def _student_logits(cfg: Config, batch: Batch, limit: int | None):
         params = model.init_params(scfg, cfg.run.seed) if params is None else params
         name = "student initial weights"
 
-    @jax.jit
-    def run(params, batch):
-        z = model.apply(
-            scfg, params, batch.tokens, batch.segment_ids, batch.positions,
-            dtype=cfg.student.dtype,
-        )  # fmt: skip
-        return mask_vocab(z, limit, None)
-
-    return run(params, batch), name
+    return student_program(cfg, limit)(params, batch), name
 
 
 def score(cfg: Config, path: str | Path, role: str = "teacher") -> dict:
@@ -112,10 +134,9 @@ def score(cfg: Config, path: str | Path, role: str = "teacher") -> dict:
     tok = build_tokenizer(cfg.data)
     limit = vocab_limit(tok, *cfg.vocab_sizes())
     batch = jax.tree.map(jnp.asarray, _row(ids))
-    logits, name = (_teacher_logits if role == "teacher" else _student_logits)(cfg, batch, limit)
-    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[0, :, 0]
-    logprobs = np.asarray(jax.device_get(picked))[: len(ids) - 1].astype(np.float64)
+    get = _teacher_logprobs if role == "teacher" else _student_logprobs
+    picked, name = get(cfg, batch, limit)  # [1, S]
+    logprobs = np.asarray(jax.device_get(picked))[0, : len(ids) - 1].astype(np.float64)
     nll = float(-logprobs.mean())
     return {
         "model": name,
