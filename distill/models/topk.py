@@ -123,12 +123,12 @@ def sort_descending(x: jax.Array) -> jax.Array:
 def by_rows(fn: Callable, *xs: jax.Array, bound: int | None = None):
     """fn(*xs) with every call under `bound` elements per array (default
     `distill.limits.MAX_ELEMENTS`): arrays [..., R, V_i] (the same leading dims and rows R)
-    are cut along R into blocks of equal size, fn runs on each (`jax.lax.map`: one compiled body) and its
-    outputs [..., r, ...] are put back together along that axis. The last block is shifted
-    back to end at R, so it recomputes a few rows rather than padding. One call when the
-    arrays are under `bound` already; leading dims too large for one row each are folded
-    into the rows first. A single row of `bound` elements or more cannot be split and
-    runs whole (as do 1-D arrays)."""
+    are cut along R into blocks of equal size, fn runs on each (`jax.lax.map`: one
+    compiled body) and its outputs [..., r, ...] are put back together along that axis.
+    The last block is shifted back to end at R, so it recomputes a few rows rather than
+    padding. One call when the arrays are under `bound` already; leading dims too large
+    for one row each are folded into the rows first. A single row of `bound` elements or
+    more cannot be split and runs whole (as do 1-D arrays)."""
     bound = limits.MAX_ELEMENTS if bound is None else bound
     widest = max(xs, key=lambda a: a.shape[-1])
     if widest.size < bound or widest.ndim < 2 or widest.shape[-1] >= bound:
