@@ -8,6 +8,9 @@ and the student's batch sharding splits rows too, so `hop` never needs the host:
 row blocks match it is that plain copy; when they do not (a teacher split over more devices
 than the student, or fewer), each student shard is made on its device from copies of the
 teacher's row blocks it spans, sliced on the teacher's devices where a block reaches past it.
+Colocated meshes (`mesh.placement: colocated`) share devices: where a device's own teacher
+block is exactly its student rows the buffer is handed over as it is (no copy), and where it
+covers them the rows are sliced on that device.
 """
 
 from __future__ import annotations
@@ -34,25 +37,35 @@ def _hop(x, sharding):
     if not isinstance(x, jax.Array) or x.sharding == sharding:
         return jax.device_put(x, sharding)
     src: dict[Rows, jax.Array] = {}
+    local: dict[tuple[Rows, object], jax.Array] = {}  # (rows, device): that device's block
     for shard in x.addressable_shards:
         rows = row_blocks(shard.index, x.shape)
         if rows is None:  # not batch-major: JAX's own reshard (may go through the host)
             return jax.device_put(x, sharding)
         src.setdefault(rows, shard.data)
+        local[rows, shard.device] = shard.data
     indices = sharding.addressable_devices_indices_map(x.shape)
     dst = {device: row_blocks(index, x.shape) for device, index in indices.items()}
     if None in dst.values():
         return jax.device_put(x, sharding)
+    if all((rows, device) in local for device, rows in dst.items()):
+        # colocated meshes whose row blocks agree: each device keeps its buffer, no copy
+        shards = [local[rows, device] for device, rows in dst.items()]
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
     if all(rows in src for rows in dst.values()):
         return jax.device_put(x, sharding)  # one buffer copy per destination device
-    shards = [_assemble(src, rows, device) for device, rows in dst.items()]
+    shards = [_assemble(src, local, rows, device) for device, rows in dst.items()]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
-def _assemble(src: dict[Rows, jax.Array], rows: Rows, device) -> jax.Array:
-    """Rows [a, b) on `device`: the overlapping part of each source block (sliced on its own
-    device), copied over, concatenated there."""
+def _assemble(src: dict[Rows, jax.Array], local: dict, rows: Rows, device) -> jax.Array:
+    """Rows [a, b) on `device`: from a block the device holds itself where one covers them
+    (colocated meshes: sliced there, nothing crosses devices), else the overlapping part of
+    each source block (sliced on its own device), copied over, concatenated there."""
     a, b = rows
+    for (s0, s1), dev in local:
+        if dev == device and s0 <= a and b <= s1:
+            return jax.lax.slice_in_dim(local[(s0, s1), dev], a - s0, b - s0)
     parts = []
     for (s0, s1), buf in sorted(src.items()):
         lo, hi = max(a, s0), min(b, s1)

@@ -1,8 +1,11 @@
-"""Device discovery, the two-mesh split, and CPU device simulation.
+"""Device discovery, the two meshes' placement, and CPU device simulation.
 
 The inference mesh (axes `dp` x `tp`) holds the teacher; the training mesh (axes `dp` x
-`fsdp`) holds the student. They are disjoint: by default the teacher takes the first
-`dp * tp` devices and the student the next `dp * fsdp`. On a host without accelerators,
+`fsdp`) holds the student. `mesh.placement: split` (the default) keeps them disjoint: the
+teacher takes the first `dp * tp` devices and the student the next `dp * fsdp`, and the two
+work at once. `colocated` lays both from the first device on, so they share devices and
+take turns (one GPU; a host where no split balances the roles); `auto` is resolved to one of
+the two before the meshes are built (`pipelines.placement`). On a host without accelerators,
 `simulate_cpu_devices` must run before JAX initialises so that the two-mesh layout runs
 anywhere.
 """
@@ -31,10 +34,17 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 log = logging.getLogger(__name__)
 
 
+def colocated(cfg: Config) -> bool:
+    """Whether both meshes lie on the same devices (`mesh.placement: colocated`)."""
+    return cfg.mesh.placement == "colocated"
+
+
 def devices_needed(cfg: Config) -> int:
-    """How many devices the config asks for (disjoint teacher and student sets)."""
+    """How many devices the config asks for: the teacher's and the student's (disjoint sets;
+    the larger of the two when colocated; `auto` counts as the mesh axes given, split)."""
     explicit = (cfg.mesh.teacher.devices or []) + (cfg.mesh.student.devices or [])
-    return max([teacher_size(cfg) + student_size(cfg)] + [d + 1 for d in explicit])
+    t, s = teacher_size(cfg), student_size(cfg)
+    return max([max(t, s) if colocated(cfg) else t + s] + [d + 1 for d in explicit])
 
 
 def teacher_shape(cfg: Config) -> dict[str, int]:
@@ -180,6 +190,49 @@ def check_hosts(cfg: Config) -> None:
             )
 
 
+def check_batch_split(cfg: Config) -> None:
+    """Every device of the training mesh gets its own rows, `train.grad_accum` microbatches
+    of them: the batch divides by dp x fsdp x grad_accum."""
+    factors = {
+        "mesh.student.dp": cfg.mesh.student.dp,
+        "mesh.student.fsdp": cfg.mesh.student.fsdp,
+        "train.grad_accum": cfg.train.grad_accum,
+    }
+    named = {k: n for k, n in factors.items() if k == "mesh.student.dp" or n > 1}
+    need = math.prod(named.values())
+    if cfg.train.batch_size % need:
+        keys = " x ".join(f"{k}={n}" for k, n in named.items())
+        total = f" = {need}" if len(named) > 1 else ""
+        raise DistillError(
+            f"train.batch_size: {cfg.train.batch_size} is not divisible by {keys}{total}"
+        )
+
+
+def check_teacher_split(cfg: Config) -> None:
+    """Every dp group of the inference mesh gets its own rows, `teacher.microbatch` of
+    them per forward (a microbatch as large as the group's rows is all of them)."""
+    bsz, dp, micro = cfg.train.batch_size, cfg.mesh.teacher.dp, cfg.teacher.microbatch
+    ep = cfg.mesh.teacher.ep  # attention is data-parallel over ep: its groups own rows too
+    if bsz % (dp * ep):
+        keys = f"mesh.teacher.dp={dp}" + (f" x mesh.teacher.ep={ep}" if ep > 1 else "")
+        raise DistillError(f"train.batch_size: {bsz} is not divisible by {keys}")
+    dp *= ep
+    if micro is not None and micro < bsz // dp and (bsz // dp) % micro:
+        raise DistillError(
+            f"teacher.microbatch: {micro} does not divide the {bsz // dp} rows of each teacher "
+            f"dp group (train.batch_size={bsz} / mesh.teacher.dp={dp})"
+        )
+
+
+def check_placement_mode(cfg: Config) -> None:
+    """Colocated meshes are one process's (local mode): a Ray role group holds one role."""
+    if cfg.pipeline.mode == "ray" and cfg.mesh.placement != "split":
+        raise DistillError(
+            f"mesh.placement: {cfg.mesh.placement} needs pipeline.mode local for now "
+            "(a Ray role group holds one role); use mesh.placement: split"
+        )
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Ask XLA for `n` host (CPU) devices. Only effective before JAX initialises its
     backends; a device count already set in XLA_FLAGS (by a user or a test) wins. It only
@@ -222,14 +275,18 @@ def check_fit(cfg: Config, n_devices: int, platform: str) -> None:
         if r.devices is not None and len(r.devices) != size:
             raise DistillError(f"mesh.{role}.devices: {len(r.devices)} ids given but {keys}")
     t, s = _device_ids(cfg)
-    if set(t) & set(s):
-        raise DistillError(f"mesh: teacher and student devices overlap: {sorted(set(t) & set(s))}")
+    if set(t) & set(s) and not colocated(cfg):
+        raise DistillError(
+            f"mesh: teacher and student devices overlap: {sorted(set(t) & set(s))}; "
+            "set mesh.placement: colocated to share them"
+        )
 
 
 def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
     m, n = teacher_size(cfg), student_size(cfg)
+    first = 0 if colocated(cfg) else m  # colocated: both from device 0
     t = cfg.mesh.teacher.devices or list(range(m))
-    s = cfg.mesh.student.devices or list(range(m, m + n))
+    s = cfg.mesh.student.devices or list(range(first, first + n))
     return t, s
 
 
@@ -250,10 +307,13 @@ class Meshes:
                 "devices": [{"id": int(d.id), "kind": str(d.device_kind)} for d in devs],
             }
 
+        t, s = role(self.teacher, TP), role(self.student, DP)
+        shared = {d["id"] for d in t["devices"]} & {d["id"] for d in s["devices"]}
         return {
             "platform": self.platform,
-            "teacher": role(self.teacher, TP),
-            "student": role(self.student, DP),
+            "placement": "colocated" if shared else "split",
+            "teacher": t,
+            "student": s,
         }
 
 
@@ -297,4 +357,5 @@ def all_devices_mesh(cfg: Config, axis: str = DP):
 
     devices = available_devices(cfg.mesh.platform)
     t, s = _device_ids(cfg)
-    return Mesh(np.array([devices[i] for i in t + s]), (axis,))
+    ids = list(dict.fromkeys(t + s))  # colocated meshes share their devices: each once
+    return Mesh(np.array([devices[i] for i in ids]), (axis,))

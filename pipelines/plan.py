@@ -236,7 +236,8 @@ def format_plan(p: dict) -> str:
     )
     return "\n".join(
         [
-            f"devices ({lay['platform']}): teacher {shape('teacher')} on [{ids('teacher')}]  |  "
+            f"devices ({lay['platform']}, {lay.get('placement', 'split')}): "
+            f"teacher {shape('teacher')} on [{ids('teacher')}]  |  "
             f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
             f"{mb(t['weight_bytes_per_device'])} weights/device, "

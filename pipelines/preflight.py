@@ -7,7 +7,6 @@ checkpoint. Each failure is one DistillError naming the field or file.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from distill import storage
@@ -20,10 +19,18 @@ from distill.data.pipeline import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
 from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
-from distill.mesh import available_devices, check_fit, check_hosts
+from distill.mesh import (
+    available_devices,
+    check_batch_split,
+    check_fit,
+    check_hosts,
+    check_placement_mode,
+    check_teacher_split,
+)
 from distill.models import hf
 from pipelines.evaluation import check_eval_rows
 from pipelines.on_policy import check_on_policy
+from pipelines.placement import resolve
 from pipelines.plan import check_dense_elements, check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
 from teacher.sharding import check_divisible
@@ -46,43 +53,10 @@ def check_shapes(cfg: Config) -> None:
         )
 
 
-def check_batch_split(cfg: Config) -> None:
-    """Every device of the training mesh gets its own rows, `train.grad_accum` microbatches
-    of them: the batch divides by dp x fsdp x grad_accum."""
-    factors = {
-        "mesh.student.dp": cfg.mesh.student.dp,
-        "mesh.student.fsdp": cfg.mesh.student.fsdp,
-        "train.grad_accum": cfg.train.grad_accum,
-    }
-    named = {k: n for k, n in factors.items() if k == "mesh.student.dp" or n > 1}
-    need = math.prod(named.values())
-    if cfg.train.batch_size % need:
-        keys = " x ".join(f"{k}={n}" for k, n in named.items())
-        total = f" = {need}" if len(named) > 1 else ""
-        raise DistillError(
-            f"train.batch_size: {cfg.train.batch_size} is not divisible by {keys}{total}"
-        )
-
-
-def check_teacher_split(cfg: Config) -> None:
-    """Every dp group of the inference mesh gets its own rows, `teacher.microbatch` of
-    them per forward (a microbatch as large as the group's rows is all of them)."""
-    bsz, dp, micro = cfg.train.batch_size, cfg.mesh.teacher.dp, cfg.teacher.microbatch
-    ep = cfg.mesh.teacher.ep  # attention is data-parallel over ep: its groups own rows too
-    if bsz % (dp * ep):
-        keys = f"mesh.teacher.dp={dp}" + (f" x mesh.teacher.ep={ep}" if ep > 1 else "")
-        raise DistillError(f"train.batch_size: {bsz} is not divisible by {keys}")
-    dp *= ep
-    if micro is not None and micro < bsz // dp and (bsz // dp) % micro:
-        raise DistillError(
-            f"teacher.microbatch: {micro} does not divide the {bsz // dp} rows of each teacher "
-            f"dp group (train.batch_size={bsz} / mesh.teacher.dp={dp})"
-        )
-
-
 def check_mode(cfg: Config) -> None:
     """Keys that the chosen pipeline mode cannot honour."""
     check_hosts(cfg)
+    check_placement_mode(cfg)
     if cfg.train.profile is not None and cfg.pipeline.mode == "ray":
         raise DistillError(
             "train.profile: traces the devices of the process that runs the loop; in "
@@ -127,6 +101,7 @@ def preflight_shapes(cfg: Config) -> None:
     against the meshes; no data read, no weights looked at."""
     devices = available_devices(cfg.mesh.platform)
     cfg.resolve_dtypes(devices[0].platform)
+    resolve(cfg, devices)  # mesh.placement: auto -> the layout chosen for these devices
     check_fit(cfg, len(devices), devices[0].platform)
     check_shapes(cfg)
     check_dense_output(cfg, devices[0])

@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,6 +205,39 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir, finished_r
     assert len(saved) == 1 and saved[0] >= _train(out)[-1]["step"]
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["completed"] and summary["steps"] == saved[0]
+
+
+def test_the_quick_start_runs_on_one_device(tmp_path, finished_run):
+    """The quick start's layout (`mesh.placement: auto`, teacher tp=4, student dp=4) on the
+    tiny config in a process with ONE simulated CPU device (as on a machine with one GPU):
+    resolved to colocated with every axis 1, it trains and evaluates."""
+    import subprocess
+    import sys
+
+    quick = yaml.safe_load(Path("pipelines/quickstart.yaml").read_text())["mesh"]
+    assert quick == {"placement": "auto", "teacher": {"tp": 4}, "student": {"dp": 4}}
+    out = tmp_path / "out"
+    cfg = tiny_config(str(finished_run[1].parent.parent), str(out), train={"steps": 2})
+    cfg["data"] = yaml.safe_load((finished_run[1] / "config.yaml").read_text())["data"]
+    cfg["mesh"] = quick
+    cfg["teacher"].update(checkpoint=str(finished_run[1] / "teacher"), pretrain_steps=0)
+    env = dict(__import__("os").environ)
+    flags = [f for f in env["XLA_FLAGS"].split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=1"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.commands.cli", "run", _write(tmp_path, cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the one layout of 1 cpu device(s): colocated" in proc.stdout + proc.stderr
+    mesh = yaml.safe_load((out / "config.yaml").read_text())["mesh"]
+    assert mesh["placement"] == "colocated"
+    assert (mesh["teacher"]["tp"], mesh["student"]["dp"]) == (1, 1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 2
 
 
 def test_dense_teacher_outputs_and_jsd(tmp_path, corpus_dir, finished_run):

@@ -39,9 +39,10 @@ def no_host_transfers():
         yield
 
 
-def _setup(corpus_dir, tmp_path, tdp, tp, sdp, fsdp, top_k):
+def _setup(corpus_dir, tmp_path, tdp, tp, sdp, fsdp, top_k, placement="split"):
     tree = tiny_config(str(corpus_dir), str(tmp_path), train={"batch_size": 8})
     tree["mesh"] = {"teacher": {"dp": tdp, "tp": tp}, "student": {"dp": sdp, "fsdp": fsdp}}
+    tree["mesh"]["placement"] = placement
     tree["teacher"]["top_k"] = top_k
     tree["teacher"]["model"]["attention"] = "reference"  # compiles fastest; not what is tested
     cfg = config_from_dict(tree)
@@ -94,6 +95,26 @@ def test_hop_and_step_never_touch_the_host(corpus_dir, tmp_path, tdp, tp, sdp, f
     # the guard is live: a deliberate host round trip of the same output is refused
     with pytest.raises(Exception, match=HOST_COPY), no_host_transfers():
         jax.device_put(jax.device_get(out), split).block_until_ready()
+
+
+@pytest.mark.parametrize("tdp,tp,sdp,fsdp", [(2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 4, 1)])
+def test_colocated_hop_keeps_each_devices_rows(corpus_dir, tmp_path, tdp, tp, sdp, fsdp):
+    """Colocated meshes: where a device's teacher rows are its student rows the buffer is
+    handed over as it is (no copy); where they cover them, sliced there; nothing crosses
+    devices (each student shard stays on the device that held its rows) nor the host."""
+    _, meshes, _, out = _setup(corpus_dir, tmp_path, tdp, tp, sdp, fsdp, 8, "colocated")
+    split = train.batch_sharding(meshes.student)
+    jax.block_until_ready(out)
+    with no_host_transfers():
+        moved = handoff.hop(out, split)
+        jax.block_until_ready(moved)
+    for got, sent in zip(jax.tree.leaves(moved), jax.tree.leaves(out), strict=True):
+        assert got.sharding == split
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(sent))
+        held = {s.device: s.data.unsafe_buffer_pointer() for s in sent.addressable_shards}
+        same = [s.data.unsafe_buffer_pointer() == held[s.device] for s in got.addressable_shards]
+        if tdp * tp == sdp and tp == 1:  # the agreeing layout: the very buffers
+            assert all(same)
 
 
 def test_other_layouts_would_go_through_the_host(corpus_dir, tmp_path):

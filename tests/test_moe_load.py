@@ -154,14 +154,16 @@ def test_logged_windows_take_their_own_steps():
         assert r["expert_load"] == list(want) and r["expert_load_max_mean"] == 8.0, r
 
 
-def _run_records(qwen3_moe, corpus_dir, out, **teacher) -> tuple[list[dict], list]:
+def _run_records(
+    qwen3_moe, corpus_dir, out, placement="split", **teacher
+) -> tuple[list[dict], list]:
     """(the training records of a 4-step run from the tiny Qwen3-MoE teacher on a dp x ep
     = 1 x 2 inference mesh into a random student, dense by default, the run's 4 batches)."""
     path, _, _ = qwen3_moe
     tree = tiny_config(
         str(corpus_dir),
         str(out),
-        mesh={"teacher": {"ep": 2, "tp": 1}, "student": {"dp": 2}},
+        mesh={"teacher": {"ep": 2, "tp": 1}, "student": {"dp": 2}, "placement": placement},
         train={"steps": 4, "batch_size": 4, "seq_len": 32, "log_every": 2, "eval_every": 4},
     )
     tree["teacher"] = {"checkpoint": str(path), "top_k": 8, **teacher}
@@ -173,14 +175,16 @@ def _run_records(qwen3_moe, corpus_dir, out, **teacher) -> tuple[list[dict], lis
     return records, [next(it) for _ in range(4)]
 
 
-def test_a_run_from_an_moe_teacher_records_expert_load(qwen3_moe, corpus_dir, tmp_path):
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_a_run_from_an_moe_teacher_records_expert_load(qwen3_moe, corpus_dir, tmp_path, placement):
     """With a capacity factor, each ep device's two rows of a batch route and drop what the
     single-device model with that capacity routes and drops on them (a later layer's
     routing follows the earlier drops): each record's load and dropped share are those
-    counts over its window's batches (the dropless counts are the forward tests')."""
+    counts over its window's batches (the dropless counts are the forward tests'). The
+    same with the student on the teacher's two devices (`mesh.placement: colocated`)."""
     _, cfg, single = qwen3_moe
     records, batches = _run_records(
-        qwen3_moe, corpus_dir, tmp_path / "out", moe_capacity_factor=0.5
+        qwen3_moe, corpus_dir, tmp_path / "out", placement, moe_capacity_factor=0.5
     )
     assert [r["step"] for r in records] == [2, 4]
     for r, window in zip(records, (batches[:2], batches[2:]), strict=True):

@@ -80,6 +80,25 @@ def test_on_policy_resume_is_exact(on_policy_run, tmp_path):
     )
 
 
+def test_colocated_on_policy_gives_the_split_losses(on_policy_run, tmp_path):
+    """Generation, teacher scoring and the step on the same two devices
+    (`mesh.placement: colocated`, the run's teacher): the split run's losses."""
+    out, cfg = on_policy_run
+    cfg = json.loads(json.dumps(cfg))
+    cfg["run"]["output_dir"] = str(tmp_path / "out")
+    cfg["mesh"]["placement"] = "colocated"
+    cfg["teacher"].update(checkpoint=str(out / "teacher"), pretrain_steps=0)
+    cfg["train"].update(steps=4, eval_every=4, checkpoint_every=4)
+    assert main(["run", _write(tmp_path, cfg)]) == 0
+    split = {r["step"]: r for r in _train(out)}
+    both = _train(tmp_path / "out")
+    assert [r["step"] for r in both] == [2, 4]
+    assert any(r["on_policy"] > 0 for r in both)
+    for r in both:
+        for key in ("loss", "kd_loss", "ce_loss"):
+            assert abs(r[key] - split[r["step"]][key]) <= 1e-6, key
+
+
 def test_fraction_zero_is_the_off_policy_run_bit_for_bit(tiny_run, tmp_path, corpus_dir):
     """On-policy keys at fraction 0 (and the evaluation's sampling) change nothing trained:
     the shared tiny run's records, from its teacher."""

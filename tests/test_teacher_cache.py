@@ -66,6 +66,21 @@ def test_cache_then_train_matches_online(online, capsys):
     assert json.loads((out / "summary.json").read_text())["completed"]
 
 
+def test_colocated_cache_then_train_matches_online(online):
+    """`cache-teacher` and the cached run with both meshes on the same devices
+    (`mesh.placement: colocated`): the online split run's losses."""
+    tmp, online_cfg = online
+    cfg = _cache_cfg(online, "colocated")
+    cfg["mesh"]["placement"] = "colocated"
+    path = _write(tmp, cfg, "colocated.yaml")
+    assert main(["cache-teacher", path]) == 0
+    cfg["teacher"]["source"] = "cache"
+    assert main(["run", _write(tmp, cfg, "colocated.yaml")]) == 0
+    got = {r["step"]: r for r in _train(tmp / "colocated")}
+    for b in _train(Path(online_cfg["run"]["output_dir"])):
+        assert got[b["step"]]["loss"] == pytest.approx(b["loss"], rel=1e-5), b["step"]
+
+
 def test_cache_mode_resumes_from_a_checkpoint(online, tmp_path):
     """The cache iterator's state is checkpointed: a rerun after dropping step 6 repeats it."""
     import shutil

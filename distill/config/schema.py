@@ -84,7 +84,7 @@ class StudentMesh(Section):
     devices: list[int] | None = Field(
         None,
         description="Explicit device ids for the student (dp x fsdp of them); default: the "
-        "next dp x fsdp.",
+        "next dp x fsdp (the first with mesh.placement: colocated).",
     )
 
 
@@ -93,6 +93,16 @@ class MeshConfig(Section):
     student: StudentMesh = Field(default_factory=StudentMesh)
     platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
         "auto", description="Device platform. auto: accelerators if present, else simulated CPU."
+    )
+    placement: Literal["split", "colocated", "auto"] = Field(
+        "split",
+        description="Where the two meshes lie. split: on disjoint devices (the teacher the "
+        "first dp x ep x tp, the student the next dp x fsdp), working at once. colocated: "
+        "both from the first device on (the same devices when their sizes agree), the "
+        "teacher's forward and the student's step in turn. auto: the layout predicted fastest "
+        "on the devices present among colocated and every split the divisibility rules allow "
+        "(the mesh axes given are one candidate, kept unless another is predicted clearly "
+        "faster; `distill plan` prints the table).",
     )
 
 

@@ -111,6 +111,12 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
         help="also write a teacher cache and time offline training from it",
     )
     b.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also time the loop split (as configured) and colocated on the same devices, "
+        "beside the tokens/s mesh.placement: auto predicts for each",
+    )
+    b.add_argument(
         "--role",
         choices=["teacher", "student"],
         default=None,
@@ -244,6 +250,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
         result.update(bench_on_policy(cfg, corpus, meshes, repeats=args.repeats))
         text += "\n" + format_on_policy(result)
+    if args.colocated:
+        from pipelines.bench.placements import bench_colocated, format_layouts
+
+        result.update(bench_colocated(cfg, corpus, repeats=args.repeats))
+        text += "\n" + format_layouts(result["placements"])
     print(text)
     print(dumps(result))
 
@@ -251,7 +262,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def _bench_role(cfg, args: argparse.Namespace) -> None:
     from pipelines.bench.role import bench_role, format_role
 
-    both = [f"--{n}" for n in ("ray", "cache", "on_policy", "http") if getattr(args, n)]
+    flags = ("ray", "cache", "on_policy", "http", "colocated")
+    both = [f"--{n}" for n in flags if getattr(args, n)]
     if both:
         raise DistillError(
             f"--role: times one role alone; {', '.join(both).replace('_', '-')} needs both"

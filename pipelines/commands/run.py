@@ -11,10 +11,10 @@ from distill import outputs
 from distill.config import Config
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
-from distill.mesh import Meshes, build_meshes
+from distill.mesh import Meshes, available_devices, build_meshes, colocated
 from distill.observability.metrics import MetricsStore
 from distill.observability.metrics_log import dumps
-from pipelines import plan_memory
+from pipelines import placement, plan_memory
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.hooks import Hook
 from pipelines.plan import format_plan, plan
@@ -44,7 +44,9 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
         check_cache(cfg, corpus)
     meshes = build_meshes(cfg)
     if plan_memory.device_memory(meshes.student) is not None:  # an accelerator: do both fit?
-        plan_memory.check_fits(_memory(cfg, meshes, corpus.tokenizer))
+        mem = _memory(cfg, meshes, corpus.tokenizer)
+        plan_memory.check_fits(mem)
+        placement.check_colocated_fits(mem)
     return meshes, corpus
 
 
@@ -59,7 +61,10 @@ def _tokenizer_if_present(cfg: Config):
 
 def _memory(cfg: Config, meshes: Meshes, tokenizer) -> dict:
     limit = vocab_limit(tokenizer, *cfg.vocab_sizes()) if tokenizer else None
-    return plan_memory.memory(cfg, meshes, limit)
+    mem = plan_memory.memory(cfg, meshes, limit)
+    if colocated(cfg):  # both roles on each device
+        mem["colocated"] = placement.colocated_memory(cfg, mem)
+    return mem
 
 
 def _start_server(cfg: Config, store: MetricsStore):
@@ -170,8 +175,14 @@ def plan_json(cfg: Config) -> str:
     alone: no data is read and no weights are loaded (the tokenizer, if its file is here,
     only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
     _require_ray(cfg)
+    table = placement.resolve(cfg, available_devices(cfg.mesh.platform))  # auto: its candidates
     preflight_shapes(cfg)
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
-    return format_plan(p) + "\n" + plan_memory.format_memory(mem) + "\n" + dumps(p)
+    text = format_plan(p) + "\n" + plan_memory.format_memory(mem)
+    if "colocated" in mem:
+        p["colocated"] = mem["colocated"]
+        text += "\n" + placement.format_colocated(mem)
+    text += "\n" + dumps(p)
+    return text if table is None else table + "\n" + text

@@ -218,7 +218,10 @@ function renderMesh(s) {
   const key = JSON.stringify([layout, s.bytes_per_token, s.in_flight]);
   if (!layout || key === meshKey) return;
   meshKey = key;
-  setText("platform", layout.platform ? `· ${layout.platform}` : "");
+  // colocated meshes share their devices: both roles are shown, each device under both
+  const colocated = layout.placement === "colocated";
+  const where = colocated ? " · colocated (both roles on the same devices, in turn)" : "";
+  setText("platform", layout.platform ? `· ${layout.platform}${where}` : "");
   const box = $("mesh");
   box.replaceChildren();
   const roles = [["teacher", "Teacher · inference mesh"], ["student", "Student · training mesh"]];
@@ -239,7 +242,7 @@ function renderMesh(s) {
       const el = document.createElement("div");
       el.className = "device";
       el.dataset.role = role;
-      el.id = `device-${d.id}`;
+      el.id = colocated ? `device-${d.id}-${role}` : `device-${d.id}`;
       const at = meshCoords(m, idx);
       el.title = `${role} ${at} on device ${d.id} (${d.kind || "?"})`;
       el.innerHTML = `<b></b><span></span><br><span></span>`;
@@ -272,7 +275,7 @@ function linkBox(s) {
   const el = document.createElement("div");
   el.className = "link";
   el.innerHTML = `<div class="arrow">↓</div><div></div>`;
-  const parts = ["teacher outputs"];
+  const parts = [s.mesh.placement === "colocated" ? "teacher outputs, same devices" : "teacher outputs"];
   if (s.bytes_per_token !== null) parts.push(`${fmtSI(s.bytes_per_token)} B/token`);
   if (s.in_flight !== null) parts.push(`${fmt(s.in_flight)} in flight`);
   el.lastChild.textContent = parts.join(" · ");

@@ -1,0 +1,246 @@
+"""`mesh.placement: auto`: the layout predicted fastest on the devices present.
+
+The candidates, on `n` devices: `colocated` (both meshes over all `n`, every teacher
+`dp x ep x tp` and student `dp x fsdp` of `n` devices) and every `split` (the teacher on
+`k` devices, the student on the other `n - k`, every layout of each), those the
+divisibility rules allow (heads, vocabulary and feed-forward by `tp`, experts by `ep`, the
+batch by the teacher's `dp x ep` and the student's `dp x fsdp x grad_accum`); where none
+of `n` devices exists, those of the largest smaller count that has some.
+
+Each role's cost on a layout is a `RoleCost`: its time per step and its memory per device.
+Where the devices are not measured, the time comes from the compiled program (XLA's cost
+analysis of the SPMD program: FLOPs and bytes accessed per device, the same abstract
+compile `distill plan` makes, nothing run; scaled for the scanned layers, which it counts
+once: `layers_factor`), over a nominal roofline of the platform (`ROOFLINE`). Only this
+compiled-cost predictor is built so far: measured role times (`distill bench --role`) are
+not fed in yet. A candidate's step time is
+
+- split: `max(teacher, student)`: the two meshes work at once;
+- colocated: `teacher + student`: the same devices take the roles in turn;
+- on CPU, each role's time is its work summed over its devices (simulated CPU devices share
+  the host's cores, so more of them is not more compute), the placements as above: the
+  split loop does overlap its two programs on the host's cores (measured: the quick
+  start's pipelined step is about the slower role's, `docs/benchmarks/`).
+
+The choice (`choose`) is deterministic for a given table: the candidates that fit
+(memory per device on an accelerator; on CPU the sum over the devices, which share the
+host's memory) and are predicted within `MARGIN` of the fastest tie, and a tie goes to the
+mesh axes the config gives (placement split) if among them, else to the one with the least
+memory (per device; on CPU the host's total, so a layout that replicates a model loses),
+else to the first in the table's order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from distill.config import Config
+from distill.errors import DistillError
+from distill.mesh import (
+    DP,
+    EP,
+    FSDP,
+    TP,
+    check_batch_split,
+    check_teacher_split,
+)
+
+log = logging.getLogger("distill")
+
+# A candidate within this fraction of the fastest predicted tokens/s ties with it: the
+# predictions are rough (a roofline of compiled costs), so the layout given is kept unless
+# another is clearly faster.
+MARGIN = 0.10
+# Nominal per-device peaks (FLOP/s, bytes/s) the compiled costs are timed against; their
+# ratio decides whether a program is compute- or memory-bound. CPU: the whole host (its
+# simulated devices share it).
+ROOFLINE = {"gpu": (989e12, 3.35e12), "tpu": (197e12, 8.2e11), "cpu": (1e11, 2e10)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the placement and both meshes' axes."""
+
+    placement: str  # split | colocated
+    teacher: tuple[int, int, int]  # dp, ep, tp
+    student: tuple[int, int]  # dp, fsdp
+
+    def devices(self) -> int:
+        t, s = math.prod(self.teacher), math.prod(self.student)
+        return max(t, s) if self.placement == "colocated" else t + s
+
+    def label(self) -> str:
+        (dp, ep, tp), (sdp, fsdp) = self.teacher, self.student
+        t = f"dp={dp}" + (f" x ep={ep}" if ep > 1 else "") + f" x tp={tp}"
+        return f"{self.placement:<9} teacher {t} | student dp={sdp} x fsdp={fsdp}"
+
+    def apply(self, cfg: Config) -> Config:
+        """`cfg` with this layout's placement and axes (device lists cleared)."""
+        (dp, ep, tp), (sdp, fsdp) = self.teacher, self.student
+        mesh = cfg.mesh.model_copy(deep=True)
+        mesh.placement = self.placement
+        mesh.teacher = mesh.teacher.model_copy(update={DP: dp, EP: ep, TP: tp, "devices": None})
+        mesh.student = mesh.student.model_copy(update={DP: sdp, FSDP: fsdp, "devices": None})
+        return cfg.model_copy(update={"mesh": mesh})
+
+
+@dataclass(frozen=True)
+class RoleCost:
+    """One role on one layout: seconds per step (predicted or measured) and bytes per device
+    (`peak`), with the parts of it a colocated device holds for that role apart from the
+    program's temporaries (`resident`) and those temporaries (`temp`)."""
+
+    seconds: float
+    peak: int
+    resident: int = 0
+    temp: int = 0
+
+
+@dataclass(frozen=True)
+class Row:
+    layout: Layout
+    seconds: float  # predicted step time
+    bytes_per_device: int
+    host_bytes: int  # the sum over the layout's devices
+
+
+def configured(cfg: Config) -> Layout:
+    t, s = cfg.mesh.teacher, cfg.mesh.student
+    placement = "colocated" if cfg.mesh.placement == "colocated" else "split"
+    return Layout(placement, (t.dp, t.ep, t.tp), (s.dp, s.fsdp))
+
+
+def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
+    if parts == 1:
+        return [(n,)]
+    return [
+        (d, *rest)
+        for d in range(1, n + 1)
+        if n % d == 0
+        for rest in _factorisations(n // d, parts - 1)
+    ]
+
+
+def role_layouts(cfg: Config, role: str, n: int) -> list[tuple[int, ...]]:
+    """Every layout of `role` over `n` devices the divisibility rules allow: the teacher's
+    (dp, ep, tp), the student's (dp, fsdp)."""
+    from teacher.sharding import check_divisible
+
+    ok = []
+    for shape in _factorisations(n, 3 if role == "teacher" else 2):
+        trial = (
+            Layout("split", shape, (1, 1))
+            if role == "teacher"
+            else Layout("split", (1, 1, 1), shape)
+        )
+        c = trial.apply(cfg)
+        try:
+            if role == "teacher":
+                check_divisible(c.teacher.model, shape[2], ep=shape[1])
+                check_teacher_split(c)
+            else:
+                check_batch_split(c)
+        except DistillError:
+            continue
+        ok.append(shape)
+    return ok
+
+
+def candidates(cfg: Config, n: int) -> list[Layout]:
+    """The layouts of `n` devices: colocated over all of them first, then every split of
+    them (teacher devices ascending); if none, those of the largest smaller count that
+    has any (a device left idle)."""
+    roles = {
+        (role, k): role_layouts(cfg, role, k)
+        for role in ("teacher", "student")
+        for k in range(1, n + 1)
+    }
+    for used in range(n, 0, -1):
+        out = [
+            Layout("colocated", a, b)
+            for a in roles["teacher", used]
+            for b in roles["student", used]
+        ]
+        for k in range(1, used):
+            out += [
+                Layout("split", a, b)
+                for a in roles["teacher", k]
+                for b in roles["student", used - k]
+            ]
+        if out:
+            return out
+    return []
+
+
+def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str) -> Row:
+    """The candidate's row from its roles' costs (the module's prediction model)."""
+    nt, ns = math.prod(layout.teacher), math.prod(layout.student)
+    if layout.placement == "colocated":
+        per_device = colocated_bytes(teacher, student)
+        host = per_device * layout.devices()
+    else:
+        per_device = max(teacher.peak, student.peak)
+        host = teacher.peak * nt + student.peak * ns
+    t, s = teacher.seconds, student.seconds
+    if platform == "cpu":  # one host's cores: each role's work summed over its devices
+        t, s = t * nt, s * ns
+    seconds = t + s if layout.placement == "colocated" else max(t, s)
+    return Row(layout, seconds, per_device, host)
+
+
+def colocated_bytes(teacher: RoleCost, student: RoleCost) -> int:
+    """A device holding both roles: both roles' resident bytes and the larger temporaries."""
+    return teacher.resident + student.resident + max(teacher.temp, student.temp)
+
+
+def choose(rows: list[Row], given: Layout, limit: int | None, host_limit: int | None) -> Row:
+    """The row `auto` picks (see the module's docstring): deterministic for a table."""
+    fits = [
+        r
+        for r in rows
+        if (limit is None or r.bytes_per_device <= limit)
+        and (host_limit is None or r.host_bytes <= host_limit)
+    ]
+    if not fits:
+        smallest = min(rows, key=lambda r: r.host_bytes if host_limit else r.bytes_per_device)
+        raise DistillError(
+            f"mesh.placement: auto found no layout that fits the memory; the smallest is "
+            f"{smallest.layout.label()} at {_gib(smallest.bytes_per_device)} per device"
+        )
+    best = min(r.seconds for r in fits)
+    ties = [r for r in fits if r.seconds <= best * (1 + MARGIN)]
+    for r in ties:
+        if r.layout == given:
+            return r
+    key = (lambda r: r.host_bytes) if host_limit is not None else (lambda r: r.bytes_per_device)
+    return min(ties, key=key)  # min keeps the first of equals: the table's order
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_table(rows: list[Row], chosen: Row, tokens_per_step: int, cpu: bool) -> str:
+    host = "  host total" if cpu else ""
+    lines = [
+        f"mesh.placement auto: {len(rows)} candidates (predicted tokens/s, memory/device{host})"
+    ]
+    for r in sorted(rows, key=lambda r: r.seconds):
+        mark = "->" if r is chosen else "  "
+        extra = f"  {_gib(r.host_bytes):>11}" if cpu else ""
+        lines.append(
+            f" {mark} {r.layout.label():<58} {tokens_per_step / r.seconds:>12.0f} "
+            f"{_gib(r.bytes_per_device):>11}{extra}"
+        )
+    return "\n".join(lines)
+
+
+def host_memory_bytes() -> int | None:
+    """This host's available memory (bytes), where the OS reports it."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,192 @@
+"""The role costs `auto` compares, from compiled programs, and the memory plan of
+colocated meshes; `resolve` applies auto's choice to a config (`pipelines.placement`)."""
+
+from __future__ import annotations
+
+import logging
+
+from distill.config import Config
+from distill.errors import DistillError
+from distill.mesh import check_placement_mode
+from pipelines.placement.choice import (
+    ROOFLINE,
+    Layout,
+    RoleCost,
+    _gib,
+    candidates,
+    choose,
+    colocated_bytes,
+    configured,
+    format_table,
+    host_memory_bytes,
+    predict,
+)
+
+log = logging.getLogger("distill")
+
+
+# -- the costs, from compiled programs --------------------------------------------------
+
+
+def layers_factor(mcfg, seq_len: int) -> float:
+    """XLA's cost analysis counts a loop's body once: the scanned layers (`nnx.scan`) as one
+    layer. The program's figures are scaled by the model's analytic FLOPs over those of its
+    LM head and one average layer (`model.flops_per_token`)."""
+    from distill.models import model
+
+    total = model.flops_per_token(mcfg, seq_len)
+    head = 2.0 * mcfg.vocab_size * mcfg.d_model
+    return total / (head + (total - head) / mcfg.n_layers)
+
+
+def _cost_seconds(compiled, platform: str, factor: float) -> float:
+    """A compiled SPMD program's time on one device: its FLOPs and bytes accessed (XLA's
+    cost analysis, per device; x `factor` for the layers counted once) over the platform's
+    nominal roofline."""
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    flops_per_s, bytes_per_s = ROOFLINE.get(platform, ROOFLINE["gpu"])
+    flops, bytes_ = ca.get("flops", 0.0), ca.get("bytes accessed", 0.0)
+    return factor * max(flops / flops_per_s, bytes_ / bytes_per_s)
+
+
+def output_bytes_per_device(cfg: Config) -> int:
+    """One teacher output's bytes on a device of the inference mesh: its rows (split over
+    dp x ep, replicated over tp)."""
+    from pipelines.plan import teacher_output_bytes_per_step
+
+    t = cfg.mesh.teacher
+    return teacher_output_bytes_per_step(cfg) // (t.dp * t.ep)
+
+
+def teacher_cost(cfg: Config, seconds: float, figures: dict) -> RoleCost:
+    """The teacher's cost from its memory figures (`plan_memory.teacher_memory`): resident,
+    its weights, batch and the `pipeline.prefetch` outputs in flight (the compiled peak
+    counts one)."""
+    peak, temp = figures["peak_bytes_per_device"], figures["forward_temp_bytes_per_device"]
+    in_flight = (cfg.pipeline.prefetch - 1) * output_bytes_per_device(cfg)
+    return RoleCost(seconds, peak + in_flight, peak - temp + in_flight, temp)
+
+
+def student_cost(seconds: float, figures: dict) -> RoleCost:
+    """The student's cost from its memory figures (`plan_memory.student_memory`): resident,
+    its state, batch and the teacher output it takes."""
+    peak, temp = figures["peak_bytes_per_device"], figures["step_temp_bytes_per_device"]
+    return RoleCost(seconds, peak, peak - temp, temp)
+
+
+def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
+    """{(role, shape): RoleCost} for every role layout of `layouts`, each compiled once from
+    abstract shapes over the first devices (`pipelines.plan_memory`), nothing run."""
+    from distill.mesh import student_mesh, teacher_mesh
+    from pipelines import plan_memory
+
+    platform, costs, out = devices[0].platform, {}, None
+    seq = cfg.train.seq_len
+    t_factor = layers_factor(cfg.teacher.model, seq)
+    s_factor = layers_factor(cfg.student_model(), seq)
+    for shape in dict.fromkeys(x.teacher for x in layouts):
+        dp, ep, tp = shape
+        c = Layout("split", shape, (1, 1)).apply(cfg)
+        compiled, out = plan_memory._teacher(
+            c, teacher_mesh(devices[: dp * ep * tp], dp, tp, ep), None
+        )
+        figures = plan_memory._figures(compiled)
+        fig = {
+            "peak_bytes_per_device": figures["peak"],
+            "forward_temp_bytes_per_device": figures["temp"],
+        }
+        costs["teacher", shape] = teacher_cost(c, _cost_seconds(compiled, platform, t_factor), fig)
+    for shape in dict.fromkeys(x.student for x in layouts):
+        dp, fsdp = shape
+        c = Layout("split", (1, 1, 1), shape).apply(cfg)
+        compiled, _ = plan_memory._student(
+            c, student_mesh(devices[: dp * fsdp], dp, fsdp), out, None
+        )
+        figures = plan_memory._figures(compiled)
+        fig = {
+            "peak_bytes_per_device": figures["peak"],
+            "step_temp_bytes_per_device": figures["temp"],
+        }
+        costs["student", shape] = student_cost(_cost_seconds(compiled, platform, s_factor), fig)
+    return costs
+
+
+def resolve(cfg: Config, devices: list) -> str | None:
+    """`mesh.placement: auto` resolved in place for `devices` (the chosen placement and
+    axes written into `cfg.mesh`); the table of candidates it printed, or None when the
+    placement was not auto."""
+    if cfg.mesh.placement != "auto":
+        return None
+    check_placement_mode(cfg)
+    cfg.resolve_dtypes(devices[0].platform)  # the programs compile in the run's dtypes
+    given, n, platform = configured(cfg), len(devices), devices[0].platform
+    layouts = candidates(cfg, n)
+    if not layouts:
+        raise DistillError(
+            f"mesh.placement: auto finds no layout of {n} {platform} devices that the model "
+            "and train.batch_size divide"
+        )
+    if len(layouts) == 1:  # nothing to compare (one device: colocated, every axis 1)
+        chosen = layouts[0]
+        table = f"mesh.placement auto: the one layout of {n} {platform} device(s): {chosen.label()}"
+    else:
+        costs = compiled_costs(cfg, devices, layouts)
+        rows = [
+            predict(x, costs["teacher", x.teacher], costs["student", x.student], platform)
+            for x in layouts
+        ]
+        limit = None if platform == "cpu" else (devices[0].memory_stats() or {}).get("bytes_limit")
+        host = host_memory_bytes() if platform == "cpu" else None
+        row = choose(rows, given, limit, host)
+        chosen = row.layout
+        tokens = cfg.train.batch_size * cfg.train.seq_len
+        table = format_table(rows, row, tokens, platform == "cpu")
+    resolved = chosen.apply(cfg).mesh
+    cfg.mesh.placement, cfg.mesh.teacher, cfg.mesh.student = (
+        resolved.placement, resolved.teacher, resolved.student,
+    )  # fmt: skip
+    log.info("%s", table)
+    return table
+
+
+# -- the memory plan of colocated meshes -------------------------------------------------
+
+
+def colocated_memory(cfg: Config, mem: dict) -> dict:
+    """A colocated device's bytes from both roles' figures (`plan_memory.memory`): the
+    teacher's weights, batch and `pipeline.prefetch` outputs in flight, the student's
+    state, batch and teacher output, and the larger of the two programs' temporaries (they
+    run in turn)."""
+    t = teacher_cost(cfg, 0.0, mem["teacher"])
+    s = student_cost(0.0, mem["student"])
+    return {
+        "teacher_resident_bytes_per_device": t.resident,
+        "student_resident_bytes_per_device": s.resident,
+        "temp_bytes_per_device": max(t.temp, s.temp),
+        "peak_bytes_per_device": colocated_bytes(t, s),
+    }
+
+
+def check_colocated_fits(mem: dict) -> None:
+    """One DistillError line when a colocated device cannot hold both roles."""
+    limit, both = mem["device_memory_bytes"], mem.get("colocated")
+    if limit is None or both is None or both["peak_bytes_per_device"] <= limit:
+        return
+    raise DistillError(
+        f"mesh.placement: colocated needs {_gib(both['peak_bytes_per_device'])} per device "
+        f"(teacher {_gib(both['teacher_resident_bytes_per_device'])} + student "
+        f"{_gib(both['student_resident_bytes_per_device'])} resident + "
+        f"{_gib(both['temp_bytes_per_device'])} temporaries) but a device has {_gib(limit)}; "
+        "use more devices, mesh.placement: split, or lower pipeline.prefetch / train.remat"
+    )
+
+
+def format_colocated(mem: dict) -> str:
+    both = mem["colocated"]
+    return (
+        f"colocated: {_gib(both['peak_bytes_per_device'])} per device holding both roles "
+        f"(teacher {_gib(both['teacher_resident_bytes_per_device'])} + student "
+        f"{_gib(both['student_resident_bytes_per_device'])} resident + the larger "
+        f"temporaries {_gib(both['temp_bytes_per_device'])})"
+    )

@@ -1,0 +1,241 @@
+"""`mesh.placement`: split, colocated, and `auto`'s choice from a table of role costs."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from distill.config.load import config_from_dict, load_config
+from distill.errors import DistillError
+from distill.mesh import build_meshes, check_fit, devices_needed
+from pipelines import placement
+from pipelines.commands.cli import main
+from pipelines.placement import Layout, RoleCost, candidates, choose, predict
+from tests.conftest import (
+    read_evals,
+    read_summary,
+    read_train,
+    tiny_config,
+    train_by_step,
+    write_config,
+)
+
+GIB = 2**30
+
+
+def _cfg(corpus_dir, tmp_path, **mesh):
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    tree["mesh"].update(mesh)
+    return config_from_dict(tree)
+
+
+def test_colocated_meshes_share_the_first_devices(corpus_dir, tmp_path):
+    cfg = _cfg(corpus_dir, tmp_path, placement="colocated")
+    assert devices_needed(cfg) == 2  # tp=2 and dp=2 on the same two devices
+    meshes = build_meshes(cfg)
+    ids = lambda m: [d.id for d in m.devices.flat]  # noqa: E731
+    assert ids(meshes.teacher) == ids(meshes.student) == [0, 1]
+    assert meshes.layout()["placement"] == "colocated"
+    assert build_meshes(_cfg(corpus_dir, tmp_path)).layout()["placement"] == "split"
+    split = _cfg(corpus_dir, tmp_path, student={"dp": 2, "devices": [1, 2]})
+    with pytest.raises(DistillError, match="overlap: \\[1\\]; set mesh.placement: colocated"):
+        check_fit(split, 8, "cpu")
+    check_fit(
+        split.model_copy(update={"mesh": split.mesh.model_copy(update={"placement": "colocated"})}),
+        8,
+        "cpu",
+    )
+
+
+def test_ray_mode_refuses_colocated_in_one_line(corpus_dir, tmp_path):
+    from pipelines.preflight import check_mode
+
+    cfg = _cfg(corpus_dir, tmp_path, placement="colocated")
+    cfg.pipeline.mode = "ray"
+    with pytest.raises(DistillError, match="^mesh.placement: colocated needs pipeline.mode local"):
+        check_mode(cfg)
+
+
+def test_candidates_follow_the_divisibility_rules():
+    """The quick start (8 heads, 4 KV heads, vocabulary 384, batch 16) on 8 devices: the
+    colocated layouts of all 8 and the splits of 8 that the batch divides; on one device
+    only colocated with every axis 1."""
+    cfg = load_config("pipelines/quickstart.yaml")
+    layouts = candidates(cfg, 8)
+    split = [x for x in layouts if x.placement == "split"]
+    assert {x.teacher for x in split} == {(4, 1, 1), (2, 1, 2), (1, 1, 4)}  # 4 + 4 only
+    assert {x.student for x in split} == {(4, 1), (2, 2), (1, 4)}
+    assert Layout("split", (1, 1, 4), (4, 1)) in split  # the quick start's own
+    co = [x for x in layouts if x.placement == "colocated"]
+    assert len(co) == 16 and layouts[: len(co)] == co  # colocated first
+    assert candidates(cfg, 1) == [Layout("colocated", (1, 1, 1), (1, 1))]
+    two = [x for x in candidates(cfg, 2) if x.placement == "split"]
+    assert two == [Layout("split", (1, 1, 1), (1, 1))]  # 1 + 1
+
+
+def test_bench_colocates_over_the_splits_devices():
+    """`distill bench --colocated`: the quick start's split and both roles over its 8
+    devices, each role's dp scaled; a layout the batch does not divide is one line."""
+    from pipelines.bench.placements import colocated_over
+
+    cfg = load_config("pipelines/quickstart.yaml", ["mesh.placement=split"])
+    assert colocated_over(cfg) == Layout("colocated", (2, 1, 4), (8, 1))
+    odd = load_config("pipelines/quickstart.yaml", ["train.batch_size=4"])
+    with pytest.raises(DistillError, match="^--colocated: colocated .*batch_size: 4 is not"):
+        colocated_over(odd)  # student dp=8 does not divide 4 rows
+
+
+def _rows(table, platform="gpu"):
+    """Rows from {layout: (teacher seconds, student seconds)}, 1 GiB a role per device."""
+    role = lambda s: RoleCost(s, GIB, GIB // 2, GIB // 2)  # noqa: E731
+    return [predict(x, role(t), role(s), platform) for x, (t, s) in table.items()]
+
+
+SPLIT = Layout("split", (1, 1, 4), (4, 1))
+COLO = Layout("colocated", (2, 1, 4), (8, 1))
+OTHER = Layout("split", (2, 1, 2), (2, 2))
+
+
+def test_prediction_model():
+    """split: the slower role (they overlap); colocated: the sum (in turn); on CPU each
+    role's time summed over its devices (simulated devices share the host's cores).
+    A colocated device holds both roles' resident bytes and the larger temporaries."""
+    s, c = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5)})
+    assert s.seconds == 2.0 and c.seconds == 1.5
+    assert s.bytes_per_device == GIB and c.bytes_per_device == GIB + GIB // 2
+    assert c.host_bytes == 8 * c.bytes_per_device and s.host_bytes == 8 * GIB
+    s, c = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5)}, "cpu")
+    assert s.seconds == max(4 * 2.0, 4 * 1.0) and c.seconds == 8 * 1.0 + 8 * 0.5
+
+
+def test_auto_is_deterministic_for_a_table():
+    # the fastest by more than the margin wins
+    rows = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5), OTHER: (1.9, 1.9)})
+    assert choose(rows, SPLIT, None, None).layout == COLO
+    # within the margin: the layout the config gives is kept
+    rows = _rows({OTHER: (1.0, 0.1), SPLIT: (1.0, 1.0), COLO: (0.5, 0.45)})
+    assert choose(rows, SPLIT, None, None).layout == SPLIT
+    # a tie without it: the least memory per device (colocated holds both roles: more),
+    # then the table's order
+    assert choose(rows, Layout("split", (1, 1, 1), (1, 1)), None, None).layout == OTHER
+    # ... on CPU the least host memory
+    rows = _rows({SPLIT: (1.0, 1.0), OTHER: (1.0, 1.0)}, "cpu")
+    assert choose(rows, COLO, None, 100 * GIB).layout == SPLIT  # equal: the first
+    # what does not fit is out, whatever its speed; nothing fitting is one line
+    rows = _rows({SPLIT: (2.0, 1.0), COLO: (1.0, 0.5)})
+    assert choose(rows, SPLIT, int(1.2 * GIB), None).layout == SPLIT
+    with pytest.raises(DistillError, match="^mesh.placement: auto found no layout that fits"):
+        choose(rows, SPLIT, GIB // 2, None)
+    assert [choose(rows, SPLIT, None, None).layout for _ in range(3)] == [COLO] * 3
+
+
+def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys):
+    """`distill plan` with auto on the 8 simulated devices: every candidate compiled from
+    abstract shapes, the table printed, the choice applied to the plan."""
+    path = tmp_path / "cfg.yaml"
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    tree["mesh"]["placement"] = "auto"
+    tree["teacher"]["model"]["attention"] = "reference"  # compiles fastest; not what is tested
+    path.write_text(json.dumps(tree))
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mesh.placement auto: 9 candidates")
+    chosen = [line for line in out[1:10] if line.startswith(" ->")]
+    assert len(chosen) == 1
+    p = json.loads(out[-1])
+    assert p["layout"]["placement"] in chosen[0]
+    assert "auto" not in json.dumps(p["layout"])
+
+
+def test_colocated_8b_to_1b_plans_fitting_8_gpus(capsys):
+    """The shipped real-size pipeline colocated on 8 devices (teacher dp=8, student fsdp=8),
+    planned from shapes alone: a device holding both roles stays under 80 GB; with less
+    memory the run is refused in one line."""
+    path = "pipelines/llama3-8b-to-1b.yaml"
+    sets = ["mesh.platform=cpu", "mesh.placement=colocated", "mesh.teacher.dp=8"]
+    sets += ["mesh.student.fsdp=8"]
+    assert main(["plan", path, *sum((["--set", s] for s in sets), [])]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    both = p["colocated"]
+    assert both["peak_bytes_per_device"] < 80e9
+    t, s = p["teacher"], p["student"]
+    assert both["teacher_resident_bytes_per_device"] >= t["weight_bytes_per_device"]
+    assert both["student_resident_bytes_per_device"] >= (
+        s["weight_bytes_per_device"] + s["optimizer_bytes_per_device"]
+    )
+    peak = max(t["peak_bytes_per_device"], s["peak_bytes_per_device"])
+    assert both["peak_bytes_per_device"] > peak  # more than either role alone
+    mem = {"colocated": both, "device_memory_bytes": 80 * 10**9}
+    placement.check_colocated_fits(mem)
+    with pytest.raises(DistillError, match="^mesh.placement: colocated needs .* per device"):
+        placement.check_colocated_fits({**mem, "device_memory_bytes": 32 * GIB})
+
+
+# -- colocated runs ------------------------------------------------------------------------
+
+
+def _colocated_tree(tiny_run, out, **mesh) -> dict:
+    """The session's tiny run's config, colocated, on its bootstrapped teacher."""
+    tree = json.loads(json.dumps(tiny_run.tree))
+    tree["run"]["output_dir"] = str(out)
+    tree["mesh"].update(placement="colocated", **mesh)
+    tree["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
+    return tree
+
+
+@pytest.fixture(scope="module")
+def colocated_run(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated") / "out"
+    assert main(["run", write_config(out.parent, _colocated_tree(tiny_run, out))]) == 0
+    return out
+
+
+def test_colocated_gives_the_split_runs_losses(tiny_run, colocated_run):
+    """The tiny run's teacher tp=2 and student dp=2 on the same two devices instead of four:
+    the same arithmetic, the same losses and evaluations (local mode)."""
+    split, both = train_by_step(tiny_run.out), train_by_step(colocated_run)
+    assert sorted(both) == sorted(split) == [2, 4, 6]
+    for step, r in split.items():
+        for key in ("loss", "kd_loss", "ce_loss"):
+            assert abs(both[step][key] - r[key]) <= 1e-6, (step, key)
+    for a, b in zip(read_evals(tiny_run.out), read_evals(colocated_run), strict=True):
+        assert abs(a["student_loss"] - b["student_loss"]) <= 1e-6
+    saved = yaml.safe_load((colocated_run / "config.yaml").read_text())["mesh"]
+    assert saved["placement"] == "colocated"
+
+
+@pytest.mark.parametrize("started", ["split", "colocated"])
+def test_a_run_resumes_colocated(tiny_run, colocated_run, tmp_path, started):
+    """Drop the last checkpoint of a finished run (started split: the tiny run; or
+    colocated) and rerun colocated: it resumes from step 3 and repeats steps 4-6."""
+    first = tiny_run.out if started == "split" else colocated_run
+    resumed = tmp_path / "out"
+    shutil.copytree(first, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    (resumed / "summary.json").unlink()
+    assert main(["run", write_config(tmp_path, _colocated_tree(tiny_run, resumed))]) == 0
+    before = train_by_step(first)
+    after = read_train(resumed)[len(read_train(first)) :]
+    assert [r["step"] for r in after] == [4, 6]
+    for r in after:
+        assert abs(r["loss"] - before[r["step"]]["loss"]) <= 1e-6
+    assert read_summary(resumed)["steps"] == 6
+
+
+def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_path):
+    """Dense teacher log-probs, teacher microbatches of one row and two gradient
+    accumulation microbatches: colocated (teacher dp=2 x tp=2, student dp=2 on devices 0-3;
+    the teacher's rows sliced on each device) gives the split run's losses."""
+    losses = {}
+    for placement_ in ("split", "colocated"):
+        out = tmp_path / placement_
+        tree = _colocated_tree(tiny_run, out, teacher={"dp": 2, "tp": 2})
+        tree["mesh"]["placement"] = placement_
+        tree["teacher"].update(top_k=None, microbatch=1)
+        tree["train"].update(steps=2, grad_accum=2, eval_every=2, checkpoint_every=2)
+        assert main(["run", write_config(tmp_path, tree, f"{placement_}.yaml")]) == 0
+        losses[placement_] = train_by_step(out)
+    assert sorted(losses["split"]) == sorted(losses["colocated"]) == [2]
+    for key in ("loss", "kd_loss", "ce_loss"):
+        assert abs(losses["split"][2][key] - losses["colocated"][2][key]) <= 1e-6, key
