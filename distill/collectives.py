@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from distill.models import topk
+
 
 def psum(x: jax.Array, axis: str | None) -> jax.Array:
     """Sum partial results of a row-parallel matmul over the tensor-parallel axis."""
@@ -77,18 +79,22 @@ def take_ids(x_bsv: jax.Array, ids_bs: jax.Array, axis: str | None) -> jax.Array
 
 
 def top_k(scores_bsv: jax.Array, k: int, axis: str | None) -> tuple[jax.Array, jax.Array]:
-    """Vocab-parallel top-k: a local top-k per shard, then an all-gather of k candidates per
-    shard and a merge. Only `tp * k` values per token move, never the vocabulary.
+    """Vocab-parallel top-k: a local top-k per shard (`distill.models.topk.top_k`, never a
+    sort of the shard's whole vocabulary), then an all-gather of k candidates per shard and
+    a merge. Only `tp * k` values per token move, never the vocabulary. Equal to
+    `jax.lax.top_k` of the whole vocabulary, ties included: the candidates arrive in shard
+    order, each shard's in id order among equal values, so the merge's lowest position on
+    a tie is the lowest id.
 
     Returns (values [B,S,k], global ids [B,S,k] int32), values descending.
     """
     local_v = scores_bsv.shape[-1]
-    vals, idx = jax.lax.top_k(scores_bsv, min(k, local_v))
-    idx = idx.astype(jnp.int32) + _vocab_offset(local_v, axis)
+    vals, idx = topk.top_k(scores_bsv, min(k, local_v))
+    idx = idx + _vocab_offset(local_v, axis)
     if axis is None:
         return vals, idx
     vals, idx = gather_replicated(vals, axis), gather_replicated(idx, axis)  # [B, S, tp*k]
-    vals, pos = jax.lax.top_k(vals, k)
+    vals, pos = topk.by_rows(lambda v: jax.lax.top_k(v, k), vals)
     return vals, jnp.take_along_axis(idx, pos, axis=-1)
 
 

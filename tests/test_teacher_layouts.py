@@ -133,8 +133,8 @@ def test_positions_in_chunks_match_single_device(params, monkeypatch, dp, tp):
 
 def test_chunks_bound_the_top_k_memory(monkeypatch):
     """The top-k forward never holds the [rows, S, V] logits: with 32-position chunks of a
-    4,096-id vocabulary its temporaries are smaller than the whole-sequence forward's by
-    more than a copy of them."""
+    4,096-id vocabulary its temporaries are smaller than one copy of them, which the
+    whole-sequence forward does hold."""
     import teacher.forward as forward
 
     cfg = CFG.model_copy(update={"vocab_size": 4096})
@@ -148,4 +148,4 @@ def test_chunks_bound_the_top_k_memory(monkeypatch):
         return fwd.lower(sharded, batch).compile().memory_analysis().temp_size_in_bytes
 
     whole = 2 * 256 * 4096 * 4  # one float32 copy of the logits
-    assert temp_bytes(256) - temp_bytes(32) >= whole  # (the rest: attention's S x S)
+    assert temp_bytes(32) < whole <= temp_bytes(256)

@@ -47,6 +47,7 @@ from distill.models.cross_topk import (
     renormalised,
 )
 from distill.models.losses import PADDED_LOGIT, TAIL_FLOOR, _divergence, _token_ce
+from distill.models.topk import sort_descending
 from distill.models.vocab_loss import Tree, _chunked_sums
 from distill.types import TeacherOutput
 
@@ -215,8 +216,8 @@ def deeper_bytes_divergence(lq_v, lp_ndb, targets_n, deep_ok_n, cfg, bp, seen_nd
 def uld_distance(lp_bsw: jax.Array, lq_bsv: jax.Array) -> jax.Array:
     """[...] sum |sort(p) - sort(q)|: both distributions sorted in decreasing order, the
     shorter vocabulary padded with zero probabilities."""
-    p = -jnp.sort(-jnp.exp(lp_bsw), axis=-1)
-    q = -jnp.sort(-jnp.exp(lq_bsv), axis=-1)
+    p = sort_descending(jnp.exp(lp_bsw))
+    q = sort_descending(jnp.exp(lq_bsv))
     n = max(p.shape[-1], q.shape[-1])
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n - a.shape[-1])])  # noqa: E731
     return jnp.sum(jnp.abs(pad(p) - pad(q)), axis=-1)

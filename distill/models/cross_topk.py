@@ -26,6 +26,7 @@ import numpy as np
 from distill.config import DistillLossConfig
 from distill.data.token_bytes import FirstBytes, VocabMap
 from distill.models.losses import PADDED_LOGIT, TAIL_FLOOR, _divergence
+from distill.models.topk import sort_descending
 
 
 def bucket_sums(l_bsv: jax.Array, bucket: np.ndarray, keep: np.ndarray) -> jax.Array:
@@ -144,9 +145,9 @@ def uld_topk_distance(lp_k: jax.Array, lq_bsv: jax.Array, tail_empty: bool = Fal
     mass past rank k. `tail_empty`: the top-k hold every teacher id (p_tail is 0, not the
     rounding of 1 - sum)."""
     k = lp_k.shape[-1]
-    p = -jnp.sort(-jnp.exp(lp_k), axis=-1)
+    p = sort_descending(jnp.exp(lp_k))
     p_tail = jnp.zeros(p.shape[:-1], jnp.float32) if tail_empty else teacher_tail(lp_k)
-    q = -jnp.sort(-jnp.exp(lq_bsv), axis=-1)
+    q = sort_descending(jnp.exp(lq_bsv))
     q = jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, max(k - q.shape[-1], 0))])
     q_tail = jnp.sum(q[..., k:], axis=-1)
     return jnp.sum(jnp.abs(p - q[..., :k]), axis=-1) + jnp.abs(p_tail - q_tail)

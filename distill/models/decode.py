@@ -28,6 +28,7 @@ from flax import nnx
 
 from distill.config import ModelConfig
 from distill.models import model
+from distill.models.topk import sort_descending
 from distill.types import Batch, Continuations, Prompts
 
 _NEG = jnp.finfo(jnp.float32).min
@@ -135,7 +136,7 @@ def sample(logits_bv, key, *, temperature: float, top_p: float, vocab_limit: int
 
 def _draw(z, key, top_p: float):
     if top_p < 1.0:
-        desc = -jnp.sort(-z, axis=-1)
+        desc = sort_descending(z)
         probs = jax.nn.softmax(desc, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the ids ranked above each
         kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1

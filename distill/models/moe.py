@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
+from distill.models.topk import top_k
 
 
 class ExpertLoad(NamedTuple):
@@ -72,10 +73,10 @@ def route(h_td: jax.Array, router_de: jax.Array, k: int, norm: bool):
     the router logits, computed in float32, renormalised when `norm`."""
     logits = h_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = jax.lax.top_k(probs, k)
+    weights, ids = top_k(probs, k)
     if norm:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
+    return weights, ids
 
 
 def capacity(tokens: int, k: int, n_experts: int, factor: float | None) -> int | None:

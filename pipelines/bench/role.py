@@ -31,6 +31,7 @@ from distill.config import Config
 from distill.data.tokenizers import vocab_limit
 from distill.limits import MAX_ELEMENTS
 from distill.mesh import role_mesh
+from distill.models.topk import top_k
 from distill.types import TeacherOutput
 from pipelines import plan_memory
 from pipelines.bench.phases import (
@@ -123,8 +124,8 @@ def random_outputs(
     def block(key):  # [rows, S, V] log-probs, and their top-k [rows, S, k]
         z = mask_vocab(2.0 * jax.random.normal(key, (rows, s, v), jnp.float32), limit, None)
         lp = jax.nn.log_softmax(z / temp, axis=-1)
-        top, ids = jax.lax.top_k(lp, k)
-        return lp if dense else None, top, ids.astype(jnp.int32)
+        top, ids = top_k(lp, k)
+        return lp if dense else None, top, ids
 
     def make():  # this device's rows
         key = jax.random.fold_in(jax.random.key(cfg.run.seed), jax.lax.axis_index(axes))
