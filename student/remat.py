@@ -1,0 +1,102 @@
+"""`train.remat: auto`: the least recompute whose compiled step fits the device.
+
+The policies a block can run under (`distill.models.model.REMAT_POLICIES`), ordered by what
+the backward pass recomputes:
+
+- none: nothing; every activation the backward needs is kept.
+- dots: the matmul outputs are kept; the attention core (its whole forward: the fused
+  kernels' custom VJPs rerun it to rebuild their residuals) and the elementwise ops (norms,
+  RoPE, the activation) are recomputed, about the attention's share of a layer's forward.
+- block: only each block's input is kept; the whole block's forward is recomputed (the step
+  does about 4/3 of the model's FLOPs).
+
+`choose` tries them in that order and takes the first whose compiled per-device peak
+(XLA's memory analysis of the whole step: `pipelines.plan_memory`) fits the device's
+memory less `HEADROOM`. It compiles lazily: a later candidate is compiled only when the
+earlier ones do not fit, so a config that fits without recompute costs one compile, the
+one the memory check makes anyway. The choice is a function of the compiled peaks and the
+device size alone: the run, `distill plan` and `distill bench` resolve it the same way,
+once, before any device work, and the run's `config.yaml` records the resolved policy.
+
+On CPU devices there is no device memory to fit (XLA:CPU allocates from the host's memory,
+shared by every simulated device and by other processes; a share of it would make the
+choice depend on the machine and on the number of simulated devices), so `auto` is the
+least recompute, `none`, and nothing is compiled to choose it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+# Least recompute first.
+CANDIDATES = ("none", "dots", "block")
+
+# The share of a device's memory a step's compiled peak may not use. The memory analysis
+# covers the step's own program only: the next step's batch and teacher output staged on the
+# device while it runs (`pipeline.prefetch`), the metrics kept for the loop, the allocator's
+# fragmentation and the GPU libraries' workspaces (cuBLAS, cuDNN, autotuning) come on top.
+# At a 1B student's 4 x 4,096-token rows the staged inputs are under 0.1 GiB with a top-64
+# teacher but 8 GiB dense (two buffers of [4, 4096, 128k] float32, `pipelines.plan`); a
+# tenth of an 80-141 GiB device covers the first with a wide margin and is what XLA's GPU
+# client itself leaves unused by default (it preallocates 75%); a dense teacher's buffers
+# are also refused on their own by `pipelines.plan.check_dense_output`.
+HEADROOM = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The policy `train.remat` resolved to, and why."""
+
+    policy: str
+    reason: str
+    peaks: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled, by policy
+    budget: int | None = None  # bytes a peak may take (device memory less HEADROOM)
+
+    def describe(self) -> str:
+        """One line for `distill plan` and the run's log."""
+        return f"train.remat: {self.policy} ({self.reason})"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def choose(setting: str, peak_of: Callable[[str], int], device_bytes: int | None) -> Choice:
+    """The policy `setting` (`train.remat`) stands for. A policy other than auto stands for
+    itself. auto: on a device of `device_bytes` (None: CPU, no limit) the first of
+    CANDIDATES whose peak, `peak_of(policy)` (bytes per device, compiled on demand), is at
+    most (1 - HEADROOM) x device_bytes; when none is, `block`, the least memory, which the
+    memory check then refuses in one line."""
+    if setting != "auto":
+        return Choice(setting, "as configured")
+    if device_bytes is None:
+        return Choice("none", "auto on CPU devices, which report no memory limit: no recompute")
+    budget = device_bytes - round(device_bytes * HEADROOM)
+    peaks: dict[str, int] = {}
+    for policy in CANDIDATES:
+        peaks[policy] = int(peak_of(policy))
+        if peaks[policy] <= budget:
+            break
+    policy = next((p for p, b in peaks.items() if b <= budget), CANDIDATES[-1])
+    tried = ", ".join(f"{p} {_gib(b)}" for p, b in peaks.items())
+    verdict = "the least recompute that fits" if peaks[policy] <= budget else "none fits"
+    reason = (
+        f"auto: compiled peak per device {tried} vs {_gib(budget)} = {_gib(device_bytes)} "
+        f"less {HEADROOM:.0%} headroom; {verdict}"
+    )
+    return Choice(policy, reason, peaks, budget)
+
+
+def concrete(setting: str, platform: str) -> str:
+    """`setting` as a policy a step can be built with: `auto` on CPU is `none` (`choose`);
+    on an accelerator it must have been resolved from the compiled peaks first
+    (`pipelines.plan_memory.resolve_remat`), never guessed here."""
+    if setting != "auto":
+        return setting
+    if platform == "cpu":
+        return choose(setting, lambda p: 0, None).policy
+    raise ValueError(
+        "train.remat: auto must be resolved from the compiled step's memory before the step "
+        "is built (pipelines.plan_memory.resolve_remat)"
+    )
