@@ -29,6 +29,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from distill.config import ModelConfig
+from distill.models import model
+
 # Least recompute first.
 CANDIDATES = ("none", "dots", "block")
 
@@ -99,4 +102,32 @@ def concrete(setting: str, platform: str) -> str:
     raise ValueError(
         "train.remat: auto must be resolved from the compiled step's memory before the step "
         "is built (pipelines.plan_memory.resolve_remat)"
+    )
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> float:
+    """FLOPs per token the backward pass of a `policy` step spends recomputing the forward,
+    counted as `distill.models.model.flops_per_token` counts the model's (matmuls, and
+    attention's QK^T and PV over the whole causal square): none 0; dots each layer's
+    attention core; block each layer's forward but its last matmul (the feed-forward's down
+    projection, whose output the backward does not need, so XLA drops it). The LM head is
+    not recomputed (`distill.models.vocab_loss` forms its gradient in the forward pass).
+    Checked against XLA's cost analysis of loop-free steps in tests/test_remat.py."""
+    if policy == "none":
+        return 0.0
+    attention = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.hd
+    if policy == "dots":
+        return attention
+    layers = model.flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.d_model
+    moe = sum(cfg.moe_layers())
+    dense_down = 2.0 * cfg.d_ff * cfg.d_model * (cfg.n_layers - moe)
+    moe_down = 2.0 * cfg.experts_per_token * cfg.f_expert * cfg.d_model * moe
+    return layers - dense_down - moe_down
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> float:
+    """Hardware FLOPs per token of a training step under `policy`: the model's (3 x the
+    forward) plus the recompute."""
+    return 3.0 * model.flops_per_token(cfg, seq_len) + recompute_flops_per_token(
+        cfg, seq_len, policy
     )
