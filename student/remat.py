@@ -35,15 +35,16 @@ from distill.models import model
 # Least recompute first.
 CANDIDATES = ("none", "dots", "block")
 
-# The share of a device's memory a step's compiled peak may not use. The memory analysis
-# covers the step's own program only: the next step's batch and teacher output staged on the
-# device while it runs (`pipeline.prefetch`), the metrics kept for the loop, the allocator's
-# fragmentation and the GPU libraries' workspaces (cuBLAS, cuDNN, autotuning) come on top.
-# At a 1B student's 4 x 4,096-token rows the staged inputs are under 0.1 GiB with a top-64
-# teacher but 8 GiB dense (two buffers of [4, 4096, 128k] float32, `pipelines.plan`); a
-# tenth of an 80-141 GiB device covers the first with a wide margin and is what XLA's GPU
-# client itself leaves unused by default (it preallocates 75%); a dense teacher's buffers
-# are also refused on their own by `pipelines.plan.check_dense_output`.
+# The share of a device's memory a step's compiled peak may not use. The device's memory
+# is what JAX's client may allocate (`bytes_limit`: 75% of a GPU by default,
+# XLA_PYTHON_CLIENT_MEM_FRACTION), and the memory analysis covers the step's own program
+# only: the next step's batch and teacher output staged on the device while it runs
+# (`pipeline.prefetch`), the metrics kept for the loop, the allocator's fragmentation and
+# the GPU libraries' workspaces (cuBLAS, cuDNN, autotuning) come on top. At a 1B student's
+# 4 x 4,096-token rows the staged inputs are under 0.1 GiB with a top-64 teacher; a tenth
+# of a 60-130 GiB budget leaves several GiB for the rest. Dense teacher outputs (8 GiB of
+# buffers at those rows) are refused on their own by `pipelines.plan.check_dense_output`
+# past a quarter of the device.
 HEADROOM = 0.10
 
 
