@@ -10,7 +10,8 @@ steps the student's peak also covers its sampler (compiled the same way) and the
 parameters kept for it (`_on_policy`).
 
 On an accelerator `distill validate` and `distill run` refuse a config whose peak exceeds
-the device's memory, before any weights are loaded.
+the device's memory, before any weights are loaded. `train.remat: auto` is resolved here,
+from the compiled peaks of the candidate policies (`student.remat`), before either.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipelines.plan import dense_blocks
 from student import sharding as student_sharding
 from student import train
 from student.generate import Sampler
+from student.remat import Choice, choose
 from teacher import sharding
 from teacher.forward import make_output_forward
 from teacher.weights import held_dtype
@@ -140,13 +142,56 @@ def teacher_memory(cfg: Config, mesh, vocab_limit: int | None) -> tuple[dict, ob
 
 def student_memory(cfg: Config, mesh, teacher_out, vocab_limit: int | None) -> dict:
     """The student step's figures on `mesh`, given the teacher output's abstract shapes
-    (and the on-policy sampler's, with on-policy steps)."""
+    (and the on-policy sampler's, with on-policy steps). Resolves `train.remat: auto` in
+    `cfg` first (`resolve_remat`); the figures are the resolved policy's, with the choice
+    ("remat", "remat_reason") and each compiled candidate's peak ("remat_peaks")."""
+    choice, figures = resolve_remat(cfg, mesh, teacher_out, vocab_limit)
+    student = figures.get(choice.policy) or _student_figures(cfg, mesh, teacher_out, vocab_limit)
+    return {**student, "remat": choice.policy, "remat_reason": choice.reason,
+            "remat_peaks": choice.peaks}  # fmt: skip
+
+
+def _student_figures(cfg: Config, mesh, teacher_out, vocab_limit: int | None) -> dict:
     compiled, state = _student(cfg, mesh, teacher_out, vocab_limit)
     s = _figures(compiled)
     student = {"step_temp_bytes_per_device": s["temp"], "peak_bytes_per_device": s["peak"]}
     if cfg.distill.on_policy.fraction > 0:
         student.update(_on_policy(cfg, mesh, state, s["peak"], vocab_limit))
     return student
+
+
+def resolve_remat(
+    cfg: Config, mesh, teacher_out=None, vocab_limit: int | None = None, device_bytes=...
+) -> tuple[Choice, dict[str, dict]]:
+    """Resolve `train.remat: auto` in `cfg` for the student on `mesh` (`student.remat.choose`:
+    the least recompute whose compiled peak fits a device of `device_bytes`, by default
+    `device_memory(mesh)`; on CPU `none`, compiling nothing). Returns (the choice, the
+    figures of each candidate compiled, by policy). `teacher_out`: the abstract teacher
+    output the step takes (default: the configured one, `abstract_teacher_output`)."""
+    if device_bytes is ...:
+        device_bytes = device_memory(mesh)
+    if teacher_out is None:
+        teacher_out = abstract_teacher_output(cfg, train.batch_sharding(mesh))
+    figures: dict[str, dict] = {}
+
+    def peak_of(policy: str) -> int:
+        trial = cfg.model_copy(update={"train": cfg.train.model_copy(update={"remat": policy})})
+        figures[policy] = _student_figures(trial, mesh, teacher_out, vocab_limit)
+        return figures[policy]["peak_bytes_per_device"]
+
+    choice = choose(cfg.train.remat, peak_of, device_bytes)
+    cfg.train.remat = choice.policy
+    return choice, figures
+
+
+def abstract_teacher_output(cfg: Config, shard) -> TeacherOutput:
+    """The teacher output a step of `cfg` takes, as abstract arrays in `shard`: top-k
+    values and ids [B, S, k], or dense log-probs [B, S, V]."""
+    b, s, k = cfg.train.batch_size, cfg.train.seq_len, cfg.teacher.top_k
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shard)  # noqa: E731
+    if k is None:
+        return TeacherOutput(f32(b, s, cfg.teacher.model.vocab_size))
+    return TeacherOutput(f32(b, s, k), jax.ShapeDtypeStruct((b, s, k), jnp.int32, sharding=shard))
 
 
 def check_fits(mem: dict) -> None:
@@ -190,5 +235,6 @@ def format_memory(mem: dict) -> str:
         f"memory per device (XLA, compiled): teacher forward {gib(t['peak_bytes_per_device'])} "
         f"peak ({gib(t['forward_temp_bytes_per_device'])} temporaries), student "
         f"{gib(s['peak_bytes_per_device'])} peak ({gib(s['step_temp_bytes_per_device'])} "
-        f"step temporaries{on_policy}); device {gib(limit) if limit else 'n/a (CPU)'}"
+        f"step temporaries{on_policy}); device {gib(limit) if limit else 'n/a (CPU)'}\n"
+        f"student blocks: train.remat: {s['remat']} ({s['remat_reason']})"
     )

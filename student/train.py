@@ -35,6 +35,7 @@ from distill.models.cross_losses import CrossSpec
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, routing, sharding
 from student.accumulate import accumulate
+from student.remat import concrete as concrete_remat
 
 # What a skipped step found not finite: bits of `Skips.kinds`.
 LOSS, GRAD_NORM = 1, 2
@@ -294,7 +295,7 @@ def distill_step_for(
         dtype=cfg.student.dtype,
         with_teacher=with_teacher,
         vocab_limit=vocab_limit,
-        remat=cfg.train.remat,
+        remat=concrete_remat(cfg.train.remat, mesh.devices.flat[0].platform),
         grad_accum=cfg.train.grad_accum,
         layer_loop=cfg.train.layer_loop,
         cross=cross,

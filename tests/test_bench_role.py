@@ -14,6 +14,7 @@ from distill.types import TeacherOutput
 from pipelines.bench import role as role_bench
 from pipelines.bench.role import _block_rows, _dense_fits, random_outputs
 from pipelines.commands.cli import main
+from student.remat import train_flops_per_token
 from tests.conftest import tiny_config, write_config
 
 TOO_BIG_FOR_BOTH = {"teacher": {"tp": 4}, "student": {"dp": 4, "fsdp": 2}}
@@ -51,6 +52,13 @@ def test_one_role_alone(tmp_path, corpus_dir, capsys, role):
         assert result["mesh"] == {"dp": 4, "fsdp": 2}
         keys = ("student_ce_ms", "student_kd_dense_ms", "student_kd_topk_ms", "student_ms")
         mfu, mem = result["mfu"], result["student_step_temp_bytes_per_device"]
+        assert result["student_remat"] == "block" and result["student_remat"] in text[1]
+        cfg = config_from_dict(tiny_config("unused", "unused"))
+        shape = (cfg.student_model(), cfg.train.seq_len)
+        recompute = train_flops_per_token(*shape, "block") / train_flops_per_token(*shape, "none")
+        assert recompute > 1 and result["hfu"] == pytest.approx(
+            mfu * recompute, abs=2e-4
+        )  # 4 decimals
     assert all(result[k] > 0 for k in keys)
     assert result[f"{role}_tokens_per_s"] == pytest.approx(
         result["tokens_per_step"] / (result[f"{role}_ms"] / 1e3), rel=1e-3

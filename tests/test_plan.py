@@ -30,6 +30,7 @@ def test_memory_figures_are_present_and_sane(tmp_path, corpus_dir, capsys):
     assert p["device_memory_bytes"] is None  # CPU: no device memory to compare with
     assert 0 < t["forward_temp_bytes_per_device"] < t["peak_bytes_per_device"]
     assert 0 < s["step_temp_bytes_per_device"] < s["peak_bytes_per_device"]
+    assert s["remat"] == "none" and "auto on CPU devices" in s["remat_reason"]  # the default
     state = s["weight_bytes_per_device"] + s["optimizer_bytes_per_device"]
     assert s["peak_bytes_per_device"] >= state  # the state is an argument of the step
     assert not (tmp_path / "out").exists()  # planning writes nothing
@@ -45,11 +46,15 @@ def test_memory_figures_are_present_and_sane(tmp_path, corpus_dir, capsys):
 
 def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     """The shipped real-size pipeline, planned from shapes alone on simulated CPU devices
-    (no weights, no data): both roles' compiled peaks fit an 80 GB GPU."""
+    (no weights, no data): both roles' compiled peaks fit an 80 GB GPU with the most
+    recompute (`remat: block`), so `remat: auto` finds a policy that fits there (on CPU
+    devices, with no memory limit, auto is `none`)."""
     path = "pipelines/llama3-8b-to-1b.yaml"
     cfg = load_config(path)
     assert cfg.train.seq_len == 4096 and cfg.teacher.model.vocab_size == 128256
-    p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
+    assert cfg.train.remat == "auto"
+    p = _plan(capsys, [path, "--set", "mesh.platform=cpu", "--set", "train.remat=block"])
+    assert p["student"]["remat"] == "block"
     for role in ("teacher", "student"):
         assert p[role]["peak_bytes_per_device"] < 80e9, role
     assert p["layout"]["teacher"]["shape"] == {"dp": 4, "ep": 1, "tp": 1}

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -305,3 +306,44 @@ def test_memory_at_real_sizes():
     assert chunked_128k < one_logits
     assert beyond_head(chunked_128k, 131072) < one_logits / 4
     assert beyond_head(chunked_128k, 131072) < 1.5 * beyond_head(chunked_32k, 32768)
+
+
+def _dots(jaxpr) -> int:
+    """dot_general equations in a jaxpr, its sub-jaxprs (scan bodies, custom rules) included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "dot_general"
+        for sub in jaxprs_in_params(eqn.params):
+            n += _dots(sub)
+    return n
+
+
+def test_the_training_losses_form_their_gradient_in_one_pass_over_the_logits():
+    """value_and_grad of the chunked KD loss makes each chunk's logits once: three head
+    matmuls in all (the logits, d x, d head), none recomputed in the backward pass; and the
+    gradient scales with the loss's cotangent (here 3 x the loss plus a term of x alone)."""
+    x, head, teacher_z, targets, mask = make_inputs(seed=7)
+    teacher = teacher_of(teacher_z, 5)
+    cfg = DistillLossConfig(loss="forward_kl", temperature=T, alpha=0.6)
+
+    def chunked(x, head):
+        loss, _ = kd_loss_chunked(
+            x, head, teacher, targets, mask, cfg, vocab_limit=LIVE, chunk=CHUNK
+        )
+        return 3.0 * loss + jnp.sum(x**2)
+
+    def whole(x, head):
+        loss, _ = losses.kd_loss(
+            whole_logits(x, head), teacher, targets, mask, cfg, vocab_limit=LIVE
+        )
+        return 3.0 * loss + jnp.sum(x**2)
+
+    grad = jax.value_and_grad(chunked, (0, 1))
+    assert _dots(jax.make_jaxpr(grad)(x, head).jaxpr) == 3
+    (got, got_grads), (want, want_grads) = (
+        fast_jit(grad)(x, head),
+        fast_jit(jax.value_and_grad(whole, (0, 1)))(x, head),
+    )
+    assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert_close(g, w, rtol=2e-5)

@@ -314,11 +314,13 @@ class TrainConfig(Section):
         "microbatches, their gradients summed (float32) before one optimizer update; the loss "
         "is the one of the whole batch. train.batch_size must divide by dp x fsdp x grad_accum.",
     )
-    remat: Literal["none", "block", "dots"] = Field(
-        "none",
-        description="Rematerialisation of the student's blocks in the backward pass. none: keep "
-        "every activation; block: keep only each block's input, recompute the rest; dots: keep "
-        "the matmul outputs, recompute attention and elementwise ops.",
+    remat: Literal["auto", "none", "dots", "block"] = Field(
+        "auto",
+        description="Rematerialisation of the student's blocks in the backward pass, by "
+        "increasing recompute. none: keep every activation; dots: keep the matmul outputs, "
+        "recompute attention and elementwise ops; block: keep only each block's input, "
+        "recompute the rest; auto: the first of these whose compiled step fits the device's "
+        "memory less 10% headroom (`distill plan` shows each one's peak), none on CPU.",
     )
     layer_loop: Literal["auto", "scan", "unroll"] = Field(
         "auto",

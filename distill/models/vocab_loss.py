@@ -15,6 +15,13 @@ no chunk lives on one device. When S is not a multiple of `chunk` the last chunk
 back to end at S instead of padded (positions it shares with the chunk before count zero
 times), so the dense teacher is sliced in place and never copied.
 
+The training losses (`kd_loss_chunked`, `ce_loss_chunked`) form their gradient in the same
+pass (`_chunked_loss`): each chunk's logits are made once, and the loss's gradient with
+respect to the hidden states and the head is taken right there (the chunk's VJP, pulled
+back through the head matmul), so the backward pass neither recomputes the logits (a third
+head matmul, 2 x V x D FLOPs a token) nor passes over them again; it only scales the
+stored gradients by the loss's cotangent.
+
 Results equal `distill.models.losses` on `mask_vocab(x @ head, vocab_limit, fill=PADDED_LOGIT)`
 up to float reassociation: the same per-token formulas, summed per chunk, then divided by
 max(sum(mask), 1). Logits are accumulated in float32 from `compute_dtype` operands (bfloat16
@@ -116,19 +123,10 @@ def _chunked_sums(
     """
     b, s, _ = x_bsd.shape
     c = max(1, min(chunk or default_chunk(head_dv.shape[-1], b), s))
-    n = -(-s // c)
-    first = np.arange(n) * c  # where chunk i's own positions begin
-    start = np.minimum(first, s - c)  # the last chunk ends at S: shifted back, not padded
-    pos = start[:, None] + np.arange(c)  # [n, c]
-    fresh = pos >= first[:, None]  # positions not already counted by an earlier chunk
-
-    def regroup(a_bs):  # [B, S, ...] -> [n, B, c, ...]
-        a = a_bs.reshape(b, n, c, *a_bs.shape[2:]) if s % c == 0 else a_bs[:, pos]
-        return jnp.moveaxis(a, 1, 0)
-
+    pos, fresh, regroup = _chunk_layout(b, s, c)
     weight = jnp.where(fresh[:, None], regroup(mask_bs.astype(jnp.float32)), 0.0)
     gathered, index = at if at is not None else ({}, jnp.zeros_like(mask_bs, jnp.int32))
-    xs = (regroup(x_bsd), jax.tree.map(regroup, per_token), weight, jnp.asarray(start))
+    xs = (regroup(x_bsd), jax.tree.map(regroup, per_token), weight, jnp.asarray(pos[:, 0]))
     xs = (*xs, regroup(index))
 
     # The backward pass recomputes this chunk's logits instead of keeping every chunk's.
@@ -146,6 +144,103 @@ def _chunked_sums(
         return {k: jnp.sum(jnp.where(w_bc > 0, v * w_bc, 0.0)) for k, v in values.items()}
 
     return {k: jnp.sum(v) for k, v in jax.lax.map(chunk_sums, xs).items()}
+
+
+def _chunk_layout(b: int, s: int, c: int):
+    """(positions [n, c] of each chunk, fresh [n, c]: not counted by an earlier chunk,
+    regroup: [B, S, ...] -> [n, B, c, ...]) of S positions in chunks of c; the last chunk
+    is shifted back to end at S."""
+    n = -(-s // c)
+    first = np.arange(n) * c  # where chunk i's own positions begin
+    start = np.minimum(first, s - c)
+    pos = start[:, None] + np.arange(c)
+    fresh = pos >= first[:, None]
+
+    def regroup(a_bs):
+        a = a_bs.reshape(b, n, c, *a_bs.shape[2:]) if s % c == 0 else a_bs[:, pos]
+        return jnp.moveaxis(a, 1, 0)
+
+    return pos, fresh, regroup
+
+
+def _chunked_loss(
+    token_fn: Callable[[jax.Array, Tree], Tree],
+    coef: Tree,
+    x_bsd: jax.Array,
+    head_dv: jax.Array,
+    per_token: Tree,
+    dense: Tree,
+    mask_bs: jax.Array,
+    **kw,
+) -> tuple[jax.Array, Tree]:
+    """(total, sums): `_chunked_sums`'s sums (float32 scalars, carrying no gradient) and
+    total = sum over keys of coef[key] * sums[key] (`coef`: float32 scalars, not
+    differentiated), whose gradient with respect to `x_bsd` and `head_dv` is formed chunk
+    by chunk in the forward pass (module docstring). Keywords as `_chunked_sums`."""
+    run = functools.partial(_loss_pass, token_fn, tuple(sorted(kw.items())))
+    return _fused(run, x_bsd, head_dv, (coef, per_token, dense, mask_bs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(run, x_bsd, head_dv, rest):
+    total, sums, _ = run(x_bsd, head_dv, rest, with_grads=False)
+    return total, sums
+
+
+def _fused_fwd(run, x_bsd, head_dv, rest):
+    total, sums, grads = run(x_bsd, head_dv, rest, with_grads=True)
+    return (total, sums), grads
+
+
+def _fused_bwd(run, grads, cotangents):
+    g = cotangents[0]  # the total's; the sums are metrics, not differentiated
+    dx, dh = grads
+    return (g * dx).astype(dx.dtype), g * dh, None  # None: the other inputs' are zero
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _loss_pass(token_fn, kw, x_bsd, head_dv, rest, *, with_grads: bool):
+    """(total, sums, (d total / d x, d total / d head) or None): one pass over the
+    chunks of `_chunked_loss`, a `jax.lax.scan` carrying the head's float32 gradient."""
+    kw = dict(kw)
+    coef, per_token, dense, mask_bs = rest
+    b, s, _ = x_bsd.shape
+    c = max(1, min(kw["chunk"] or default_chunk(head_dv.shape[-1], b), s))
+    pos, fresh, regroup = _chunk_layout(b, s, c)
+    weight = jnp.where(fresh[:, None], regroup(mask_bs.astype(jnp.float32)), 0.0)
+    xs = (regroup(x_bsd), jax.tree.map(regroup, per_token), weight, jnp.asarray(pos[:, 0]))
+    head_kw = {k: kw[k] for k in ("vocab_limit", "compute_dtype", "softcap")}
+
+    def body(dh_acc, xs):
+        x_bcd, inputs, w_bc, start_c = xs
+        sliced = {k: jax.lax.dynamic_slice_in_dim(a, start_c, c, axis=1) for k, a in dense.items()}
+
+        def value(x_bcd, head_dv):
+            z_bcv = head_logits(x_bcd, head_dv, **head_kw)
+            values = token_fn(z_bcv, {**inputs, **sliced})
+            sums = {k: jnp.sum(jnp.where(w_bc > 0, v * w_bc, 0.0)) for k, v in values.items()}
+            return sum(coef[k] * sums[k] for k in coef), sums
+
+        if not with_grads:
+            total, sums = value(x_bcd, head_dv)
+            return dh_acc, (total, sums, None)
+        total, pull, sums = jax.vjp(value, x_bcd, head_dv, has_aux=True)
+        dx_bcd, dh = pull(jnp.ones_like(total))
+        return dh_acc + dh, (total, sums, dx_bcd)
+
+    dh0 = jnp.zeros(head_dv.shape, jnp.float32) if with_grads else None
+    dh, (totals, sums, dx) = jax.lax.scan(body, dh0, xs)
+    total, sums = jnp.sum(totals), {k: jnp.sum(v) for k, v in sums.items()}
+    if not with_grads:
+        return total, sums, None
+    dx = jnp.moveaxis(dx, 0, 1)  # [B, n, c, D]
+    if s % c == 0:
+        dx_bsd = dx.reshape(x_bsd.shape)
+    else:  # positions shared by the last two chunks carry gradient from one of them only
+        dx_bsd = jnp.zeros(x_bsd.shape, dx.dtype).at[:, pos].add(dx)
+    return total, sums, (dx_bsd, dh.astype(head_dv.dtype))
 
 
 def _means(sums: Tree, mask_bs: jax.Array) -> tuple[Tree, jax.Array]:
@@ -186,22 +281,22 @@ def kd_loss_chunked(
         kd = kd_divergence(z_bcv, teacher_c, cfg, vocab_limit=vocab_limit)
         return {"kd": kd, "ce": _token_ce(z_bcv, t["targets"])}
 
-    sums = _chunked_sums(
-        token_fn,
-        x_bsd,
-        head_dv,
-        per_token,
-        dense,
-        mask_bs,
-        vocab_limit=vocab_limit,
-        chunk=chunk,
-        compute_dtype=compute_dtype,
-        softcap=softcap,
-    )
+    n = jnp.maximum(jnp.sum(mask_bs.astype(jnp.float32)), 1.0)
+    coef = {"kd": cfg.alpha * cfg.temperature**2 / n, "ce": (1.0 - cfg.alpha) / n}
+    total, sums = _chunked_loss(
+        token_fn, coef, x_bsd, head_dv, per_token, dense, mask_bs,
+        vocab_limit=vocab_limit, chunk=chunk, compute_dtype=compute_dtype, softcap=softcap,
+    )  # fmt: skip
     means, tokens = _means(sums, mask_bs)
     kd, ce = means["kd"], means["ce"]
-    loss = cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce
+    loss = _with_gradient_of(cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce, total)
     return loss, {"loss": loss, "kd_loss": kd, "ce_loss": ce, "tokens": tokens}
+
+
+def _with_gradient_of(value: jax.Array, total: jax.Array) -> jax.Array:
+    """`value` (the loss as the means give it, bit for bit as before) carrying the gradient
+    of `total` (the same loss summed chunk by chunk: equal up to float reassociation)."""
+    return value + (total - jax.lax.stop_gradient(total))
 
 
 def ce_loss_chunked(
@@ -217,20 +312,15 @@ def ce_loss_chunked(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`distill.models.losses.ce_loss` of the logits x @ head, never whole (arguments as
     `kd_loss_chunked`). Metrics: loss, ce_loss, tokens."""
-    sums = _chunked_sums(
-        lambda z_bcv, t: {"ce": _token_ce(z_bcv, t["targets"])},
-        x_bsd,
-        head_dv,
-        {"targets": targets_bs},
-        {},
-        mask_bs,
-        vocab_limit=vocab_limit,
-        chunk=chunk,
-        compute_dtype=compute_dtype,
-        softcap=softcap,
-    )
+    n = jnp.maximum(jnp.sum(mask_bs.astype(jnp.float32)), 1.0)
+    total, sums = _chunked_loss(
+        lambda z_bcv, t: {"ce": _token_ce(z_bcv, t["targets"])}, {"ce": 1.0 / n},
+        x_bsd, head_dv, {"targets": targets_bs}, {}, mask_bs,
+        vocab_limit=vocab_limit, chunk=chunk, compute_dtype=compute_dtype, softcap=softcap,
+    )  # fmt: skip
     means, tokens = _means(sums, mask_bs)
-    return means["ce"], {"loss": means["ce"], "ce_loss": means["ce"], "tokens": tokens}
+    loss = _with_gradient_of(means["ce"], total)
+    return loss, {"loss": loss, "ce_loss": means["ce"], "tokens": tokens}
 
 
 def eval_metrics_chunked(

@@ -23,6 +23,7 @@ from distill.models import decode
 from pipelines.bench.phases import _interleaved_ms, _pipelined_ms, _teacher_params
 from student import optim, train
 from student.generate import sampler_for
+from student.remat import concrete as concrete_remat
 from teacher.forward import make_output_forward
 from teacher.sharding import batch_sharding
 
@@ -70,7 +71,8 @@ def _parts_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
     step = train.make_train_step(
         scfg, tx, meshes.student, loss_cfg=cfg.distill,
         lr_schedule=optim.schedule(cfg.optim, 10**6), dtype=cfg.student.dtype,
-        vocab_limit=limit, remat=cfg.train.remat, grad_accum=cfg.train.grad_accum,
+        vocab_limit=limit, remat=concrete_remat(cfg.train.remat, meshes.platform),
+        grad_accum=cfg.train.grad_accum,
         layer_loop=cfg.train.layer_loop,
     )  # fmt: skip
 

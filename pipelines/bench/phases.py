@@ -4,7 +4,10 @@ Every figure is a median over repeats after a warm-up (compilation excluded). Th
 pipelined step is measured on the real local-mode loop (`pipelines.local.distill_local`)
 from its per-step record times, so it includes Grain, transfers, metrics and logging.
 MFU follows PaLM appendix B: 3 x forward FLOPs per token (2 x matmul params + attention)
-times tokens/s, over the matmul throughput measured on the same devices.
+times tokens/s, over the device's bfloat16 peak (on CPU the matmul throughput measured on
+the same devices). HFU, beside it, counts the FLOPs the device does: the model's plus what
+the step's `train.remat` policy recomputes (`student.remat.train_flops_per_token`, a model
+checked against XLA's cost analysis, which counts a scanned loop's body once).
 """
 
 from __future__ import annotations
@@ -17,10 +20,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from distill import handoff
 from distill.checkpoint import params_exist, save_params
@@ -35,6 +34,7 @@ from distill.observability.metrics import MetricsStore
 from distill.observability.server import start_server
 from distill.outputs import teacher_path
 from distill.types import TeacherOutput
+from pipelines.bench.figures import student_figures, teacher_figures
 from pipelines.local import cross_spec, distill_local
 from pipelines.sources import own_rows
 from student import train
@@ -58,48 +58,6 @@ def _interleaved_ms(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t)
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-
-
-def matmul_flops_per_s(mesh, n: int = 1024, repeats: int = 5) -> float:
-    """Peak throughput of an [d*n, n] x [n, n] float32 matmul, rows split over the d devices
-    of the training mesh."""
-    d = mesh.size
-    rows = NamedSharding(mesh, P(mesh.axis_names))  # split over every device of the mesh
-    a = jax.device_put(jnp.ones((d * n, n), jnp.float32), rows)
-    b = jax.device_put(jnp.ones((n, n), jnp.float32), NamedSharding(mesh, P()))
-    mm = jax.jit(lambda a, b: a @ b)
-    for _ in range(2):
-        jax.block_until_ready(mm(a, b))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(mm(a, b))
-        times.append(time.perf_counter() - t)
-    ms = 1e3 * min(times)  # the peak this machine reaches: a conservative MFU denominator
-    return 2.0 * d * n * n * n / (ms / 1e3)
-
-
-# Dense bfloat16 peak FLOP/s per device by device kind (vendor figures: H100/H200 SXM,
-# A100, TPU v4, v5e ("TPU v5 lite"), v5p, v6e ("TPU v6 lite")).
-BF16_PEAK = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-}
-
-
-def peak_flops_per_s(mesh) -> float:
-    """The MFU denominator of a mesh: its devices' bfloat16 peak on a known accelerator;
-    elsewhere (CPU) the float32 matmul rate measured on the same devices."""
-    devs = list(mesh.devices.flat)
-    for name, peak in BF16_PEAK.items():
-        if name in devs[0].device_kind:
-            return peak * len(devs)
-    return matmul_flops_per_s(Mesh(np.array(devs), ("d",)))
 
 
 def _teacher_params(cfg: Config, meshes: Meshes, tmp: str):
@@ -399,46 +357,6 @@ def _derived(res: dict, cfg: Config, meshes: Meshes) -> None:
     )
 
 
-def teacher_figures(res: dict, cfg: Config, mesh) -> dict:
-    """The teacher's configured output time, tokens/s and MFU (forward FLOPs) on `mesh`."""
-    tokens = cfg.train.batch_size * cfg.train.seq_len
-    ms = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
-    peak = peak_flops_per_s(mesh)
-    flops = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len) * tokens
-    return {
-        "teacher_ms": ms,
-        "teacher_tokens_per_s": tokens / (ms / 1e3),
-        "teacher_peak_flops_per_s": peak,
-        "teacher_mfu": flops / (ms / 1e3) / peak,
-        "topk_over_plain_teacher": res["teacher_topk_ms"] / res["teacher_plain_ms"],
-    }
-
-
-def student_figures(res: dict, cfg: Config, mesh) -> dict:
-    """The student step's time with the configured teacher output, tokens/s and MFU
-    (3 x forward FLOPs) on `mesh`."""
-    tokens = cfg.train.batch_size * cfg.train.seq_len
-    ms = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
-    peak = peak_flops_per_s(mesh)
-    flops = 3 * model.flops_per_token(cfg.student_model(), cfg.train.seq_len) * tokens
-    return {
-        "student_ms": ms,
-        "student_tokens_per_s": tokens / (ms / 1e3),
-        "matmul_flops_per_s": peak,
-        "mfu": flops / (ms / 1e3) / peak,
-        **{
-            f"kd_over_ce_{kind}": res[f"student_kd_{kind}_ms"] / res["student_ce_ms"]
-            for kind in ("dense", "topk")
-            if f"student_kd_{kind}_ms" in res
-        },
-        **(
-            {"cross_over_one_vocab": res["student_kd_dense_ms"] / res["student_kd_one_vocab_ms"]}
-            if "student_kd_one_vocab_ms" in res
-            else {}
-        ),
-    }
-
-
 def format_bench(r: dict) -> str:
     return "\n".join(
         [
@@ -493,7 +411,8 @@ def format_bench(r: dict) -> str:
             ),
             f"data: {r['data_ms']:.2f} ms/batch; "
             f"matmul {r['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
-            f"MFU: student step {100 * r['mfu']:.1f}%, teacher forward "
+            f"MFU: student step {100 * r['mfu']:.1f}% (HFU {100 * r['hfu']:.1f}% with remat "
+            f"{r['student_remat']}), teacher forward "
             f"{100 * r['teacher_mfu']:.1f}% ({r['teacher_tokens_per_s']:.0f} tok/s)",
         ]
     )

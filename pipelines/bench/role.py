@@ -180,7 +180,8 @@ def format_role(r: dict) -> str:
                 if f"student_kd_{kind}_ms" in r
             ),
             f"configured output: {r['student_ms']:.1f} ms, {r['student_tokens_per_s']:.0f} "
-            f"tok/s, MFU {100 * r['mfu']:.1f}%",
+            f"tok/s, MFU {100 * r['mfu']:.1f}% (HFU {100 * r['hfu']:.1f}% with remat "
+            f"{r['student_remat']})",
             f"compiled per device: {gib(r['student_step_temp_bytes_per_device'])} "
             f"temporaries, peak {gib(r['student_peak_bytes_per_device'])}",
         ]

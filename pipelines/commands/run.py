@@ -44,9 +44,14 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
         check_cache(cfg, corpus)
     meshes = build_meshes(cfg)
     if plan_memory.device_memory(meshes.student) is not None:  # an accelerator: do both fit?
-        mem = _memory(cfg, meshes, corpus.tokenizer)
+        mem = _memory(cfg, meshes, corpus.tokenizer)  # resolves train.remat: auto
+        log.info(
+            "student blocks: train.remat: %s (%s)", cfg.train.remat, mem["student"]["remat_reason"]
+        )
         plan_memory.check_fits(mem)
         placement.check_colocated_fits(mem)
+    else:  # CPU: auto is `none`, nothing to compile (`student.remat`)
+        plan_memory.resolve_remat(cfg, meshes.student)
     return meshes, corpus
 
 

@@ -229,6 +229,7 @@ class StudentActor(_Member):
     where, and the driver's data position starts there."""
 
     def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
+        from pipelines import plan_memory
         from pipelines.local import cross_spec
         from student import train
         from student.evaluate import StudentEval
@@ -244,6 +245,7 @@ class StudentActor(_Member):
         self._owners = ray_rows.row_owners(self._split)
         self._spans = ray_rows.spans(self._owners, i, cfg.train.batch_size)
         cross = cross_spec(cfg, corpus)
+        plan_memory.resolve_remat(cfg, self._mesh, vocab_limit=limit)  # `auto` on these devices
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit, cross=cross)
         self._ckpt = run_checkpointer(cfg)
         self._state, self._data_state, self._start = start_student(
