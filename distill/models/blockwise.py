@@ -175,9 +175,7 @@ def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state)
     nq, b, n_kv, g, bq, d = qb.shape
     nk, bk = kb.shape[0], kb.shape[3]
 
-    def query_block(_, xs):
-        i, q_i, seg_q_i, init = xs
-
+    def query_block(i, q_i, seg_q_i, init):
         def key_block(j, carry):
             m, denom, acc = carry
             dots = jnp.einsum("bkgqd,bksd->bkgqs", q_i, kb[j], preferred_element_type=jnp.float32)
@@ -191,18 +189,27 @@ def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state)
             )
             return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
-        # carries made from q_i, so that under `shard_map` they vary over the same mesh
-        # axes as q (a fresh constant would not, and fori_loop needs equal carry types)
-        fresh = init is None
-        init = flash_state(q_i) if fresh else init
         # key blocks before `first` are out of the window, those from `stop` above the diagonal
         first = _first_key_block(i, window, bq, bk, offset)
         stop = jnp.clip((offset + (i + 1) * bq - 1) // bk + 1, 0, nk)
-        carry = lax.fori_loop(first, stop, key_block, init)
-        return None, flash_result(carry, qb.dtype) if fresh else carry
+        return lax.fori_loop(first, stop, key_block, init)
 
-    _, out = lax.scan(query_block, None, (jnp.arange(nq), qb, seg_q, state))
-    return out
+    if state is None:
+
+        def fresh(_, xs):
+            i, q_i, seg_q_i = xs
+            # carries made from q_i, so that under `shard_map` they vary over the same mesh
+            # axes as q (a fresh constant would not, and fori_loop needs equal carry types)
+            carry = query_block(i, q_i, seg_q_i, flash_state(q_i))
+            return None, flash_result(carry, qb.dtype)
+
+        return lax.scan(fresh, None, (jnp.arange(nq), qb, seg_q))[1]
+
+    def carried(i, state):  # updated in place: one state buffer, not an input and an output
+        carry = query_block(i, qb[i], seg_q[i], jax.tree.map(lambda x: x[i], state))
+        return jax.tree.map(lambda x, c: x.at[i].set(c), state, carry)
+
+    return lax.fori_loop(0, nq, carried, state)
 
 
 def saving_lse(forward, backward):
@@ -244,9 +251,7 @@ def flash_backward(
     nq, _, _, _, bq, _ = qb.shape
     nk, bk = kb.shape[0], kb.shape[3]
 
-    def key_block(dq, xs):
-        j, k_j, v_j, seg_k_j, dk_j, dv_j = xs
-
+    def key_block(j, k_j, v_j, seg_k_j, carry):
         def query_block(i, carry):
             dq, dk_j, dv_j = carry
             q_i, do_i = qb[i], do_b[i]
@@ -264,19 +269,29 @@ def flash_backward(
             )
             return dq.at[i].add(dq_i), dk_j, dv_j
 
-        zeros = jnp.zeros_like(k_j, jnp.float32)  # varying like k_j under shard_map
-        dk_j, dv_j = (zeros, zeros) if grads is None else (dk_j, dv_j)
         # query blocks before `first` lie above the diagonal, later ones out of their windows
         first = jnp.clip((j * bk - offset) // bq, 0, nq)
         stop = _last_query_block(j, window, bq, bk, nq, offset) + 1
-        dq, dk_j, dv_j = lax.fori_loop(first, stop, query_block, (dq, dk_j, dv_j))
-        if grads is None:
-            dk_j, dv_j = dk_j.astype(kb.dtype), dv_j.astype(vb.dtype)
-        return dq, (dk_j, dv_j)
+        return lax.fori_loop(first, stop, query_block, carry)
 
-    dq, dk, dv = (jnp.zeros_like(qb, jnp.float32), None, None) if grads is None else grads
-    dq, (dkb, dvb) = lax.scan(key_block, dq, (jnp.arange(nk), kb, vb, seg_k, dk, dv))
-    return dq, dkb, dvb
+    if grads is None:
+
+        def fresh(dq, xs):
+            j, k_j, v_j, seg_k_j = xs
+            zeros = jnp.zeros_like(k_j, jnp.float32)  # varying like k_j under shard_map
+            dq, dk_j, dv_j = key_block(j, k_j, v_j, seg_k_j, (dq, zeros, zeros))
+            return dq, (dk_j.astype(kb.dtype), dv_j.astype(vb.dtype))
+
+        dq0 = jnp.zeros_like(qb, jnp.float32)
+        dq, (dkb, dvb) = lax.scan(fresh, dq0, (jnp.arange(nk), kb, vb, seg_k))
+        return dq, dkb, dvb
+
+    def carried(j, grads):  # dk, dv updated in place, not an input and an output
+        dq, dk, dv = grads
+        dq, dk_j, dv_j = key_block(j, kb[j], vb[j], seg_k[j], (dq, dk[j], dv[j]))
+        return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j)
+
+    return lax.fori_loop(0, nk, carried, grads)
 
 
 _flash = saving_lse(flash_forward, _flash_bwd)

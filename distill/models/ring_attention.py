@@ -16,21 +16,25 @@ device's queries exactly what `distill.models.attention.attention` gives them on
 row: causal, same segment id, inside the sliding `window`, soft-capped, grouped-query
 heads. The masks come from each token's global index in the row (not its local slot): a
 key/value block arriving from device j covers chunks j and 2cp-1-j, so its positions are
-known from j and nothing but k, v and segment ids moves. Per pair of (query chunk, key
-chunk) the blockwise flash kernel (`distill.models.blockwise.flash_forward`) runs with the
-pair's position offset and returns (output, logsumexp); the pairs merge by logsumexp. Of
-the four pairs a step could form, the early query chunk never sees the other device's late
-key chunk (skipped statically), the late query chunk sees all of its early chunk (full),
-and exactly one of (early, early) or (late, late) is visible, chosen by comparing i and j:
-two chunk pairs of work per device per step, on every device. Within a pair the kernel
-never visits key blocks after the causal edge or wholly before the window, so a pair a
-window leaves empty costs only its loop over query blocks.
+known from j and nothing but k, v and segment ids moves. Each query chunk keeps one
+online-softmax state (`distill.models.blockwise.flash_state`), carried through every
+visiting key chunk by the blockwise flash kernel (`flash_update`, with the pair's position
+offset) and normalised once at the end. Of the four pairs a step could form, the early
+query chunk never sees another device's late key chunk (never formed), the late query
+chunk sees all of the early key chunk, and one of (early, early) or (late, late) is
+visible (both on the device's own block): the other is formed too, its negative offset
+making the kernel visit none of its key blocks. So each device does two chunk pairs of
+work a step, as every other device. Within a pair the kernel never visits key blocks after
+the causal edge or wholly before the window, so a pair a window leaves empty costs only
+its loop over query blocks. The steps are a `lax.scan`, so one step's buffers serve the
+next (unrolled, XLA kept them all).
 
 The key/value blocks reach every device one of two ways (`exchange`):
 
 - `ring`: cp - 1 steps of `jax.lax.ppermute` to the next device (`collectives.ring_shift`),
-  each step's transfer independent of that step's compute, so XLA may overlap them. Per
-  device, k/v memory stays two shards (the one in use and the next).
+  each issued at the top of a step and independent of that step's work, so XLA may overlap
+  them (not yet measured on an accelerator). Per device, k/v memory stays two shards (the
+  one in use and the next).
 - `gather`: one all-gather of every shard's k/v (`collectives.gather_shards`), the whole
   row's k and v on every device: one collective instead of cp - 1 dependent ones.
 - `auto`: `gather` when the whole row's k and v (all shards, the inputs' dtype) take at most
@@ -42,11 +46,12 @@ The key/value blocks reach every device one of two ways (`exchange`):
 local q, k, v, output and logsumexp; the backward sends k/v around the ring again, and with
 them float32 dk/dv accumulators, each device adding the gradient its queries give the
 visiting block (`flash_backward` with the whole output's logsumexp and dO.O, so each pair's
-share is exact); after cp steps the accumulators are home. Under `gather` the backward
-gathers k/v again, accumulates the whole row's dk/dv and reduce-scatters them
-(`collectives.scatter_sum`). Autodiff of the forward is not an option: the kernel's loops
-have data-dependent bounds (while loops, not reverse-differentiable), and it would keep
-every visiting k/v block, the whole row per device.
+share is exact; the accumulators updated in place); after cp steps they are home. Under
+`gather` the backward gathers k/v again, accumulates the whole row's dk/dv and
+reduce-scatters them (`collectives.scatter_sum`). Autodiff of the forward is not an
+option: the kernel's loops have data-dependent bounds (while loops, not
+reverse-differentiable), and it would keep every visiting k/v block, the whole row per
+device.
 
 With `axis` None (cp = 1) the local row is the whole row, and this is blockwise attention.
 """
