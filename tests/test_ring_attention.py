@@ -100,6 +100,11 @@ def test_layout_round_trips_and_balances_the_causal_work():
     np.testing.assert_array_equal(pos[1], [2, 3, 12, 13])
     work = (pos + 1).sum(axis=1)  # causal keys each device's queries see
     assert work.min() == work.max()
+    q, k, v, _, seg = _inputs()  # unsharded (axis None): the row is whole, blockwise
+    np.testing.assert_array_equal(
+        ring_attention(q, k, v, seg, axis=None, window=20),
+        attention(q, k, v, seg, backend="blockwise", window=20),
+    )
     with pytest.raises(ValueError, match="does not split into 2 \\* cp = 8 chunks"):
         to_cp_layout(np.zeros((1, 12)), 4)
     assert choose_exchange((1, 1024, 2, 64), jnp.bfloat16, 4) == "gather"

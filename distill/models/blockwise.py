@@ -118,18 +118,23 @@ def _block_mask(i, j, seg_q_i, seg_k_j, window, bq: int, bk: int, offset=0):
     return (same_doc & window_mask(q_pos, k_pos, window))[:, None, None]
 
 
-def _first_key_block(i, window, bq: int, bk: int, offset=0):
-    """The first key block query block i sees: 0, or the one holding its first query's
-    earliest key in the window."""
-    return 0 if window is None else jnp.maximum(offset + i * bq - window + 1, 0) // bk
-
-
-def _last_query_block(j, window, bq: int, bk: int, nq: int, offset=0):
-    """The last query block that sees key block j: the last, or the one holding the latest
-    query whose window still reaches j's last key."""
+def _key_span(i, window, bq: int, bk: int, nk: int, offset=0):
+    """[first, stop) of the key blocks query block i sees, the queries starting `offset`
+    positions after the keys: those before `first` are out of every query's window, those
+    from `stop` after the last query (above the diagonal). Empty when none is visible."""
+    stop = jnp.clip((offset + (i + 1) * bq - 1) // bk + 1, 0, nk)
     if window is None:
-        return nq - 1
-    return jnp.minimum(((j + 1) * bk + window - 2 - offset) // bq, nq - 1)
+        return 0, stop
+    return jnp.maximum(offset + i * bq - window + 1, 0) // bk, stop
+
+
+def _query_span(j, window, bq: int, bk: int, nq: int, offset=0):
+    """[first, stop) of the query blocks that see key block j: those before `first` lie
+    above the diagonal, those from `stop` have j's keys out of their windows."""
+    first = jnp.clip((j * bk - offset) // bq, 0, nq)
+    if window is None:
+        return first, nq
+    return first, jnp.minimum(((j + 1) * bk + window - 2 - offset) // bq, nq - 1) + 1
 
 
 def flash_forward(qb, kb, vb, seg_q, seg_k, window, scores: Scores):
@@ -189,9 +194,7 @@ def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state)
             )
             return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
-        # key blocks before `first` are out of the window, those from `stop` above the diagonal
-        first = _first_key_block(i, window, bq, bk, offset)
-        stop = jnp.clip((offset + (i + 1) * bq - 1) // bk + 1, 0, nk)
+        first, stop = _key_span(i, window, bq, bk, nk, offset)
         return lax.fori_loop(first, stop, key_block, init)
 
     if state is None:
@@ -269,9 +272,7 @@ def flash_backward(
             )
             return dq.at[i].add(dq_i), dk_j, dv_j
 
-        # query blocks before `first` lie above the diagonal, later ones out of their windows
-        first = jnp.clip((j * bk - offset) // bq, 0, nq)
-        stop = _last_query_block(j, window, bq, bk, nq, offset) + 1
+        first, stop = _query_span(j, window, bq, bk, nq, offset)
         return lax.fori_loop(first, stop, query_block, carry)
 
     if grads is None:
