@@ -1,4 +1,5 @@
-"""Every cross-device collective of the tensor-parallel forward, in one place.
+"""Every cross-device collective of the parallel forward (tensor, expert and context
+parallel), in one place.
 
 Each function takes the mesh axis name, or None for the unsharded (single-device) path, in
 which case it reduces to the plain computation. They are meant to run inside
@@ -149,3 +150,32 @@ def all_to_all(x_n: jax.Array, axis: str | None) -> jax.Array:
 def axis_size(axis: str | None) -> int:
     """Shards along `axis`; 1 on the unsharded path."""
     return 1 if axis is None else jax.lax.axis_size(axis)
+
+
+# -- context parallelism --------------------------------------------------------------------
+
+
+def ring_shift(x, axis: str | None):
+    """Each shard's `x` (any pytree) to the next shard of `axis`, the last to the first: one
+    step of the ring. Shard i receives shard i - 1's. With `axis` None, nothing moves."""
+    if axis is None:
+        return x
+    n = jax.lax.axis_size(axis)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm), x)
+
+
+def gather_shards(x, axis: str | None):
+    """Every shard's `x` (any pytree), stacked on a new leading axis in shard order [n, ...]
+    (an all-gather). With `axis` None, [1, ...]."""
+    if axis is None:
+        return jax.tree.map(lambda a: a[None], x)
+    return jax.tree.map(lambda a: jax.lax.all_gather(a, axis), x)
+
+
+def scatter_sum(x_n, axis: str | None):
+    """The transpose of `gather_shards`: x [n, ...] summed over the shards of `axis`, shard
+    i keeping entry i (a reduce-scatter). With `axis` None, x[0]."""
+    if axis is None:
+        return jax.tree.map(lambda a: a[0], x_n)
+    return jax.tree.map(lambda a: jax.lax.psum_scatter(a, axis, scatter_dimension=0), x_n)

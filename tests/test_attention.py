@@ -277,23 +277,25 @@ def test_reference_window_is_huggingface_mask():
     np.testing.assert_allclose(full, attention(q, q, v, seg, backend="reference"), atol=0)
 
 
-@pytest.mark.parametrize("window", [1, 37, 64, 500])
-def test_blockwise_visits_only_blocks_in_the_window(window):
+@pytest.mark.parametrize("window", [None, 1, 37, 64, 500])
+@pytest.mark.parametrize("offset", [0, 100, -100, 1000])
+def test_blockwise_visits_only_blocks_in_the_window(window, offset):
     """The key blocks each query block loops over (forward), and the query blocks each key
-    block loops over (backward), are exactly those holding an allowed pair."""
-    from distill.models.blockwise import _first_key_block, _last_query_block
+    block loops over (backward), are exactly those holding an allowed pair; also for
+    queries `offset` positions after the keys (the spans of context parallelism)."""
+    from distill.models.blockwise import _key_span, _query_span
 
     bq, bk, sp = 64, 48, 384
     nq, nk = sp // bq, sp // bk
-    qi, ki = np.arange(sp)[:, None], np.arange(sp)[None, :]
-    allowed = (ki <= qi) & (ki > qi - window)
+    qi, ki = offset + np.arange(sp)[:, None], np.arange(sp)[None, :]
+    allowed = (ki <= qi) & (True if window is None else ki > qi - window)
     needed = allowed.reshape(nq, bq, nk, bk).any(axis=(1, 3))
     for i in range(nq):
-        first, last = int(_first_key_block(i, window, bq, bk)), ((i + 1) * bq - 1) // bk
-        assert list(range(first, last + 1)) == list(np.flatnonzero(needed[i])), i
+        first, stop = (int(x) for x in _key_span(i, window, bq, bk, nk, offset))
+        assert list(range(first, stop)) == list(np.flatnonzero(needed[i])), i
     for j in range(nk):
-        first, last = (j * bk) // bq, int(_last_query_block(j, window, bq, bk, nq))
-        assert list(range(first, last + 1)) == list(np.flatnonzero(needed[:, j])), j
+        first, stop = (int(x) for x in _query_span(j, window, bq, bk, nq, offset))
+        assert list(range(first, stop)) == list(np.flatnonzero(needed[:, j])), j
 
 
 def test_backends_that_cannot_run_a_model_are_refused():

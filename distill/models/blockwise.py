@@ -7,6 +7,11 @@ Scores are float32 `Scores(scale, softcap)` of q.k: scaled, then capped at
 cap * tanh(s / cap) when `softcap` is set, whose derivative the backward applies. A
 `window` (None, or an int32 scalar that may vary per layer under the layer scan) keeps the
 keys with q_idx - window < k_idx; blockwise never visits key blocks wholly before it.
+
+The block-major kernel is public for context parallelism (`distill.models.ring_attention`):
+`flash_state` / `flash_update` / `flash_result` run one online softmax over key spans cut
+from other parts of the row (each at a position `offset`), and `flash_backward` takes the
+whole output's logsumexp, so each span's share of the gradient comes from one call.
 """
 
 from __future__ import annotations
@@ -61,60 +66,125 @@ def blockwise(q, k, v, seg, scores: Scores, window, block_q: int, block_kv: int)
         raise ValueError(f"block sizes must be positive, got {block_q}, {block_kv}")
     b, s, h, d = q.shape
     n_kv = k.shape[2]
-    g = h // n_kv
     bq, bk = min(block_q, s), min(block_kv, s)
     sp = round_up(s, math.lcm(bq, bk))
-    nq, nk = sp // bq, sp // bk
     # Padding sits after every real token, so causality alone keeps it out of real rows;
     # padded rows attend to themselves (finite) and are sliced off.
     pad = [(0, 0), (0, sp - s), (0, 0), (0, 0)]
     q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
     seg = jnp.pad(seg, [(0, 0), (0, sp - s)])
-    qb = q.reshape(b, nq, bq, n_kv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, KV, G, bq, d]
-    kb = k.reshape(b, nk, bk, n_kv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, KV, bk, d]
-    vb = v.reshape(b, nk, bk, n_kv, d).transpose(1, 0, 3, 2, 4)
-    seg_q = seg.reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
-    seg_k = seg.reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
+    qb, seg_q = query_blocks(q, n_kv, bq), seg_blocks(seg, bq)
+    kb, vb, seg_k = kv_blocks(k, bk), kv_blocks(v, bk), seg_blocks(seg, bk)
     ob = _flash(qb, kb, vb, seg_q, seg_k, window, scores)
-    o = ob.transpose(1, 0, 4, 2, 3, 5).reshape(b, sp, h, d)
-    return o[:, :s]
+    return from_query_blocks(ob)[:, :s]
 
 
-def _block_mask(i, j, seg_q_i, seg_k_j, window, bq: int, bk: int):
+def query_blocks(q_bshd, n_kv: int, bq: int):
+    """[B, S, H, d] -> [S/bq, B, KV, G, bq, d]: the kernel's block-major queries."""
+    b, s, h, d = q_bshd.shape
+    return q_bshd.reshape(b, s // bq, bq, n_kv, h // n_kv, d).transpose(1, 0, 3, 4, 2, 5)
+
+
+def from_query_blocks(ob):
+    """[nq, B, KV, G, bq, d] -> [B, nq * bq, KV * G, d], the inverse of `query_blocks`."""
+    nq, b, n_kv, g, bq, d = ob.shape
+    return ob.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, n_kv * g, d)
+
+
+def kv_blocks(k_bskd, bk: int):
+    """[B, S, KV, d] -> [S/bk, B, KV, bk, d]."""
+    b, s, n_kv, d = k_bskd.shape
+    return k_bskd.reshape(b, s // bk, bk, n_kv, d).transpose(1, 0, 3, 2, 4)
+
+
+def from_kv_blocks(kb):
+    """[nk, B, KV, bk, d] -> [B, nk * bk, KV, d], the inverse of `kv_blocks`."""
+    nk, b, n_kv, bk, d = kb.shape
+    return kb.transpose(1, 0, 3, 2, 4).reshape(b, nk * bk, n_kv, d)
+
+
+def seg_blocks(seg_bs, block: int):
+    """[B, S] -> [S/block, B, block]."""
+    b, s = seg_bs.shape
+    return seg_bs.reshape(b, s // block, block).transpose(1, 0, 2)
+
+
+def _block_mask(i, j, seg_q_i, seg_k_j, window, bq: int, bk: int, offset=0):
     """[B, 1, 1, bq, bk]: causal, in the window and same segment, for query block i against
-    key block j."""
-    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    key block j, the queries starting `offset` positions after the keys."""
+    q_pos = offset + i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     same_doc = seg_q_i[:, :, None] == seg_k_j[:, None, :]
     return (same_doc & window_mask(q_pos, k_pos, window))[:, None, None]
 
 
-def _first_key_block(i, window, bq: int, bk: int):
-    """The first key block query block i sees: 0, or the one holding its first query's
-    earliest key in the window."""
-    return 0 if window is None else jnp.maximum(i * bq - window + 1, 0) // bk
-
-
-def _last_query_block(j, window, bq: int, bk: int, nq: int):
-    """The last query block that sees key block j: the last, or the one holding the latest
-    query whose window still reaches j's last key."""
+def _key_span(i, window, bq: int, bk: int, nk: int, offset=0):
+    """[first, stop) of the key blocks query block i sees, the queries starting `offset`
+    positions after the keys: those before `first` are out of every query's window, those
+    from `stop` after the last query (above the diagonal). Empty when none is visible."""
+    stop = jnp.clip((offset + (i + 1) * bq - 1) // bk + 1, 0, nk)
     if window is None:
-        return nq - 1
-    return jnp.minimum(((j + 1) * bk + window - 2) // bq, nq - 1)
+        return 0, stop
+    return jnp.maximum(offset + i * bq - window + 1, 0) // bk, stop
 
 
-def _flash_forward(qb, kb, vb, seg_q, seg_k, window, scores: Scores):
-    """Blocked output [nq, B, KV, G, bq, d] and its logsumexp [nq, B, KV, G, bq] (float32)."""
+def _query_span(j, window, bq: int, bk: int, nq: int, offset=0):
+    """[first, stop) of the query blocks that see key block j: those before `first` lie
+    above the diagonal, those from `stop` have j's keys out of their windows."""
+    first = jnp.clip((j * bk - offset) // bq, 0, nq)
+    if window is None:
+        return first, nq
+    return first, jnp.minimum(((j + 1) * bk + window - 2 - offset) // bq, nq - 1) + 1
+
+
+def flash_forward(qb, kb, vb, seg_q, seg_k, window, scores: Scores):
+    """Blocked output [nq, B, KV, G, bq, d] (q's dtype) and its logsumexp [nq, B, KV, G, bq]
+    (float32), from block-major q [nq, B, KV, G, bq, d], k and v [nk, B, KV, bk, d] and
+    segment ids [nq, B, bq] / [nk, B, bk] of one span of a row."""
+    return _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores, 0, None)
+
+
+def flash_state(qb):
+    """The online softmax's state before any key: running max, normaliser [nq, B, KV, G, bq]
+    and unnormalised output [nq, B, KV, G, bq, d], float32 (see `flash_update`)."""
+    return (
+        jnp.full_like(qb[..., 0], MASK_VALUE, jnp.float32),
+        jnp.zeros_like(qb[..., 0], jnp.float32),
+        jnp.zeros_like(qb, jnp.float32),
+    )
+
+
+def flash_update(state, qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset):
+    """The online softmax `state` (`flash_state`) after the queries `qb` also attend to the
+    keys `kb` / `vb` of another span of their row (context parallelism), whose first key
+    lies `offset` (an int32 scalar) positions before the first query; negative: after it.
+    Key blocks wholly after a query block's last query, or wholly before its window, are
+    never visited. Threading one state through every span keeps one output-sized buffer
+    live and orders the spans' work."""
+    return _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores, offset, state)
+
+
+def flash_result(state, dtype):
+    """(output in `dtype`, logsumexp float32) from an online softmax state; a query that saw
+    no key gets 0 and `MASK_VALUE`."""
+    m, denom, acc = state
+    seen = denom > 0
+    denom = jnp.where(seen, denom, 1.0)
+    return (acc / denom[..., None]).astype(dtype), jnp.where(seen, m + jnp.log(denom), MASK_VALUE)
+
+
+def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state):
+    """Per query block, the online softmax over the key blocks it sees. With `state` None
+    each block starts afresh and ends with (output, logsumexp); else it continues `state`
+    and returns the new state."""
     nq, b, n_kv, g, bq, d = qb.shape
-    bk = kb.shape[3]
+    nk, bk = kb.shape[0], kb.shape[3]
 
-    def query_block(_, xs):
-        i, q_i, seg_q_i = xs
-
+    def query_block(i, q_i, seg_q_i, init):
         def key_block(j, carry):
             m, denom, acc = carry
             dots = jnp.einsum("bkgqd,bksd->bkgqs", q_i, kb[j], preferred_element_type=jnp.float32)
-            mask = _block_mask(i, j, seg_q_i, seg_k[j], window, bq, bk)
+            mask = _block_mask(i, j, seg_q_i, seg_k[j], window, bq, bk, offset)
             s = jnp.where(mask, scores(dots), MASK_VALUE)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -124,48 +194,72 @@ def _flash_forward(qb, kb, vb, seg_q, seg_k, window, scores: Scores):
             )
             return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
-        # carries made from q_i, so that under `shard_map` they vary over the same mesh
-        # axes as q (a fresh constant would not, and fori_loop needs equal carry types)
-        init = (
-            jnp.full_like(q_i[..., 0], MASK_VALUE, jnp.float32),
-            jnp.zeros_like(q_i[..., 0], jnp.float32),
-            jnp.zeros_like(q_i, jnp.float32),
-        )
-        first = _first_key_block(i, window, bq, bk)  # key blocks before it: out of the window
-        last = ((i + 1) * bq - 1) // bk  # key blocks past this one lie above the diagonal
-        m, denom, acc = lax.fori_loop(first, last + 1, key_block, init)
-        return None, ((acc / denom[..., None]).astype(qb.dtype), m + jnp.log(denom))
+        first, stop = _key_span(i, window, bq, bk, nk, offset)
+        return lax.fori_loop(first, stop, key_block, init)
 
-    _, (ob, lse) = lax.scan(query_block, None, (jnp.arange(nq), qb, seg_q))
-    return ob, lse
+    if state is None:
+
+        def fresh(_, xs):
+            i, q_i, seg_q_i = xs
+            # carries made from q_i, so that under `shard_map` they vary over the same mesh
+            # axes as q (a fresh constant would not, and fori_loop needs equal carry types)
+            carry = query_block(i, q_i, seg_q_i, flash_state(q_i))
+            return None, flash_result(carry, qb.dtype)
+
+        return lax.scan(fresh, None, (jnp.arange(nq), qb, seg_q))[1]
+
+    def carried(i, state):  # updated in place: one state buffer, not an input and an output
+        carry = query_block(i, qb[i], seg_q[i], jax.tree.map(lambda x: x[i], state))
+        return jax.tree.map(lambda x, c: x.at[i].set(c), state, carry)
+
+    return lax.fori_loop(0, nq, carried, state)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(qb, kb, vb, seg_q, seg_k, window, scores):
-    return _flash_forward(qb, kb, vb, seg_q, seg_k, window, scores)[0]
+def saving_lse(forward, backward):
+    """A `jax.custom_vjp` of `forward(qb, kb, vb, seg_q, seg_k, window, static) -> (out,
+    lse)` returning out: it saves the inputs, out and lse, and differentiates with
+    `backward(static, (qb, kb, vb, seg_q, seg_k, window, out, lse), d_out)`."""
 
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+    def attend(qb, kb, vb, seg_q, seg_k, window, static):
+        return forward(qb, kb, vb, seg_q, seg_k, window, static)[0]
 
-def _flash_fwd(qb, kb, vb, seg_q, seg_k, window, scores):
-    ob, lse = _flash_forward(qb, kb, vb, seg_q, seg_k, window, scores)
-    return ob, (qb, kb, vb, seg_q, seg_k, window, ob, lse)
+    def attend_fwd(*args):
+        out, lse = forward(*args)
+        return out, (*args[:6], out, lse)
+
+    attend.defvjp(attend_fwd, backward)
+    return attend
 
 
 def _flash_bwd(scores: Scores, res, do_b):
-    """FlashAttention-2 backward: per key block, visit the query blocks that see it, recompute
-    p from the saved logsumexp, accumulate dk/dv there and dq in place."""
     qb, kb, vb, seg_q, seg_k, window, ob, lse = res
+    delta = jnp.sum(do_b.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
+    dq, dkb, dvb = flash_backward(qb, kb, vb, seg_q, seg_k, window, lse, delta, do_b, scores)
+    return dq.astype(qb.dtype), dkb, dvb, None, None, None
+
+
+def flash_backward(
+    qb, kb, vb, seg_q, seg_k, window, lse, delta, do_b, scores: Scores, offset=0, grads=None
+):
+    """FlashAttention-2 backward: per key block, visit the query blocks that see it, recompute
+    p from the logsumexp `lse` [nq, B, KV, G, bq], accumulate dk/dv there and dq in place.
+
+    `lse` and `delta` (sum of dO * O per query) are those of the whole output, so that a
+    query span attending several key spans (context parallelism) gets each span's share of
+    the gradient from this one call per span. Returns dq (float32) and dk, dv (k's and v's
+    dtype), or with `grads` (float32 dq, dk, dv to add to, context parallelism) the float32
+    sums. `offset` as in `flash_update`.
+    """
     nq, _, _, _, bq, _ = qb.shape
     nk, bk = kb.shape[0], kb.shape[3]
-    delta = jnp.sum(do_b.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
 
-    def key_block(dq, xs):
-        j, k_j, v_j, seg_k_j = xs
-
+    def key_block(j, k_j, v_j, seg_k_j, carry):
         def query_block(i, carry):
             dq, dk_j, dv_j = carry
             q_i, do_i = qb[i], do_b[i]
             dots = jnp.einsum("bkgqd,bksd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32)
-            mask = _block_mask(i, j, seg_q[i], seg_k_j, window, bq, bk)
+            mask = _block_mask(i, j, seg_q[i], seg_k_j, window, bq, bk, offset)
             p = jnp.where(mask, jnp.exp(scores(dots) - lse[i][..., None]), 0.0)
             dv_j = dv_j + jnp.einsum(
                 "bkgqs,bkgqd->bksd", p.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
@@ -178,18 +272,30 @@ def _flash_bwd(scores: Scores, res, do_b):
             )
             return dq.at[i].add(dq_i), dk_j, dv_j
 
-        zeros = jnp.zeros_like(k_j, jnp.float32)  # varying like k_j under shard_map
-        first = (j * bk) // bq  # query blocks before this one lie above the diagonal
-        last = _last_query_block(j, window, bq, bk, nq)  # later ones: out of their windows
-        dq, dk_j, dv_j = lax.fori_loop(first, last + 1, query_block, (dq, zeros, zeros))
-        return dq, (dk_j.astype(kb.dtype), dv_j.astype(vb.dtype))
+        first, stop = _query_span(j, window, bq, bk, nq, offset)
+        return lax.fori_loop(first, stop, query_block, carry)
 
-    dq0 = jnp.zeros_like(qb, jnp.float32)
-    dq, (dkb, dvb) = lax.scan(key_block, dq0, (jnp.arange(nk), kb, vb, seg_k))
-    return dq.astype(qb.dtype), dkb, dvb, None, None, None
+    if grads is None:
+
+        def fresh(dq, xs):
+            j, k_j, v_j, seg_k_j = xs
+            zeros = jnp.zeros_like(k_j, jnp.float32)  # varying like k_j under shard_map
+            dq, dk_j, dv_j = key_block(j, k_j, v_j, seg_k_j, (dq, zeros, zeros))
+            return dq, (dk_j.astype(kb.dtype), dv_j.astype(vb.dtype))
+
+        dq0 = jnp.zeros_like(qb, jnp.float32)
+        dq, (dkb, dvb) = lax.scan(fresh, dq0, (jnp.arange(nk), kb, vb, seg_k))
+        return dq, dkb, dvb
+
+    def carried(j, grads):  # dk, dv updated in place, not an input and an output
+        dq, dk, dv = grads
+        dq, dk_j, dv_j = key_block(j, kb[j], vb[j], seg_k[j], (dq, dk[j], dv[j]))
+        return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j)
+
+    return lax.fori_loop(0, nk, carried, grads)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = saving_lse(flash_forward, _flash_bwd)
 
 
 # --- prefix ------------------------------------------------------------------------------
