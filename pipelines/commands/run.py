@@ -14,7 +14,7 @@ from distill.errors import DistillError
 from distill.mesh import Meshes, build_meshes
 from distill.observability.metrics import MetricsStore
 from distill.observability.metrics_log import dumps
-from pipelines import plan_memory
+from pipelines import host_memory, plan_memory
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.hooks import Hook
 from pipelines.plan import format_plan, plan
@@ -45,6 +45,8 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
     meshes = build_meshes(cfg)
     if plan_memory.device_memory(meshes.student) is not None:  # an accelerator: do both fit?
         plan_memory.check_fits(_memory(cfg, meshes, corpus.tokenizer))
+    elif cfg.pipeline.mode == "local":  # CPU devices: does their sum fit the machine?
+        host_memory.check_host_fits(cfg, meshes, lambda c, m: _memory(c, m, corpus.tokenizer))
     return meshes, corpus
 
 
@@ -174,4 +176,8 @@ def plan_json(cfg: Config) -> str:
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
-    return format_plan(p) + "\n" + plan_memory.format_memory(mem) + "\n" + dumps(p)
+    text = [format_plan(p), plan_memory.format_memory(mem)]
+    if meshes.platform == "cpu":  # the devices share this machine's RAM: their sum
+        p["host_memory"] = host_memory.host_figures(meshes, mem, host_memory.available_bytes())
+        text.append(host_memory.format_host(p["host_memory"]))
+    return "\n".join([*text, dumps(p)])
