@@ -10,8 +10,10 @@ available memory (`MemAvailable`) bounds that sum, with `HOST_RESERVE` left for 
 process itself (the Python and XLA runtimes, the corpus, reading the checkpoint).
 
 `distill plan` reports the sum beside the memory available (`host_memory` in its JSON);
-`distill validate` and `distill run` refuse a layout whose sum exceeds it, in one line
-naming the one-device-per-role layout and its sum where that fits. Compiling both programs
+`distill run` and `distill eval`, which load both models here, refuse a layout whose sum
+exceeds it before loading anything, in one line naming the one-device-per-role layout and
+its sum where that fits. (`distill validate` and `plan` check a layout for any machine: a
+GPU host's, planned on a laptop, is theirs to describe, not to refuse.) Compiling both programs
 costs time, so they check only where the resident weights and optimizer state alone
 (`plan`'s figures, no compile) reach `CHECK_FROM` of the memory available: tiny configs
 skip it.

@@ -1,5 +1,5 @@
 """Host memory on CPU devices (pipelines/host_memory.py): the plan sums both roles'
-compiled peaks over their devices, and validate refuses, in one line naming a layout that
+compiled peaks over their devices, and a run refuses, in one line naming a layout that
 fits, a layout whose sum exceeds the memory available (here set by the test: the
 machine's own is what it is)."""
 
@@ -49,23 +49,28 @@ def test_the_sum_counts_every_replica(corpus_dir, tmp_path):
     assert replicated - host_memory.HOST_RESERVE > 2 * (one - host_memory.HOST_RESERVE)
 
 
-def test_validate_refuses_what_exceeds_the_machine(corpus_dir, tmp_path, monkeypatch, capsys):
+def test_a_run_is_refused_what_exceeds_the_machine(corpus_dir, tmp_path, monkeypatch, capsys):
     replicated, _ = _needed(_tree(corpus_dir, tmp_path, REPLICATED))
     one, _ = _needed(_tree(corpus_dir, tmp_path, ONE_EACH))
-    monkeypatch.setattr(host_memory, "available_bytes", lambda: (replicated + one) // 2)
+    available = (replicated + one) // 2
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
     monkeypatch.setattr(host_memory, "CHECK_FROM", 0.0)  # tiny models: check all the same
-    path = write_config(tmp_path, _tree(corpus_dir, tmp_path, REPLICATED))
-    assert main(["validate", path]) == 2
+    tree = _tree(corpus_dir, tmp_path, REPLICATED)
+    path = write_config(tmp_path, tree)
+    assert main(["run", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "host memory: the 4 teacher and 4 student CPU devices" in err[0]
     assert "one device per role fits" in err[0] and "--set mesh.student.dp=1" in err[0]
-    # the layout it names passes
-    sets = ["mesh.teacher.dp=1", "mesh.teacher.tp=1", "mesh.student.dp=1", "mesh.student.fsdp=1"]
-    assert main(["validate", path, *(a for s in sets for a in ("--set", s))]) == 0
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    # the layout it names passes the same check
+    cfg = Config.model_validate(_tree(corpus_dir, tmp_path, ONE_EACH))
+    cfg.resolve_dtypes("cpu")
+    memory = lambda c, m: plan_memory.memory(c, m, None)  # noqa: E731
+    host_memory.check_host_fits(cfg, build_meshes(cfg), memory, available)
     # with less than even that, it says what else lowers the memory
     monkeypatch.setattr(host_memory, "available_bytes", lambda: one // 2)
-    assert main(["validate", path]) == 2
+    assert main(["run", path]) == 2
     assert "even one device per role needs" in capsys.readouterr().err
 
 

@@ -3,11 +3,12 @@
 Every `distill` line of the page's bash blocks runs through the CLI as written, in a
 directory laid out as the page lays it out (`models/Qwen3-8B`, `models/Qwen3-1.7B`,
 `models/Qwen3-0.6B`, `data/chat.jsonl`, the shipped `pipelines/`), with `--set` overrides
-of the sizes appended to the commands that take a config; the page's Python block then
-loads the export in transformers and generates. The models are tiny random Qwen3 models
-saved by transformers with a BPE tokenizer and Qwen3's chat template as the model ships
-it; only `hf download` (no network here) is replaced by writing them. The commands come
-from the page, so the page and the test cannot drift apart.
+of the sizes appended to the commands that take a config (and `--repeats 2` to `bench`);
+the page's Python block then loads the export in transformers and generates. The models
+are tiny random Qwen3 models saved by transformers with a BPE tokenizer and Qwen3's chat
+template as the model ships it; only `hf download` (no network here) is replaced by
+writing them. The commands come from the page, so the page and the test cannot drift
+apart.
 """
 
 import json
@@ -98,7 +99,8 @@ def _with_sizes(args: list[str]) -> list[str]:
     if config is None:
         return args
     sets = SMALL + SIZES.get(Path(config).name, [])
-    return [*args, *(x for s in sets for x in ("--set", s))]
+    repeats = ["--repeats", "2"] if args[0] == "bench" else []  # a median of 2 timings
+    return [*args, *repeats, *(x for s in sets for x in ("--set", s))]
 
 
 def _dashboard(args: list[str], cwd: Path) -> dict:

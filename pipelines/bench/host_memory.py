@@ -1,6 +1,6 @@
 """Peak host memory (RSS) of a run on CPU devices with a Qwen2.5-0.5B-shaped teacher.
 
-    nice python -m pipelines.bench.host_memory WORKDIR [--cap-gb 14] [--set KEY=VALUE ...]
+    nice python -m pipelines.bench.host_memory WORKDIR [--until TEXT] [--set KEY=VALUE ...]
 
 Makes, once, under WORKDIR: a Hugging Face directory of a random Qwen2.5 model with the
 real 0.5B dimensions (transformers' `Qwen2Config`, saved in bfloat16 with
@@ -101,8 +101,10 @@ def _children(pid: int) -> list[int]:
     return kids + [g for k in kids for g in _children(k)]
 
 
-def measure(cmd: list[str], cap: int) -> dict:
-    """Run `cmd`, sampling its RSS; the peak, the RSS at each printed line, the exit code."""
+def measure(cmd: list[str], cap: int, until: str | None = None) -> dict:
+    """Run `cmd`, sampling its RSS; the peak, the RSS at each printed line, the exit code.
+    With `until`, the child is killed (SIGKILL: no stop handling, whose final checkpoint
+    would count) once it prints a line holding that text."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak, lines, start = [0], [], time.time()
 
@@ -120,6 +122,9 @@ def measure(cmd: list[str], cap: int) -> dict:
         peak[0] = max(peak[0], rss)
         lines.append(f"{time.time() - start:7.1f}s {rss / 1e9:6.2f} GB  {line.rstrip()[:150]}")
         print(lines[-1], flush=True)
+        if until and until in line:
+            proc.kill()
+            break
     rc = proc.wait()
     return {"rc": rc, "peak_rss_gb": round(peak[0] / 1e9, 2), "seconds": round(time.time() - start)}
 
@@ -130,6 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--cap-gb", type=float, default=14.0)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--command", default="run", choices=["run", "plan"])
+    ap.add_argument("--until", default=None, help="kill the run at a line holding this text")
     args = ap.parse_args(argv)
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -144,7 +150,7 @@ def main(argv=None) -> None:
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "pipelines.commands.cli", args.command, CONFIG]
     cmd += [a for s in sets for a in ("--set", s)]
-    result = measure(cmd, int(args.cap_gb * 1e9))
+    result = measure(cmd, int(args.cap_gb * 1e9), args.until)
     print(json.dumps({**result, "sets": args.set}))
 
 

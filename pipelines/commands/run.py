@@ -45,9 +45,15 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
     meshes = build_meshes(cfg)
     if plan_memory.device_memory(meshes.student) is not None:  # an accelerator: do both fit?
         plan_memory.check_fits(_memory(cfg, meshes, corpus.tokenizer))
-    elif cfg.pipeline.mode == "local":  # CPU devices: does their sum fit the machine?
-        host_memory.check_host_fits(cfg, meshes, lambda c, m: _memory(c, m, corpus.tokenizer))
     return meshes, corpus
+
+
+def _check_host(cfg: Config, meshes: Meshes, corpus) -> None:
+    """Before a command loads both models into this process's CPU devices: does the sum
+    over the devices fit the machine (`pipelines.host_memory`)? `validate` and `plan` leave
+    it out: they check or plan a layout for any machine, such as a GPU host's from a laptop."""
+    if cfg.pipeline.mode == "local":
+        host_memory.check_host_fits(cfg, meshes, lambda c, m: _memory(c, m, corpus.tokenizer))
 
 
 def _tokenizer_if_present(cfg: Config):
@@ -90,6 +96,7 @@ def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
 
         host_cfg = driver_view(cfg)
     meshes, corpus = validate(host_cfg)
+    _check_host(cfg, meshes, corpus)
     if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
         check_bootstrap_fits(host_cfg)  # before anything is written
     p = plan(cfg, meshes)
@@ -151,6 +158,7 @@ def evaluate(cfg: Config) -> dict:
     from pipelines.sources import OnlineTeacher
 
     meshes, corpus = validate(cfg)
+    _check_host(cfg, meshes, corpus)
     if not has_checkpoint(outputs.checkpoint_dir(cfg)):
         where = outputs.checkpoint_dir(cfg)
         raise DistillError(f"run.output_dir: no student checkpoint in {where}")
