@@ -80,3 +80,21 @@ def tunables_env(environ: dict[str, str]) -> dict[str, str]:
     own, if any, which win where they name the same (glibc takes the last of a name)."""
     theirs = environ.get("GLIBC_TUNABLES")
     return {"GLIBC_TUNABLES": f"{TUNABLES}:{theirs}" if theirs else TUNABLES}
+
+
+def release_freed_memory() -> bool:
+    """Give the system back the pages of blocks freed so far (glibc's `malloc_trim(0)`,
+    which releases every whole free page of the heap, not only its top).
+
+    Kept blocks are what lets each step reuse its temporaries (module docstring), but the
+    heap also keeps what one-off work freed: the checkpoint's tensors as they were read and
+    converted, the student's starting weights on their way to the device, the compiler's
+    own memory, a first evaluation's temporaries. On CPU devices that memory is the same
+    RAM the devices' programs need, so a run releases it once that work is done
+    (`pipelines.hooks.ReleaseHostMemory`); later steps reuse their blocks as before. Returns
+    whether anything was released; False off glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return trim(0) == 1

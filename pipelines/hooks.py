@@ -237,3 +237,27 @@ class Profile(Hook):
             loop.executor.read(handle, True)
             jax.profiler.stop_trace()
             log.info("profile: steps %d..%d traced to %s", self.first, step, self.path)
+
+
+class ReleaseHostMemory(Hook):
+    """On CPU devices: give the system the pages the heap keeps from one-off work
+    (`distill.allocator.release_freed_memory`): at the start (the teacher loaded, the
+    student placed, the first evaluation done), after the first step (its programs
+    compiled) and after each evaluation (every `every` steps), never between other steps,
+    whose temporaries stay kept for reuse."""
+
+    def __init__(self, every: int):
+        self.every, self.first = every, 1
+
+    def on_start(self, loop: Loop, step: int) -> None:
+        self.first = step + 1
+        self._release()
+
+    def end_of_step(self, loop: Loop, step: int) -> None:
+        if step == self.first or step % self.every == 0:
+            self._release()
+
+    def _release(self) -> None:
+        from distill.allocator import release_freed_memory
+
+        release_freed_memory()

@@ -130,6 +130,8 @@ def distill_local(
         teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
         source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)
     evaluate = Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples)
+    if meshes.platform == "cpu":  # the devices' RAM is the host's: give back one-off work's
+        extra = [h.ReleaseHostMemory(cfg.train.eval_every), *extra]
     hooks = distill_hooks(cfg, evaluate, store, source, extra)
     try:
         return Loop(

@@ -122,7 +122,9 @@ def _init_program(cfg: ModelConfig, tx, seed: int, mesh, fresh: bool):
         params = model.init_params(cfg, seed) if fresh else params
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), no_skips())
 
-    return jax.jit(init, out_shardings=state_shardings(cfg, tx, mesh))
+    # given parameters become the state's own (donated): never two copies on a device
+    donate = () if fresh else (0,)
+    return jax.jit(init, out_shardings=state_shardings(cfg, tx, mesh), donate_argnums=donate)
 
 
 def _host_param(expected: jax.ShapeDtypeStruct, given) -> np.ndarray:

@@ -14,7 +14,7 @@ from distill.errors import DistillError
 from distill.mesh import Meshes, available_devices, build_meshes, colocated
 from distill.observability.metrics import MetricsStore
 from distill.observability.metrics_log import dumps
-from pipelines import placement, plan_memory
+from pipelines import host_memory, placement, plan_memory
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.hooks import Hook
 from pipelines.plan import format_plan, plan
@@ -53,6 +53,14 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
     else:  # CPU: auto is `none`, nothing to compile (`student.remat`)
         plan_memory.resolve_remat(cfg, meshes.student)
     return meshes, corpus
+
+
+def _check_host(cfg: Config, meshes: Meshes, corpus) -> None:
+    """Before a command loads both models into this process's CPU devices: does the sum
+    over the devices fit the machine (`pipelines.host_memory`)? `validate` and `plan` leave
+    it out: they check or plan a layout for any machine, such as a GPU host's from a laptop."""
+    if cfg.pipeline.mode == "local":
+        host_memory.check_host_fits(cfg, meshes, lambda c, m: _memory(c, m, corpus.tokenizer))
 
 
 def _tokenizer_if_present(cfg: Config):
@@ -98,6 +106,7 @@ def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
 
         host_cfg = driver_view(cfg)
     meshes, corpus = validate(host_cfg)
+    _check_host(cfg, meshes, corpus)
     if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
         check_bootstrap_fits(host_cfg)  # before anything is written
     p = plan(cfg, meshes)
@@ -159,6 +168,7 @@ def evaluate(cfg: Config) -> dict:
     from pipelines.sources import OnlineTeacher
 
     meshes, corpus = validate(cfg)
+    _check_host(cfg, meshes, corpus)
     if not has_checkpoint(outputs.checkpoint_dir(cfg)):
         where = outputs.checkpoint_dir(cfg)
         raise DistillError(f"run.output_dir: no student checkpoint in {where}")
@@ -185,9 +195,12 @@ def plan_json(cfg: Config) -> str:
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
-    text = format_plan(p) + "\n" + plan_memory.format_memory(mem)
+    text = [format_plan(p), plan_memory.format_memory(mem)]
     if "colocated" in mem:
         p["colocated"] = mem["colocated"]
-        text += "\n" + placement.format_colocated(mem)
-    text += "\n" + dumps(p)
+        text.append(placement.format_colocated(mem))
+    if meshes.platform == "cpu":  # the devices share this machine's RAM: their sum
+        p["host_memory"] = host_memory.host_figures(meshes, mem, host_memory.available_bytes())
+        text.append(host_memory.format_host(p["host_memory"]))
+    text = "\n".join([*text, dumps(p)])
     return text if table is None else table + "\n" + text
