@@ -15,7 +15,6 @@ prints, so the phase that holds the peak is visible. The child is killed past `-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -23,6 +22,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from distill.observability.metrics_log import dumps
 
 CONFIG = "pipelines/qwen3-0.6b-laptop-chat.yaml"
 QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B-Instruct's config.json
@@ -74,8 +75,8 @@ def make_model_dir(root: Path) -> Path:
     tok.save(str(model / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}  # fmt: skip
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    lines = (json.dumps(c) + "\n" for c in conversations(400))
+    (model / "tokenizer_config.json").write_text(dumps(config))
+    lines = (dumps(c) + "\n" for c in conversations(400))
     (root / "chat.jsonl").write_text("".join(lines))
     return model
 
@@ -151,7 +152,7 @@ def main(argv=None) -> None:
     cmd = [sys.executable, "-m", "pipelines.commands.cli", args.command, CONFIG]
     cmd += [a for s in sets for a in ("--set", s)]
     result = measure(cmd, int(args.cap_gb * 1e9), args.until)
-    print(json.dumps({**result, "sets": args.set}))
+    print(dumps({**result, "sets": args.set}))
 
 
 if __name__ == "__main__":

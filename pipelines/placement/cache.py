@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from distill.config import Config
+from distill.observability.metrics_log import dumps
 from pipelines.placement.choice import RoleCost
 
 log = logging.getLogger("distill")
@@ -57,7 +58,7 @@ def key(cfg: Config, devices: list) -> str:
         "jax": jax.__version__,
         "code": _code_digest(),
     }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+    return hashlib.sha256(dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def cached_costs(cfg: Config, devices: list, compute: Callable[[], dict]) -> dict:
@@ -76,7 +77,7 @@ def cached_costs(cfg: Config, devices: list, compute: Callable[[], dict]) -> dic
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(rows))
+        tmp.write_text(dumps(rows))
         tmp.replace(path)
     except OSError as e:
         log.warning("mesh.placement auto: the costs were not cached (%s)", e)
