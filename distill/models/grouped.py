@@ -82,7 +82,8 @@ def expert_rows(x_nd, src_r, expert_r, gate_efd, up_efd, down_edf, act, kernel_n
 
 def _tile_layout(expert_r, n_experts: int, m: int, tiles: int):
     """(each row's place in the tiled layout [R], past its end for rows of no expert; each
-    tile's expert [tiles]): experts in order, each group starting on a tile boundary."""
+    tile's expert [tiles], E for the tiles left over): experts in order, each group
+    starting on a tile boundary."""
     rows = expert_r.shape[0]
     counts = jnp.bincount(expert_r, length=n_experts + 1)[:n_experts]
     padded = (counts + m - 1) // m * m
@@ -93,8 +94,8 @@ def _tile_layout(expert_r, n_experts: int, m: int, tiles: int):
     e = jnp.minimum(expert_r, n_experts - 1)
     pos = jnp.where(expert_r < n_experts, end[e] - padded[e] + rank - first[e], tiles * m)
     starts = jnp.arange(tiles, dtype=end.dtype) * m
-    tile_e = jnp.searchsorted(end, starts, side="right")  # unused tiles: past the last expert
-    return pos.astype(jnp.int32), jnp.minimum(tile_e, n_experts - 1).astype(jnp.int32)
+    tile_e = jnp.searchsorted(end, starts, side="right")  # E: a tile past the routed rows
+    return pos.astype(jnp.int32), tile_e.astype(jnp.int32)
 
 
 def ragged_swiglu(x_md, sizes_e, gate_efd, up_efd, down_edf, act):
@@ -136,14 +137,23 @@ def _cotangent(grad, w):
 
 def tiled_swiglu(act):
     """f(x [tiles, m, D], tile_e [tiles], gate, up, down) -> [tiles, m, D]: each tile
-    through its expert's SwiGLU (activation `act`), with the tiled backward."""
+    through its expert's SwiGLU (activation `act`), with the tiled backward. A tile of
+    expert E (past the routed rows) is skipped (`jax.lax.cond`): zeros, no matmul."""
 
     def tile(x, e, gate, up, down):
         g, u = x @ _take(gate, e, x.dtype), x @ _take(up, e, x.dtype)
         return (act(g) * u) @ _take(down, e, x.dtype), (g, u)
 
     def tiles(x, tile_e, gate, up, down):
-        return jax.lax.scan(lambda _, xe: (None, tile(*xe, gate, up, down)), None, (x, tile_e))[1]
+        vma = frozenset().union(*(_varying(a) for a in (x, tile_e, gate, up, down)))
+        out = jax.eval_shape(tile, x[0], tile_e[0], gate, up, down)
+        skip = jax.tree.map(lambda o: _vary(jnp.zeros(o.shape, o.dtype), vma), out)
+
+        def body(_, xe):
+            used = xe[1] < gate.shape[0]
+            return None, jax.lax.cond(used, lambda: tile(*xe, gate, up, down), lambda: skip)
+
+        return jax.lax.scan(body, None, (x, tile_e))[1]
 
     @jax.custom_vjp
     def f(x, tile_e, gate, up, down):
@@ -169,9 +179,15 @@ def tiled_swiglu(act):
             return (d_gate, d_up, d_down), dx
 
         weights = (gate, up, down)
-        vma = frozenset().union(*(_varying(a) for a in (x, dy, *weights)))
+        vma = frozenset().union(*(_varying(a) for a in (x, tile_e, dy, *weights)))
         zeros = tuple(_vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
-        grads, dx = jax.lax.scan(step, zeros, (x, tile_e, g, u, dy))
+        none = _vary(jnp.zeros(x.shape[1:], x.dtype), vma)
+
+        def body(acc, xs):
+            used = xs[1] < gate.shape[0]
+            return jax.lax.cond(used, lambda: step(acc, xs), lambda: (acc, none))
+
+        grads, dx = jax.lax.scan(body, zeros, (x, tile_e, g, u, dy))
         return (dx, None, *(_cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
 
     f.defvjp(fwd, bwd)
