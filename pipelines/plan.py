@@ -84,7 +84,7 @@ def all_to_all_bytes_per_step(cfg: Config) -> int:
     and the results back, in the teacher's dtype, and dropless the slots' expert ids [ep,
     C] int32 (`distill.models.moe.moe_ffn`; (ep - 1) / ep of it leaves the device)."""
     m, t = cfg.teacher.model, cfg.mesh.teacher
-    if not m.n_experts:
+    if not m.n_experts or t.ep == 1:  # ep = 1: no dispatch buffer (`moe.moe_ffn`)
         return 0
     rows = cfg.train.batch_size // (t.dp * t.ep)  # each device's rows (replicated over tp)
     size = microbatch_rows(rows, cfg.teacher.microbatch)

@@ -115,3 +115,23 @@ def test_the_30b_a3b_layer_compiles_to_its_active_flops(path):
     assert max(np.prod([int(n) for n in s.split(",")]) for s in sizes) < E * T * K * D
     cuda = jax.jit(f).trace(h, p).lower(lowering_platforms=("cuda",)).as_text()
     assert "ragged_dot" not in cuda
+
+
+def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe():
+    """The tiny MoE teacher at ep=1: its compiled forward's FLOPs per token (every layer and
+    tile counted) near the model's, its kernel named; 127x is refused in one line."""
+    from distill.errors import DistillError
+    from distill.mesh import teacher_mesh
+    from distill.models import model
+    from pipelines import plan_flops, plan_memory
+    from tests.test_plan import _moe_config
+
+    cfg = _moe_config()
+    cfg.mesh.teacher.ep = 1
+    mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:1], 1, 1, 1), None)
+    want = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
+    assert mem["moe_kernel"] == "tiled"
+    assert 0.8 * want <= mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
+    plan_flops.check_moe(cfg, mem)
+    with pytest.raises(DistillError, match=r"^teacher.model: the compiled MoE forward does 127"):
+        plan_flops.check_moe(cfg, {**mem, "compiled_flops_per_token": 127 * want})

@@ -14,7 +14,7 @@ from distill.errors import DistillError
 from distill.mesh import Meshes, build_meshes
 from distill.observability.metrics import MetricsStore
 from distill.observability.metrics_log import dumps
-from pipelines import plan_memory
+from pipelines import plan_flops, plan_memory
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.hooks import Hook
 from pipelines.plan import format_plan, plan
@@ -44,7 +44,9 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
         check_cache(cfg, corpus)
     meshes = build_meshes(cfg)
     if plan_memory.device_memory(meshes.student) is not None:  # an accelerator: do both fit?
-        plan_memory.check_fits(_memory(cfg, meshes, corpus.tokenizer))
+        mem = _memory(cfg, meshes, corpus.tokenizer)
+        plan_memory.check_fits(mem)
+        plan_flops.check_moe(cfg, mem["teacher"])
     return meshes, corpus
 
 
@@ -174,4 +176,5 @@ def plan_json(cfg: Config) -> str:
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
-    return format_plan(p) + "\n" + plan_memory.format_memory(mem) + "\n" + dumps(p)
+    lines = (format_plan(p), plan_memory.format_memory(mem), plan_flops.format_flops(p))
+    return "\n".join((*lines, dumps(p)))
