@@ -93,8 +93,8 @@ ACTIVE = 2 * T * K * D * F * 3
 
 @pytest.mark.parametrize("path", ["dropless", "capacity 1.25", "dropless backward"])
 def test_the_30b_a3b_layer_compiles_to_its_active_flops(path):
-    """Compile-only, abstract inputs (float32: XLA:CPU computes bfloat16 matmuls in float32
-    through float32 copies of the weights, 2.25 GiB here, which a GPU does not make)."""
+    """Compile-only, abstract inputs, in float32 (twice bfloat16's bytes: the stricter
+    test of the temporaries)."""
     cfg = ModelConfig(d_model=D, n_experts=E, experts_per_token=K, d_ff_expert=F)
     factor = float(path.split()[1]) if path.startswith("capacity") else None
     h = jax.ShapeDtypeStruct((1, T, D), jnp.float32)
