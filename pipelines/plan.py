@@ -149,10 +149,10 @@ def expert_params(cfg: Config) -> int:
 def all_to_all_bytes_per_step(cfg: Config) -> int:
     """Bytes through the expert dispatch's all-to-alls in one step, over every device of
     the inference mesh: per MoE layer and microbatch, each device's send buffer [ep, C, D]
-    and the results back, in the teacher's dtype, and the slots' expert ids [ep, C] int32
-    (`distill.models.moe.moe_ffn`; (ep - 1) / ep of it leaves the device)."""
+    and the results back, in the teacher's dtype, and dropless the slots' expert ids [ep,
+    C] int32 (`distill.models.moe.moe_ffn`; (ep - 1) / ep of it leaves the device)."""
     m, t = cfg.teacher.model, cfg.mesh.teacher
-    if not m.n_experts:
+    if not m.n_experts or t.ep == 1:  # ep = 1: no dispatch buffer (`moe.moe_ffn`)
         return 0
     rows = cfg.train.batch_size // (t.dp * t.ep)  # each device's rows (replicated over tp)
     size = microbatch_rows(rows, cfg.teacher.microbatch)
@@ -160,7 +160,8 @@ def all_to_all_bytes_per_step(cfg: Config) -> int:
         size * cfg.train.seq_len, m.experts_per_token, m.n_experts, t.ep,
         cfg.teacher.moe_capacity_factor,
     )  # fmt: skip
-    per_call = t.ep * slots * (2 * m.d_model * _dtype_bytes(cfg) + 4)
+    ids = 4 if cfg.teacher.moe_capacity_factor is None else 0  # capacity: slots at fixed places
+    per_call = t.ep * slots * (2 * m.d_model * _dtype_bytes(cfg) + ids)
     return per_call * (rows // size) * sum(m.moe_layers()) * t.dp * t.ep * t.tp
 
 

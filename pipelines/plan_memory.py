@@ -25,6 +25,7 @@ from distill.errors import DistillError
 from distill.mesh import TP, Meshes
 from distill.models import model
 from distill.types import Batch, Prompts, TeacherOutput
+from pipelines import plan_flops
 from pipelines.plan import dense_blocks
 from student import sharding as student_sharding
 from student import train
@@ -137,7 +138,8 @@ def teacher_memory(cfg: Config, mesh, vocab_limit: int | None) -> tuple[dict, ob
     """(the teacher forward's figures on `mesh`, the abstract output it hands on)."""
     compiled, out = _teacher(cfg, mesh, vocab_limit)
     t = _figures(compiled)
-    return {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]}, out
+    mem = {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]}
+    return {**mem, **plan_flops.figures(compiled, mesh, cfg, "teacher")}, out
 
 
 def student_memory(cfg: Config, mesh, teacher_out, vocab_limit: int | None) -> dict:
@@ -155,6 +157,7 @@ def _student_figures(cfg: Config, mesh, teacher_out, vocab_limit: int | None) ->
     compiled, state = _student(cfg, mesh, teacher_out, vocab_limit)
     s = _figures(compiled)
     student = {"step_temp_bytes_per_device": s["temp"], "peak_bytes_per_device": s["peak"]}
+    student.update(plan_flops.figures(compiled, mesh, cfg, "student"))
     if cfg.distill.on_policy.fraction > 0:
         student.update(_on_policy(cfg, mesh, state, s["peak"], vocab_limit))
     return student

@@ -117,10 +117,11 @@ def _moe_params(cfg, seed=0):
     }
 
 
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_dispatch_equals_the_per_token_reference(ep):
+@pytest.mark.parametrize("ep, factor", [(1, None), (2, None), (4, None), (2, 8.0)])
+def test_dispatch_equals_the_per_token_reference(ep, factor):
     """The all-to-all dispatch over ep devices (each with its own rows) equals every token
-    run through its experts directly, and the loads count every assignment."""
+    run through its experts directly, and the loads count every assignment; so does the
+    capacity path's with room for every assignment (factor 8: 36 slots an expert)."""
     cfg = ModelConfig(d_model=16, n_experts=8, experts_per_token=3, d_ff_expert=8)
     p = _moe_params(cfg)
     h = jax.random.normal(jax.random.key(1), (4, 6, 16))
@@ -129,7 +130,9 @@ def test_dispatch_equals_the_per_token_reference(ep):
     specs = {"router": jax.P(), **{k: jax.P(EP) for k in ("we_gate", "we_up", "we_down")}}
 
     def f(h, p):
-        y, (load, dropped, _) = moe.moe_ffn(h, p, cfg, tp_axis=None, ep_axis=EP)
+        y, (load, dropped, _) = moe.moe_ffn(
+            h, p, cfg, tp_axis=None, ep_axis=EP, capacity_factor=factor
+        )
         return y, jax.lax.psum(load, EP), jax.lax.psum(dropped, EP)
 
     run = jax.shard_map(

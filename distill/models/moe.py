@@ -5,24 +5,30 @@ Routing (all three families, in float32): softmax over the experts' router logit
 largest probabilities, renormalised to sum to 1 when `norm_topk_prob` (Mixtral always;
 Mixtral's top-k-then-softmax is the same numbers).
 
-Dispatch, inside `jax.shard_map` on one device holding its T tokens (its rows, replicated
-over `tp`) and E / ep experts (each expert's hidden columns split over `tp`):
+With every expert on the device (ep = 1, dropless) nothing is dispatched: the T * k
+(token, expert) assignments read their token's row in expert order straight into the
+grouped matmul (`distill.models.grouped.expert_rows`: `ragged_dot` on TPU, the exact
+`tiled` XLA kernel elsewhere), and each token sums its k results, weighted by its router
+probabilities.
 
-1. the T * k (token, expert) assignments are sorted by expert (within an expert by falling
-   router probability) and written into a send buffer [ep, C, D]: row j holds what goes to
-   the device of experts j * E/ep ...; C = T * min(k, E/ep) slots per device, enough for
-   every assignment (dropless), or fewer with a capacity factor;
+Dispatch over `ep`, inside `jax.shard_map` on one device holding its T tokens (its rows,
+replicated over `tp`) and E / ep experts (each expert's hidden columns split over `tp`):
+
+1. the assignments are sorted by expert (within an expert by falling router probability)
+   and written into a send buffer [ep, C, D]: row j holds what goes to the device of
+   experts j * E/ep ...; C = T * min(k, E/ep) slots per device, enough for every
+   assignment (dropless);
 2. one all-to-all over `ep` (`distill.collectives.all_to_all`) delivers each device the
-   tokens of its experts, which it sorts by local expert and runs as grouped matmuls
-   (`jax.lax.ragged_dot`: one matmul over every expert's contiguous rows);
+   tokens of its experts, with their local expert ids, and the grouped matmul runs them;
 3. a second all-to-all returns each result to the slot it came from, and each token sums
-   its k results weighted by its router probabilities, then `psum` over `tp` (the down
-   projection is row-parallel, as a dense layer's).
+   its k results weighted by its router probabilities.
 
-With `ep_axis=None` the same code runs on one device (ep = 1: nothing moves).
+Then `psum` over `tp` (the down projection is row-parallel, as a dense layer's).
 
-A capacity factor c (`teacher.moe_capacity_factor`) gives each expert ceil(c * T * k / E)
-slots per device: assignments past that are dropped, those with the lowest router
+A capacity factor c (`teacher.moe_capacity_factor`) gives each expert C = ceil(c * T * k
+/ E) slots per device, at fixed places of the buffer [ep, E/ep * C, D] (also at ep = 1),
+so the experts run as batched matmuls [E/ep, ep * C, D] (at most c times the active
+FLOPs, rounding aside): assignments past that are dropped, those with the lowest router
 probability first (the notebook's rule), and contribute nothing; the per-device capacity
 means no device waits for another's counts.
 
@@ -41,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
+from distill.models import grouped
 from distill.models.topk import top_k
 
 
@@ -88,82 +95,111 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float | None) -> int |
 
 def dispatch_slots(tokens: int, k: int, n_experts: int, ep: int, factor: float | None) -> int:
     """Slots C of each block of a device's dispatch buffer [ep, C, D] for its `tokens`
-    tokens: room for every assignment to one device's E / ep experts (dropless), or for
-    the capacity of each of them with a capacity factor, whichever is fewer."""
+    tokens: room for every assignment to one device's E / ep experts (dropless), or with a
+    capacity factor the capacity of each of them (its slots at fixed places)."""
     n_local = n_experts // ep
-    room = tokens * min(k, n_local)
     cap = capacity(tokens, k, n_experts, factor)
-    return room if cap is None else min(room, n_local * cap)
-
-
-def experts_swiglu(x_md, sizes_e, gate_efd, up_efd, down_edf, act):
-    """Each expert's SwiGLU on its contiguous run of rows of x [M, D] (`sizes_e` rows per
-    expert, the rest of the rows unused): grouped matmuls, [M, D] partial over `tp`."""
-    dt = x_md.dtype
-    gate = jax.lax.ragged_dot(x_md, gate_efd.astype(dt), sizes_e)
-    up = jax.lax.ragged_dot(x_md, up_efd.astype(dt), sizes_e)
-    return jax.lax.ragged_dot(act(gate) * up, down_edf.astype(dt), sizes_e)
+    return tokens * min(k, n_local) if cap is None else n_local * cap
 
 
 def _slots(ids_a, weights_a, n_local: int, n_shards: int, cap: int | None, slots: int):
     """Where each assignment goes: (sort order, destination device, slot there, kept), the
-    assignments sorted by expert and, within one, by falling probability."""
+    assignments sorted by expert and, within one, by falling probability. Dropless, an
+    expert's slots follow the device's previous expert's; with a capacity each local expert
+    owns `cap` slots from local expert * cap (its [C, D] block of the device's buffer)."""
     n_experts = n_local * n_shards
     order = jnp.lexsort((-weights_a, ids_a))  # the last key is the primary one
     sid = ids_a[order]
     counts = jnp.bincount(sid, length=n_experts)
     first = jnp.cumsum(counts) - counts  # each expert's first sorted position
     pos = jnp.arange(sid.shape[0]) - first[sid]
-    keep = jnp.ones_like(sid, bool) if cap is None else pos < cap
     dest = sid // n_local
-    before = jnp.cumsum(keep) - keep  # kept assignments before each one
-    rank = before - before[first[dest * n_local]]  # kept ones before it, same device
-    slot = jnp.where(keep, rank, slots)  # past the buffer: dropped by the scatter
-    return order, dest, slot, keep
+    if cap is not None:
+        keep = pos < cap
+        return order, dest, jnp.where(keep, sid % n_local * cap + pos, slots), keep
+    rank = pos + first[sid] - first[dest * n_local]  # assignments before it, same device
+    return order, dest, rank, jnp.ones_like(sid, bool)
 
 
 def moe_ffn(
     h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None, act=jax.nn.silu,
-    token_mask=None, layout: Layout | None = None,
+    token_mask=None, layout: Layout | None = None, kernel: str | None = None,
 ):  # fmt: skip
     """The mixture of experts' output [B, S, D] on h [B, S, D] (the normed residual) and
     its `ExpertLoad` (tokens per expert [E] routed from these rows, assignments dropped,
     and with `token_mask` [B, S] the balance statistics): weights `p` with router [D, E],
     we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]. `layout`: run per device of
-    a GSPMD program (`Layout`; then `p` holds whole weights)."""
+    a GSPMD program (`Layout`; then `p` holds whole weights). `kernel`: the grouped
+    matmul (`distill.models.grouped.KERNELS`; None: the platform's)."""
     if layout is not None:
-        return _per_device(h_bsd, p, cfg, layout, act, token_mask)
+        return _per_device(h_bsd, p, cfg, layout, act, token_mask, kernel)
     b, s, d = h_bsd.shape
     t, k = b * s, cfg.experts_per_token
     n_local = p["we_gate"].shape[0]
     n_shards = n_local and cfg.n_experts // n_local
     h = h_bsd.reshape(t, d)
     weights, ids = route(h, p["router"], k, cfg.norm_topk_prob)
+    experts = (p["we_gate"][...], p["we_up"][...], p["we_down"][...])
+    if capacity_factor is not None:
+        out, dropped = _capacity(h, weights, ids, experts, cfg, capacity_factor, ep_axis, act)
+    elif n_shards == 1:  # every expert here: rows in expert order, no dispatch buffer
+        kernel = kernel or grouped.kernel()
+        y = grouped.expert_rows(h, jnp.arange(t * k) // k, ids.reshape(-1), *experts, act, kernel)
+        out = jnp.einsum("tkd,tk->td", y.reshape(t, k, d).astype(jnp.float32), weights)
+        dropped = jnp.zeros_like(ids[0, 0])  # varying over the mesh as the rows are
+    else:
+        out, dropped = _dispatch(h, weights, ids, experts, n_shards, ep_axis, act, kernel)
+    out = cc.psum(out.astype(h.dtype), tp_axis)
+    load = jnp.bincount(ids.reshape(-1), length=cfg.n_experts)
+    balance = None if token_mask is None else _balance(h, p["router"], ids, token_mask)
+    return out.reshape(b, s, d), ExpertLoad(load, dropped, balance)
+
+
+def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, act, kernel):
+    """Dropless over `ep_axis`: each assignment to its expert's device in a [ep, C, D]
+    buffer, through the grouped matmul there and back; float32 [T, D] (partial over tp)."""
+    (t, d), k = h.shape, ids.shape[1]
+    n_local = experts[0].shape[0]
     ids_a, weights_a = ids.reshape(-1), weights.reshape(-1)
-    cap = capacity(t, k, cfg.n_experts, capacity_factor)
-    slots = dispatch_slots(t, k, cfg.n_experts, n_shards, capacity_factor)
-    order, dest, slot, keep = _slots(ids_a, weights_a, n_local, n_shards, cap, slots)
+    slots = dispatch_slots(t, k, n_local * n_shards, n_shards, None)
+    order, dest, slot, _ = _slots(ids_a, weights_a, n_local, n_shards, None, slots)
     token = order // k
     send = jnp.zeros((n_shards, slots, d), h.dtype).at[dest, slot].set(h[token], mode="drop")
     local = jnp.full((n_shards, slots), n_local, jnp.int32)
     local = local.at[dest, slot].set(ids_a[order] % n_local, mode="drop")
     recv, recv_e = cc.all_to_all(send, ep_axis), cc.all_to_all(local, ep_axis)
+    flat, kernel = recv.reshape(-1, d), kernel or grouped.kernel()
+    y = grouped.expert_rows(
+        flat, jnp.arange(flat.shape[0]), recv_e.reshape(-1), *experts, act, kernel
+    )
+    back = cc.all_to_all(y.reshape(n_shards, slots, d), ep_axis)
+    got = back[dest, slot]  # [A, D], sorted order
+    out = got.astype(jnp.float32) * weights_a[order][:, None]
+    return jax.ops.segment_sum(out, token, num_segments=t), jnp.zeros_like(ids[0, 0])
 
-    flat_e = recv_e.reshape(-1)
-    by_expert = jnp.argsort(flat_e, stable=True)  # empty slots (id n_local) last
-    sizes = jnp.bincount(flat_e, length=n_local + 1)[:n_local].astype(jnp.int32)
-    x = recv.reshape(-1, d)[by_expert]
-    y = experts_swiglu(x, sizes, p["we_gate"][...], p["we_up"][...], p["we_down"][...], act)
-    y = jnp.zeros_like(y).at[by_expert].set(y).reshape(n_shards, slots, d)
-    back = cc.all_to_all(y, ep_axis)
 
+def _capacity(h, weights, ids, experts, cfg, factor: float, ep_axis, act):
+    """With a capacity factor: each local expert's C slots a [C, D] block of the device's
+    buffer [ep, E/ep * C, D], run as batched matmuls [E/ep, ep * C, D]; the assignments
+    past an expert's capacity dropped. (float32 [T, D] partial over tp, dropped count)."""
+    (t, d), k = h.shape, ids.shape[1]
+    n_local = experts[0].shape[0]
+    n_shards = cfg.n_experts // n_local
+    cap = capacity(t, k, cfg.n_experts, factor)
+    slots = n_local * cap
+    ids_a, weights_a = ids.reshape(-1), weights.reshape(-1)
+    order, dest, slot, keep = _slots(ids_a, weights_a, n_local, n_shards, cap, slots)
+    token = order // k
+    src = jnp.full((n_shards, slots), t, jnp.int32).at[dest, slot].set(token, mode="drop")
+    send = h.at[src].get(mode="fill", fill_value=0)  # [ep, E/ep * C, D]
+    recv = cc.all_to_all(send, ep_axis).reshape(n_shards, n_local, cap, d)
+    x = recv.transpose(1, 0, 2, 3).reshape(n_local, n_shards * cap, d)
+    y = grouped.batched_swiglu(x, *experts, act).reshape(n_local, n_shards, cap, d)
+    back = cc.all_to_all(y.transpose(1, 0, 2, 3).reshape(n_shards, slots, d), ep_axis)
     got = back.at[dest, slot].get(mode="fill", fill_value=0)  # [A, D], sorted order
     scale = jnp.where(keep, weights_a[order], 0.0).astype(jnp.float32)
     out = jax.ops.segment_sum(got.astype(jnp.float32) * scale[:, None], token, num_segments=t)
-    out = cc.psum(out.astype(h.dtype), tp_axis)
-    load = jnp.bincount(ids_a, length=cfg.n_experts)
-    balance = None if token_mask is None else _balance(h, p["router"], ids, token_mask)
-    return out.reshape(b, s, d), ExpertLoad(load, jnp.sum(~keep), balance)
+    return out, jnp.sum(~keep)
 
 
 def _balance(h_td, router_de, ids_tk, mask_bs):
@@ -190,7 +226,7 @@ def balance_loss(balance, tokens, n_moe_layers: int, n_experts: int) -> jax.Arra
     return n_experts * jnp.sum((counts / rows) * (probs / rows))
 
 
-def _per_device(h_bsd, p: dict, cfg, layout: Layout, act, token_mask):
+def _per_device(h_bsd, p: dict, cfg, layout: Layout, act, token_mask, kernel):
     """`moe_ffn` on each device's own rows of a GSPMD program, its experts split over
     `layout.experts` (the expert axis of the dispatch) or gathered; the counts summed over
     the devices' rows."""
@@ -201,7 +237,7 @@ def _per_device(h_bsd, p: dict, cfg, layout: Layout, act, token_mask):
     def local(h, p, m):
         y, load = moe_ffn(
             h, p, cfg, tp_axis=None, ep_axis=ax, act=act,
-            token_mask=None if token_mask is None else m,
+            token_mask=None if token_mask is None else m, kernel=kernel,
         )  # fmt: skip
         return y, jax.tree.map(lambda x: jax.lax.psum(x, layout.rows), load)
 

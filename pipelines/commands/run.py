@@ -14,7 +14,7 @@ from distill.errors import DistillError
 from distill.mesh import Meshes, available_devices, build_meshes, colocated
 from distill.observability.metrics import MetricsStore
 from distill.observability.metrics_log import dumps
-from pipelines import host_memory, placement, plan_memory
+from pipelines import host_memory, placement, plan_flops, plan_memory
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.hooks import Hook
 from pipelines.plan import format_plan, plan
@@ -50,6 +50,7 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
         )
         plan_memory.check_fits(mem)
         placement.check_colocated_fits(mem)
+        plan_flops.check_moe(cfg, mem["teacher"])
     else:  # CPU: auto is `none`, nothing to compile (`student.remat`)
         plan_memory.resolve_remat(cfg, meshes.student)
     return meshes, corpus
@@ -195,7 +196,7 @@ def plan_json(cfg: Config) -> str:
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
-    text = [format_plan(p), plan_memory.format_memory(mem)]
+    text = [format_plan(p), plan_memory.format_memory(mem), plan_flops.format_flops(p)]
     if "colocated" in mem:
         p["colocated"] = mem["colocated"]
         text.append(placement.format_colocated(mem))

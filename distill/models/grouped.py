@@ -1,0 +1,202 @@
+"""The experts' grouped matmuls: each row of a routed batch through its own expert's SwiGLU,
+exactly, at the cost of the rows' experts alone.
+
+Kernels (`kernel()` picks one per platform, as attention picks its backend):
+
+- `ragged_dot`: `jax.lax.ragged_dot` over the rows sorted by expert, three grouped matmuls.
+  TPU lowers it natively (megablox's grouped matmul). On NVIDIA GPUs (and CPU) XLA rewrites
+  every ragged_dot into a dense matmul over *all* experts with the other experts' rows
+  masked: E times the work and an [E, rows, D] temporary (one layer of the 30B-A3B shape at
+  4,096 tokens: 39.7 TFLOP for 0.31 TFLOP of active experts). So it runs on TPU only.
+- `tiled`: pure XLA for every other platform. The rows are laid out by expert, each
+  expert's group padded up to a multiple of a tile of `m` rows (`tile_rows`), and one
+  `jax.lax.scan` over the tiles runs each tile through its expert's SwiGLU (gate and up
+  from the expert's own weights, taken by dynamic index: no gathered weight array), the
+  gate/up activations never wider than a tile. Its backward (`jax.custom_vjp`) is a second
+  scan: each tile's input gradient, and its weight gradients added into the expert's slot
+  of the gradient in place; forward 3, backward 6 matmuls of a tile (3x the forward).
+  The padding is at most min(E, R) * (m - 1) rows for R rows, and `tile_rows` keeps it
+  under 1/`PAD_SHARE` of R: at R = T * k = 32,768 and E = 128, m = 32 and at most 12% more
+  rows than routed. Fewer rows per expert (small R / E) mean smaller tiles, down to m = 1.
+  A Pallas Mosaic GPU grouped matmul on Hopper is later work (GPU sessions).
+
+The capacity path (`teacher.moe_capacity_factor`) needs no grouping: its [E, C, D] slots
+run as batched matmuls (`batched_swiglu`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from distill.models import attention
+
+KERNELS = ("ragged_dot", "tiled")
+MAX_TILE = 128  # rows per tile at most: enough for a GPU's tensor cores
+PAD_SHARE = 8  # padding at most 1/8 of the routed rows
+
+
+def kernel(platform: str | None = None) -> str:
+    """The grouped-matmul kernel for `platform` (default: the one attention chooses for,
+    `distill.models.attention.platform`): `ragged_dot` on TPU, `tiled` elsewhere."""
+    return "ragged_dot" if (platform or attention.platform()) == "tpu" else "tiled"
+
+
+def tile_rows(rows: int, n_experts: int) -> int:
+    """The tile m of the `tiled` kernel for `rows` rows over `n_experts` experts: the
+    largest power of two up to `MAX_TILE` whose worst padding, n_experts * (m - 1) rows,
+    stays within rows / `PAD_SHARE`; 1 at least."""
+    m = 1
+    while 2 * m <= MAX_TILE and n_experts * (2 * m - 1) * PAD_SHARE <= rows:
+        m *= 2
+    return m
+
+
+def n_tiles(rows: int, n_experts: int, m: int) -> int:
+    """Tiles that hold any routing of `rows` rows to `n_experts` experts, each expert's
+    group padded to a multiple of m: sum_e ceil(c_e / m) <= (rows + min(E, rows)(m - 1)) / m."""
+    return max(1, (rows + min(n_experts, rows) * (m - 1)) // m)
+
+
+def expert_rows(x_nd, src_r, expert_r, gate_efd, up_efd, down_edf, act, kernel_name: str):
+    """Row r of the result [R, D]: expert `expert_r[r]`'s SwiGLU of x[src_r[r]], zeros
+    where expert_r[r] == E (an empty or dropped row). Weights gate, up [E, D, F], down
+    [E, F, D] (F may be this shard's columns: the result is then partial over `tp`)."""
+    n_experts = gate_efd.shape[0]
+    if kernel_name == "ragged_dot":
+        order = jnp.argsort(expert_r, stable=True)  # rows of no expert last
+        sizes = jnp.bincount(expert_r, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+        y = ragged_swiglu(x_nd[src_r[order]], sizes, gate_efd, up_efd, down_edf, act)
+        return jnp.zeros_like(y).at[order].set(y)
+    if kernel_name != "tiled":
+        raise ValueError(f"unknown MoE kernel {kernel_name!r}; expected one of {KERNELS}")
+    rows = expert_r.shape[0]
+    m = tile_rows(rows, n_experts)
+    tiles = n_tiles(rows, n_experts, m)
+    pos, tile_e = _tile_layout(expert_r, n_experts, m, tiles)
+    src = jnp.full((tiles * m,), x_nd.shape[0], jnp.int32).at[pos].set(src_r, mode="drop")
+    x = x_nd.at[src].get(mode="fill", fill_value=0).reshape(tiles, m, -1)
+    y = tiled_swiglu(act)(x, tile_e, gate_efd, up_efd, down_edf).reshape(tiles * m, -1)
+    return y.at[pos].get(mode="fill", fill_value=0)
+
+
+def _tile_layout(expert_r, n_experts: int, m: int, tiles: int):
+    """(each row's place in the tiled layout [R], past its end for rows of no expert; each
+    tile's expert [tiles], E for the tiles left over): experts in order, each group
+    starting on a tile boundary."""
+    rows = expert_r.shape[0]
+    counts = jnp.bincount(expert_r, length=n_experts + 1)[:n_experts]
+    padded = (counts + m - 1) // m * m
+    end = jnp.cumsum(padded)
+    order = jnp.argsort(expert_r, stable=True)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(rows, dtype=order.dtype))
+    first = jnp.cumsum(counts) - counts  # each expert's first row in sorted order
+    e = jnp.minimum(expert_r, n_experts - 1)
+    pos = jnp.where(expert_r < n_experts, end[e] - padded[e] + rank - first[e], tiles * m)
+    starts = jnp.arange(tiles, dtype=end.dtype) * m
+    tile_e = jnp.searchsorted(end, starts, side="right")  # E: a tile past the routed rows
+    return pos.astype(jnp.int32), tile_e.astype(jnp.int32)
+
+
+def ragged_swiglu(x_md, sizes_e, gate_efd, up_efd, down_edf, act):
+    """Each expert's SwiGLU on its contiguous run of rows of x [M, D] (`sizes_e` rows per
+    expert, the rest of the rows unused) with `jax.lax.ragged_dot`."""
+    dt = x_md.dtype
+    gate = jax.lax.ragged_dot(x_md, gate_efd.astype(dt), sizes_e)
+    up = jax.lax.ragged_dot(x_md, up_efd.astype(dt), sizes_e)
+    return jax.lax.ragged_dot(act(gate) * up, down_edf.astype(dt), sizes_e)
+
+
+def _take(w, e, dt):
+    return jax.lax.dynamic_index_in_dim(w, e, keepdims=False).astype(dt)
+
+
+def _add_at(acc, e, v):
+    """acc[e] += v, in place in a loop's carry."""
+    cur = jax.lax.dynamic_index_in_dim(acc, e, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(acc, cur + v.astype(acc.dtype), e, 0)
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes `x` varies over inside `jax.shard_map` (none outside)."""
+    return jax.typeof(x).mat.varying
+
+
+def _vary(x, vma):
+    """x varying over the mesh axes `vma` (inside `jax.shard_map`), as a loop carry that
+    accumulates varying values must start."""
+    return jax.lax.pcast(x, tuple(sorted(vma)), to="varying") if vma else x
+
+
+def _cotangent(grad, w):
+    """A weight's gradient summed over the mesh axes its rows varied over and it does not
+    (the transpose of using one weight on every device's rows), in its dtype."""
+    extra = tuple(sorted(_varying(grad) - _varying(w)))
+    return (jax.lax.psum(grad, extra) if extra else grad).astype(w.dtype)
+
+
+def tiled_swiglu(act):
+    """f(x [tiles, m, D], tile_e [tiles], gate, up, down) -> [tiles, m, D]: each tile
+    through its expert's SwiGLU (activation `act`), with the tiled backward. A tile of
+    expert E (past the routed rows) is skipped (`jax.lax.cond`): zeros, no matmul."""
+
+    def tile(x, e, gate, up, down):
+        g, u = x @ _take(gate, e, x.dtype), x @ _take(up, e, x.dtype)
+        return (act(g) * u) @ _take(down, e, x.dtype), (g, u)
+
+    def tiles(x, tile_e, gate, up, down):
+        vma = frozenset().union(*(_varying(a) for a in (x, tile_e, gate, up, down)))
+        out = jax.eval_shape(tile, x[0], tile_e[0], gate, up, down)
+        skip = jax.tree.map(lambda o: _vary(jnp.zeros(o.shape, o.dtype), vma), out)
+
+        def body(_, xe):
+            used = xe[1] < gate.shape[0]
+            return None, jax.lax.cond(used, lambda: tile(*xe, gate, up, down), lambda: skip)
+
+        return jax.lax.scan(body, None, (x, tile_e))[1]
+
+    @jax.custom_vjp
+    def f(x, tile_e, gate, up, down):
+        return tiles(x, tile_e, gate, up, down)[0]  # the unused (g, u) outputs are dropped
+
+    def fwd(x, tile_e, gate, up, down):
+        y, gu = tiles(x, tile_e, gate, up, down)
+        return y, (x, tile_e, gate, up, down, gu)
+
+    def bwd(res, dy):
+        x, tile_e, gate, up, down, (g, u) = res
+
+        def step(acc, xs):
+            x_t, e, g_t, u_t, dy_t = xs
+            a, act_vjp = jax.vjp(act, g_t)
+            dh = dy_t @ _take(down, e, dy_t.dtype).T
+            (dg,) = act_vjp(dh * u_t)
+            du = dh * a
+            d_gate = _add_at(acc[0], e, x_t.T @ dg)
+            d_up = _add_at(acc[1], e, x_t.T @ du)
+            d_down = _add_at(acc[2], e, (a * u_t).T @ dy_t)
+            dx = dg @ _take(gate, e, dg.dtype).T + du @ _take(up, e, du.dtype).T
+            return (d_gate, d_up, d_down), dx
+
+        weights = (gate, up, down)
+        vma = frozenset().union(*(_varying(a) for a in (x, tile_e, dy, *weights)))
+        zeros = tuple(_vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
+        none = _vary(jnp.zeros(x.shape[1:], x.dtype), vma)
+
+        def body(acc, xs):
+            used = xs[1] < gate.shape[0]
+            return jax.lax.cond(used, lambda: step(acc, xs), lambda: (acc, none))
+
+        grads, dx = jax.lax.scan(body, zeros, (x, tile_e, g, u, dy))
+        return (dx, None, *(_cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def batched_swiglu(x_ecd, gate_efd, up_efd, down_edf, act):
+    """Each expert's SwiGLU on its own slots [E, C, D] -> [E, C, D]: batched matmuls."""
+    dt = x_ecd.dtype
+    g = jnp.einsum("ecd,edf->ecf", x_ecd, gate_efd.astype(dt))
+    u = jnp.einsum("ecd,edf->ecf", x_ecd, up_efd.astype(dt))
+    return jnp.einsum("ecf,efd->ecd", act(g) * u, down_edf.astype(dt))

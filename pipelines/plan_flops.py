@@ -1,0 +1,78 @@
+"""The plan's compiled FLOPs: what XLA will run, beside the model's count.
+
+`distill plan` compiles both roles' programs (`pipelines.plan_memory`); from the same
+executables `compiled_flops_per_token` is the matmul FLOPs of the program
+(`distill.compiled_flops.dot_flops`: every scanned layer, microbatch and tile loop counted
+by its trip count, which XLA's own cost analysis does not do) summed over the mesh's
+devices and divided by the step's tokens. Beside the model's `forward_flops_per_token`
+(teacher) and `train_flops_per_token` (student) it shows what the model figure leaves
+out, such as a rematerialised forward, the vocabulary head's padding, the grouped
+matmul's padded tiles, or a matmul over every expert where a grouped matmul was meant.
+
+A mixture of experts also names its grouped-matmul kernel (`distill.models.grouped`):
+`ragged_dot` on TPU, `tiled` (exact pure XLA) elsewhere, `batched` for the teacher's
+capacity path. The tiled kernel skips at run time the tiles no routed row reaches, but a
+compiled program holds the worst case: at ep > 1 the dropless buffer's every slot
+(T * min(k, E/ep) per device, `ep` times the assignments when balanced), so the compiled
+figure there is an upper bound on the work.
+"""
+
+from __future__ import annotations
+
+from distill.compiled_flops import compiled_dot_flops
+from distill.config import Config
+from distill.errors import DistillError
+from distill.models import grouped, model
+
+
+def moe_kernel(cfg: Config, role: str) -> str | None:
+    """The grouped-matmul kernel of `role`'s MoE layers; None for a dense model."""
+    mcfg = cfg.teacher.model if role == "teacher" else cfg.student_model()
+    if not mcfg.n_experts:
+        return None
+    if role == "teacher" and cfg.teacher.moe_capacity_factor is not None:
+        return "batched"
+    return grouped.kernel()
+
+
+def figures(compiled, mesh, cfg: Config, role: str) -> dict:
+    """`compiled_flops_per_token` of `role`'s compiled program on `mesh`, and for a mixture
+    of experts its `moe_kernel`."""
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    out = {"compiled_flops_per_token": compiled_dot_flops(compiled) * mesh.size / tokens}
+    kernel = moe_kernel(cfg, role)
+    return out if kernel is None else {**out, "moe_kernel": kernel}
+
+
+def format_flops(p: dict) -> str:
+    """One line: each role's compiled FLOPs per token beside its model figure."""
+    t, s = p["teacher"], p["student"]
+    mf = lambda x: f"{x / 1e6:.1f}"  # noqa: E731
+    kernel = lambda r: f", MoE kernel {r['moe_kernel']}" if "moe_kernel" in r else ""  # noqa: E731
+    return (
+        f"compiled matmuls (XLA, every loop counted): teacher forward "
+        f"{mf(t['compiled_flops_per_token'])} MFLOP/token (model {mf(t['forward_flops_per_token'])}"
+        f"{kernel(t)}), student step {mf(s['compiled_flops_per_token'])} MFLOP/token (model "
+        f"{mf(s['train_flops_per_token'])}{kernel(s)})"
+    )
+
+
+LIMIT = 1.5  # compiled over model FLOPs a teacher MoE forward may reach at ep = 1
+
+
+def check_moe(cfg: Config, teacher: dict) -> None:
+    """One DistillError line when an MoE teacher's compiled forward (`figures`) does over
+    `LIMIT` x the model's FLOPs at ep = 1 (a grouped matmul rewritten into a matmul over
+    every expert: 127x at the 30B-A3B shape). At ep > 1 the compiled program holds the
+    dropless buffer's worst case (module docstring), so no bound is checked there."""
+    mcfg = cfg.teacher.model
+    if not mcfg.n_experts or cfg.mesh.teacher.ep > 1:
+        return
+    want = model.flops_per_token(mcfg, cfg.train.seq_len)
+    got = teacher["compiled_flops_per_token"]
+    if got > LIMIT * want:
+        raise DistillError(
+            f"teacher.model: the compiled MoE forward does {got / want:.1f}x the model's "
+            f"{want / 1e9:.2f} GFLOP/token (kernel {teacher.get('moe_kernel')}, limit "
+            f"{LIMIT}x): the experts' matmuls are not grouped on this platform"
+        )

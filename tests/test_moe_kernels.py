@@ -1,0 +1,137 @@
+"""The experts' grouped matmuls (`distill.models.grouped`): the tiled XLA kernel equals
+`jax.lax.ragged_dot` (today's dropless layer) forward and backward; one layer of the
+Qwen3-30B-A3B shape compiles, on every pure-XLA path, to at most 1.3x its active FLOPs
+(counted over every loop iteration by `distill.compiled_flops`), with no [E, T*k, D]
+array and under 3 GiB of temporaries, and its program lowered for CUDA holds no
+ragged_dot (which XLA rewrites there into a dense matmul over every expert)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distill.compiled_flops import compiled_dot_flops, dot_flops
+from distill.config import ModelConfig
+from distill.models import grouped, moe
+
+
+def _params(d, e, f, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "router": jax.random.normal(keys[0], (d, e)),
+        "we_gate": jax.random.normal(keys[1], (e, d, f)) * 0.3,
+        "we_up": jax.random.normal(keys[2], (e, d, f)) * 0.3,
+        "we_down": jax.random.normal(keys[3], (e, f, d)) * 0.3,
+    }
+
+
+def test_kernel_per_platform_and_tile_scaling():
+    assert grouped.kernel("tpu") == "ragged_dot"
+    assert grouped.kernel("gpu") == grouped.kernel("cpu") == "tiled"
+    for rows, experts, m in [(32768, 128, 32), (4096, 8, 64), (1 << 20, 128, 128), (48, 8, 1)]:
+        assert grouped.tile_rows(rows, experts) == m
+        assert experts * (m - 1) <= max(rows // grouped.PAD_SHARE, 0)
+
+
+def test_tiled_rows_equal_ragged_dot_and_skip_rows_of_no_expert():
+    """Rows to experts in any order, one expert unused, two rows of no expert (id E)."""
+    d, e, f = 8, 4, 6
+    p = _params(d, e, f)
+    x = jax.random.normal(jax.random.key(1), (5, d))
+    src = jnp.array([0, 4, 2, 2, 1, 3, 0, 4, 1])
+    expert = jnp.array([3, 0, 4, 3, 0, 3, 1, 4, 3])  # none to expert 2; 4 = no expert
+    w = (p["we_gate"], p["we_up"], p["we_down"])
+    rows = jax.jit(grouped.expert_rows, static_argnums=(6, 7))
+    got = rows(x, src, expert, *w, jax.nn.silu, "tiled")
+    want = rows(x, src, expert, *w, jax.nn.silu, "ragged_dot")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert not np.asarray(got)[[2, 7]].any()
+
+
+@pytest.mark.parametrize("experts_per_token", [1, 3])
+def test_tiled_layer_and_its_gradient_equal_ragged_dot(experts_per_token):
+    cfg = ModelConfig(d_model=16, n_experts=8, experts_per_token=experts_per_token, d_ff_expert=8)
+    p = _params(16, 8, 8, seed=2)
+    h = jax.random.normal(jax.random.key(3), (2, 12, 16))
+    probe = jax.random.normal(jax.random.key(4), (2, 12, 16))
+
+    def loss(h, p, kernel):
+        y, _ = moe.moe_ffn(h, p, cfg, tp_axis=None, act=jax.nn.gelu, kernel=kernel)
+        return jnp.sum(y * probe), y
+
+    def grads(kernel):
+        return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(h, p, kernel)
+
+    (gh, gp), y = grads("tiled")
+    (wh, wp), want = grads("ragged_dot")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gh), np.asarray(wh), atol=1e-4, rtol=1e-4)
+    for name in p:
+        np.testing.assert_allclose(
+            np.asarray(gp[name]), np.asarray(wp[name]), atol=1e-4, rtol=1e-4, err_msg=name
+        )
+
+
+def test_dot_flops_count_every_loop_iteration():
+    """XLA's cost analysis counts a scan's body once; `dot_flops` times its trip count."""
+
+    def f(x, w):
+        return jax.lax.scan(lambda c, x: (c, jnp.tanh(x @ w) @ w.T), 0, x)[1]
+
+    x, w = jnp.zeros((10, 4, 16)), jnp.zeros((16, 32))
+    compiled = jax.jit(f).trace(x, w).lower().compile()
+    assert compiled_dot_flops(compiled) == 10 * 2 * (2 * 4 * 16 * 32)
+    assert compiled.cost_analysis()["flops"] < 2 * (2 * 4 * 16 * 32) + 10 * 4 * 32 * 4
+    assert dot_flops("ENTRY %e () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}") == 0
+
+
+T, E, K, D, F = 4096, 128, 8, 2048, 768  # one layer of Qwen3-30B-A3B, one 4,096-token row
+ACTIVE = 2 * T * K * D * F * 3
+
+
+@pytest.mark.parametrize("path", ["dropless", "capacity 1.25", "dropless backward"])
+def test_the_30b_a3b_layer_compiles_to_its_active_flops(path):
+    """Compile-only, abstract inputs, in float32 (twice bfloat16's bytes: the stricter
+    test of the temporaries)."""
+    cfg = ModelConfig(d_model=D, n_experts=E, experts_per_token=K, d_ff_expert=F)
+    factor = float(path.split()[1]) if path.startswith("capacity") else None
+    h = jax.ShapeDtypeStruct((1, T, D), jnp.float32)
+    p = jax.eval_shape(lambda: _params(D, E, F))
+
+    def fwd(h, p):
+        return moe.moe_ffn(h, p, cfg, tp_axis=None, capacity_factor=factor, kernel="tiled")[0]
+
+    f = fwd
+    if path.endswith("backward"):
+        f = jax.grad(lambda h, p: jnp.sum(fwd(h, p)), argnums=(0, 1))
+    compiled = jax.jit(f).trace(h, p).lower().compile()
+    bound = (factor or 1.0) + 0.05 if factor else 1.3  # the factor, and the router
+    work = ACTIVE * (3 if path.endswith("backward") else 1)
+    assert compiled_dot_flops(compiled) <= bound * work
+    assert compiled.memory_analysis().temp_size_in_bytes <= 3 * 2**30
+    sizes = re.findall(r"\[([\d,]+)\]", compiled.as_text())
+    assert max(np.prod([int(n) for n in s.split(",")]) for s in sizes) < E * T * K * D
+    cuda = jax.jit(f).trace(h, p).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_dot" not in cuda
+
+
+def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe():
+    """The tiny MoE teacher at ep=1: its compiled forward's FLOPs per token (every layer and
+    tile counted) near the model's, its kernel named; 127x is refused in one line."""
+    from distill.errors import DistillError
+    from distill.mesh import teacher_mesh
+    from distill.models import model
+    from pipelines import plan_flops, plan_memory
+    from tests.test_plan import _moe_config
+
+    cfg = _moe_config()
+    cfg.mesh.teacher.ep = 1
+    mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:1], 1, 1, 1), None)
+    want = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
+    assert mem["moe_kernel"] == "tiled"
+    assert 0.8 * want <= mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
+    plan_flops.check_moe(cfg, mem)
+    with pytest.raises(DistillError, match=r"^teacher.model: the compiled MoE forward does 127"):
+        plan_flops.check_moe(cfg, {**mem, "compiled_flops_per_token": 127 * want})
