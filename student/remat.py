@@ -11,7 +11,7 @@ the backward pass recomputes:
   does about 4/3 of the model's FLOPs).
 
 `choose` tries them in that order and takes the first whose compiled per-device peak
-(XLA's memory analysis of the whole step: `pipelines.plan_memory`) fits the device's
+(XLA's memory analysis of the whole step: `pipelines.plan.memory`) fits the device's
 memory less `HEADROOM`. It compiles lazily: a later candidate is compiled only when the
 earlier ones do not fit, so a config that fits without recompute costs one compile, the
 one the memory check makes anyway. The choice is a function of the compiled peaks and the
@@ -95,14 +95,14 @@ def choose(setting: str, peak_of: Callable[[str], int], device_bytes: int | None
 def concrete(setting: str, platform: str) -> str:
     """`setting` as a policy a step can be built with: `auto` on CPU is `none` (`choose`);
     on an accelerator it must have been resolved from the compiled peaks first
-    (`pipelines.plan_memory.resolve_remat`), never guessed here."""
+    (`pipelines.plan.memory.resolve_remat`), never guessed here."""
     if setting != "auto":
         return setting
     if platform == "cpu":
         return choose(setting, lambda p: 0, None).policy
     raise ValueError(
         "train.remat: auto must be resolved from the compiled step's memory before the step "
-        "is built (pipelines.plan_memory.resolve_remat)"
+        "is built (pipelines.plan.memory.resolve_remat)"
     )
 
 

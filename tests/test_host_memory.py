@@ -1,4 +1,4 @@
-"""Host memory on CPU devices (pipelines/host_memory.py): the plan sums both roles'
+"""Host memory on CPU devices (pipelines/plan/host_memory.py): the plan sums both roles'
 compiled peaks over their devices, and a run refuses, in one line naming a layout that
 fits, a layout whose sum exceeds the memory available (here set by the test: the
 machine's own is what it is)."""
@@ -7,8 +7,9 @@ import json
 
 from distill.config import Config
 from distill.mesh import build_meshes
-from pipelines import host_memory, plan_memory
 from pipelines.commands.cli import main
+from pipelines.plan import host_memory
+from pipelines.plan import memory as plan_memory
 from tests.conftest import tiny_config, write_config
 
 WIDE = {  # weights, not activations, dominate: replicas cost what they copy

@@ -123,7 +123,8 @@ def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe():
     from distill.errors import DistillError
     from distill.mesh import teacher_mesh
     from distill.models import model
-    from pipelines import plan_flops, plan_memory
+    from pipelines.plan import flops as plan_flops
+    from pipelines.plan import memory as plan_memory
     from tests.test_plan import _moe_config
 
     cfg = _moe_config()

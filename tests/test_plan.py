@@ -11,9 +11,10 @@ import yaml
 from distill.config.load import config_from_dict, load_config
 from distill.errors import DistillError
 from distill.mesh import teacher_mesh
-from pipelines import plan, plan_memory
+from pipelines import plan
 from pipelines.commands.cli import main
-from pipelines.plan_memory import check_fits
+from pipelines.plan import memory as plan_memory
+from pipelines.plan.memory import check_fits
 from tests.conftest import tiny_config
 
 

@@ -11,7 +11,7 @@ from distill.config.load import config_from_dict
 from distill.mesh import role_mesh
 from distill.models import model
 from distill.types import Batch, TeacherOutput
-from pipelines import plan_memory
+from pipelines.plan import memory as plan_memory
 from student import train
 from student.remat import CANDIDATES, HEADROOM, choose, concrete, train_flops_per_token
 from tests.conftest import tiny_config

@@ -25,9 +25,10 @@ from distill.errors import DistillError
 from distill.limits import MAX_ELEMENTS, rows_that_fit
 from distill.mesh import build_meshes, teacher_mesh
 from distill.models import model
-from pipelines import plan, plan_memory
+from pipelines import plan
 from pipelines.commands import score
 from pipelines.evaluation import eval_rows
+from pipelines.plan import memory as plan_memory
 from student import train
 from teacher import sharding
 from teacher.forward import forward_for

@@ -33,7 +33,6 @@ from distill.limits import MAX_ELEMENTS
 from distill.mesh import role_mesh
 from distill.models.topk import top_k
 from distill.types import TeacherOutput
-from pipelines import plan_memory
 from pipelines.bench.phases import (
     bench_top_k,
     student_figures,
@@ -41,6 +40,7 @@ from pipelines.bench.phases import (
     teacher_figures,
     teacher_phases_ms,
 )
+from pipelines.plan import memory as plan_memory
 from pipelines.preflight import preflight_role
 from student import train
 from teacher import sharding as teacher_sharding

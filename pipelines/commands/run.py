@@ -14,10 +14,12 @@ from distill.errors import DistillError
 from distill.mesh import Meshes, available_devices, build_meshes, colocated
 from distill.observability.metrics import MetricsStore
 from distill.observability.metrics_log import dumps
-from pipelines import host_memory, placement, plan_flops, plan_memory
+from pipelines import placement
 from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
 from pipelines.hooks import Hook
-from pipelines.plan import format_plan, plan
+from pipelines.plan import flops as plan_flops
+from pipelines.plan import format_plan, host_memory, plan
+from pipelines.plan import memory as plan_memory
 from pipelines.preflight import preflight, preflight_shapes
 
 log = logging.getLogger("distill")
@@ -58,7 +60,7 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
 
 def _check_host(cfg: Config, meshes: Meshes, corpus) -> None:
     """Before a command loads both models into this process's CPU devices: does the sum
-    over the devices fit the machine (`pipelines.host_memory`)? `validate` and `plan` leave
+    over the devices fit the machine (`pipelines.plan.host_memory`)? `validate` and `plan` leave
     it out: they check or plan a layout for any machine, such as a GPU host's from a laptop."""
     if cfg.pipeline.mode == "local":
         host_memory.check_host_fits(cfg, meshes, lambda c, m: _memory(c, m, corpus.tokenizer))

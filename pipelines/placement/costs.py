@@ -78,9 +78,9 @@ def student_cost(seconds: float, figures: dict) -> RoleCost:
 
 def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     """{(role, shape): RoleCost} for every role layout of `layouts`, each compiled once from
-    abstract shapes over the first devices (`pipelines.plan_memory`), nothing run."""
+    abstract shapes over the first devices (`pipelines.plan.memory`), nothing run."""
     from distill.mesh import student_mesh, teacher_mesh
-    from pipelines import plan_memory
+    from pipelines.plan import memory as plan_memory
 
     platform, costs, out = devices[0].platform, {}, None
     seq = cfg.train.seq_len

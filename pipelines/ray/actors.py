@@ -229,8 +229,8 @@ class StudentActor(_Member):
     where, and the driver's data position starts there."""
 
     def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
-        from pipelines import plan_memory
         from pipelines.local import cross_spec
+        from pipelines.plan import memory as plan_memory
         from student import train
         from student.evaluate import StudentEval
         from student.state import run_checkpointer, start_student

@@ -1,4 +1,6 @@
-"""`distill plan`: the device split, sizes and FLOPs, computed from shapes alone."""
+"""`distill plan`: the device split, sizes and FLOPs, computed from shapes alone (here), and
+what the compiled programs say: per-device memory (`memory`), FLOPs per token (`flops`),
+and on CPU devices their sum against the machine's RAM (`host_memory`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The plan's compiled FLOPs: what XLA will run, beside the model's count.
 
-`distill plan` compiles both roles' programs (`pipelines.plan_memory`); from the same
+`distill plan` compiles both roles' programs (`pipelines.plan.memory`); from the same
 executables `compiled_flops_per_token` is the matmul FLOPs of the program
 (`distill.compiled_flops.dot_flops`: every scanned layer, microbatch and tile loop counted
 by its trip count, which XLA's own cost analysis does not do) summed over the mesh's

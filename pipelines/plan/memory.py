@@ -25,8 +25,8 @@ from distill.errors import DistillError
 from distill.mesh import TP, Meshes
 from distill.models import model
 from distill.types import Batch, Prompts, TeacherOutput
-from pipelines import plan_flops
 from pipelines.plan import dense_blocks
+from pipelines.plan import flops as plan_flops
 from student import sharding as student_sharding
 from student import train
 from student.generate import Sampler
