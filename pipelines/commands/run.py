@@ -109,9 +109,9 @@ def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
 
         host_cfg = driver_view(cfg)
     meshes, corpus = validate(host_cfg)
-    _check_host(cfg, meshes, corpus)
     if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
         check_bootstrap_fits(host_cfg)  # before anything is written
+    _check_host(cfg, meshes, corpus)  # compiles both programs: after the cheaper checks
     p = plan(cfg, meshes)
     log.info("plan:\n%s", format_plan(p))
     outputs.write_config(cfg)
