@@ -243,7 +243,7 @@ def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_pat
 
 def test_auto_costs_are_compiled_once_per_config_devices_and_code(corpus_dir, tmp_path):
     """pipelines.placement.cache: a second resolve of the same config and devices reads the
-    costs back instead of compiling; another config misses."""
+    costs back instead of compiling; another config's shapes miss."""
     import jax
 
     from pipelines.placement.cache import cached_costs, key
@@ -256,8 +256,64 @@ def test_auto_costs_are_compiled_once_per_config_devices_and_code(corpus_dir, tm
     assert cached_costs(cfg, devices, compute) == costs
     assert cached_costs(cfg, devices, compute) == costs  # read back: equal, not recompiled
     assert len(calls) == 1
-    other = _cfg(corpus_dir, tmp_path, placement="auto", teacher={"tp": 1, "dp": 2})
+    # the layout the config gives is not in the key (every candidate is costed); shapes are
+    relaid = _cfg(corpus_dir, tmp_path, placement="split", teacher={"tp": 1, "dp": 2})
+    assert key(relaid, devices) == key(cfg, devices)
+    other = _cfg(corpus_dir, tmp_path, placement="auto")
+    other.train.seq_len //= 2
     assert key(other, devices) != key(cfg, devices)
     assert key(cfg, devices[:4]) != key(cfg, devices)
     cached_costs(other, devices, compute)
     assert len(calls) == 2
+
+
+def test_measured_costs_reverse_the_compiled_choice():
+    """Measured role times (`distill bench --placement`) replace the compiled predictions:
+    a table that reverses the compiled order reverses the choice, and its rows say so. On
+    CPU a measured time is the host's already (not summed over the role's devices)."""
+    compiled = _rows({SPLIT: (1.0, 1.0), COLO: (1.0, 1.0)})
+    assert choose(compiled, SPLIT, None, None).layout == SPLIT
+    assert not any(r.measured for r in compiled)
+    role = lambda s: RoleCost(s, GIB, GIB // 2, GIB // 2, measured=True)  # noqa: E731
+    measured = [
+        predict(SPLIT, role(1.0), role(1.0), "gpu"),
+        predict(COLO, role(0.4), role(0.4), "gpu"),
+    ]
+    assert all(r.measured for r in measured)
+    assert [choose(measured, SPLIT, None, None).layout for _ in range(3)] == [COLO] * 3
+    table = placement.format_table(measured, measured[1], 1000, False).splitlines()
+    assert table[1].startswith(" -> colocated") and " measured " in table[1]
+    assert " compiled " in placement.format_table(compiled, compiled[0], 1000, False)
+    # CPU: compiled times are per device (x 4 devices a role), measured ones the host's
+    assert predict(SPLIT, role(1.0), role(2.0), "cpu").seconds == 2.0
+    assert _rows({SPLIT: (1.0, 2.0)}, "cpu")[0].seconds == 8.0
+
+
+def test_bench_placement_measures_what_auto_then_uses(corpus_dir, tmp_path, monkeypatch, capsys):
+    """`distill bench --placement` times every candidate role layout on the 8 simulated
+    devices and stores them; `distill plan` with auto then predicts from them (every row
+    marked measured) and picks what the bench printed. The flag goes alone in one line."""
+    monkeypatch.setenv("DISTILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "cfg.yaml"
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    tree["teacher"]["model"]["attention"] = "reference"  # compiles fastest; not what is tested
+    path.write_text(json.dumps(tree))  # placement split: the cache's key ignores the layout
+    assert main(["bench", str(path), "--placement", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    bench = json.loads(out[-1])
+    rows = bench["placement_candidates"]
+    assert len(rows) == 9 and sum(r["chosen"] for r in rows) == 1
+    assert all(r["tokens_per_s"] > 0 and r["compiled_tokens_per_s"] > 0 for r in rows)
+    assert list((tmp_path / "cache" / "placement").glob("*.measured.json"))
+    tree["mesh"]["placement"] = "auto"
+    path.write_text(json.dumps(tree))
+    assert main(["plan", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()[1:10]
+    assert all(" measured " in line for line in table)
+    chosen = [line for line in table if line.startswith(" ->")]
+    assert chosen[0][4:].startswith(bench["placement_choice"])
+    assert main(["bench", str(path), "--placement", "--role", "teacher", "--ray"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "distill: error: --placement: times each candidate's roles alone; not with --role, --ray"
+    ]

@@ -218,23 +218,25 @@ def bench_top_k(cfg: Config) -> int:
     return cfg.teacher.top_k or 32
 
 
+def teacher_forward(cfg: Config, mesh, limit, mode: str):
+    """The teacher forward of `mode` (logits | dense | topk) on `mesh`, as runs build it."""
+    return make_forward(
+        cfg.teacher.model,
+        mesh,
+        mode=mode,
+        temperature=cfg.distill.temperature,
+        top_k=bench_top_k(cfg) if mode == "topk" else None,
+        dtype=cfg.teacher.dtype,
+        vocab_limit=limit,
+        microbatch=cfg.teacher.microbatch,
+    )
+
+
 def teacher_phases_ms(cfg: Config, mesh, params, batch, limit, repeats: int):
     """The teacher forward alone on `mesh`, as runs build it (`teacher.dtype`,
     `teacher.microbatch`): plain logits, dense log-probs and top-k. Returns (figures, the
     forwards by mode)."""
-    fwd = {
-        m: make_forward(
-            cfg.teacher.model,
-            mesh,
-            mode=m,
-            temperature=cfg.distill.temperature,
-            top_k=bench_top_k(cfg) if m == "topk" else None,
-            dtype=cfg.teacher.dtype,
-            vocab_limit=limit,
-            microbatch=cfg.teacher.microbatch,
-        )
-        for m in ("logits", "dense", "topk")
-    }
+    fwd = {m: teacher_forward(cfg, mesh, limit, m) for m in ("logits", "dense", "topk")}
     res = _interleaved_ms(
         {
             f"teacher_{name}_ms": (lambda m=m: fwd[m](params, batch))

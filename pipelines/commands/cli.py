@@ -124,6 +124,12 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
         "weights and teacher outputs): for a host too small for both, such as one GPU",
     )
     b.add_argument(
+        "--placement",
+        action="store_true",
+        help="time every role layout mesh.placement: auto compares, each role alone on this "
+        "host's devices, and store the times for auto (instead of its compiled predictions)",
+    )
+    b.add_argument(
         "--torch",
         action="store_true",
         help="also time a plain PyTorch + transformers KD loop on the same shapes (with --role: "
@@ -230,6 +236,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from pipelines.commands import run
 
     cfg = _config(args)
+    if args.placement:
+        _bench_placement(cfg, args)
+        return
     if args.role:
         _bench_role(cfg, args)
         return
@@ -270,6 +279,21 @@ def _bench_role(cfg, args: argparse.Namespace) -> None:
         )
     result = bench_role(cfg, args.role, repeats=args.repeats, torch_mode=args.torch)
     print(format_role(result))
+    print(dumps(result))
+
+
+def _bench_placement(cfg, args: argparse.Namespace) -> None:
+    from pipelines.bench.measured import bench_placement, format_placement
+
+    flags = ("role", "ray", "cache", "on_policy", "http", "colocated", "torch")
+    others = [f"--{n}" for n in flags if getattr(args, n)]
+    if others:
+        raise DistillError(
+            f"--placement: times each candidate's roles alone; not with "
+            f"{', '.join(others).replace('_', '-')}"
+        )
+    result = bench_placement(cfg, args.repeats)
+    print(format_placement(result))
     print(dumps(result))
 
 

@@ -2,8 +2,9 @@
 
 `choice`: the candidate layouts of the devices, the prediction model and the choice from
 a table of role costs (deterministic for a table); `costs`: those costs from compiled
-programs, `resolve` (auto applied to a config before its meshes are built) and the memory
-plan of colocated meshes.
+programs (or those `distill bench --placement` measured: `pipelines.bench.measured`),
+`resolve` (auto applied to a config before its meshes are built) and the memory plan of
+colocated meshes.
 """
 
 from pipelines.placement.choice import (

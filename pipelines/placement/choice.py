@@ -8,19 +8,20 @@ batch by the teacher's `dp x ep` and the student's `dp x fsdp x grad_accum`); wh
 of `n` devices exists, those of the largest smaller count that has some.
 
 Each role's cost on a layout is a `RoleCost`: its time per step and its memory per device.
-Where the devices are not measured, the time comes from the compiled program (XLA's cost
-analysis of the SPMD program: FLOPs and bytes accessed per device, the same abstract
-compile `distill plan` makes, nothing run; scaled for the scanned layers, which it counts
-once: `layers_factor`), over a nominal roofline of the platform (`ROOFLINE`). Only this
-compiled-cost predictor is built so far: measured role times (`distill bench --role`) are
-not fed in yet. A candidate's step time is
+The time is measured where `distill bench --placement` timed every candidate role layout
+on these devices (a few steps of each role alone, `pipelines.bench.measured`, kept in the
+placement cache); otherwise it comes from the compiled program (XLA's cost analysis of the
+SPMD program: FLOPs and bytes accessed per device, the same abstract compile `distill plan`
+makes, nothing run; scaled for the scanned layers, which it counts once: `layers_factor`),
+over a nominal roofline of the platform (`ROOFLINE`). A candidate's step time is
 
 - split: `max(teacher, student)`: the two meshes work at once;
 - colocated: `teacher + student`: the same devices take the roles in turn;
-- on CPU, each role's time is its work summed over its devices (simulated CPU devices share
-  the host's cores, so more of them is not more compute), the placements as above: the
-  split loop does overlap its two programs on the host's cores (measured: the quick
-  start's pipelined step is about the slower role's, `docs/benchmarks/`).
+- on CPU, a compiled role time is its work summed over its devices (simulated CPU devices
+  share the host's cores, so more of them is not more compute; a measured time is already
+  the host's), the placements as above: the split loop does overlap its two programs on
+  the host's cores (measured: the quick start's pipelined step is about the slower role's,
+  `docs/benchmarks/`).
 
 The choice (`choose`) is deterministic for a given table: the candidates that fit
 (memory per device on an accelerator; on CPU the sum over the devices, which share the
@@ -97,6 +98,7 @@ class RoleCost:
     peak: int
     resident: int = 0
     temp: int = 0
+    measured: bool = False  # seconds timed on this host's devices (else compiled-predicted)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class Row:
     seconds: float  # predicted step time
     bytes_per_device: int
     host_bytes: int  # the sum over the layout's devices
+    measured: bool = False  # from measured role times (else compiled costs)
 
 
 def configured(cfg: Config) -> Layout:
@@ -186,9 +189,10 @@ def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str)
         host = teacher.peak * nt + student.peak * ns
     t, s = teacher.seconds, student.seconds
     if platform == "cpu":  # one host's cores: each role's work summed over its devices
-        t, s = t * nt, s * ns
+        t = t if teacher.measured else t * nt
+        s = s if student.measured else s * ns
     seconds = t + s if layout.placement == "colocated" else max(t, s)
-    return Row(layout, seconds, per_device, host)
+    return Row(layout, seconds, per_device, host, teacher.measured and student.measured)
 
 
 def colocated_bytes(teacher: RoleCost, student: RoleCost) -> int:
@@ -226,13 +230,15 @@ def _gib(n: float) -> str:
 def format_table(rows: list[Row], chosen: Row, tokens_per_step: int, cpu: bool) -> str:
     host = "  host total" if cpu else ""
     lines = [
-        f"mesh.placement auto: {len(rows)} candidates (predicted tokens/s, memory/device{host})"
+        f"mesh.placement auto: {len(rows)} candidates (predicted tokens/s from measured or "
+        f"compiled role times, memory/device{host})"
     ]
     for r in sorted(rows, key=lambda r: r.seconds):
         mark = "->" if r is chosen else "  "
         extra = f"  {_gib(r.host_bytes):>11}" if cpu else ""
+        source = "measured" if r.measured else "compiled"
         lines.append(
-            f" {mark} {r.layout.label():<58} {tokens_per_step / r.seconds:>12.0f} "
+            f" {mark} {r.layout.label():<58} {tokens_per_step / r.seconds:>12.0f} {source} "
             f"{_gib(r.bytes_per_device):>11}{extra}"
         )
     return "\n".join(lines)

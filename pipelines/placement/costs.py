@@ -8,7 +8,7 @@ import logging
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import check_placement_mode
-from pipelines.placement.cache import cached_costs
+from pipelines.placement.cache import cached_costs, stored_costs
 from pipelines.placement.choice import (
     ROOFLINE,
     Layout,
@@ -113,6 +113,34 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     return costs
 
 
+def role_keys(layouts: list[Layout]) -> list[tuple[str, tuple]]:
+    """Each role layout of `layouts` once: ("teacher", (dp, ep, tp)), ("student", (dp, fsdp))."""
+    keys = [("teacher", x.teacher) for x in layouts] + [("student", x.student) for x in layouts]
+    return list(dict.fromkeys(keys))
+
+
+def measured_or_compiled(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
+    """The role costs `auto` compares: those `distill bench --placement` measured on these
+    devices where the cache holds one for every role layout of `layouts` (measured times and
+    roofline predictions are not mixed), else the compiled ones (cached in turn)."""
+    measured = stored_costs(cfg, devices, "measured")
+    if measured is not None and all(k in measured for k in role_keys(layouts)):
+        return measured
+    return cached_costs(cfg, devices, lambda: compiled_costs(cfg, devices, layouts))
+
+
+def ranked(cfg: Config, devices: list, layouts: list[Layout], costs: dict):
+    """(the rows of `layouts` from role `costs`, the row `choose` picks on `devices`)."""
+    platform = devices[0].platform
+    rows = [
+        predict(x, costs["teacher", x.teacher], costs["student", x.student], platform)
+        for x in layouts
+    ]
+    limit = None if platform == "cpu" else (devices[0].memory_stats() or {}).get("bytes_limit")
+    host = host_memory_bytes() if platform == "cpu" else None
+    return rows, choose(rows, configured(cfg), limit, host)
+
+
 def resolve(cfg: Config, devices: list) -> str | None:
     """`mesh.placement: auto` resolved in place for `devices` (the chosen placement and
     axes written into `cfg.mesh`); the table of candidates it printed, or None when the
@@ -121,7 +149,7 @@ def resolve(cfg: Config, devices: list) -> str | None:
         return None
     check_placement_mode(cfg)
     cfg.resolve_dtypes(devices[0].platform)  # the programs compile in the run's dtypes
-    given, n, platform = configured(cfg), len(devices), devices[0].platform
+    n, platform = len(devices), devices[0].platform
     layouts = candidates(cfg, n)
     if not layouts:
         raise DistillError(
@@ -132,14 +160,7 @@ def resolve(cfg: Config, devices: list) -> str | None:
         chosen = layouts[0]
         table = f"mesh.placement auto: the one layout of {n} {platform} device(s): {chosen.label()}"
     else:
-        costs = cached_costs(cfg, devices, lambda: compiled_costs(cfg, devices, layouts))
-        rows = [
-            predict(x, costs["teacher", x.teacher], costs["student", x.student], platform)
-            for x in layouts
-        ]
-        limit = None if platform == "cpu" else (devices[0].memory_stats() or {}).get("bytes_limit")
-        host = host_memory_bytes() if platform == "cpu" else None
-        row = choose(rows, given, limit, host)
+        rows, row = ranked(cfg, devices, layouts, measured_or_compiled(cfg, devices, layouts))
         chosen = row.layout
         tokens = cfg.train.batch_size * cfg.train.seq_len
         table = format_table(rows, row, tokens, platform == "cpu")
