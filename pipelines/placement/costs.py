@@ -126,7 +126,18 @@ def measured_or_compiled(cfg: Config, devices: list, layouts: list[Layout]) -> d
     measured = stored_costs(cfg, devices, "measured")
     if measured is not None and all(k in measured for k in role_keys(layouts)):
         return measured
-    return cached_costs(cfg, devices, lambda: compiled_costs(cfg, devices, layouts))
+
+    def compile_them() -> dict:
+        n = len(role_keys(layouts))
+        log.info(
+            "mesh.placement auto: compiling the %d role layouts of %d candidates from shapes "
+            "(once for this config and these devices: the costs are cached)",
+            n,
+            len(layouts),
+        )
+        return compiled_costs(cfg, devices, layouts)
+
+    return cached_costs(cfg, devices, compile_them)
 
 
 def ranked(cfg: Config, devices: list, layouts: list[Layout], costs: dict):
