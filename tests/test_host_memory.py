@@ -61,7 +61,7 @@ def test_a_run_is_refused_what_exceeds_the_machine(corpus_dir, tmp_path, monkeyp
     assert main(["run", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "host memory: the 4 teacher and 4 student CPU devices" in err[0]
+    assert "host memory: the 4 teacher + 4 student devices of this run" in err[0]
     assert "one device per role fits" in err[0] and "--set mesh.student.dp=1" in err[0]
     assert not (tmp_path / "out").exists()  # refused before anything was written
     # the layout it names passes the same check
@@ -108,6 +108,9 @@ def test_colocated_devices_count_once(corpus_dir, tmp_path):
     meshes = build_meshes(cfg)
     mem = plan_memory.memory(cfg, meshes, None)
     mem["colocated"] = placement.colocated_memory(cfg, mem)
-    needed = host_memory.host_figures(meshes, mem, None)["needed_bytes"]
-    assert needed == 2 * mem["colocated"]["peak_bytes_per_device"] + host_memory.HOST_RESERVE
-    assert needed < split
+    h = host_memory.host_figures(meshes, mem, None)
+    assert h["needed_bytes"] == 2 * mem["colocated"]["peak_bytes_per_device"] + (
+        host_memory.HOST_RESERVE
+    )
+    assert h["needed_bytes"] < split
+    assert "2 colocated devices and" in host_memory.format_host(h)

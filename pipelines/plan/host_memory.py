@@ -58,15 +58,16 @@ def host_figures(meshes: Meshes, mem: dict, available: int | None) -> dict:
     the reserve, and the memory available (`host_memory` of the plan's JSON). Colocated
     meshes share their devices: each device counts once, with both roles' bytes
     (`pipelines.placement.colocated_memory`)."""
-    n = device_counts(meshes)
+    n, shared = device_counts(meshes), None
     if "colocated" in mem:
-        devices = len({d.id for m in (meshes.teacher, meshes.student) for d in m.devices.flat})
-        needed = mem["colocated"]["peak_bytes_per_device"] * devices + HOST_RESERVE
+        shared = len({d.id for m in (meshes.teacher, meshes.student) for d in m.devices.flat})
+        needed = mem["colocated"]["peak_bytes_per_device"] * shared + HOST_RESERVE
     else:
         peak = {role: mem[role]["peak_bytes_per_device"] for role in n}
         needed = sum(peak[role] * n[role] for role in n) + HOST_RESERVE
     return {
         "devices": n,
+        "colocated_devices": shared,
         "needed_bytes": needed,
         "reserve_bytes": HOST_RESERVE,
         "available_bytes": available,
@@ -74,14 +75,20 @@ def host_figures(meshes: Meshes, mem: dict, available: int | None) -> dict:
     }
 
 
+def _devices(h: dict) -> str:
+    """`4 teacher + 4 student devices`, or `4 colocated devices` (each holding both roles)."""
+    if h.get("colocated_devices"):
+        return f"{h['colocated_devices']} colocated devices"
+    return f"{h['devices']['teacher']} teacher + {h['devices']['student']} student devices"
+
+
 def format_host(h: dict) -> str:
-    n, gib = h["devices"], lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     where = "n/a" if h["available_bytes"] is None else gib(h["available_bytes"])
     verdict = {None: "", True: ": fits", False: ": does not fit"}[h["fits"]]
     return (
-        f"host memory (CPU devices share it): {n['teacher']} teacher + {n['student']} student "
-        f"devices and {gib(h['reserve_bytes'])} for the process need {gib(h['needed_bytes'])} "
-        f"in all; {where} available{verdict}"
+        f"host memory (CPU devices share it): {_devices(h)} and {gib(h['reserve_bytes'])} for "
+        f"the process need {gib(h['needed_bytes'])} in all; {where} available{verdict}"
     )
 
 
@@ -119,12 +126,10 @@ def check_host_fits(cfg: Config, meshes: Meshes, memory, available: int | None =
     if h["fits"]:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-    n = h["devices"]
     way = _layout_that_fits(cfg, memory, available)
     raise DistillError(
-        f"host memory: the {n['teacher']} teacher and {n['student']} student CPU devices of "
-        f"this run share one RAM, and the devices of this run need {gib(h['needed_bytes'])} "
-        f"in all, over the {gib(available)} available; {way}"
+        f"host memory: the {_devices(h)} of this run are CPU devices sharing one RAM, and "
+        f"they need {gib(h['needed_bytes'])} in all, over the {gib(available)} available; {way}"
     )
 
 
