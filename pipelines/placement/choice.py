@@ -10,10 +10,11 @@ of `n` devices exists, those of the largest smaller count that has some.
 Each role's cost on a layout is a `RoleCost`: its time per step and its memory per device.
 The time is measured where `distill bench --placement` timed every candidate role layout
 on these devices (a few steps of each role alone, `pipelines.bench.measured`, kept in the
-placement cache); otherwise it comes from the compiled program (XLA's cost analysis of the
-SPMD program: FLOPs and bytes accessed per device, the same abstract compile `distill plan`
-makes, nothing run; scaled for the scanned layers, which it counts once: `layers_factor`),
-over a nominal roofline of the platform (`ROOFLINE`). A candidate's step time is
+placement cache); otherwise it comes from the compiled program (the same abstract compile
+`distill plan` makes, nothing run): its matmul FLOPs per device with every loop counted
+(`distill.compiled_flops`) and its bytes accessed (XLA's cost analysis, which counts the
+scanned layers once: scaled by `layers_factor`), over a nominal roofline of the platform
+(`ROOFLINE`). A candidate's step time is
 
 - split: `max(teacher, student)`: the two meshes work at once;
 - colocated: `teacher + student`: the same devices take the roles in turn;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from distill.compiled_flops import compiled_dot_flops
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import check_placement_mode
@@ -31,7 +32,7 @@ log = logging.getLogger("distill")
 
 def layers_factor(mcfg, seq_len: int) -> float:
     """XLA's cost analysis counts a loop's body once: the scanned layers (`nnx.scan`) as one
-    layer. The program's figures are scaled by the model's analytic FLOPs over those of its
+    layer. Its bytes accessed are scaled by the model's analytic FLOPs over those of its
     LM head and one average layer (`model.flops_per_token`)."""
     from distill.models import model
 
@@ -41,14 +42,15 @@ def layers_factor(mcfg, seq_len: int) -> float:
 
 
 def _cost_seconds(compiled, platform: str, factor: float) -> float:
-    """A compiled SPMD program's time on one device: its FLOPs and bytes accessed (XLA's
-    cost analysis, per device; x `factor` for the layers counted once) over the platform's
-    nominal roofline."""
+    """A compiled SPMD program's time on one device over the platform's nominal roofline:
+    its matmul FLOPs with every loop counted (`distill.compiled_flops`: layers, microbatches,
+    an MoE layer's tiles) and its bytes accessed (XLA's cost analysis, which counts a loop's
+    body once: x `factor` for the scanned layers)."""
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
     flops_per_s, bytes_per_s = ROOFLINE.get(platform, ROOFLINE["gpu"])
-    flops, bytes_ = ca.get("flops", 0.0), ca.get("bytes accessed", 0.0)
-    return factor * max(flops / flops_per_s, bytes_ / bytes_per_s)
+    flops, bytes_ = compiled_dot_flops(compiled), factor * ca.get("bytes accessed", 0.0)
+    return max(flops / flops_per_s, bytes_ / bytes_per_s)
 
 
 def output_bytes_per_device(cfg: Config) -> int:
