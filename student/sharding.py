@@ -51,14 +51,18 @@ WEIGHT_DIMS = {
         "we_gate": ("layer", "experts", "d_model", "d_ff_expert"),
         "we_up": ("layer", "experts", "d_model", "d_ff_expert"),
         "we_down": ("layer", "experts", "d_ff_expert", "d_model"),
+        "ws_gate": ("layer", "d_model", "d_ff_shared"),  # a shared expert
+        "ws_up": ("layer", "d_model", "d_ff_shared"),
+        "ws_down": ("layer", "d_ff_shared", "d_model"),
+        "shared_gate": ("layer", "d_model", "one"),
     },
 }
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 NEVER_SPLIT = ("layer",)
-# Norms and biases: a few kilobytes each.
+# Norms, biases and a shared expert's gate vector: a few kilobytes each.
 REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
-    "k_norm", "bq", "bk", "bv",
+    "k_norm", "bq", "bk", "bv", "shared_gate",
 )  # fmt: skip
 
 
@@ -74,6 +78,8 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "head_dim": cfg.hd,
         "experts": cfg.n_experts,
         "d_ff_expert": cfg.f_expert,
+        "d_ff_shared": cfg.f_shared,
+        "one": 1,
     }
 
 

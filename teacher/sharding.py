@@ -6,9 +6,9 @@ up: output features split over `tp`), row-parallel out (attention output and dow
 projections: input features split, summed by `psum`), vocab-parallel embedding and LM head.
 Layer weights carry a leading stacked-layer axis. A mixture of experts' expert weights
 [L, E, ...] are split over `ep` by expert and over `tp` as a dense MLP's; its router is
-replicated. When there are fewer KV heads than `tp`,
-each KV head is repeated so that every shard holds the one KV head its query heads use
-(`expand_kv_heads`).
+replicated, and a shared expert is laid out as a dense MLP (replicated over `ep`). When
+there are fewer KV heads than `tp`, each KV head is repeated so that every shard holds the
+one KV head its query heads use (`expand_kv_heads`).
 
 Activations: the batch comes in rows split over `dp` and `ep` (each tensor-parallel group
 runs its own rows, replicated over its `tp` devices; attention is data-parallel over
@@ -50,6 +50,10 @@ LAYER_SPECS = {
     "we_gate": P(None, EP, None, TP),  # [L, E, D, F] experts over ep, columns over tp
     "we_up": P(None, EP, None, TP),
     "we_down": P(None, EP, TP, None),  # [L, E, F, D]
+    "ws_gate": P(None, None, TP),  # [L, D, Fs] a shared expert: as a dense MLP, on every ep
+    "ws_up": P(None, None, TP),
+    "ws_down": P(None, TP, None),  # [L, Fs, D]
+    "shared_gate": P(None, None, None),  # [L, D, 1]
 }
 # OLMoE's query/key norms span all heads' features: split over tp as the projections.
 FULL_QK_NORM_SPECS = {"q_norm": P(None, TP), "k_norm": P(None, TP)}
@@ -108,6 +112,7 @@ def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model", ep:
     fields = ["n_heads", "vocab_size"]
     fields += ["d_ff"] if cfg.has_dense_ffn() else []
     fields += ["d_ff_expert"] if cfg.n_experts else []
+    fields += ["d_ff_shared"] if cfg.f_shared else []
     for field in fields:
         value = cfg.f_expert if field == "d_ff_expert" else getattr(cfg, field)
         if value % tp:

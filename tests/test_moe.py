@@ -1,9 +1,9 @@
-"""Mixtures of experts in the one model: tiny Mixtral, Qwen3-MoE (with a dense layer) and
-OLMoE models built by transformers (random weights, saved to a temporary directory) give
-transformers' log-probabilities through distill's teacher at ep=1, ep=2 and ep=2 x tp=2;
-the all-to-all dispatch equals a dense per-token reference; a capacity factor drops the
-lowest-probability assignments of an over-full expert; a short run distils an MoE teacher
-into a dense student."""
+"""Mixtures of experts in the one model: tiny Mixtral, Qwen2-MoE (with its shared expert),
+Qwen3-MoE (with a dense layer) and OLMoE models built by transformers (random weights,
+saved to a temporary directory) give transformers' log-probabilities through distill's
+teacher at ep=1, ep=2 and ep=2 x tp=2; the all-to-all dispatch equals a dense per-token
+reference; a capacity factor drops the lowest-probability assignments of an over-full
+expert; a short run distils an MoE teacher into a dense student."""
 
 import numpy as np
 import pytest
@@ -35,6 +35,16 @@ LIVE = 96
 
 FAMILIES = {  # name: (transformers class prefix, config class, config keys)
     "mixtral": ("Mixtral", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe_shared_expert": (
+        "Qwen2Moe",
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+        ),
+    ),
     "qwen3_moe_dense_layer_norm_topk": (
         "Qwen3Moe",
         "Qwen3MoeConfig",
@@ -88,8 +98,9 @@ def test_config_reads_each_family(family):
     name, path, _, _ = family
     cfg = hf.read_model_config(path)
     assert cfg.n_experts == (8 if name.startswith("olmoe") else 4)
-    assert cfg.norm_topk_prob == (not name.startswith("olmoe"))  # Mixtral's always on
+    assert cfg.norm_topk_prob == name.startswith(("mixtral", "qwen3"))  # Mixtral's always on
     assert cfg.qk_norm_full == name.startswith("olmoe")
+    assert (cfg.f_shared, cfg.qkv_bias) == ((24, True) if name.startswith("qwen2") else (0, False))
     assert cfg.moe_layers() == ((True, False, True) if name.startswith("qwen3") else (True,) * 3)
 
 
@@ -191,3 +202,21 @@ def test_ep_must_divide_the_experts():
         check_divisible(cfg, 1, ep=4)
     with pytest.raises(DistillError, match=r"mesh.teacher.ep: 2 needs a mixture of experts"):
         check_divisible(ModelConfig(), 1, ep=2)
+
+
+def test_qwen2_moe_config_keys():
+    """Qwen2-MoE's config.json as transformers writes it: its dense layers from
+    `decoder_sparse_step` and `mlp_only_layers`, its shared expert's width; windows whose
+    layers it does not say, and a shared expert in another family, refused in one line."""
+    raw = transformers.Qwen2MoeConfig(**COMMON, **FAMILIES["qwen2_moe_shared_expert"][2]).to_dict()
+    assert hf.model_config_from_raw(raw, "c").dense_layers == ()
+    cfg = hf.model_config_from_raw({**raw, "decoder_sparse_step": 2}, "c")
+    assert (cfg.dense_layers, cfg.f_shared, cfg.f_expert) == ((0, 2), 24, 16)
+    cfg = hf.model_config_from_raw({**raw, "mlp_only_layers": [2], "qkv_bias": False}, "c")
+    assert (cfg.dense_layers, cfg.qkv_bias) == ((2,), False)
+    no_types = {k: v for k, v in raw.items() if k != "layer_types"}
+    with pytest.raises(DistillError, match=r"^c: use_sliding_window=True without layer_types"):
+        hf.model_config_from_raw({**no_types, "use_sliding_window": True}, "c")
+    qwen3 = transformers.Qwen3MoeConfig(**COMMON, num_experts=4).to_dict()
+    with pytest.raises(DistillError, match=r"^c: shared_expert_intermediate_size=24 is not"):
+        hf.model_config_from_raw({**qwen3, "shared_expert_intermediate_size": 24}, "c")

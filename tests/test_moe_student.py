@@ -1,10 +1,11 @@
 """Mixture-of-experts students: the training step on dp x fsdp (experts split over fsdp and
-dispatched by all-to-all, or gathered when fsdp does not divide them) equals the single
-device's, the load-balancing loss included; that loss equals transformers'
-`load_balancing_loss_func` and a Qwen3-MoE's own `aux_loss`; a student is dense unless it
-says experts; a student read from a transformers Qwen3-MoE (vocabulary padded past the
-tokenizer's) distils, records its routing and exports as Qwen3MoeForCausalLM with the same
-log-probs; Mixtral and OLMoE export too."""
+dispatched by all-to-all, or gathered when fsdp does not divide them; a shared expert
+beside them) equals the single device's, the load-balancing loss included; that loss
+equals transformers' `load_balancing_loss_func` and a Qwen3-MoE's own `aux_loss`; a
+student is dense unless it says experts; a student read from a transformers Qwen3-MoE
+(vocabulary padded past the tokenizer's) distils, records its routing and exports as
+Qwen3MoeForCausalLM with the same log-probs; Mixtral, Qwen2-MoE (its shared expert
+included) and OLMoE export too."""
 
 import functools
 import json
@@ -42,6 +43,7 @@ def _moe_cfg(n_experts):
     return ModelConfig(
         vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48,
         n_experts=n_experts, experts_per_token=2, d_ff_expert=16, dense_layers=(1,),
+        d_ff_shared=24,
     )  # fmt: skip
 
 
@@ -254,6 +256,7 @@ def _latest_params(out):
     "family, keys",
     [
         ("mixtral", dict(norm_topk_prob=True)),
+        ("qwen2_moe", dict(qkv_bias=True, d_ff_shared=24, dense_layers=(1,))),
         ("olmoe", dict(qk_norm=True, qk_norm_full=True, experts_per_token=3)),
     ],
 )

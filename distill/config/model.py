@@ -59,8 +59,9 @@ def backend_problem(backend: str, softcap: bool, mixed_windows: bool) -> str | N
 
 # Checkpoint families whose config.json and tensor names `distill.models.hf` reads.
 Family = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"
-]
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
+    "qwen3_moe", "olmoe",
+]  # fmt: skip
 LayerType = Literal["full", "sliding"]
 
 # ModelConfig keys that say how the model runs, not what its weights are: never compared
@@ -149,7 +150,14 @@ class ModelConfig(Section):
     norm_topk_prob: bool = Field(
         False,
         description="Renormalise the top-k router probabilities to sum to 1 (Mixtral always; "
-        "Qwen3-MoE and OLMoE per their config).",
+        "Qwen2-MoE, Qwen3-MoE and OLMoE per their config).",
+    )
+    d_ff_shared: int = Field(
+        0,
+        ge=0,
+        description="A shared expert in every MoE layer: a SwiGLU of this hidden width that "
+        "every token runs, times sigmoid of a learned gate on the token, added to the routed "
+        "experts' output (Qwen2-MoE's shared_expert_intermediate_size); 0: none.",
     )
     dense_layers: tuple[int, ...] = Field(
         (),
@@ -212,6 +220,11 @@ class ModelConfig(Section):
     def f_expert(self) -> int:
         return self.d_ff_expert or self.d_ff
 
+    @property
+    def f_shared(self) -> int:
+        """The shared expert's hidden width; 0: none (always 0 without routed experts)."""
+        return self.d_ff_shared if self.n_experts else 0
+
     def moe_layers(self) -> tuple[bool, ...]:
         """Per layer, whether its feed-forward is the routed mixture of experts."""
         dense = set(self.dense_layers)
@@ -232,8 +245,11 @@ class ModelConfig(Section):
 
 # Keys that only a mixture of experts reads, and the dense family of each MoE family (its
 # attention and naming without the experts), for a student made dense (`student_fields`).
-MOE_KEYS = ("n_experts", "experts_per_token", "d_ff_expert", "norm_topk_prob", "dense_layers")
-DENSE_FAMILY = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+MOE_KEYS = (
+    "n_experts", "experts_per_token", "d_ff_expert", "norm_topk_prob", "dense_layers",
+    "d_ff_shared",
+)  # fmt: skip
+DENSE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
 
 def student_fields(teacher: ModelConfig, overrides: dict, keep_experts: bool) -> dict:
@@ -241,7 +257,8 @@ def student_fields(teacher: ModelConfig, overrides: dict, keep_experts: bool) ->
     student is dense unless its overrides set `n_experts` or `keep_experts` (the student
     starts from the teacher's layers): an MoE teacher's experts are not inherited, its
     MoE keys take their defaults and its family becomes the dense one (Mixtral: mistral,
-    Qwen3-MoE: qwen3; OLMoE, which has none, stays olmoe) unless the overrides set one."""
+    Qwen2-MoE: qwen2, Qwen3-MoE: qwen3; OLMoE, which has none, stays olmoe) unless the
+    overrides set one."""
     fields = teacher.model_dump()
     if teacher.n_experts and not keep_experts and "n_experts" not in overrides:
         fields.update({k: ModelConfig.model_fields[k].default for k in MOE_KEYS})

@@ -1,6 +1,6 @@
 """The Hugging Face format on disk: config.json <-> ModelConfig, weight names, shards, for
 Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3 text, and the mixtures of experts
-Mixtral, Qwen3-MoE and OLMoE (`MODEL_TYPES`).
+Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE and OLMoE (`MODEL_TYPES`).
 
 Only the format lives here, without JAX, because the config loader reads config.json before
 JAX starts. `teacher.hf` loads a checkpoint into the tensor-parallel layout,
@@ -28,7 +28,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # config.json model_type: what `distill.config.ModelConfig.family` records.
 MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
+    "qwen3_moe", "olmoe",
 )  # fmt: skip
 GEMMA = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -78,6 +79,13 @@ EXPERT_WEIGHTS = {
         "we_down": "down_proj.weight",
     },
 }
+# Qwen2-MoE's shared expert and its sigmoid gate, after `model.layers.{i}.mlp.`
+SHARED_WEIGHTS = {
+    "ws_gate": "shared_expert.gate_proj.weight",
+    "ws_up": "shared_expert.up_proj.weight",
+    "ws_down": "shared_expert.down_proj.weight",
+    "shared_gate": "shared_expert_gate.weight",
+}
 DENSE_FFN = ("w_gate", "w_up", "w_down")
 # distill top-level weight -> (name, stored transposed)
 TOP_WEIGHTS = {
@@ -120,6 +128,8 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
         if not moe_layers[i]:
             continue
         names[f"model.layers.{i}.{prefix}gate.weight"] = ("router", i, True)
+        for key, name in SHARED_WEIGHTS.items() if cfg.f_shared else ():
+            names[f"model.layers.{i}.{prefix}{name}"] = (key, i, True)
         for j in range(cfg.n_experts):  # an expert's weight: its layer and expert, (i, j)
             for key, name in experts.items():
                 names[f"model.layers.{i}.{prefix}experts.{j}.{name}"] = (key, (i, j), True)
@@ -128,7 +138,7 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
 
 def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     """The Hugging Face shape of one layer's (or a top-level) weight."""
-    d, v, f, fe = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.f_expert
+    d, v, f, fe, fs = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.f_expert, cfg.f_shared
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
     full = cfg.qk_norm_full
     return {
@@ -155,6 +165,10 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "we_gate": (fe, d),
         "we_up": (fe, d),
         "we_down": (d, fe),
+        "ws_gate": (fs, d),
+        "ws_up": (fs, d),
+        "ws_down": (d, fs),
+        "shared_gate": (1, d),
     }[key]
 
 
@@ -225,7 +239,8 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
         "mlp_bias": bool(raw.get("mlp_bias")),
         "use_bidirectional_attention": bool(raw.get("use_bidirectional_attention")),
         "clip_qkv": raw.get("clip_qkv") is not None,
-        "shared_expert_intermediate_size": bool(raw.get("shared_expert_intermediate_size")),
+        "shared_expert_intermediate_size": kind != "qwen2_moe"
+        and bool(raw.get("shared_expert_intermediate_size")),
     }
     for key, bad in unsupported.items():
         if bad:
@@ -261,6 +276,8 @@ def _family_keys(raw: dict, kind: str, where: Path) -> dict:
     keys: dict = {"family": kind, **_windows(raw, kind, where)}
     if kind == "qwen2":
         keys["qkv_bias"] = True  # Qwen2's q, k, v projections always have biases
+    if kind == "qwen2_moe":
+        keys["qkv_bias"] = bool(raw.get("qkv_bias", True))
     if kind in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"):
         keys["qk_norm"] = True
     if kind in MOE_TYPES:
@@ -278,20 +295,24 @@ def _family_keys(raw: dict, kind: str, where: Path) -> dict:
     return keys
 
 
-MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # moe_intermediate_size, dense layers by index
 
 
 def _experts(raw: dict, kind: str) -> dict:
     """The mixture-of-experts keys: Mixtral always renormalises its top-k probabilities (it
     takes the softmax of the top-k logits); OLMoE's query/key norms span all heads; Qwen
-    keeps the layers of `mlp_only_layers`, and those off its `decoder_sparse_step`, dense."""
+    keeps the layers of `mlp_only_layers`, and those off its `decoder_sparse_step`, dense;
+    Qwen2-MoE's MoE layers add a shared expert (`shared_expert_intermediate_size`)."""
     n = raw.get("num_experts", raw.get("num_local_experts"))
     keys = {
         "n_experts": n,
         "experts_per_token": raw.get("num_experts_per_tok", 2),
         "norm_topk_prob": kind == "mixtral" or bool(raw.get("norm_topk_prob")),
     }
-    if kind == "qwen3_moe":
+    if kind == "qwen2_moe":
+        keys["d_ff_shared"] = raw.get("shared_expert_intermediate_size") or 0
+    if kind in QWEN_MOE:
         keys["d_ff_expert"] = raw["moe_intermediate_size"]
         only, step = set(raw.get("mlp_only_layers") or []), raw.get("decoder_sparse_step", 1)
         moe = [i not in only and (i + 1) % step == 0 for i in range(raw["num_hidden_layers"])]
@@ -312,7 +333,12 @@ def _windows(raw: dict, kind: str, where: Path) -> dict:
         types = [LAYER_TYPES[t] for t in raw["layer_types"]]
     elif kind in ("mistral", "mixtral"):
         types = ["sliding" if window else "full"] * n
-    elif kind in ("qwen2", "qwen3", "qwen3_moe"):
+    elif kind == "qwen2_moe" and raw.get("use_sliding_window"):
+        raise DistillError(  # transformers 4 and 5 place its sliding layers differently
+            f"{where}: use_sliding_window=True without layer_types is not supported by "
+            "qwen2_moe (which layers slide is not said)"
+        )
+    elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         first = raw.get("max_window_layers", n) if raw.get("use_sliding_window") else n
         types = ["sliding" if window and i >= first else "full" for i in range(n)]
     elif kind in GEMMA:
@@ -386,6 +412,8 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
         sizes["intermediate_size"] = cfg.d_ff
     if cfg.n_experts:
         sizes["moe_intermediate_size" if cfg.d_ff_expert else "intermediate_size"] = cfg.f_expert
+    if cfg.f_shared:
+        sizes["shared_expert_intermediate_size"] = cfg.f_shared
     for key, value in sizes.items():
         if value % tp:
             raise DistillError(f"{where}: {key}={value} is not divisible by mesh.teacher.tp={tp}")

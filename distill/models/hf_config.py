@@ -1,5 +1,5 @@
 """ModelConfig -> a Hugging Face config.json in the model's own family (`ModelConfig.family`,
-the mixtures of experts Mixtral, Qwen3-MoE and OLMoE included):
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE included):
 the inverse of `distill.models.hf.read_model_config`, which checks every file written here.
 
 Each family's keys are written as its transformers configuration class reads them (Qwen's
@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
 }
@@ -81,11 +82,13 @@ def to_hf_config(
 
 def _experts(cfg: ModelConfig) -> dict:
     """A mixture of experts' keys in its family's names (the inverse of `hf._experts`):
-    Mixtral's and OLMoE's intermediate_size is each expert's width, Qwen3-MoE's the dense
-    layers' beside moe_intermediate_size."""
+    Mixtral's and OLMoE's intermediate_size is each expert's width, Qwen2/3-MoE's the dense
+    layers' beside moe_intermediate_size (and Qwen2-MoE's shared expert's width)."""
     n = "num_local_experts" if cfg.family == "mixtral" else "num_experts"
     keys = {n: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token}
-    if cfg.family == "qwen3_moe":
+    if cfg.family == "qwen2_moe":
+        keys.update(shared_expert_intermediate_size=cfg.f_shared, qkv_bias=cfg.qkv_bias)
+    if cfg.family in hf.QWEN_MOE:
         keys.update(
             moe_intermediate_size=cfg.f_expert,
             mlp_only_layers=list(cfg.dense_layers),
@@ -137,13 +140,13 @@ def _windows(cfg: ModelConfig) -> dict:
     types = cfg.types()
     if "sliding" not in types:
         keys = {"sliding_window": None}
-        if cfg.family in ("qwen2", "qwen3"):
+        if cfg.family in ("qwen2", "qwen3", "qwen2_moe"):
             keys["use_sliding_window"] = False
         if cfg.family not in ("llama", "mistral", "mixtral"):
             keys["layer_types"] = [_TYPE_NAMES[t] for t in types]
         return keys
     keys = {"sliding_window": cfg.sliding_window}
-    if cfg.family in ("qwen2", "qwen3"):
+    if cfg.family in ("qwen2", "qwen3", "qwen2_moe"):
         keys["use_sliding_window"] = True
         keys["max_window_layers"] = types.index("sliding")
     if cfg.family not in ("llama", "mistral", "mixtral"):
@@ -158,6 +161,7 @@ def _comparable(cfg: ModelConfig) -> dict:
     keys["layer_types"] = cfg.types()
     keys["d_ff"] = cfg.d_ff if cfg.has_dense_ffn() else None  # unused without dense layers
     keys["d_ff_expert"] = cfg.f_expert if cfg.n_experts else None
+    keys["d_ff_shared"] = cfg.f_shared
     if not cfg.n_experts:  # the MoE keys say nothing of a dense model
         keys.update(experts_per_token=None, norm_topk_prob=None, dense_layers=None)
     if keys["rope_local_theta"] is None and cfg.rope_scaling is None:

@@ -142,6 +142,11 @@ class Block(nnx.Module):
             self.we_gate = _normal(rngs, (e, d, fe), std)
             self.we_up = _normal(rngs, (e, d, fe), std)
             self.we_down = _normal(rngs, (e, fe, d), out_std)
+        if cfg.f_shared:  # Qwen2-MoE's shared expert and its sigmoid gate [D, 1]
+            self.ws_gate = _normal(rngs, (d, cfg.f_shared), std)
+            self.ws_up = _normal(rngs, (d, cfg.f_shared), std)
+            self.ws_down = _normal(rngs, (cfg.f_shared, d), out_std)
+            self.shared_gate = _normal(rngs, (d, 1), std)
         self.cfg = cfg
 
     def _norm(self, x, scale):
@@ -209,7 +214,7 @@ class Block(nnx.Module):
         none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero, balance)
 
         def routed(h):
-            experts = {k: getattr(self, k) for k in ("router", "we_gate", "we_up", "we_down")}
+            experts = {k: getattr(self, k) for k in moe.weight_keys(cfg)}
             return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, act=self.act, **moe_opts)
 
         if not cfg.n_experts:

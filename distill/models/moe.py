@@ -23,7 +23,10 @@ replicated over `tp`) and E / ep experts (each expert's hidden columns split ove
 3. a second all-to-all returns each result to the slot it came from, and each token sums
    its k results weighted by its router probabilities.
 
-Then `psum` over `tp` (the down projection is row-parallel, as a dense layer's).
+A shared expert (Qwen2-MoE's, `ModelConfig.d_ff_shared`) runs every token of the device
+through one more SwiGLU (its hidden columns split over `tp` as a dense MLP's, replicated
+over `ep`), scaled by sigmoid(h @ shared_gate), and is added to the routed output before
+the one `psum` over `tp` (the down projections are row-parallel, as a dense layer's).
 
 A capacity factor c (`teacher.moe_capacity_factor`) gives each expert C = ceil(c * T * k
 / E) slots per device, at fixed places of the buffer [ep, E/ep * C, D] (also at ep = 1),
@@ -49,6 +52,15 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill.models import grouped
 from distill.models.topk import top_k
+
+EXPERTS = ("we_gate", "we_up", "we_down")  # [E, ...]: split over the expert axis
+SHARED = ("ws_gate", "ws_up", "ws_down", "shared_gate")  # every token's: never split by expert
+
+
+def weight_keys(cfg) -> tuple[str, ...]:
+    """The layer weights an MoE layer of `cfg` reads: the router, the experts, and the
+    shared expert with its gate when the model has one."""
+    return ("router", *EXPERTS, *(SHARED if cfg.f_shared else ()))
 
 
 class ExpertLoad(NamedTuple):
@@ -128,7 +140,8 @@ def moe_ffn(
     """The mixture of experts' output [B, S, D] on h [B, S, D] (the normed residual) and
     its `ExpertLoad` (tokens per expert [E] routed from these rows, assignments dropped,
     and with `token_mask` [B, S] the balance statistics): weights `p` with router [D, E],
-    we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]. `layout`: run per device of
+    we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D], and a shared expert's ws_gate,
+    ws_up [D, Fs/tp], ws_down [Fs/tp, D], shared_gate [D, 1]. `layout`: run per device of
     a GSPMD program (`Layout`; then `p` holds whole weights). `kernel`: the grouped
     matmul (`distill.models.grouped.KERNELS`; None: the platform's)."""
     if layout is not None:
@@ -149,10 +162,20 @@ def moe_ffn(
         dropped = jnp.zeros_like(ids[0, 0])  # varying over the mesh as the rows are
     else:
         out, dropped = _dispatch(h, weights, ids, experts, n_shards, ep_axis, act, kernel)
+    if "ws_gate" in p:
+        out = out + _shared(h, p, act)
     out = cc.psum(out.astype(h.dtype), tp_axis)
     load = jnp.bincount(ids.reshape(-1), length=cfg.n_experts)
     balance = None if token_mask is None else _balance(h, p["router"], ids, token_mask)
     return out.reshape(b, s, d), ExpertLoad(load, dropped, balance)
+
+
+def _shared(h_td, p: dict, act) -> jax.Array:
+    """The shared expert's output, float32 [T, D] (partial over tp): every token's SwiGLU
+    times sigmoid(h @ shared_gate), as transformers' Qwen2MoeSparseMoeBlock."""
+    w = {k: p[k][...].astype(h_td.dtype) for k in SHARED}
+    y = (act(h_td @ w["ws_gate"]) * (h_td @ w["ws_up"])) @ w["ws_down"]
+    return (jax.nn.sigmoid(h_td @ w["shared_gate"]) * y).astype(jnp.float32)
 
 
 def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, act, kernel):
@@ -231,7 +254,7 @@ def _per_device(h_bsd, p: dict, cfg, layout: Layout, act, token_mask, kernel):
     `layout.experts` (the expert axis of the dispatch) or gathered; the counts summed over
     the devices' rows."""
     rows, ax = jax.P(layout.rows), layout.experts
-    specs = {k: jax.P() if k == "router" or ax is None else jax.P(ax) for k in p}
+    specs = {k: jax.P(ax) if ax is not None and k in EXPERTS else jax.P() for k in p}
     mask = jnp.ones(h_bsd.shape[:2], jnp.float32) if token_mask is None else token_mask
 
     def local(h, p, m):
