@@ -5,6 +5,7 @@ Qwen3-30B-A3B shape compiles, on every pure-XLA path, to at most 1.3x its active
 array and under 3 GiB of temporaries, and its program lowered for CUDA holds no
 ragged_dot (which XLA rewrites there into a dense matmul over every expert)."""
 
+import logging
 import re
 
 import jax
@@ -117,9 +118,10 @@ def test_the_30b_a3b_layer_compiles_to_its_active_flops(path):
     assert "ragged_dot" not in cuda
 
 
-def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe():
+def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe(caplog):
     """The tiny MoE teacher at ep=1: its compiled forward's FLOPs per token (every layer and
-    tile counted) near the model's, its kernel named; 127x is refused in one line."""
+    tile counted) near the model's, its kernel named; 127x is refused in one line naming
+    the field that asks to run it anyway, and with that field set it is a warning."""
     from distill.errors import DistillError
     from distill.mesh import teacher_mesh
     from distill.models import model
@@ -134,5 +136,12 @@ def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe():
     assert mem["moe_kernel"] == "tiled"
     assert 0.8 * want <= mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
     plan_flops.check_moe(cfg, mem)
+    ungrouped = {**mem, "compiled_flops_per_token": 127 * want}
     with pytest.raises(DistillError, match=r"^teacher.model: the compiled MoE forward does 127"):
-        plan_flops.check_moe(cfg, {**mem, "compiled_flops_per_token": 127 * want})
+        plan_flops.check_moe(cfg, ungrouped)
+    with pytest.raises(DistillError, match=r"; teacher.moe_allow_ungrouped: true runs it$"):
+        plan_flops.check_moe(cfg, ungrouped)
+    cfg.teacher.moe_allow_ungrouped = True  # asked: a warning, the same line
+    with caplog.at_level(logging.WARNING, logger=plan_flops.__name__):
+        plan_flops.check_moe(cfg, ungrouped)
+    assert "the compiled MoE forward does 127.0x" in caplog.text

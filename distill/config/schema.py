@@ -155,6 +155,13 @@ class TeacherConfig(Section):
         "probability first) for throughput, so the student's target is no longer the model's "
         "own. None: dropless, exact.",
     )
+    moe_allow_ungrouped: bool = Field(
+        False,
+        description="A mixture-of-experts teacher whose compiled forward at mesh.teacher.ep=1 "
+        "does over 1.5x its active FLOPs (its expert matmuls not grouped on this platform, "
+        "every expert run on every token) runs anyway, with a logged warning; false: refused "
+        "before anything is loaded.",
+    )
     pretrain_steps: int = Field(
         0, ge=0, description="If the checkpoint is missing, train the teacher this long first."
     )
