@@ -170,6 +170,12 @@ def test_a_student_is_dense_unless_it_says_experts():
     tree["student"]["model"]["n_experts"] = 4
     routed = config_from_dict(tree).student_model()
     assert (routed.n_experts, routed.f_expert, routed.family) == (4, 16, "qwen3_moe")
+    shared = dict(tree, teacher=dict(tree["teacher"], model=dict(tree["teacher"]["model"])))
+    shared["teacher"]["model"].update(family="qwen2_moe", qk_norm=False, d_ff_shared=8)
+    assert config_from_dict(shared).student_model().f_shared == 8  # it says experts
+    shared["student"] = {"model": {}}
+    dense = config_from_dict(shared).student_model()
+    assert (dense.family, dense.d_ff_shared, dense.f_shared) == ("qwen2", 0, 0)
     tree["student"]["model"] = {"n_layers": 1}
     tree["student"]["init"] = "from_teacher"
     assert config_from_dict(tree).student_model().n_experts == 4  # the teacher's layers
