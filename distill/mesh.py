@@ -225,11 +225,25 @@ def check_teacher_split(cfg: Config) -> None:
 
 
 def check_placement_mode(cfg: Config) -> None:
-    """Colocated meshes are one process's (local mode): a Ray role group holds one role."""
-    if cfg.pipeline.mode == "ray" and cfg.mesh.placement != "split":
+    """Ray mode: `colocated` is one group of processes holding both roles, so one teacher
+    replica on the student's hosts; `auto` chooses from one process's devices (local mode)."""
+    if cfg.pipeline.mode != "ray" or cfg.mesh.placement == "split":
+        return
+    if cfg.mesh.placement == "auto":
         raise DistillError(
-            f"mesh.placement: {cfg.mesh.placement} needs pipeline.mode local for now "
-            "(a Ray role group holds one role); use mesh.placement: split"
+            "mesh.placement: auto chooses from the devices of one process (pipeline.mode "
+            "local); in pipeline.mode ray set split or colocated"
+        )
+    if cfg.teacher.replicas > 1:
+        raise DistillError(
+            f"teacher.replicas: {cfg.teacher.replicas} replicas need mesh.placement: split "
+            "(colocated, one group of processes holds the teacher and the student)"
+        )
+    t, s = cfg.mesh.teacher.hosts, cfg.mesh.student.hosts
+    if t != s:
+        raise DistillError(
+            f"mesh.teacher.hosts: {t} differs from mesh.student.hosts: {s}; colocated, "
+            "both roles run in the same processes"
         )
 
 

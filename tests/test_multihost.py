@@ -454,3 +454,28 @@ def test_resume_on_another_host_count_is_exact(
     assert _run(tmp_path, cfg) == 0
     _assert_same_losses(out, local_run)
     assert _summary(out)["completed"] and _summary(out)["hosts"]["student"] == 1
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_colocated_group_of_two_processes_matches_local(
+    ray_cluster, local_run, corpus_dir, tmp_path
+):
+    """`mesh.placement: colocated` across 2 processes: one group holds both roles (the
+    teacher's tp=4 and the student's dp=2 x fsdp=2 over the same 4 devices), with on-policy
+    steps, microbatches, grad accumulation and two eval chunks; a process killed at step 5
+    brings the group back from checkpoint 3. The local split run's losses."""
+
+    def kill_one(step, pool):
+        if step == 5 and not pool.resumed_from:
+            assert pool.wait_for_checkpoints() == 3
+            _kill(pool.info["student"]["processes"][1]["pid"])
+
+    out = tmp_path / "out"
+    cfg = _groups_config(corpus_dir, out, local_run)
+    cfg["mesh"]["placement"] = "colocated"
+    assert _run(tmp_path, cfg, kill_one) == 0
+    _assert_same_losses(out, local_run)
+    summary = _summary(out)
+    assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
+    assert summary["student_resumed_from"] == [3] and summary["bytes_per_step"] == 0

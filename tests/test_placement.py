@@ -48,13 +48,30 @@ def test_colocated_meshes_share_the_first_devices(corpus_dir, tmp_path):
     )
 
 
-def test_ray_mode_refuses_colocated_in_one_line(corpus_dir, tmp_path):
+@pytest.mark.parametrize(
+    "mesh, teacher, expected",
+    [
+        ({"placement": "auto"}, {}, "mesh.placement: auto chooses from the devices of one process"),
+        ({"placement": "colocated"}, {"replicas": 2}, "teacher.replicas: 2 replicas need mesh.pl"),
+        (
+            {"placement": "colocated", "student": {"dp": 2, "hosts": 2}},
+            {},
+            "mesh.teacher.hosts: 1 differs from mesh.student.hosts: 2; colocated, both roles",
+        ),
+    ],
+)
+def test_ray_mode_refuses_what_one_colocated_group_cannot_hold(
+    corpus_dir, tmp_path, mesh, teacher, expected
+):
     from pipelines.preflight import check_mode
 
-    cfg = _cfg(corpus_dir, tmp_path, placement="colocated")
-    cfg.pipeline.mode = "ray"
-    with pytest.raises(DistillError, match="^mesh.placement: colocated needs pipeline.mode local"):
-        check_mode(cfg)
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"), pipeline={"mode": "ray"})
+    tree["mesh"].update(mesh)
+    tree["teacher"].update(teacher)
+    with pytest.raises(DistillError, match="^" + expected):
+        check_mode(config_from_dict(tree))
+    tree["mesh"]["placement"] = "split"
+    check_mode(config_from_dict(tree))
 
 
 def test_candidates_follow_the_divisibility_rules():

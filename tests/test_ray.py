@@ -210,3 +210,32 @@ def test_device_options_give_each_actor_its_devices(monkeypatch):
     bundle, opts = device_options(4, "tpu", "teacher_host")
     assert bundle == {"CPU": 1, "TPU": 4, "teacher_host": 1}
     assert opts["resources"] == {"TPU": 4, "teacher_host": 1}
+
+
+def test_a_colocated_group_matches_local_and_resumes_after_a_kill(
+    ray_cluster, local_run, corpus_dir, tmp_path
+):
+    """`mesh.placement: colocated`: one group of processes holds both roles, the teacher's
+    outputs stay on its devices (no teacher bytes cross), the losses are the local split
+    run's; its process killed at step 5 (checkpoint 3 on disk), the group is recreated and
+    both roles resume from the checkpoint, with the same losses."""
+    statuses = []
+
+    def kill_at_5(step, pool):
+        statuses.append(pool.store.status())
+        if step == 5 and not pool.resumed_from:
+            ray.get(pool.student.wait_for_checkpoints.remote())  # checkpoint 3 is on disk
+            _kill(pool.info["student"]["pid"])
+
+    out = tmp_path / "out"
+    cfg = _ray_config(corpus_dir, out, local_run, mesh={"placement": "colocated"})
+    assert _run(tmp_path, cfg, kill_at_5) == 0
+    _assert_same_losses(out, local_run, rel=1e-6)
+    summary = _summary(out)
+    assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
+    assert summary["student_resumed_from"] == [3]
+    assert _train(out)[6]["bytes_per_token"] == 0  # handed over on device
+    first, last = statuses[0], statuses[-1]
+    assert [(a["role"], a["name"]) for a in first["actors"]] == [("teacher+student", "colocated")]
+    assert first["actors"][0]["devices"] == "cpu:0,1"
+    assert last["actors"][0]["restarts"] == 1 and last["actors"][0]["alive"]

@@ -161,22 +161,28 @@ class _Member:
         return corpus
 
 
-@ray.remote
-class TeacherActor(_Member):
+class TeacherMember(_Member):
     """One process of a teacher replica's group: the inference mesh (axes `dp` x `tp`, as
     in local mode) over the group's devices and the frozen teacher on it."""
 
     def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
-        from pipelines.sources import OnlineTeacher
-
         cfg = self._join(coordinator, n, i, platform)
-        self._mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
-        corpus = self._load_data(cfg)
-        self._teacher = OnlineTeacher(cfg, self._mesh, corpus.teacher_tokenizer)
+        self._start_teacher(cfg, self._load_data(cfg))
         return self.info()
 
+    def _start_teacher(self, cfg, corpus) -> None:
+        from pipelines.sources import OnlineTeacher
+
+        self._t_mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
+        self._teacher = OnlineTeacher(cfg, self._t_mesh, corpus.teacher_tokenizer)
+
     def info(self) -> dict:
-        return {**_info(self._mesh, TP), "data": self._data_check}
+        return {**_info(self._t_mesh, TP), "data": self._data_check}
+
+    def _send(self, out, owners: tuple[int, ...], whole: bool):
+        """A teacher output as it leaves this process: host arrays when `whole` (both
+        groups one process), else one list of row pieces per student process (`ray_rows`)."""
+        return self._jax.device_get(out) if whole else ray_rows.teacher_parts(out, owners)
 
     @ray.method(num_returns=2)
     def forward(self, owners: tuple[int, ...], *batch):
@@ -194,7 +200,7 @@ class TeacherActor(_Member):
             rows = ray_rows.join_batch(list(batch), owners)
         out, load = self._teacher.output(rows)
         whole = self._n == 1 and max(owners) == 0
-        out = self._jax.device_get(out) if whole else ray_rows.teacher_parts(out, owners)
+        out = self._send(out, owners, whole)
         done = (1e3 * (time.perf_counter() - t0), self._jax.device_get(load))
         return (out, done) if whole else (*out, done)
 
@@ -207,8 +213,8 @@ class TeacherActor(_Member):
         t0 = time.perf_counter()
         logits = self._teacher.logits(batch)
         if self._n == 1 and max(owners) == 0:
-            return self._jax.device_get(logits), 1e3 * (time.perf_counter() - t0)
-        parts = ray_rows.teacher_parts(TeacherOutput(logits, None), owners)
+            return self._send(logits, owners, True), 1e3 * (time.perf_counter() - t0)
+        parts = self._send(TeacherOutput(logits, None), owners, False)
         return (*parts, 1e3 * (time.perf_counter() - t0))
 
     def nll(self, owners: tuple[int, ...], *rows) -> tuple[float, float]:
@@ -218,8 +224,7 @@ class TeacherActor(_Member):
         return float(nll), float(tokens)
 
 
-@ray.remote
-class StudentActor(_Member):
+class StudentMember(_Member):
     """One process of the student's group: the training mesh (axes `dp` x `fsdp`) over the
     group's devices, train state, train step, evaluation, checkpoints (every process writes
     its shards, Orbax multi-host).
@@ -229,6 +234,11 @@ class StudentActor(_Member):
     where, and the driver's data position starts there."""
 
     def setup(self, coordinator: str | None, n: int, i: int, platform: str) -> dict:
+        cfg = self._join(coordinator, n, i, platform)
+        self._start_student(cfg, self._load_data(cfg))
+        return self.info()
+
+    def _start_student(self, cfg, corpus) -> None:
         from pipelines.local import cross_spec
         from pipelines.plan import memory as plan_memory
         from student import train
@@ -236,9 +246,7 @@ class StudentActor(_Member):
         from student.state import run_checkpointer, start_student
         from teacher.weights import student_init_params
 
-        cfg = self._join(coordinator, n, i, platform)
-        corpus = self._load_data(cfg)
-        tokenizer = corpus.tokenizer
+        i, tokenizer = self._i, corpus.tokenizer
         limit = vocab_limit(tokenizer, *cfg.vocab_sizes())
         self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
@@ -261,7 +269,6 @@ class StudentActor(_Member):
             from distill.data.cross_samples import SampleRows
 
             self._cross = SampleRows(tokenizer, corpus.teacher, corpus.train.teacher_len)
-        return self.info()
 
     def _setup_sampling(self, cfg, tx, tokenizer, limit) -> None:
         """The samplers (on-policy, and the evaluation's at temperature 1) and, for an
@@ -347,13 +354,10 @@ class StudentActor(_Member):
         jax, t0 = self._jax, time.perf_counter()
         if isinstance(batch, dict):
             batch = self._reader.rows(batch, self._spans)
-        if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
-            t_in = teacher_parts[0]
-            nbytes = sum(x.nbytes for x in jax.tree.leaves(t_in))
-            t_out, batch = jax.device_put(t_in, self._split), jax.device_put(batch, self._split)
+        t_out, nbytes = self._receive(teacher_parts, self._spans, self._rows)
+        if self._n == 1:
+            batch = jax.device_put(batch, self._split)
         else:
-            t_in, nbytes = ray_rows.student_rows(list(teacher_parts), self._spans)
-            t_out = ray_rows.global_arrays(t_in, self._split, self._rows)
             batch = ray_rows.global_arrays(batch, self._split, self._rows)
         self._state, metrics = self._step_fn(self._state, batch, t_out)
         if self._history is not None:
@@ -366,19 +370,31 @@ class StudentActor(_Member):
         m["bytes_per_token"] = nbytes / self._tokens
         return m
 
-    def evaluate(self, batch, *teacher_parts) -> dict:
+    def evaluate(self, batch, *teacher_parts, keep: bool = False) -> dict:
         """Held-out teacher vs student metrics of one eval chunk (with its token count), by
         the local mode's own `StudentEval`: `batch` is the whole chunk (token ids), and
-        `teacher_parts` as `step`'s: this process's rows of the teacher's dense logits."""
-        if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
-            return self._eval.one(self._state.params, batch, teacher_parts[0])
+        `teacher_parts` as `step`'s: this process's rows of the teacher's dense logits
+        (`keep`: the driver hands the same logits to every evaluation)."""
         rows = batch.tokens.shape[0]
         spans = ray_rows.spans(self._owners, self._i, rows)
-        t_in, _ = ray_rows.student_rows(list(teacher_parts), spans)
-        logits = ray_rows.global_arrays(t_in.logprobs, self._split, rows)
+        t_out, _ = self._receive(teacher_parts, spans, rows, keep)
+        logits = getattr(t_out, "logprobs", t_out)
+        if self._n == 1:
+            return self._eval.one(self._state.params, batch, logits)
         mine = self._jax.tree.map(lambda x: ray_rows.take(x, spans), batch)
         mine = ray_rows.global_arrays(mine, self._split, rows)
         return self._eval.one(self._state.params, mine, logits)
+
+    def _receive(self, teacher_parts: tuple, spans, rows: int, keep: bool = False):
+        """(the teacher output on the training mesh, the bytes received): the whole host
+        output, or this process's rows from the pieces of every teacher process."""
+        jax = self._jax
+        if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
+            t_in = teacher_parts[0]
+            nbytes = sum(x.nbytes for x in jax.tree.leaves(t_in))
+            return jax.device_put(t_in, self._split), nbytes
+        t_in, nbytes = ray_rows.student_rows(list(teacher_parts), spans)
+        return ray_rows.global_arrays(t_in, self._split, rows), nbytes
 
     def save(self, step: int, data_state: dict) -> None:
         """Start an asynchronous checkpoint of the state after `step` (every process of the
@@ -399,3 +415,7 @@ class StudentActor(_Member):
 
     def close(self) -> None:
         self._ckpt.close()
+
+
+TeacherActor = ray.remote(TeacherMember)
+StudentActor = ray.remote(StudentMember)

@@ -211,7 +211,7 @@ class RayStudentExecutor:
         members = self._pool.students.members
         per_chunk = [
             self._pool.student_result(
-                [a.evaluate.remote(batch, *out[p]) for p, a in enumerate(members)]
+                [a.evaluate.remote(batch, *out[p], keep=keep) for p, a in enumerate(members)]
             )
             for batch, out in zip(batches, teacher_logits, strict=True)
         ]
@@ -288,7 +288,10 @@ def distill_ray(
 
 
 def actor_processes(cfg: Config) -> int:
-    """The run's actor processes: every teacher replica's group and the student's."""
+    """The run's actor processes: every teacher replica's group and the student's (one
+    group for both, colocated)."""
+    if cfg.mesh.placement == "colocated":
+        return cfg.mesh.student.hosts
     return cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
 
 

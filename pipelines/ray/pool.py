@@ -27,11 +27,12 @@ from ray.util.placement_group import remove_placement_group
 from distill import outputs
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import devices_per_host, hosts
+from distill.mesh import colocated, devices_per_host, hosts
 from pipelines.loop import StudentLost
 from pipelines.on_policy import sample_metrics
 from pipelines.ray import rows as ray_rows
 from pipelines.ray.actors import HOST_RESOURCES, StudentActor, TeacherActor, device_options
+from pipelines.ray.colocated import ColocatedActor
 from pipelines.ray.groups import Group, get_all, place
 
 log = logging.getLogger("distill")
@@ -93,21 +94,16 @@ class ActorPool:
         self.cfg, self.store, self._data_check = cfg, store, data_check
         self.replicas = cfg.teacher.replicas
         tree, platform = _actor_config(cfg), _platform(cfg)
-        t_bundle, t_opts = device_options(
-            devices_per_host(cfg, "teacher"), platform, _host_resource("teacher")
-        )
-        s_bundle, s_opts = device_options(
-            devices_per_host(cfg, "student"), platform, _host_resource("student")
-        )
-        t_hosts, self.student_hosts = hosts(cfg, "teacher"), hosts(cfg, "student")
-        self._pgs, where = place(
-            [(t_hosts, t_bundle)] * self.replicas + [(self.student_hosts, s_bundle)]
-        )
-        self.teachers = [
-            Group("teacher", TeacherActor, tree, t_opts, where[r], platform)
-            for r in range(self.replicas)
-        ]
-        self.students = Group("student", StudentActor, tree, s_opts, where[-1], platform)
+        self.student_hosts = hosts(cfg, "student")
+        self.colocated = colocated(cfg)
+        if self.colocated:  # one group holds both roles (`pipelines.ray.colocated`)
+            n = max(devices_per_host(cfg, "teacher"), devices_per_host(cfg, "student"))
+            bundle, opts = device_options(n, platform, _host_resource("student"))
+            self._pgs, where = place([(self.student_hosts, bundle)])
+            self.students = Group("student", ColocatedActor, tree, opts, where[0], platform)
+            self.teachers = [self.students]
+        else:
+            self._split_groups(cfg, tree, platform)
         self.info: dict[str, dict] = {}  # group name -> process 0's info and every process's
         self.restarts = {"teacher": 0, "student": 0}
         self.resumed_from: list[int] = []  # checkpoint steps a recreated student restored
@@ -124,6 +120,28 @@ class ActorPool:
                 cfg.pipeline.prefetch,
                 self.replicas,
             )
+
+    def _split_groups(self, cfg: Config, tree: dict, platform: str) -> None:
+        """`teacher.replicas` teacher groups and the student group, on their own devices."""
+        t_bundle, t_opts = device_options(
+            devices_per_host(cfg, "teacher"), platform, _host_resource("teacher")
+        )
+        s_bundle, s_opts = device_options(
+            devices_per_host(cfg, "student"), platform, _host_resource("student")
+        )
+        t_hosts = hosts(cfg, "teacher")
+        self._pgs, where = place(
+            [(t_hosts, t_bundle)] * self.replicas + [(self.student_hosts, s_bundle)]
+        )
+        self.teachers = [
+            Group("teacher", TeacherActor, tree, t_opts, where[r], platform)
+            for r in range(self.replicas)
+        ]
+        self.students = Group("student", StudentActor, tree, s_opts, where[-1], platform)
+
+    def groups(self) -> list[Group]:
+        """Every group once (a colocated pool's one group is its teacher and its student)."""
+        return self.teachers if self.colocated else [*self.teachers, self.students]
 
     @property
     def student(self):
@@ -144,13 +162,15 @@ class ActorPool:
 
     def _student_ready(self) -> tuple[int, dict | None]:
         self._record("student", self.students)
+        if self.colocated:
+            self._record("teacher-0", self.students)
         self.owners = tuple(self.students.info[0]["row_owners"])  # its layout's rows
         self.student_start, data_state = ray.get(self.student.resume_point.remote())
         return self.student_start, data_state
 
     def start(self) -> tuple[int, dict | None]:
         """Start every group at once; returns the student's (step, data state) to resume at."""
-        for group in [*self.teachers, self.students]:
+        for group in self.groups():
             group.launch()
         for r, group in enumerate(self.teachers):
             group.ready()
@@ -219,7 +239,7 @@ class ActorPool:
         return f"Latest checkpoint: step {latest} in {where}" if latest else "No checkpoint yet."
 
     def shutdown(self) -> None:
-        for group in [*self.teachers, self.students]:
+        for group in self.groups():
             group.kill()
         for pg in self._pgs:
             remove_placement_group(pg)
@@ -374,7 +394,8 @@ class ActorPool:
         teacher = self.info["teacher-0"]
         return {
             "platform": teacher["platform"],
-            "teacher": teacher["layout"],
+            "placement": "colocated" if self.colocated else "split",
+            "teacher": teacher.get("teacher_layout", teacher["layout"]),
             "student": self.info["student"]["layout"],
             "teacher_replicas": self.replicas,
             "teacher_hosts": self.teachers[0].hosts,
@@ -383,7 +404,15 @@ class ActorPool:
 
     def publish(self) -> None:
         """Each group's role, hosts (processes), nodes, devices (per process), liveness,
-        restarts, queued work and busy fraction, for /api/status and the dashboard."""
+        restarts, queued work and busy fraction, for /api/status and the dashboard (a
+        colocated group: one row, both roles)."""
+        if self.colocated:
+            queued = len(self.in_flight) + self.student_queued
+            row = self._row("teacher+student", "student", self.students, 0, queued)
+            row.update(name="colocated", restarts=self.restarts["student"])
+            row["busy"] = min(1.0, sum(self.busy.get(k) or 0.0 for k in ("teacher-0", "student")))
+            self.store.update(actors=[row], restarts=self.restarts["student"])
+            return
         rows = [
             self._row(
                 "teacher",
