@@ -179,3 +179,21 @@ def scatter_sum(x_n, axis: str | None):
     if axis is None:
         return jax.tree.map(lambda a: a[0], x_n)
     return jax.tree.map(lambda a: jax.lax.psum_scatter(a, axis, scatter_dimension=0), x_n)
+
+
+def varying(x) -> frozenset:
+    """The mesh axes `x` varies over inside `jax.shard_map` (none outside)."""
+    return jax.typeof(x).mat.varying
+
+
+def vary(x, vma):
+    """x varying over the mesh axes `vma` (inside `jax.shard_map`), as a loop carry that
+    accumulates varying values must start."""
+    return jax.lax.pcast(x, tuple(sorted(vma)), to="varying") if vma else x
+
+
+def cotangent(grad, w):
+    """A weight's gradient summed over the mesh axes its rows varied over and it does not
+    (the transpose of using one weight on every device's rows), in its dtype."""
+    extra = tuple(sorted(varying(grad) - varying(w)))
+    return (jax.lax.psum(grad, extra) if extra else grad).astype(w.dtype)

@@ -30,7 +30,7 @@ def _params(d, e, f, seed=0):
 
 def test_kernel_per_platform_and_tile_scaling():
     assert grouped.kernel("tpu") == "ragged_dot"
-    assert grouped.kernel("gpu") == grouped.kernel("cpu") == "tiled"
+    assert grouped.kernel("gpu") == grouped.kernel("cpu") == "tiled"  # no Hopper here
     for rows, experts, m in [(32768, 128, 32), (4096, 8, 64), (1 << 20, 128, 128), (48, 8, 1)]:
         assert grouped.tile_rows(rows, experts) == m
         assert experts * (m - 1) <= max(rows // grouped.PAD_SHARE, 0)
@@ -73,6 +73,77 @@ def test_tiled_layer_and_its_gradient_equal_ragged_dot(experts_per_token):
         np.testing.assert_allclose(
             np.asarray(gp[name]), np.asarray(wp[name]), atol=1e-4, rtol=1e-4, err_msg=name
         )
+
+
+def _sorted_rows(d=64, e=4, f=128, rows=40, live=33, seed=5):
+    """Rows sorted by expert (one expert empty), the last `rows - live` of no expert."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    sizes = jnp.array([10, 0, 15, live - 25], jnp.int32)
+    x = jax.random.normal(keys[0], (rows, d))
+    w = [
+        jax.random.normal(k, s) * 0.2
+        for k, s in zip(keys[1:4], [(e, d, f), (e, d, f), (e, f, d)], strict=True)
+    ]
+    return x, sizes, w, jax.random.normal(keys[4], (rows, d))
+
+
+def test_mosaic_composition_and_its_backward_equal_autodiff():
+    """The `mosaic_gpu` kernel's SwiGLU and hand-written backward, run with XLA's reference
+    grouped matmuls in place of the Hopper kernels: output and every gradient equal plain
+    autodiff of `ragged_dot`, and the rows of no expert are zero."""
+    from distill.models import grouped_mosaic
+
+    x, sizes, w, probe = _sorted_rows()
+    f = grouped_mosaic.grouped_swiglu(jax.nn.silu, grouped_mosaic.reference_ops())
+
+    def loss(fn, x, *w):
+        y = fn(x, sizes, *w)
+        return jnp.sum(y * probe), y
+
+    plain = lambda x, s, *w: grouped.ragged_swiglu(x, s, *w, jax.nn.silu)  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)(f, x, *w)
+    want = jax.jit(jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)(
+        plain, x, *w
+    )
+    (g_got, y_got), (g_want, y_want) = got, want
+    np.testing.assert_allclose(np.asarray(y_got), np.asarray(y_want), atol=1e-5, rtol=1e-5)
+    assert not np.asarray(y_got)[33:].any()
+    for a, b in zip(g_got, g_want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
+def test_mosaic_kernel_lowers_for_cuda_without_ragged_dot(monkeypatch):
+    """The layer and its gradient in bfloat16 lowered for CUDA on this CPU machine: Mosaic
+    GPU kernels (three forward, six backward), no `ragged_dot` for XLA to rewrite densely.
+    A float32 layer, or widths the kernels' blocks do not divide, take the tiled kernel."""
+    from types import SimpleNamespace
+
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
+
+    from distill.models import grouped_mosaic
+
+    # the transposed kernel sizes its grid by the first device's SMs: an H100's 132 here
+    gpu = SimpleNamespace(core_count=132)
+    monkeypatch.setattr(
+        transposed, "jax", SimpleNamespace(**{**vars(jax), "devices": lambda: [gpu]})
+    )
+
+    x, _, w, probe = _sorted_rows()
+    src, expert = jnp.arange(40) % 40, jnp.arange(40) % 5  # 4 = no expert
+
+    def loss(x, *w):
+        y = grouped.expert_rows(x, src, expert, *w, jax.nn.silu, "mosaic_gpu")
+        return jnp.sum(y.astype(jnp.float32) * probe)
+
+    bf16 = [a.astype(jnp.bfloat16) for a in (x, *w)]
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(*bf16).lower(
+        lowering_platforms=("cuda",)
+    ).as_text()  # fmt: skip
+    assert text.count("custom_call @mosaic_gpu") == 9  # 3 forward, 3 + 3 backward
+    assert not re.search(r"(chlo|stablehlo)\.ragged_dot", text)
+    assert grouped_mosaic.usable(64, 128, jnp.bfloat16)
+    assert not grouped_mosaic.usable(64, 128, jnp.float32)
+    assert not grouped_mosaic.usable(64, 96, jnp.bfloat16)
 
 
 def test_dot_flops_count_every_loop_iteration():

@@ -18,7 +18,10 @@ Kernels (`kernel()` picks one per platform, as attention picks its backend):
   The padding is at most min(E, R) * (m - 1) rows for R rows, and `tile_rows` keeps it
   under 1/`PAD_SHARE` of R: at R = T * k = 32,768 and E = 128, m = 32 and at most 12% more
   rows than routed. Fewer rows per expert (small R / E) mean smaller tiles, down to m = 1.
-  A Pallas Mosaic GPU grouped matmul on Hopper is later work (GPU sessions).
+- `mosaic_gpu`: on Hopper GPUs (compute capability 9.x), JAX's Pallas Mosaic GPU ragged-dot
+  kernels over the rows sorted by expert, with their own backward
+  (`distill.models.grouped_mosaic`); bfloat16 or float16 widths that are multiples of 64
+  (`grouped_mosaic.usable`), else the `tiled` kernel.
 
 The capacity path (`teacher.moe_capacity_factor`) needs no grouping: its [E, C, D] slots
 run as batched matmuls (`batched_swiglu`).
@@ -26,20 +29,38 @@ run as batched matmuls (`batched_swiglu`).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
-from distill.models import attention
+from distill.collectives import cotangent, vary, varying
+from distill.models import attention, grouped_mosaic
 
-KERNELS = ("ragged_dot", "tiled")
+KERNELS = ("ragged_dot", "mosaic_gpu", "tiled")
 MAX_TILE = 128  # rows per tile at most: enough for a GPU's tensor cores
 PAD_SHARE = 8  # padding at most 1/8 of the routed rows
 
 
 def kernel(platform: str | None = None) -> str:
     """The grouped-matmul kernel for `platform` (default: the one attention chooses for,
-    `distill.models.attention.platform`): `ragged_dot` on TPU, `tiled` elsewhere."""
-    return "ragged_dot" if (platform or attention.platform()) == "tpu" else "tiled"
+    `distill.models.attention.platform`): `ragged_dot` on TPU, `mosaic_gpu` on a Hopper
+    GPU, `tiled` elsewhere."""
+    platform = platform or attention.platform()
+    if platform == "tpu":
+        return "ragged_dot"
+    return "mosaic_gpu" if platform == "gpu" and hopper() else "tiled"
+
+
+def hopper() -> bool:
+    """Whether this process's GPUs are Hoppers (compute capability 9.x), which the Mosaic
+    kernels are written for; False where there is no GPU (a plan made on a laptop)."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    capability = [str(getattr(d, "compute_capability", "")) for d in gpus]
+    return bool(gpus) and all(c.startswith("9") for c in capability)
 
 
 def tile_rows(rows: int, n_experts: int) -> int:
@@ -63,12 +84,16 @@ def expert_rows(x_nd, src_r, expert_r, gate_efd, up_efd, down_edf, act, kernel_n
     where expert_r[r] == E (an empty or dropped row). Weights gate, up [E, D, F], down
     [E, F, D] (F may be this shard's columns: the result is then partial over `tp`)."""
     n_experts = gate_efd.shape[0]
-    if kernel_name == "ragged_dot":
+    mosaic = kernel_name == "mosaic_gpu" and grouped_mosaic.usable(
+        x_nd.shape[-1], gate_efd.shape[-1], x_nd.dtype
+    )
+    if kernel_name == "ragged_dot" or mosaic:  # the rows sorted by expert, as runs
         order = jnp.argsort(expert_r, stable=True)  # rows of no expert last
         sizes = jnp.bincount(expert_r, length=n_experts + 1)[:n_experts].astype(jnp.int32)
-        y = ragged_swiglu(x_nd[src_r[order]], sizes, gate_efd, up_efd, down_edf, act)
+        swiglu = grouped_mosaic.grouped_swiglu(act) if mosaic else partial(ragged_swiglu, act=act)
+        y = swiglu(x_nd[src_r[order]], sizes, gate_efd, up_efd, down_edf)
         return jnp.zeros_like(y).at[order].set(y)
-    if kernel_name != "tiled":
+    if kernel_name not in KERNELS:
         raise ValueError(f"unknown MoE kernel {kernel_name!r}; expected one of {KERNELS}")
     rows = expert_r.shape[0]
     m = tile_rows(rows, n_experts)
@@ -117,24 +142,6 @@ def _add_at(acc, e, v):
     return jax.lax.dynamic_update_index_in_dim(acc, cur + v.astype(acc.dtype), e, 0)
 
 
-def _varying(x) -> frozenset:
-    """The mesh axes `x` varies over inside `jax.shard_map` (none outside)."""
-    return jax.typeof(x).mat.varying
-
-
-def _vary(x, vma):
-    """x varying over the mesh axes `vma` (inside `jax.shard_map`), as a loop carry that
-    accumulates varying values must start."""
-    return jax.lax.pcast(x, tuple(sorted(vma)), to="varying") if vma else x
-
-
-def _cotangent(grad, w):
-    """A weight's gradient summed over the mesh axes its rows varied over and it does not
-    (the transpose of using one weight on every device's rows), in its dtype."""
-    extra = tuple(sorted(_varying(grad) - _varying(w)))
-    return (jax.lax.psum(grad, extra) if extra else grad).astype(w.dtype)
-
-
 def tiled_swiglu(act):
     """f(x [tiles, m, D], tile_e [tiles], gate, up, down) -> [tiles, m, D]: each tile
     through its expert's SwiGLU (activation `act`), with the tiled backward. A tile of
@@ -145,9 +152,9 @@ def tiled_swiglu(act):
         return (act(g) * u) @ _take(down, e, x.dtype), (g, u)
 
     def tiles(x, tile_e, gate, up, down):
-        vma = frozenset().union(*(_varying(a) for a in (x, tile_e, gate, up, down)))
+        vma = frozenset().union(*(varying(a) for a in (x, tile_e, gate, up, down)))
         out = jax.eval_shape(tile, x[0], tile_e[0], gate, up, down)
-        skip = jax.tree.map(lambda o: _vary(jnp.zeros(o.shape, o.dtype), vma), out)
+        skip = jax.tree.map(lambda o: vary(jnp.zeros(o.shape, o.dtype), vma), out)
 
         def body(_, xe):
             used = xe[1] < gate.shape[0]
@@ -179,16 +186,16 @@ def tiled_swiglu(act):
             return (d_gate, d_up, d_down), dx
 
         weights = (gate, up, down)
-        vma = frozenset().union(*(_varying(a) for a in (x, tile_e, dy, *weights)))
-        zeros = tuple(_vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
-        none = _vary(jnp.zeros(x.shape[1:], x.dtype), vma)
+        vma = frozenset().union(*(varying(a) for a in (x, tile_e, dy, *weights)))
+        zeros = tuple(vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
+        none = vary(jnp.zeros(x.shape[1:], x.dtype), vma)
 
         def body(acc, xs):
             used = xs[1] < gate.shape[0]
             return jax.lax.cond(used, lambda: step(acc, xs), lambda: (acc, none))
 
         grads, dx = jax.lax.scan(body, zeros, (x, tile_e, g, u, dy))
-        return (dx, None, *(_cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
+        return (dx, None, *(cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
 
     f.defvjp(fwd, bwd)
     return f

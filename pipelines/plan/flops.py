@@ -10,7 +10,8 @@ out, such as a rematerialised forward, the vocabulary head's padding, the groupe
 matmul's padded tiles, or a matmul over every expert where a grouped matmul was meant.
 
 A mixture of experts also names its grouped-matmul kernel (`distill.models.grouped`):
-`ragged_dot` on TPU, `tiled` (exact pure XLA) elsewhere, `batched` for the teacher's
+`ragged_dot` on TPU, `mosaic_gpu` (Pallas Mosaic GPU) on Hopper GPUs where its dtype
+and block widths allow, `tiled` (exact pure XLA) elsewhere, `batched` for the teacher's
 capacity path. The tiled kernel skips at run time the tiles no routed row reaches, but a
 compiled program holds the worst case: at ep > 1 the dropless buffer's every slot
 (T * min(k, E/ep) per device, `ep` times the assignments when balanced), so the compiled
@@ -24,7 +25,7 @@ import logging
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import Config
 from distill.errors import DistillError
-from distill.models import grouped, model
+from distill.models import grouped, grouped_mosaic, model
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,14 @@ def moe_kernel(cfg: Config, role: str) -> str | None:
         return None
     if role == "teacher" and cfg.teacher.moe_capacity_factor is not None:
         return "batched"
-    return grouped.kernel()
+    name = grouped.kernel()
+    if name == "mosaic_gpu":  # the Hopper kernels take bfloat16/float16 in 64-wide blocks
+        tp = cfg.mesh.teacher.tp if role == "teacher" else 1
+        dtype = getattr(cfg, role).dtype
+        dtype = "bfloat16" if dtype == "auto" else dtype
+        if not grouped_mosaic.usable(mcfg.d_model, mcfg.d_ff_expert // tp, dtype):
+            return "tiled"
+    return name
 
 
 def figures(compiled, mesh, cfg: Config, role: str) -> dict:
