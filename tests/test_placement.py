@@ -13,6 +13,7 @@ from pipelines import placement
 from pipelines.commands.cli import main
 from pipelines.placement import Layout, RoleCost, candidates, choose, predict
 from tests.conftest import (
+    cli_env,
     read_evals,
     read_summary,
     read_train,
@@ -205,22 +206,80 @@ def test_colocated_gives_the_split_runs_losses(tiny_run, colocated_run):
     assert saved["placement"] == "colocated"
 
 
-@pytest.mark.parametrize("started", ["split", "colocated"])
-def test_a_run_resumes_colocated(tiny_run, colocated_run, tmp_path, started):
+@pytest.mark.parametrize(
+    "started, resumed_on",
+    [("split", "colocated"), ("colocated", "colocated"), ("colocated", "split")],
+)
+def test_a_run_resumes_on_either_placement(tiny_run, colocated_run, tmp_path, started, resumed_on):
     """Drop the last checkpoint of a finished run (started split: the tiny run; or
-    colocated) and rerun colocated: it resumes from step 3 and repeats steps 4-6."""
+    colocated) and rerun on a placement: it resumes from step 3 (Orbax restores the
+    checkpoint onto the new training mesh's shardings) and repeats steps 4-6."""
     first = tiny_run.out if started == "split" else colocated_run
     resumed = tmp_path / "out"
     shutil.copytree(first, resumed)
     shutil.rmtree(resumed / "checkpoints" / "6")
     (resumed / "summary.json").unlink()
-    assert main(["run", write_config(tmp_path, _colocated_tree(tiny_run, resumed))]) == 0
+    tree = _colocated_tree(tiny_run, resumed)
+    tree["mesh"]["placement"] = resumed_on
+    assert main(["run", write_config(tmp_path, tree)]) == 0
     before = train_by_step(first)
     after = read_train(resumed)[len(read_train(first)) :]
     assert [r["step"] for r in after] == [4, 6]
     for r in after:
         assert abs(r["loss"] - before[r["step"]]["loss"]) <= 1e-6
     assert read_summary(resumed)["steps"] == 6
+    assert yaml.safe_load((resumed / "config.yaml").read_text())["mesh"]["placement"] == resumed_on
+
+
+def _saved_steps(out) -> list[int]:
+    """The committed checkpoints of a run (Orbax renames a step's directory when done)."""
+    root = out / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
+
+
+def test_a_colocated_run_killed_with_sigkill_resumes_exactly(tiny_run, colocated_run, tmp_path):
+    """`distill run` colocated in a process of its own, a checkpoint every step, killed with
+    SIGKILL as soon as its first checkpoint is committed (no handler runs: no final
+    checkpoint, no summary); the rerun resumes from the newest checkpoint and its steps and
+    last evaluation are the uninterrupted colocated run's (itself the split run's)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    tree = _colocated_tree(tiny_run, out)
+    tree["train"].update(checkpoint_every=1, log_every=1)  # the same arithmetic
+    path = write_config(tmp_path, tree)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.commands.cli", "run", path],
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while not _saved_steps(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]  # killed, not finished
+    saved = _saved_steps(out)
+    assert saved and saved[-1] < 6 and not (out / "summary.json").exists()
+    killed = len(read_train(out))
+
+    assert main(["run", path]) == 0
+    after = read_train(out)[killed:]
+    assert [r["step"] for r in after] == list(range(saved[-1] + 1, 7))
+    want = train_by_step(colocated_run)
+    for r in after:
+        for key in ("loss", "kd_loss", "ce_loss"):
+            if r["step"] in want:  # the uninterrupted run logged every second step
+                assert abs(r[key] - want[r["step"]][key]) <= 1e-6, (r["step"], key)
+    last, again = read_evals(colocated_run)[-1], read_evals(out)[-1]
+    assert again["step"] == last["step"] == 6
+    assert abs(again["student_loss"] - last["student_loss"]) <= 1e-6
+    assert read_summary(out)["completed"]
 
 
 def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_path):
