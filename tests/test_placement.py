@@ -173,6 +173,25 @@ def test_colocated_8b_to_1b_plans_fitting_8_gpus(capsys):
         placement.check_colocated_fits({**mem, "device_memory_bytes": 32 * GIB})
 
 
+def test_a_cache_run_colocated_counts_no_teacher_on_the_devices(corpus_dir, tmp_path):
+    """`teacher.source: cache` loads no teacher: a colocated device holds the student alone
+    (what would refuse an online run fits), and `auto` costs the teacher nothing."""
+    cfg = _cfg(corpus_dir, tmp_path, placement="colocated")
+    teacher = {"peak_bytes_per_device": 6 * GIB, "forward_temp_bytes_per_device": GIB}
+    student = {"peak_bytes_per_device": 3 * GIB, "step_temp_bytes_per_device": GIB}
+    mem = {"teacher": teacher, "student": student, "device_memory_bytes": 4 * GIB}
+    online = {**mem, "colocated": placement.colocated_memory(cfg, mem)}
+    assert online["colocated"]["teacher_resident_bytes_per_device"] >= 5 * GIB
+    with pytest.raises(DistillError, match="^mesh.placement: colocated needs"):
+        placement.check_colocated_fits(online)
+    cfg.teacher.source = "cache"
+    cached = {**mem, "colocated": placement.colocated_memory(cfg, mem)}
+    assert cached["colocated"]["teacher_resident_bytes_per_device"] == 0
+    assert cached["colocated"]["peak_bytes_per_device"] == 3 * GIB  # the student's own
+    placement.check_colocated_fits(cached)
+    assert placement.teacher_cost(cfg, 2.0, teacher) == RoleCost(0.0, 0)
+
+
 # -- colocated runs ------------------------------------------------------------------------
 
 
