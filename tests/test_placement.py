@@ -270,19 +270,20 @@ def test_a_colocated_run_killed_with_sigkill_resumes_exactly(tiny_run, colocated
     tree = _colocated_tree(tiny_run, out)
     tree["train"].update(checkpoint_every=1, log_every=1)  # the same arithmetic
     path = write_config(tmp_path, tree)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.commands.cli", "run", path],
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 300
-    while not _saved_steps(out) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, err[-3000:]  # killed, not finished
+    log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would block the run
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.commands.cli", "run", path],
+            env=cli_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 300
+        while not _saved_steps(out) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]  # killed, not finished
     saved = _saved_steps(out)
     assert saved and saved[-1] < 6 and not (out / "summary.json").exists()
     killed = len(read_train(out))
