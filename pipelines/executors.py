@@ -50,7 +50,7 @@ class LocalExecutor:
         self._ckpt, self._evaluator = ckpt, evaluator
         self._tokens = tokens_per_step
         self.history = history  # the recent parameters, for on-policy generation
-        self._watch = ReadyWatcher("student")
+        self._watch = ReadyWatcher("student", devices=mesh.devices.flat)
         self.state = None
         self._bytes_per_token: float | None = None
 

@@ -115,7 +115,7 @@ class OnPolicySource(QueueSource):
         super().__init__(
             lambda: corpus.train_iterator(bsz, seed),
             self._work,
-            ReadyWatcher("teacher"),
+            ReadyWatcher("teacher", devices=teacher.mesh.devices.flat),
             dropping=cfg.teacher.moe_capacity_factor is not None,
         )
         self.teacher, self._sampler, self._history = teacher, sampler, history

@@ -35,7 +35,7 @@ class OnlineTeacher:
 
     def __init__(self, cfg: Config, mesh: Mesh, tokenizer: Tokenizer):
         mcfg = cfg.teacher.model
-        self._cfg = cfg
+        self._cfg, self.mesh = cfg, mesh
         limit = vocab_limit(tokenizer, mcfg.vocab_size)  # padded ids: masked throughout
         self.params = load_teacher(cfg, mesh)
         self.put = batch_sharding(mesh)  # batches: rows split over dp, replicated over tp
@@ -167,7 +167,7 @@ class OnlineSource(QueueSource):
         super().__init__(
             lambda: corpus.train_iterator(bsz, seed),
             lambda batch: (batch, *teacher.output(batch)),
-            ReadyWatcher("teacher"),
+            ReadyWatcher("teacher", devices=teacher.mesh.devices.flat),
             dropping=cfg.teacher.moe_capacity_factor is not None,
         )
         self.teacher = teacher

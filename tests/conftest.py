@@ -228,6 +228,18 @@ def read_summary(out) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def cli_env(devices: int | None = None) -> dict:
+    """The environment for `python -m pipelines.commands.cli` in a process of its own: the
+    tests' cheaper codegen flags kept, the device count left to the CLI (8 simulated CPU
+    devices) or set to `devices`."""
+    env = dict(os.environ)
+    flags = [f for f in env["XLA_FLAGS"].split() if "device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
 def kill_process(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # already gone
         os.kill(pid, signal.SIGKILL)

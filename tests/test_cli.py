@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from pipelines.commands.cli import main
+from tests.conftest import cli_env, tiny_config
 from tests.conftest import read_records as _records
 from tests.conftest import read_train as _train
-from tests.conftest import tiny_config
 from tests.conftest import write_config as _write
 
 
@@ -183,12 +183,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, corpus_dir, finished_r
     )
     cfg["teacher"]["checkpoint"] = str(finished_run[1] / "teacher")
     path = _write(tmp_path, cfg)
-    # the CLI sets the device count itself; the tests' cheaper codegen flags stay
-    env = dict(__import__("os").environ)
-    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if "device_count" not in f)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.commands.cli", "run", path],
-        env=env,
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -221,12 +218,9 @@ def test_the_quick_start_runs_on_one_device(tmp_path, finished_run):
     cfg["data"] = yaml.safe_load((finished_run[1] / "config.yaml").read_text())["data"]
     cfg["mesh"] = quick
     cfg["teacher"].update(checkpoint=str(finished_run[1] / "teacher"), pretrain_steps=0)
-    env = dict(__import__("os").environ)
-    flags = [f for f in env["XLA_FLAGS"].split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=1"])
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.commands.cli", "run", _write(tmp_path, cfg)],
-        env=env,
+        env=cli_env(devices=1),
         capture_output=True,
         text=True,
         timeout=600,

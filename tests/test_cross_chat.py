@@ -335,7 +335,8 @@ def test_preflight_reads_chat_across_tokenizers(tmp_path, bpe):
 def test_short_run_on_chat_across_tokenizers(tiny_run, tmp_path, bpe):
     """`distill run` on conversations: the tiny run's byte-level teacher, rendering them with
     a Llama-3-style template of its own, teaches a ChatML student with a BPE tokenizer; the
-    records report the aligned share, the evaluation bits per byte of the answers."""
+    records report the aligned share, the evaluation bits per byte of the answers. Colocated
+    (`mesh.placement: colocated`, both roles on two devices): the same losses and metrics."""
     from pipelines.commands.cli import main
     from tests.conftest import read_evals, read_train, write_config
 
@@ -348,3 +349,14 @@ def test_short_run_on_chat_across_tokenizers(tiny_run, tmp_path, bpe):
     for e in evals:
         assert 0 < e["student_bpb"] < 12 and 0 < e["teacher_bpb"] < 12
         assert 0.8 < e["aligned_fraction"] <= 1.0
+
+    cfg["mesh"]["placement"] = "colocated"
+    cfg["run"]["output_dir"] = str(tmp_path / "colocated")
+    assert main(["run", write_config(tmp_path, cfg, "colocated.yaml")]) == 0
+    both = tmp_path / "colocated"
+    pairs = [*zip(train, read_train(both), strict=True), *zip(evals, read_evals(both), strict=True)]
+    for a, b in pairs:
+        assert a["step"] == b["step"]
+        for key in ("loss", "kd_loss", "ce_loss", "student_loss", "student_bpb", "teacher_bpb"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key)

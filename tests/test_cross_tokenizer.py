@@ -356,10 +356,13 @@ def test_short_run_byte_teacher_bpe_student(tiny_run, cross_run):
     assert evals[0]["teacher_bpb"] == pytest.approx(same[0]["teacher_bpb"], rel=0.1)
 
 
-def test_cross_run_resume_is_exact(cross_run, tmp_path):
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_cross_run_resume_is_exact(cross_run, tmp_path, placement):
     """Drop the last checkpoint and rerun: steps 4-6 repeat exactly (the student rows, the
     teacher's rows of their text and the alignment come back with the data iterator's
-    state), and so does the last evaluation."""
+    state), and so does the last evaluation; also rerun colocated (both roles on two
+    devices: the re-tokenised on-policy samples, the alignment and the teacher's scores
+    there)."""
     import shutil
 
     from pipelines.commands.cli import main
@@ -371,6 +374,7 @@ def test_cross_run_resume_is_exact(cross_run, tmp_path):
     shutil.rmtree(resumed / "checkpoints" / "6")
     (resumed / "summary.json").unlink()
     cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(resumed)}}
+    cfg["mesh"] = {**cfg["mesh"], "placement": placement}
     assert main(["run", write_config(tmp_path, cfg)]) == 0
     before = {r["step"]: r for r in read_train(out)}
     after = read_train(resumed)[len(before) :]

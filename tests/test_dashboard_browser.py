@@ -202,3 +202,28 @@ def test_dashboard_starts_over_when_a_resumed_run_rewinds(tmp_path):
         handle.stop()
     assert re.search(r'id="chart-loss"[^>]*data-points="120"', dom)  # 40 steps x 3 series
     assert re.search(r'id="step"[^>]*>40<', dom)
+
+
+def test_dashboard_shows_colocated_roles_on_the_same_devices(tmp_path):
+    """A colocated layout (teacher dp=2 x tp=2 and student dp=4 over devices 0-3): each
+    device appears once under each role with that role's coordinates, and the page says
+    the roles share the devices."""
+    store = MetricsStore("colocated", total_steps=10, config=CONFIG, stall_timeout_s=60)
+    layout = mesh_layout()
+    layout["placement"] = "colocated"
+    layout["student"]["devices"] = layout["teacher"]["devices"]
+    store.set_mesh(layout)
+    store.set_phase("distill")
+    store.update(in_flight=2, bytes_per_token=64.0)
+    handle = start_server(store, ServerConfig(port=0))
+    try:
+        dom = chromium(handle.url, tmp_path, "--dump-dom").stdout
+    finally:
+        handle.stop()
+    boxes = re.findall(r'class="device"[^>]*id="device-(\d+)-(\w+)"[^>]*><b>([^<]*)</b>', dom)
+    boxes += re.findall(r'id="device-(\d+)-(\w+)"[^>]*class="device"[^>]*><b>([^<]*)</b>', dom)
+    teacher = ["dp0 tp0", "dp0 tp1", "dp1 tp0", "dp1 tp1"]
+    want = [(str(i), "teacher", at) for i, at in enumerate(teacher)]
+    assert sorted(boxes) == sorted(want + [(str(i), "student", f"dp{i}") for i in range(4)])
+    assert re.search(r'id="platform"[^>]*>[^<]*colocated \(both roles on the same devices', dom)
+    assert "teacher outputs, same devices" in dom

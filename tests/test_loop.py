@@ -234,3 +234,55 @@ def test_a_stop_saves_and_skips_the_final_evaluation_unless_it_is_the_last_step(
         assert summary["steps"] == stop_at and summary["completed"] == completed
         assert sorted(executor.saved) == saved  # the stop's checkpoint, once
         assert evals == ([0, 8] if completed else [0])
+
+
+class _Result:
+    """A dispatched result that is ready when the test says (`jax.block_until_ready` calls
+    its `block_until_ready`)."""
+
+    def __init__(self):
+        import threading
+
+        self.ready = threading.Event()
+
+    def block_until_ready(self):
+        self.ready.wait(30)
+        return self
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_busy_time_of_roles_on_the_same_devices_is_their_own(colocated):
+    """A student step dispatched, then a teacher forward queued behind it on the same
+    devices: the student's result ready after 0.3 s, the teacher's 0.1 s later. Watchers
+    given the same devices (`mesh.placement: colocated`) time the teacher from the step's
+    end (0.1 s, not 0.4 s), so the two roles' busy times share the devices' time; watchers
+    of their own (split: disjoint devices) time each from its dispatch."""
+    import time
+
+    import jax
+
+    from pipelines import timing
+
+    devices = jax.devices()[:2]
+    where = (devices, devices) if colocated else (devices[:1], devices[1:])
+    student, teacher = (timing.ReadyWatcher(n, devices=d) for n, d in zip("st", where, strict=True))
+    step, forward = _Result(), _Result()
+    student.watch(step)
+    teacher.watch(forward)
+    time.sleep(0.3)
+    step.ready.set()
+    time.sleep(0.1)
+    forward.ready.set()
+    deadline = time.time() + 30
+    while not teacher.recent_ms(1) and time.time() < deadline:
+        time.sleep(0.01)
+    assert student.recent_ms(1) >= 300
+    if colocated:
+        assert 100 <= teacher.recent_ms(1) < 250
+    else:
+        assert teacher.recent_ms(1) >= 400
+    assert (student._waiter is teacher._waiter) == colocated
+    student.close()
+    teacher.close()
+    teacher.close()  # idempotent
+    assert not timing._WAITERS  # the shared thread stopped with its last watcher

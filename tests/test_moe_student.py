@@ -211,7 +211,8 @@ def test_an_moe_student_distils_records_routing_and_exports(
     qwen3_moe_student, corpus_dir, tmp_path, capsys
 ):
     """From a dense Llama teacher: the student's log-probs start as transformers'; the run
-    records moe_aux_loss and the student's expert load; the export loads as
+    records moe_aux_loss and the student's expert load, and colocated (both roles on two
+    devices) the same losses and load; the export loads as
     Qwen3MoeForCausalLM with the trained student's log-probs over the tokenizer's ids."""
     student_dir, ref = qwen3_moe_student
     teacher_dir = tmp_path / "teacher"
@@ -234,6 +235,15 @@ def test_an_moe_student_distils_records_routing_and_exports(
         assert 1.0 < r["moe_aux_loss"] < 4.0 and len(r["student_expert_load"]) == 4
         assert sum(r["student_expert_load"]) == pytest.approx(1.0)
         assert r["student_expert_load_max_mean"] >= 1.0
+    both = tmp_path / "colocated"  # the student's fsdp=2 on the teacher's two devices
+    tree = _moe_student_tree(corpus_dir, both, teacher_dir, student_dir)
+    tree["mesh"]["placement"] = "colocated"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["run", str(path)]) == 0
+    for a, b in zip(records, read_train(both), strict=True):
+        for key in ("loss", "kd_loss", "ce_loss", "moe_aux_loss"):
+            assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key)
+        assert np.allclose(a["student_expert_load"], b["student_expert_load"], rtol=0, atol=1e-6)
     capsys.readouterr()
     assert main(["export", str(out)]) == 0
     exported = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["export"]

@@ -58,9 +58,11 @@ def test_on_policy_run_reports_its_figures_and_samples(on_policy_run):
     assert summary["final_eval"]["sample_teacher_nll"] == evals[-1]["sample_teacher_nll"]
 
 
-def test_on_policy_resume_is_exact(on_policy_run, tmp_path):
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_on_policy_resume_is_exact(on_policy_run, tmp_path, placement):
     """Drop the last checkpoint and rerun: steps 4-6 repeat exactly (the sampling keys are
-    the step's, the parameters step 4 generates with are in checkpoint 3)."""
+    the step's, the parameters step 4 generates with are in checkpoint 3), also when the
+    split run resumes colocated (those parameters restored onto the colocated mesh)."""
     out, cfg = on_policy_run
     resumed = tmp_path / "out"
     shutil.copytree(out, resumed)
@@ -68,6 +70,7 @@ def test_on_policy_resume_is_exact(on_policy_run, tmp_path):
     (resumed / "summary.json").unlink()
     assert (out / "checkpoints" / "3" / "extra").exists()
     cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(resumed)}}
+    cfg["mesh"] = {**cfg["mesh"], "placement": placement}
     assert main(["run", _write(tmp_path, cfg)]) == 0
     before = {r["step"]: r for r in _train(out)}
     after = _train(resumed)[len(before) :]

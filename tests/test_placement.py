@@ -13,6 +13,7 @@ from pipelines import placement
 from pipelines.commands.cli import main
 from pipelines.placement import Layout, RoleCost, candidates, choose, predict
 from tests.conftest import (
+    cli_env,
     read_evals,
     read_summary,
     read_train,
@@ -189,6 +190,25 @@ def test_colocated_8b_to_1b_plans_fitting_8_gpus(capsys):
         placement.check_colocated_fits({**mem, "device_memory_bytes": 32 * GIB})
 
 
+def test_a_cache_run_colocated_counts_no_teacher_on_the_devices(corpus_dir, tmp_path):
+    """`teacher.source: cache` loads no teacher: a colocated device holds the student alone
+    (what would refuse an online run fits), and `auto` costs the teacher nothing."""
+    cfg = _cfg(corpus_dir, tmp_path, placement="colocated")
+    teacher = {"peak_bytes_per_device": 6 * GIB, "forward_temp_bytes_per_device": GIB}
+    student = {"peak_bytes_per_device": 3 * GIB, "step_temp_bytes_per_device": GIB}
+    mem = {"teacher": teacher, "student": student, "device_memory_bytes": 4 * GIB}
+    online = {**mem, "colocated": placement.colocated_memory(cfg, mem)}
+    assert online["colocated"]["teacher_resident_bytes_per_device"] >= 5 * GIB
+    with pytest.raises(DistillError, match="^mesh.placement: colocated needs"):
+        placement.check_colocated_fits(online)
+    cfg.teacher.source = "cache"
+    cached = {**mem, "colocated": placement.colocated_memory(cfg, mem)}
+    assert cached["colocated"]["teacher_resident_bytes_per_device"] == 0
+    assert cached["colocated"]["peak_bytes_per_device"] == 3 * GIB  # the student's own
+    placement.check_colocated_fits(cached)
+    assert placement.teacher_cost(cfg, 2.0, teacher) == RoleCost(0.0, 0)
+
+
 # -- colocated runs ------------------------------------------------------------------------
 
 
@@ -222,28 +242,92 @@ def test_colocated_gives_the_split_runs_losses(tiny_run, colocated_run):
     assert saved["placement"] == "colocated"
 
 
-@pytest.mark.parametrize("started", ["split", "colocated"])
-def test_a_run_resumes_colocated(tiny_run, colocated_run, tmp_path, started):
+@pytest.mark.parametrize(
+    "started, resumed_on",
+    [("split", "colocated"), ("colocated", "colocated"), ("colocated", "split")],
+)
+def test_a_run_resumes_on_either_placement(tiny_run, colocated_run, tmp_path, started, resumed_on):
     """Drop the last checkpoint of a finished run (started split: the tiny run; or
-    colocated) and rerun colocated: it resumes from step 3 and repeats steps 4-6."""
+    colocated) and rerun on a placement: it resumes from step 3 (Orbax restores the
+    checkpoint onto the new training mesh's shardings) and repeats steps 4-6."""
     first = tiny_run.out if started == "split" else colocated_run
     resumed = tmp_path / "out"
     shutil.copytree(first, resumed)
     shutil.rmtree(resumed / "checkpoints" / "6")
     (resumed / "summary.json").unlink()
-    assert main(["run", write_config(tmp_path, _colocated_tree(tiny_run, resumed))]) == 0
+    tree = _colocated_tree(tiny_run, resumed)
+    tree["mesh"]["placement"] = resumed_on
+    assert main(["run", write_config(tmp_path, tree)]) == 0
     before = train_by_step(first)
     after = read_train(resumed)[len(read_train(first)) :]
     assert [r["step"] for r in after] == [4, 6]
     for r in after:
         assert abs(r["loss"] - before[r["step"]]["loss"]) <= 1e-6
     assert read_summary(resumed)["steps"] == 6
+    assert yaml.safe_load((resumed / "config.yaml").read_text())["mesh"]["placement"] == resumed_on
 
 
-def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_path):
+def _saved_steps(out) -> list[int]:
+    """The committed checkpoints of a run (Orbax renames a step's directory when done)."""
+    root = out / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
+
+
+def test_a_colocated_run_killed_with_sigkill_resumes_exactly(tiny_run, colocated_run, tmp_path):
+    """`distill run` colocated in a process of its own, a checkpoint every step, killed with
+    SIGKILL as soon as its first checkpoint is committed (no handler runs: no final
+    checkpoint, no summary); the rerun resumes from the newest checkpoint and its steps and
+    last evaluation are the uninterrupted colocated run's (itself the split run's)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    tree = _colocated_tree(tiny_run, out)
+    tree["train"].update(checkpoint_every=1, log_every=1)  # the same arithmetic
+    path = write_config(tmp_path, tree)
+    log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would block the run
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.commands.cli", "run", path],
+            env=cli_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 300
+        while not _saved_steps(out) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]  # killed, not finished
+    saved = _saved_steps(out)
+    assert saved and saved[-1] < 6 and not (out / "summary.json").exists()
+    killed = len(read_train(out))
+
+    assert main(["run", path]) == 0
+    after = read_train(out)[killed:]
+    assert [r["step"] for r in after] == list(range(saved[-1] + 1, 7))
+    want = train_by_step(colocated_run)
+    for r in after:
+        for key in ("loss", "kd_loss", "ce_loss"):
+            if r["step"] in want:  # the uninterrupted run logged every second step
+                assert abs(r[key] - want[r["step"]][key]) <= 1e-6, (r["step"], key)
+    last, again = read_evals(colocated_run)[-1], read_evals(out)[-1]
+    assert again["step"] == last["step"] == 6
+    assert abs(again["student_loss"] - last["student_loss"]) <= 1e-6
+    assert read_summary(out)["completed"]
+
+
+def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_path, monkeypatch):
     """Dense teacher log-probs, teacher microbatches of one row and two gradient
-    accumulation microbatches: colocated (teacher dp=2 x tp=2, student dp=2 on devices 0-3;
-    the teacher's rows sliced on each device) gives the split run's losses."""
+    accumulation microbatches, the dense output handed over in one block per microbatch
+    (the 2^31 bound lowered below a device's whole output: `pipelines.plan.dense_blocks`):
+    colocated (teacher dp=2 x tp=2, student dp=2 on devices 0-3; the teacher's rows sliced
+    on each device) gives the split run's losses."""
+    from pipelines import plan
+
+    monkeypatch.setattr(plan, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a teacher device
     losses = {}
     for placement_ in ("split", "colocated"):
         out = tmp_path / placement_
@@ -251,6 +335,7 @@ def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_pat
         tree["mesh"]["placement"] = placement_
         tree["teacher"].update(top_k=None, microbatch=1)
         tree["train"].update(steps=2, grad_accum=2, eval_every=2, checkpoint_every=2)
+        assert plan.dense_blocks(config_from_dict(tree)) == 2
         assert main(["run", write_config(tmp_path, tree, f"{placement_}.yaml")]) == 0
         losses[placement_] = train_by_step(out)
     assert sorted(losses["split"]) == sorted(losses["colocated"]) == [2]

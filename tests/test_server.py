@@ -338,3 +338,23 @@ def test_serve_dashboard_until_ctrl_c(store, tmp_path):
         assert proc.wait(timeout=10) == 0, proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_status_shows_colocated_roles_on_the_same_devices(tmp_path):
+    """The layout a colocated run gives the store (`distill.mesh.Meshes.layout`, as
+    `distill run` sets it): /api/status names the placement and lists each device under
+    both roles, each role with its own mesh axes."""
+    from distill.config.load import config_from_dict
+    from distill.mesh import build_meshes
+    from tests.conftest import tiny_config
+
+    tree = tiny_config("corpus", str(tmp_path))
+    tree["mesh"] = {"placement": "colocated", "teacher": {"dp": 2, "tp": 2}, "student": {"dp": 4}}
+    s = MetricsStore("colocated", total_steps=10, config={})
+    s.set_mesh(build_meshes(config_from_dict(tree)).layout())
+    mesh = TestClient(create_app(s, token=None)).get("/api/status").json()["mesh"]
+    assert mesh["placement"] == "colocated"
+    ids = {role: [d["id"] for d in mesh[role]["devices"]] for role in ("teacher", "student")}
+    assert ids == {"teacher": [0, 1, 2, 3], "student": [0, 1, 2, 3]}
+    assert mesh["teacher"]["shape"] == {"dp": 2, "ep": 1, "tp": 2}
+    assert mesh["student"]["shape"] == {"dp": 4, "fsdp": 1}

@@ -65,7 +65,11 @@ def output_bytes_per_device(cfg: Config) -> int:
 def teacher_cost(cfg: Config, seconds: float, figures: dict) -> RoleCost:
     """The teacher's cost from its memory figures (`plan_memory.teacher_memory`): resident,
     its weights, batch and the `pipeline.prefetch` outputs in flight (the compiled peak
-    counts one)."""
+    counts one). A run from the teacher cache (`teacher.source: cache`) loads no teacher
+    and runs no forward: nothing, whatever the compiled figures (its outputs come from the
+    host with the batch, in the student's figures)."""
+    if cfg.teacher.source == "cache":
+        return RoleCost(0.0, 0)
     peak, temp = figures["peak_bytes_per_device"], figures["forward_temp_bytes_per_device"]
     in_flight = (cfg.pipeline.prefetch - 1) * output_bytes_per_device(cfg)
     return RoleCost(seconds, peak + in_flight, peak - temp + in_flight, temp)
