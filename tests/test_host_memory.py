@@ -114,3 +114,16 @@ def test_colocated_devices_count_once(corpus_dir, tmp_path):
     )
     assert h["needed_bytes"] < split
     assert "2 colocated devices and" in host_memory.format_host(h)
+
+
+def test_a_cache_run_counts_no_teacher_in_host_memory(corpus_dir, tmp_path):
+    """`teacher.source: cache` loads no teacher: its reserved devices hold nothing."""
+    tree = _tree(corpus_dir, tmp_path, REPLICATED)
+    online, mem = _needed(tree)
+    tree["teacher"]["source"] = "cache"
+    cfg = Config.model_validate(tree)
+    cfg.resolve_dtypes("cpu")
+    h = host_memory.host_figures(build_meshes(cfg), mem, None, cfg)
+    student = 4 * mem["student"]["peak_bytes_per_device"] + host_memory.HOST_RESERVE
+    assert h["devices"] == {"teacher": 0, "student": 4} and h["needed_bytes"] == student
+    assert h["needed_bytes"] < online

@@ -203,7 +203,7 @@ def plan_json(cfg: Config) -> str:
         p["colocated"] = mem["colocated"]
         text.append(placement.format_colocated(mem))
     if meshes.platform == "cpu":  # the devices share this machine's RAM: their sum
-        p["host_memory"] = host_memory.host_figures(meshes, mem, host_memory.available_bytes())
+        p["host_memory"] = host_memory.host_figures(meshes, mem, host_memory.available_bytes(), cfg)
         text.append(host_memory.format_host(p["host_memory"]))
     text = "\n".join([*text, dumps(p)])
     return text if table is None else table + "\n" + text

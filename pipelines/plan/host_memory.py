@@ -49,16 +49,22 @@ def available_bytes() -> int | None:
     return None
 
 
-def device_counts(meshes: Meshes) -> dict[str, int]:
-    return {"teacher": meshes.teacher.devices.size, "student": meshes.student.devices.size}
+def device_counts(meshes: Meshes, cfg: Config | None = None) -> dict[str, int]:
+    """Each role's devices; none for a teacher that is not loaded (`teacher.source: cache`:
+    its mesh is reserved, nothing is placed on it)."""
+    cached = cfg is not None and cfg.teacher.source == "cache"
+    return {"teacher": 0 if cached else meshes.teacher.devices.size,
+            "student": meshes.student.devices.size}  # fmt: skip
 
 
-def host_figures(meshes: Meshes, mem: dict, available: int | None) -> dict:
+def host_figures(
+    meshes: Meshes, mem: dict, available: int | None, cfg: Config | None = None
+) -> dict:
     """The sum over devices of each role's compiled peak (`plan_memory.memory`'s `mem`),
     the reserve, and the memory available (`host_memory` of the plan's JSON). Colocated
     meshes share their devices: each device counts once, with both roles' bytes
-    (`pipelines.placement.colocated_memory`)."""
-    n, shared = device_counts(meshes), None
+    (`pipelines.placement.colocated_memory`). `cfg`: a cache run's teacher counts nothing."""
+    n, shared = device_counts(meshes, cfg), None
     if "colocated" in mem:
         shared = len({d.id for m in (meshes.teacher, meshes.student) for d in m.devices.flat})
         needed = mem["colocated"]["peak_bytes_per_device"] * shared + HOST_RESERVE
@@ -97,7 +103,7 @@ def resident_bytes(cfg: Config, meshes: Meshes) -> int:
     shapes, no compile): a lower bound of what the run holds."""
     from pipelines.plan import plan
 
-    p, n = plan(cfg, meshes), device_counts(meshes)
+    p, n = plan(cfg, meshes), device_counts(meshes, cfg)
     s = p["student"]
     student = s["weight_bytes_per_device"] + s["optimizer_bytes_per_device"]
     return p["teacher"]["weight_bytes_per_device"] * n["teacher"] + student * n["student"]
@@ -122,7 +128,7 @@ def check_host_fits(cfg: Config, meshes: Meshes, memory, available: int | None =
     available = available_bytes() if available is None else available
     if available is None or resident_bytes(cfg, meshes) < CHECK_FROM * available:
         return
-    h = host_figures(meshes, memory(cfg, meshes), available)
+    h = host_figures(meshes, memory(cfg, meshes), available, cfg)
     if h["fits"]:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
@@ -142,7 +148,7 @@ def _layout_that_fits(cfg: Config, memory, available: int) -> str:
         return lower
     try:
         meshes = build_meshes(small)
-        h = host_figures(meshes, memory(small, meshes), available)
+        h = host_figures(meshes, memory(small, meshes), available, small)
     except DistillError:
         return lower
     layout = " ".join(f"--set mesh.{k}=1" for k in ONE_EACH)
