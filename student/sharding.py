@@ -7,7 +7,8 @@ takes one whole layer per step), nor are the norms (a few kilobytes). A mixture 
 weights [L, E, ., .] are split over their experts when `fsdp` divides E (the MoE layer then
 sends each device's tokens to the devices of their experts), else like any other weight
 (gathered whole for the layer). The batch is split
-over both axes, every device its own rows. From these specs alone, as the train step's
+over both axes, every device its own rows (and with a `cp` axis, each row's sequence split
+over it: `batch_spec`, `student.context`). From these specs alone, as the train step's
 `jax.jit` in/out shardings, XLA's SPMD partitioner gathers each weight where it is used and
 reduce-scatters its gradient. On a mesh without an `fsdp` axis (the teacher bootstrap's 1-D
 `dp` mesh, one device) every weight is replicated: plain data parallelism.
@@ -22,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distill.config import ModelConfig
-from distill.mesh import DP, FSDP
+from distill.mesh import CP, DP, FSDP
 from distill.models import model
 
 # Every weight's dimensions by name ([L, ...]: the stacked layers); read with `dim_sizes`.
@@ -152,9 +153,24 @@ def fsdp_size(mesh) -> int:
     return dict(mesh.shape).get(FSDP, 1)
 
 
-def batch_spec(mesh) -> P:
-    """Rows split over every training axis `mesh` has (`dp`, `fsdp`): each device its own."""
+def whole_rows_spec(mesh) -> P:
+    """Rows split over the training axes `mesh` has of `dp` and `fsdp`, each row whole on
+    its devices (replicated over `cp`: the sampler's prompts and continuations)."""
     return P(tuple(a for a in (DP, FSDP) if a in mesh.axis_names))
+
+
+def batch_spec(mesh) -> P:
+    """[B, S, ...] batches and teacher outputs as they reach the training mesh: rows split
+    over `dp` and `fsdp` (each device its own), and with a `cp` axis each row's sequence
+    split over it in row order (`student.context` lays the pieces out for attention)."""
+    rows = whole_rows_spec(mesh)
+    return P(rows[0], CP) if CP in mesh.axis_names else rows
+
+
+def pieces_spec(mesh) -> P:
+    """The step's rows after `student.context.Context.pieces`: [B * cp, S / cp, ...], split
+    over every training axis (`dp`, `fsdp`, `cp`); without a cp axis, `batch_spec`."""
+    return P(tuple(a for a in (DP, FSDP, CP) if a in mesh.axis_names))
 
 
 def named(mesh, specs):
