@@ -1,13 +1,13 @@
 """Device discovery, the two meshes' placement, and CPU device simulation.
 
 The inference mesh (axes `dp` x `tp`) holds the teacher; the training mesh (axes `dp` x
-`fsdp`, and `cp` when `mesh.student.cp` > 1) holds the student. `mesh.placement: split` (the default) keeps them disjoint: the
-teacher takes the first `dp * tp` devices and the student the next `dp * fsdp`, and the two
-work at once. `colocated` lays both from the first device on, so they share devices and
-take turns (one GPU; a host where no split balances the roles); `auto` is resolved to one of
-the two before the meshes are built (`pipelines.placement`). On a host without accelerators,
-`simulate_cpu_devices` must run before JAX initialises so that the two-mesh layout runs
-anywhere.
+`fsdp`, and `cp` when `mesh.student.cp` > 1) holds the student. `mesh.placement: split`
+(the default) keeps them disjoint: the teacher takes the first `dp * tp` devices and the
+student the next `dp * fsdp * cp`, and the two work at once. `colocated` lays both from the
+first device on, so they share devices and take turns (one GPU; a host where no split
+balances the roles); `auto` is resolved to one of the two before the meshes are built
+(`pipelines.placement`). On a host without accelerators, `simulate_cpu_devices` must run
+before JAX initialises so that the two-mesh layout runs anywhere.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from distill.checkpoint import Checkpointer
 from distill.config import Config, ModelConfig
 from distill.models import decode
 from distill.types import Batch, Prompts
-from student import sharding, train
+from student import sharding
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:

@@ -407,7 +407,7 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
     student's computed a chunk of positions at a time (never a whole [B, S, V]). With a
     `cp` axis, on each device's pieces of the rows, as the step (`student.context`)."""
     split = batch_sharding(mesh)
-    context, rows = Context.of(mesh), pieces_sharding(mesh)
+    context, pieces = Context.of(mesh), pieces_sharding(mesh)
 
     routed = routing.Routing(cfg, mesh)
 
@@ -416,7 +416,7 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
             batch, teacher_logits = context.pieces((batch, teacher_logits))
         x, head = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
-            rows=rows, moe_opts=routed.opts(batch), attend=_attend(mesh),
+            rows=pieces, moe_opts=routed.opts(batch), attend=_attend(mesh),
         )  # fmt: skip
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         return vocab_loss.eval_metrics_chunked(

@@ -331,9 +331,7 @@ class Transformer(nnx.Module):
         backend = self.backend(attention, dt, tokens_bs.shape[1])
 
         def block_fn(block, x, layer):
-            return block(
-                x, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts, attend
-            )
+            return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts, attend)
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
