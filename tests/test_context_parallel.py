@@ -1,0 +1,156 @@
+"""The student's context parallelism (`mesh.student.cp`, `student.context`) against one device.
+
+Rows are packed (three documents, the middle one crossing chunk edges, trailing padding);
+the training step on a dp x fsdp x cp mesh must give the single-device step's losses and
+metrics, and after two AdamW steps its parameters, to 1e-5 (float32): a plain model with a
+top-k teacher, and a Gemma-like one (sliding and full layers, soft-capped attention and
+logits) with a dense teacher on cp = 2 x fsdp = 2. Also: the in-step layout equals
+`to_cp_layout`, the hand-off lands the teacher's rows split by position, and what cp does
+not support is refused in one line.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distill import handoff
+from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
+from distill.config.load import config_from_dict
+from distill.errors import DistillError
+from distill.mesh import CP, DP, TP, check_context, student_mesh
+from distill.models import model
+from distill.models.ring_attention import balance, to_cp_layout
+from distill.types import Batch, TeacherOutput
+from student import optim, train
+
+S, V = 32, 64
+PLAIN = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
+GEMMA = PLAIN.model_copy(
+    update=dict(
+        sliding_window=6, layer_types=("sliding", "full"), attn_softcap=5.0, final_softcap=10.0
+    )
+)
+CONFIGS = {"plain": PLAIN, "gemma": GEMMA}
+OPT = OptimConfig(lr=1e-2, warmup_steps=1)
+
+
+def _batch(b: int, seed: int) -> Batch:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, V, (b, S)).astype(np.int32)
+    targets = rng.integers(0, V, (b, S)).astype(np.int32)
+    seg = np.zeros((b, S), np.int32)
+    seg[:, :11], seg[:, 11:27], seg[:, 27:30] = 1, 2, 3  # then padding (0)
+    pos = np.concatenate([np.arange(11), np.arange(16), np.arange(3), np.arange(2)])
+    mask = (rng.random((b, S)) > 0.3).astype(np.float32) * (seg > 0)
+    return Batch(tokens, targets, seg, np.tile(pos, (b, 1)).astype(np.int32), mask)
+
+
+def _teacher(b: int, seed: int, dense: bool) -> TeacherOutput:
+    logits = np.random.default_rng(seed).normal(size=(b, S, V)).astype(np.float32) * 3
+    logp = jax.nn.log_softmax(logits)
+    if dense:
+        return TeacherOutput(np.asarray(logp))
+    vals, ids = jax.lax.top_k(logp, 6)
+    return TeacherOutput(np.asarray(vals), np.asarray(ids).astype(np.int32))
+
+
+@functools.cache
+def _run(name: str, dp: int, fsdp: int, cp: int, dense: bool, b: int = 4):
+    """(final params on the host, per-step metrics) of two steps of CONFIGS[name] on a
+    dp x fsdp x cp mesh."""
+    cfg = CONFIGS[name]
+    mesh = student_mesh(jax.devices()[: dp * fsdp * cp], dp, fsdp, cp)
+    tx = optim.make_optimizer(OPT, 10)
+    step = train.make_train_step(
+        cfg,
+        tx,
+        mesh,
+        loss_cfg=DistillLossConfig(temperature=2.0, alpha=0.7),
+        lr_schedule=optim.schedule(OPT, 10),
+    )
+    state = train.init_state(cfg, tx, 0, mesh, jax.device_get(model.init_params(cfg, 0)))
+    history = []
+    for i in range(2):
+        state, metrics = step(state, _batch(b, i), _teacher(b, i + 1, dense))
+        history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+    return jax.device_get(state.params), history
+
+
+@pytest.mark.parametrize(
+    "cfg, dp, fsdp, cp, dense",
+    [("plain", 1, 1, 2, False), ("gemma", 1, 2, 2, True)],
+    ids=["plain-cp2-topk", "gemma-fsdp2-cp2-dense"],
+)
+def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense):
+    (ref_params, ref), (params, got) = _run(cfg, 1, 1, 1, dense), _run(cfg, dp, fsdp, cp, dense)
+    assert ref[0]["tokens"] > 0
+    for a, b in zip(ref, got, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), k
+    for x, y in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_step_lays_rows_out_as_ring_attention_expects(cp):
+    """Row order split over cp -> each device's two chunks (two ppermutes): the same array
+    as `to_cp_layout` on the host, split evenly."""
+    mesh = Mesh(np.array(jax.devices()[:cp]), (CP,))
+    x = np.arange(2 * 8 * cp * 3).reshape(2, 8 * cp, 3)
+    run = jax.shard_map(
+        functools.partial(balance, axis=CP), mesh=mesh, in_specs=P(None, CP), out_specs=P(None, CP)
+    )
+    np.testing.assert_array_equal(np.asarray(jax.jit(run)(x)), to_cp_layout(x, cp))
+
+
+def test_the_teacher_output_lands_split_by_position():
+    """Rows on a dp=2 x tp=2 teacher mesh -> the dp=1 x fsdp=1 x cp=4 student's sharding:
+    each student device gets its quarter of every row's positions, values unchanged."""
+    devices = jax.devices()
+    teacher = Mesh(np.array(devices[:4]).reshape(2, 2), (DP, TP))
+    x = jax.device_put(np.arange(4 * S * 3.0).reshape(4, S, 3), NamedSharding(teacher, P(DP)))
+    dst = train.batch_sharding(student_mesh(devices[4:8], 1, 1, 4))
+    moved = handoff.hop(x, dst)
+    assert moved.sharding == dst
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(x))
+    assert {s.data.shape for s in moved.addressable_shards} == {(4, S // 4, 3)}
+
+
+def _config(**mesh_student) -> Config:
+    return config_from_dict(
+        {
+            "data": {"source": "x"},
+            "mesh": {"student": mesh_student},
+            "train": {"seq_len": S, "batch_size": 4},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "updates, key",
+    [
+        ({"train": {"seq_len": 36}}, "train.seq_len"),
+        ({"pipeline": {"mode": "ray"}}, "pipeline.mode"),
+        ({"mesh": {"placement": "auto"}}, "mesh.placement"),
+        ({"distill": {"on_policy": {"fraction": 0.5}}}, "distill.on_policy.fraction"),
+        ({"student": {"model": {"n_experts": 4, "experts_per_token": 2}}}, "student.model"),
+    ],
+)
+def test_what_cp_does_not_support_is_refused_in_one_line(updates, key):
+    tree = _config(cp=4).model_dump()
+    for section, values in updates.items():
+        for k, v in values.items():
+            if isinstance(v, dict):
+                tree[section][k].update(v)
+            else:
+                tree[section][k] = v
+    with pytest.raises(DistillError, match=key) as err:
+        check_context(Config.model_validate(tree))
+    assert "\n" not in str(err.value)
+    tree["mesh"]["student"]["cp"] = 1  # the same run without context parallelism passes
+    check_context(Config.model_validate(tree))
