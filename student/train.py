@@ -142,19 +142,23 @@ def state_shapes(cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainSta
     return TrainState(scalar, params, jax.eval_shape(tx.init, params), _each_skip(scalar))
 
 
-def state_specs(cfg: ModelConfig, tx: optax.GradientTransformation, fsdp: int) -> TrainState:
-    """PartitionSpecs of a TrainState for an `fsdp`-way split: the parameters by the
-    student's table, the optimizer state like the parameters it tracks, the counters
-    replicated."""
+def state_specs(
+    cfg: ModelConfig, tx: optax.GradientTransformation, fsdp: int, axis=sharding.FSDP
+) -> TrainState:
+    """PartitionSpecs of a TrainState for an `fsdp`-way split over the mesh axis or axes
+    `axis` (`sharding.weight_axes`): the parameters by the student's table, the optimizer
+    state like the parameters it tracks, the counters replicated."""
     shapes = state_shapes(cfg, tx)
-    params = sharding.param_specs(cfg, fsdp)
+    params = sharding.param_specs(cfg, fsdp, axis)
     opt = sharding.like_params(shapes.opt_state, shapes.params, params)
     return TrainState(P(), params, opt, _each_skip(P()))
 
 
 def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:
-    """NamedShardings of a TrainState on `mesh` (`state_specs` for the mesh's `fsdp`)."""
-    return sharding.named(mesh, state_specs(cfg, tx, sharding.fsdp_size(mesh)))
+    """NamedShardings of a TrainState on `mesh` (`state_specs` for the mesh's `fsdp`, and
+    `cp`: `sharding.weight_axes`)."""
+    shards, axis = sharding.weight_shards(dict(mesh.shape)), sharding.weight_axes(mesh.axis_names)
+    return sharding.named(mesh, state_specs(cfg, tx, shards, axis))
 
 
 def abstract_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:

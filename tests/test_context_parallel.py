@@ -21,11 +21,11 @@ from distill import handoff
 from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
 from distill.config.load import config_from_dict
 from distill.errors import DistillError
-from distill.mesh import CP, DP, TP, check_context, student_mesh
+from distill.mesh import CP, DP, FSDP, TP, check_context, student_mesh
 from distill.models import model
 from distill.models.ring_attention import balance, to_cp_layout
 from distill.types import Batch, TeacherOutput
-from student import optim, train
+from student import optim, sharding, train
 
 S, V = 32, 64
 PLAIN = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
@@ -94,6 +94,18 @@ def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), k
     for x, y in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+
+
+def test_the_weights_are_split_over_fsdp_and_cp():
+    """ZeRO-3 spans a row's cp devices too: each holds 1/(fsdp x cp) of the state."""
+    tx = optim.make_optimizer(OPT, 10)
+    placed = train.state_shardings(PLAIN, tx, student_mesh(jax.devices()[:4], 1, 2, 2))
+    assert placed.params["layers"]["wq"].spec == P(None, None, (FSDP, CP))
+    assert placed.opt_state[1][0].mu["layers"]["wq"].spec == P(None, None, (FSDP, CP))
+    shapes, specs = train.state_shapes(PLAIN, tx), jax.tree.map(lambda x: x.spec, placed)
+    split = sharding.bytes_per_device(shapes.params, specs.params, {DP: 1, FSDP: 2, CP: 2})
+    whole = sharding.bytes_per_device(shapes.params, jax.tree.map(lambda _: P(), specs.params), {})
+    assert whole / 4 <= split < whole / 3  # a quarter of all but the norms
 
 
 @pytest.mark.parametrize("cp", [2, 4])
