@@ -4,9 +4,9 @@ Rows are packed (three documents, the middle one crossing chunk edges, trailing 
 the training step on a dp x fsdp x cp mesh must give the single-device step's losses and
 metrics, and after two AdamW steps its parameters, to 1e-5 (float32): a plain model with a
 top-k teacher, and a Gemma-like one (sliding and full layers, soft-capped attention and
-logits) with a dense teacher on cp = 2 x fsdp = 2. Also: the in-step layout equals
-`to_cp_layout`, the hand-off lands the teacher's rows split by position, and what cp does
-not support is refused in one line.
+logits) with a dense teacher on cp = 2 x fsdp = 2 in two microbatches. Also: the in-step
+layout equals `to_cp_layout`, the weights are split over cp, the hand-off lands the
+teacher's rows split by position, and what cp does not support is refused in one line.
 """
 
 import functools
@@ -49,19 +49,21 @@ def _batch(b: int, seed: int) -> Batch:
     return Batch(tokens, targets, seg, np.tile(pos, (b, 1)).astype(np.int32), mask)
 
 
-def _teacher(b: int, seed: int, dense: bool) -> TeacherOutput:
+def _teacher(b: int, seed: int, dense: bool, blocks: int = 1) -> TeacherOutput:
+    """Top-k, or dense log-probs; in `blocks` arrays (block j: rows j, j + n, ...) for
+    `train.grad_accum` microbatches."""
     logits = np.random.default_rng(seed).normal(size=(b, S, V)).astype(np.float32) * 3
-    logp = jax.nn.log_softmax(logits)
+    logp = np.asarray(jax.nn.log_softmax(logits))
     if dense:
-        return TeacherOutput(np.asarray(logp))
+        return TeacherOutput(logp if blocks == 1 else tuple(logp[j::blocks] for j in range(blocks)))
     vals, ids = jax.lax.top_k(logp, 6)
     return TeacherOutput(np.asarray(vals), np.asarray(ids).astype(np.int32))
 
 
 @functools.cache
-def _run(name: str, dp: int, fsdp: int, cp: int, dense: bool, b: int = 4):
+def _run(name: str, dp: int, fsdp: int, cp: int, dense: bool, accum: int = 1, b: int = 4):
     """(final params on the host, per-step metrics) of two steps of CONFIGS[name] on a
-    dp x fsdp x cp mesh."""
+    dp x fsdp x cp mesh, in `accum` microbatches (a dense teacher in as many blocks)."""
     cfg = CONFIGS[name]
     mesh = student_mesh(jax.devices()[: dp * fsdp * cp], dp, fsdp, cp)
     tx = optim.make_optimizer(OPT, 10)
@@ -71,22 +73,26 @@ def _run(name: str, dp: int, fsdp: int, cp: int, dense: bool, b: int = 4):
         mesh,
         loss_cfg=DistillLossConfig(temperature=2.0, alpha=0.7),
         lr_schedule=optim.schedule(OPT, 10),
+        grad_accum=accum,
     )
     state = train.init_state(cfg, tx, 0, mesh, jax.device_get(model.init_params(cfg, 0)))
     history = []
     for i in range(2):
-        state, metrics = step(state, _batch(b, i), _teacher(b, i + 1, dense))
+        state, metrics = step(state, _batch(b, i), _teacher(b, i + 1, dense, accum))
         history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
     return jax.device_get(state.params), history
 
 
 @pytest.mark.parametrize(
-    "cfg, dp, fsdp, cp, dense",
-    [("plain", 1, 1, 2, False), ("gemma", 1, 2, 2, True)],
-    ids=["plain-cp2-topk", "gemma-fsdp2-cp2-dense"],
+    "cfg, dp, fsdp, cp, dense, accum",
+    [("plain", 1, 1, 2, False, 1), ("gemma", 1, 2, 2, True, 2)],
+    ids=["plain-cp2-topk", "gemma-fsdp2-cp2-dense-accum2"],
 )
-def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense):
-    (ref_params, ref), (params, got) = _run(cfg, 1, 1, 1, dense), _run(cfg, dp, fsdp, cp, dense)
+def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense, accum):
+    """Against the single device's one-shot step (the second case also in two microbatches,
+    its dense teacher in two blocks)."""
+    ref_params, ref = _run(cfg, 1, 1, 1, dense)
+    params, got = _run(cfg, dp, fsdp, cp, dense, accum)
     assert ref[0]["tokens"] > 0
     for a, b in zip(ref, got, strict=True):
         assert a.keys() == b.keys()
