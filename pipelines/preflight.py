@@ -174,6 +174,7 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
     cfg.resolve_dtypes(devices[0].platform)
     check_shapes(cfg)
     if role == "student":
+        check_context(cfg)
         check_dense_output(cfg, devices[0])
     return _corpus(cfg)
 

@@ -25,6 +25,7 @@ from distill.mesh import CP, DP, FSDP, TP, check_context, student_mesh
 from distill.models import model
 from distill.models.ring_attention import balance, to_cp_layout
 from distill.types import Batch, TeacherOutput
+from pipelines.plan import ring_bytes_per_step
 from student import optim, sharding, train
 
 S, V = 32, 64
@@ -172,3 +173,16 @@ def test_what_cp_does_not_support_is_refused_in_one_line(updates, key):
     assert "\n" not in str(err.value)
     tree["mesh"]["student"]["cp"] = 1  # the same run without context parallelism passes
     check_context(Config.model_validate(tree))
+
+
+def test_the_plan_counts_the_rings_bytes():
+    """Per device and step: k, v and segment ids around the ring cp - 1 times forward and
+    backward, float32 dk and dv cp times; a rematerialised forward passes them again."""
+    cfg = _config(cp=2)
+    m = cfg.student_model()
+    tokens = 4 * S // 2  # all 4 rows, half of each row's positions
+    kv, dkv = tokens * (2 * m.n_kv_heads * m.hd * 4 + 4), tokens * 2 * m.n_kv_heads * m.hd * 4
+    assert ring_bytes_per_step(cfg) == m.n_layers * (2 * kv + 2 * dkv)
+    cfg.train.remat = "block"
+    assert ring_bytes_per_step(cfg) == m.n_layers * (3 * kv + 2 * dkv)
+    assert ring_bytes_per_step(_config(cp=1)) == 0

@@ -203,6 +203,25 @@ def teacher_figures(cfg: Config) -> dict:
     return figures
 
 
+def ring_bytes_per_step(cfg: Config) -> int:
+    """Bytes each device of the student's `cp` ring sends per step in its attention
+    (`distill.models.ring_attention`), an estimate from shapes: per layer, the forward
+    passes its rows' k and v (the compute dtype) and segment ids cp - 1 times; the
+    backward passes them cp - 1 times again, with float32 dk and dv cp times (under
+    `exchange: gather` the same bytes in an all-gather and a reduce-scatter); a
+    rematerialised block runs its forward twice. 0 without cp."""
+    m, cp = cfg.student_model(), cfg.mesh.student.cp
+    if cp == 1:
+        return 0
+    rows, positions = student_rows(cfg)
+    tokens = rows * positions
+    dtype = 2 if cfg.student.dtype == "bfloat16" else 4
+    kv = tokens * (2 * m.n_kv_heads * m.hd * dtype + 4)  # k, v and segment ids
+    forwards = 2 if cfg.train.remat in ("block", "dots") else 1
+    dkv = tokens * 2 * m.n_kv_heads * m.hd * 4
+    return m.n_layers * ((forwards + 1) * (cp - 1) * kv + cp * dkv)
+
+
 def plan(cfg: Config, meshes: Meshes) -> dict:
     scfg, seq = cfg.student_model(), cfg.train.seq_len
     s_params = model.param_count(scfg)
@@ -224,6 +243,9 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
             "optimizer_bytes_per_device": opt_bytes,
             "train_flops_per_token": 3 * model.flops_per_token(scfg, seq),
             **({"active_params": model.active_param_count(scfg)} if scfg.n_experts else {}),
+            **(
+                {"ring_bytes_per_step": ring_bytes_per_step(cfg)} if cfg.mesh.student.cp > 1 else {}
+            ),
         },
         "tokens_per_step": cfg.train.batch_size * seq,
         "per_device_batch": student_rows(cfg)[0],
@@ -273,7 +295,12 @@ def format_plan(p: dict) -> str:
             + ", "
             f"{mb(s['weight_bytes_per_device'])} weights + "
             f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "
-            f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step",
+            f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step"
+            + (
+                f", cp ring ~{mb(s['ring_bytes_per_step'])}/device/step"
+                if "ring_bytes_per_step" in s
+                else ""
+            ),
             f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device"
             f"{_positions(p)}{micro}; "
             f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token, "
