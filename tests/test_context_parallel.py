@@ -127,13 +127,15 @@ def test_the_step_lays_rows_out_as_ring_attention_expects(cp):
     np.testing.assert_array_equal(np.asarray(jax.jit(run)(x)), to_cp_layout(x, cp))
 
 
-def test_the_teacher_output_lands_split_by_position():
-    """Rows on a dp=2 x tp=2 teacher mesh -> the dp=1 x fsdp=1 x cp=4 student's sharding:
-    each student device gets its quarter of every row's positions, values unchanged."""
+@pytest.mark.parametrize("first", [4, 0], ids=["split", "colocated"])
+def test_the_teacher_output_lands_split_by_position(first):
+    """Rows on a dp=2 x tp=2 teacher mesh -> the dp=1 x fsdp=1 x cp=4 student's sharding,
+    on other devices or the same ones: each student device gets its quarter of every row's
+    positions, values unchanged."""
     devices = jax.devices()
     teacher = Mesh(np.array(devices[:4]).reshape(2, 2), (DP, TP))
     x = jax.device_put(np.arange(4 * S * 3.0).reshape(4, S, 3), NamedSharding(teacher, P(DP)))
-    dst = train.batch_sharding(student_mesh(devices[4:8], 1, 1, 4))
+    dst = train.batch_sharding(student_mesh(devices[first : first + 4], 1, 1, 4))
     moved = handoff.hop(x, dst)
     assert moved.sharding == dst
     np.testing.assert_array_equal(np.asarray(moved), np.asarray(x))
