@@ -344,7 +344,6 @@ def make_loss_fn(
     *,
     unroll: bool = False,
     cross: CrossSpec | None = None,
-    exchange: str = "auto",
 ):
     """loss_fn(params, batch, teacher_out) -> (loss, metrics): KD (or CE without a teacher
     output) from the model's final hidden states, the LM head applied a chunk of positions
@@ -353,9 +352,9 @@ def make_loss_fn(
     `unroll`: the layers unrolled (`unrolls`). A mixture-of-experts student's routing
     (`student.routing`) adds `distill.moe_aux_loss` times its load-balancing loss. On a
     mesh with a `cp` axis the batch and teacher output are the step's pieces of the rows
-    (`student.context`), and attention runs over the ring; `exchange`: its k/v exchange."""
+    (`student.context`), and attention runs over the ring."""
     split = pieces_sharding(mesh)
-    attend = _attend(mesh, exchange)
+    attend = _attend(mesh)
 
     routed = routing.Routing(cfg, mesh, getattr(loss_cfg, "moe_aux_loss", 0.0))
 
@@ -393,10 +392,10 @@ def make_loss_fn(
     return loss_fn
 
 
-def _attend(mesh, exchange: str = "auto"):
+def _attend(mesh):
     """Attention over the mesh's `cp` ring (`student.context`); None (the model's own
     backend) without a cp axis."""
-    context = Context.of(mesh, exchange)
+    context = Context.of(mesh)
     return None if context is None else context.attend
 
 

@@ -22,7 +22,7 @@ from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
 from distill.config.load import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import CP, DP, FSDP, TP, check_context, student_mesh
-from distill.models import model
+from distill.models import model, ring_attention
 from distill.models.ring_attention import balance, to_cp_layout
 from distill.types import Batch, TeacherOutput
 from pipelines.plan import ring_bytes_per_step
@@ -85,13 +85,17 @@ def _run(name: str, dp: int, fsdp: int, cp: int, dense: bool, accum: int = 1, b:
 
 
 @pytest.mark.parametrize(
-    "cfg, dp, fsdp, cp, dense, accum",
-    [("plain", 1, 1, 2, False, 1), ("gemma", 1, 2, 2, True, 2)],
-    ids=["plain-cp2-topk", "gemma-fsdp2-cp2-dense-accum2"],
+    "cfg, dp, fsdp, cp, dense, accum, exchange",
+    [("plain", 1, 1, 2, False, 1, "ring"), ("gemma", 1, 2, 2, True, 2, "gather")],
+    ids=["plain-cp2-topk-ring", "gemma-fsdp2-cp2-dense-accum2-gather"],
 )
-def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense, accum):
+def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense, accum, exchange, monkeypatch):
     """Against the single device's one-shot step (the second case also in two microbatches,
-    its dense teacher in two blocks)."""
+    its dense teacher in two blocks). Rows this short take `auto`'s gather; the first case
+    passes k/v around the ring instead."""
+    if exchange == "ring":
+        monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
+    assert ring_attention.choose_exchange((4, S // cp, 2, 8), np.float32, cp) == exchange
     ref_params, ref = _run(cfg, 1, 1, 1, dense)
     params, got = _run(cfg, dp, fsdp, cp, dense, accum)
     assert ref[0]["tokens"] > 0
