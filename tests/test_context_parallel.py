@@ -107,6 +107,28 @@ def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense, accum, exchange, 
         np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
 
 
+def _step_temp_bytes(cp: int, s: int) -> int:
+    """XLA's per-device temporaries of the compiled step, one row of `s` tokens, top-k."""
+    mesh = student_mesh(jax.devices()[:cp], 1, 1, cp)
+    tx = optim.make_optimizer(OPT, 10)
+    step = train.make_train_step(
+        PLAIN, tx, mesh, loss_cfg=DistillLossConfig(), lr_schedule=optim.schedule(OPT, 10)
+    )
+    split = train.batch_sharding(mesh)
+    shape = lambda *dims, dt=np.int32: jax.ShapeDtypeStruct(dims, dt, sharding=split)  # noqa: E731
+    i32 = shape(1, s)
+    batch = Batch(i32, i32, i32, i32, shape(1, s, dt=np.float32))
+    out = TeacherOutput(shape(1, s, 6, dt=np.float32), shape(1, s, 6))
+    compiled = step.lower(train.abstract_state(PLAIN, tx, mesh), batch, out).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_steps_memory_falls_with_cp():
+    """Compile-only, a 4,096-token row: a device's temporaries (activations, attention and
+    loss workspaces) at cp = 2 at most 0.6x of one device's."""
+    assert _step_temp_bytes(2, 4096) <= 0.6 * _step_temp_bytes(1, 4096)
+
+
 def test_the_weights_are_split_over_fsdp_and_cp():
     """ZeRO-3 spans a row's cp devices too: each holds 1/(fsdp x cp) of the state."""
     tx = optim.make_optimizer(OPT, 10)
