@@ -161,7 +161,14 @@ def ring_shift(x, axis: str | None):
     if axis is None:
         return x
     n = jax.lax.axis_size(axis)
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    return permute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+
+
+def permute(x, axis: str | None, perm: list[tuple[int, int]]):
+    """Each shard's `x` (any pytree) to another shard of `axis`: (source, destination) pairs
+    of a permutation (`jax.lax.ppermute`). With `axis` None, nothing moves."""
+    if axis is None:
+        return x
     return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm), x)
 
 

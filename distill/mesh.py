@@ -1,13 +1,13 @@
 """Device discovery, the two meshes' placement, and CPU device simulation.
 
 The inference mesh (axes `dp` x `tp`) holds the teacher; the training mesh (axes `dp` x
-`fsdp`) holds the student. `mesh.placement: split` (the default) keeps them disjoint: the
-teacher takes the first `dp * tp` devices and the student the next `dp * fsdp`, and the two
-work at once. `colocated` lays both from the first device on, so they share devices and
-take turns (one GPU; a host where no split balances the roles); `auto` is resolved to one of
-the two before the meshes are built (`pipelines.placement`). On a host without accelerators,
-`simulate_cpu_devices` must run before JAX initialises so that the two-mesh layout runs
-anywhere.
+`fsdp`, and `cp` when `mesh.student.cp` > 1) holds the student. `mesh.placement: split`
+(the default) keeps them disjoint: the teacher takes the first `dp * tp` devices and the
+student the next `dp * fsdp * cp`, and the two work at once. `colocated` lays both from the
+first device on, so they share devices and take turns (one GPU; a host where no split
+balances the roles); `auto` is resolved to one of the two before the meshes are built
+(`pipelines.placement`). On a host without accelerators, `simulate_cpu_devices` must run
+before JAX initialises so that the two-mesh layout runs anywhere.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ EP = "ep"
 # because the meshes are separate objects and a sharding names its own mesh.
 DP = "dp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
+# The training mesh's context-parallel axis: each row's sequence split over it (load-balanced
+# chunks, `distill.models.ring_attention`). Only in a mesh whose cp is above 1.
+CP = "cp"
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -75,12 +78,15 @@ def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1):
     return Mesh(device_grid(devices, (dp, ep, tp)), (DP, EP, TP))
 
 
-def student_mesh(devices: list, dp: int, fsdp: int):
-    """The training mesh over `devices` (dp * fsdp of them): axes (DP, FSDP), laid out by
-    `device_grid`."""
+def student_mesh(devices: list, dp: int, fsdp: int, cp: int = 1):
+    """The training mesh over `devices` (dp * fsdp * cp of them): axes (DP, FSDP), and CP
+    innermost when `cp` > 1 (the ring passes key/value blocks every layer, between
+    neighbours), laid out by `device_grid`."""
     from jax.sharding import Mesh
 
-    return Mesh(device_grid(devices, (dp, fsdp)), (DP, FSDP))
+    if cp == 1:
+        return Mesh(device_grid(devices, (dp, fsdp)), (DP, FSDP))
+    return Mesh(device_grid(devices, (dp, fsdp, cp)), (DP, FSDP, CP))
 
 
 def device_grid(devices: list, shape: tuple[int, ...]):
@@ -138,12 +144,19 @@ def granule_split(shape: tuple[int, ...], granules: int) -> tuple[tuple[int, ...
 
 
 def student_shape(cfg: Config) -> dict[str, int]:
-    """The training mesh's axes and sizes: {dp: ..., fsdp: ...}."""
-    return {DP: cfg.mesh.student.dp, FSDP: cfg.mesh.student.fsdp}
+    """The training mesh's axes and sizes: {dp: ..., fsdp: ...}, and cp when above 1."""
+    s = cfg.mesh.student
+    return {DP: s.dp, FSDP: s.fsdp, **({CP: s.cp} if s.cp > 1 else {})}
 
 
 def student_size(cfg: Config) -> int:
-    """Devices of the training mesh: dp * fsdp."""
+    """Devices of the training mesh: dp * fsdp * cp."""
+    return math.prod(student_shape(cfg).values())
+
+
+def student_row_shards(cfg: Config) -> int:
+    """How many ways the training mesh splits a batch's rows: dp * fsdp (`cp` splits each
+    row's sequence instead)."""
     return cfg.mesh.student.dp * cfg.mesh.student.fsdp
 
 
@@ -206,6 +219,32 @@ def check_batch_split(cfg: Config) -> None:
         raise DistillError(
             f"train.batch_size: {cfg.train.batch_size} is not divisible by {keys}{total}"
         )
+
+
+def check_context(cfg: Config) -> None:
+    """`mesh.student.cp` > 1: every row splits into 2 x cp equal chunks (`train.seq_len`),
+    and the run uses only what the student's context parallelism is built for so far."""
+    cp, seq = cfg.mesh.student.cp, cfg.train.seq_len
+    if cp == 1:
+        return
+    if seq % (2 * cp):
+        raise DistillError(
+            f"train.seq_len: {seq} does not split into 2 x mesh.student.cp = {2 * cp} equal "
+            "chunks (context parallelism); make it a multiple of that"
+        )
+    refused = [
+        ("pipeline.mode", cfg.pipeline.mode == "ray", "pipeline.mode: local"),
+        ("mesh.placement", cfg.mesh.placement == "auto", "mesh.placement: split or colocated"),
+        ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction: 0"),
+        ("teacher.tokenizer", cfg.cross_tokenizer(), "the student's tokenizer (data.tokenizer)"),
+        ("student.model.n_experts", bool(cfg.student_model().n_experts), "a dense student"),
+    ]
+    for key, bad, needs in refused:
+        if bad:
+            raise DistillError(
+                f"{key}: not supported with mesh.student.cp={cp} (context parallelism) yet; "
+                f"needs {needs}, or mesh.student.cp: 1"
+            )
 
 
 def check_teacher_split(cfg: Config) -> None:
@@ -307,7 +346,7 @@ def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
 @dataclass(frozen=True)
 class Meshes:
     teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP)
-    student: object  # jax.sharding.Mesh, axes (DP, FSDP)
+    student: object  # jax.sharding.Mesh, axes (DP, FSDP) or (DP, FSDP, CP)
     platform: str
 
     def layout(self) -> dict:
@@ -336,6 +375,11 @@ def _dp_tp_ep(cfg: Config) -> tuple[int, int, int]:
     return t.dp, t.tp, t.ep
 
 
+def _dp_fsdp_cp(cfg: Config) -> tuple[int, int, int]:
+    s = cfg.mesh.student
+    return s.dp, s.fsdp, s.cp
+
+
 def build_meshes(cfg: Config) -> Meshes:
     devices = available_devices(cfg.mesh.platform)
     platform = devices[0].platform
@@ -343,7 +387,7 @@ def build_meshes(cfg: Config) -> Meshes:
     t, s = _device_ids(cfg)
     return Meshes(
         teacher=teacher_mesh([devices[i] for i in t], *_dp_tp_ep(cfg)),
-        student=student_mesh([devices[i] for i in s], cfg.mesh.student.dp, cfg.mesh.student.fsdp),
+        student=student_mesh([devices[i] for i in s], *_dp_fsdp_cp(cfg)),
         platform=platform,
     )
 
@@ -358,10 +402,9 @@ def role_mesh(cfg: Config, role: str):
             f"mesh.{role}: {keys} needs {size} devices, but only {len(devices)} "
             f"{devices[0].platform} devices exist"
         )
-    r = getattr(cfg.mesh, role)
     if role == "teacher":
         return teacher_mesh(devices[:size], *_dp_tp_ep(cfg))
-    return student_mesh(devices[:size], r.dp, r.fsdp)
+    return student_mesh(devices[:size], *_dp_fsdp_cp(cfg))
 
 
 def all_devices_mesh(cfg: Config, axis: str = DP):

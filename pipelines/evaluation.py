@@ -4,7 +4,7 @@ Evaluation compares dense teacher and student logits [rows, S, V] on the held-ou
 a real vocabulary (128k ids) a whole training batch of them would not fit on a device
 (64 x 2048 x 128k float32 is 67 GB), so the same held-out rows are evaluated in chunks of
 `eval_rows` rows: the largest divisor of `train.batch_size` that is a multiple of the
-student's device count (dp x fsdp) and of the teacher's dp (each group runs its own rows),
+student's row shards (dp x fsdp) and of the teacher's dp (each group runs its own rows),
 and keeps each student device's share of a chunk's logits under `EVAL_DEVICE_BYTES` (at
 least one row per device). Metrics are token-weighted means, so the chunking does not
 change them. Nothing here touches a device: the Ray driver uses it too.
@@ -18,7 +18,7 @@ from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.errors import DistillError
 from distill.limits import MAX_ELEMENTS
-from distill.mesh import student_size
+from distill.mesh import student_row_shards
 from distill.types import Batch
 
 # The frozen teacher's eval logits are computed once and kept when they are this small.
@@ -30,7 +30,7 @@ EVAL_DEVICE_BYTES = 256 * 2**20
 
 def eval_rows(cfg: Config) -> int:
     """Rows per evaluation chunk (see the module docstring)."""
-    bsz, n = cfg.train.batch_size, student_size(cfg)
+    bsz, n = cfg.train.batch_size, student_row_shards(cfg)
     step = math.lcm(n, cfg.mesh.teacher.dp)  # both divide bsz, so their lcm does
     row_bytes = cfg.train.seq_len * cfg.teacher.model.vocab_size * 4
     divisors = [r for r in range(step, bsz + 1, step) if bsz % r == 0]

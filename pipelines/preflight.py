@@ -22,6 +22,7 @@ from distill.errors import DistillError
 from distill.mesh import (
     available_devices,
     check_batch_split,
+    check_context,
     check_fit,
     check_hosts,
     check_placement_mode,
@@ -101,6 +102,7 @@ def preflight_shapes(cfg: Config) -> None:
     against the meshes; no data read, no weights looked at."""
     devices = available_devices(cfg.mesh.platform)
     cfg.resolve_dtypes(devices[0].platform)
+    check_context(cfg)  # before mesh.placement: auto, which lays out dp x fsdp only
     resolve(cfg, devices)  # mesh.placement: auto -> the layout chosen for these devices
     check_fit(cfg, len(devices), devices[0].platform)
     check_shapes(cfg)
@@ -172,6 +174,7 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
     cfg.resolve_dtypes(devices[0].platform)
     check_shapes(cfg)
     if role == "student":
+        check_context(cfg)
         check_dense_output(cfg, devices[0])
     return _corpus(cfg)
 

@@ -23,7 +23,7 @@ def accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
     so the result is the one-shot step's: losses are token means (`distill.models.losses`). Counts
     (`routing.COUNTS`) are summed; an MoE student's `moe_aux_loss` is the microbatches'
     token-weighted mean."""
-    rows = NamedSharding(mesh, sharding.batch_spec(mesh))
+    rows = NamedSharding(mesh, sharding.pieces_spec(mesh))
 
     def split(x):  # [B, ...] -> [B / n, n, ...]: a free reshape, rows still split
         if x.shape[0] % (n * mesh.size):

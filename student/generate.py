@@ -24,7 +24,7 @@ from distill.checkpoint import Checkpointer
 from distill.config import Config, ModelConfig
 from distill.models import decode
 from distill.types import Batch, Prompts
-from student import train
+from student import sharding
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
@@ -50,7 +50,7 @@ class Sampler:
         vocab_limit: int | None,
         dtype: str,
     ):
-        split = train.batch_sharding(mesh)
+        split = NamedSharding(mesh, sharding.whole_rows_spec(mesh))  # whole rows: decoding
 
         def run(params, prompts: Prompts, key) -> tuple[Batch, dict]:
             tokens, valid, logp = decode.generate(

@@ -1,16 +1,18 @@
 """The student's layout on the training mesh (`dp` x `fsdp`): one PartitionSpec per weight.
 
-ZeRO-3 style: every weight is split over `fsdp` along its largest dimension that `fsdp`
-divides and replicated over `dp`; gradients and the optimizer state (Adam's moments) are laid
-out like the weights they belong to. The stacked-layer axis is never split (the layer scan
-takes one whole layer per step), nor are the norms (a few kilobytes). A mixture of experts'
-weights [L, E, ., .] are split over their experts when `fsdp` divides E (the MoE layer then
-sends each device's tokens to the devices of their experts), else like any other weight
-(gathered whole for the layer). The batch is split
-over both axes, every device its own rows. From these specs alone, as the train step's
-`jax.jit` in/out shardings, XLA's SPMD partitioner gathers each weight where it is used and
-reduce-scatters its gradient. On a mesh without an `fsdp` axis (the teacher bootstrap's 1-D
-`dp` mesh, one device) every weight is replicated: plain data parallelism.
+ZeRO-3 style: every weight is split over `fsdp` (and `cp` when the mesh has it:
+`weight_axes`) along its largest dimension that `fsdp` divides and replicated over `dp`;
+gradients and the optimizer state (Adam's moments) are laid out like the weights they
+belong to. The stacked-layer axis is never split (the layer scan takes one whole layer per
+step), nor are the norms (a few kilobytes). A mixture of experts' weights [L, E, ., .] are
+split over their experts when `fsdp` divides E (the MoE layer then sends each device's
+tokens to the devices of their experts), else like any other weight (gathered whole for the
+layer). The batch is split over both axes, every device its own rows (and with a `cp`
+axis, each row's sequence split over it: `batch_spec`, `student.context`). From these specs
+alone, as the train step's `jax.jit` in/out shardings, XLA's SPMD partitioner gathers each
+weight where it is used and reduce-scatters its gradient. On a mesh without an `fsdp` axis
+(the teacher bootstrap's 1-D `dp` mesh, one device) every weight is replicated: plain data
+parallelism.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distill.config import ModelConfig
-from distill.mesh import DP, FSDP
+from distill.mesh import CP, DP, FSDP
 from distill.models import model
 
 # Every weight's dimensions by name ([L, ...]: the stacked layers); read with `dim_sizes`.
@@ -83,26 +85,27 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
-def fsdp_spec(name: str, dims: tuple[str, ...], sizes: dict[str, int], fsdp: int) -> P:
+def fsdp_spec(name: str, dims: tuple[str, ...], sizes: dict[str, int], fsdp: int, axis=FSDP) -> P:
     """The spec of one weight: its largest dimension that `fsdp` divides (on a tie, the
-    later one: output features) over `fsdp`; replicated if none, or if it is a norm. An
-    expert weight [L, E, ., .] whose E `fsdp` divides is split over its experts, so that
-    each device holds whole experts and the tokens travel to them (`experts_split`)."""
+    later one: output features) over `fsdp` (the mesh axis or axes `axis`); replicated if
+    none, or if it is a norm. An expert weight [L, E, ., .] whose E `fsdp` divides is split
+    over its experts, so that each device holds whole experts and the tokens travel to them
+    (`experts_split`)."""
     if name in EXPERT_WEIGHTS and fsdp > 1 and sizes["experts"] % fsdp == 0:
-        return P(None, FSDP, None, None)
+        return P(None, axis, None, None)
     splittable = [
         (sizes[d], i) for i, d in enumerate(dims) if d not in NEVER_SPLIT and sizes[d] % fsdp == 0
     ]
     if fsdp == 1 or name in REPLICATED or not splittable:
         return P()
-    _, axis = max(splittable)
-    return P(*(FSDP if i == axis else None for i in range(len(dims))))
+    _, split = max(splittable)
+    return P(*(axis if i == split else None for i in range(len(dims))))
 
 
-def param_specs(cfg: ModelConfig, fsdp: int) -> dict:
+def param_specs(cfg: ModelConfig, fsdp: int, axis=FSDP) -> dict:
     """A PartitionSpec per parameter of `cfg`'s model (the tree of `model.abstract_params`)
-    for an `fsdp`-way split. A parameter missing from WEIGHT_DIMS is an error, not a
-    silently replicated weight."""
+    for an `fsdp`-way split over the mesh axis or axes `axis` (`weight_axes`). A parameter
+    missing from WEIGHT_DIMS is an error, not a silently replicated weight."""
     sizes = dim_sizes(cfg)
 
     def spec(path, leaf) -> P:
@@ -115,7 +118,7 @@ def param_specs(cfg: ModelConfig, fsdp: int) -> dict:
         shape = tuple(sizes[d] for d in dims)
         if shape != tuple(leaf.shape):
             raise ValueError(f"{'/'.join(keys)}: WEIGHT_DIMS gives {shape}, model {leaf.shape}")
-        return fsdp_spec(keys[-1], dims, sizes, fsdp)
+        return fsdp_spec(keys[-1], dims, sizes, fsdp, axis)
 
     return jax.tree_util.tree_map_with_path(spec, model.abstract_params(cfg))
 
@@ -158,9 +161,37 @@ def fsdp_size(mesh) -> int:
     return dict(mesh.shape).get(FSDP, 1)
 
 
-def batch_spec(mesh) -> P:
-    """Rows split over every training axis `mesh` has (`dp`, `fsdp`): each device its own."""
+def weight_axes(mesh_axes) -> str | tuple[str, str]:
+    """The axes the weights are split over, of a mesh with axes `mesh_axes`: `fsdp`, and
+    with a `cp` axis `(fsdp, cp)`: a row's cp devices hold different positions of the same
+    rows but need the same weights, so ZeRO-3 spans them too (each layer's weights gathered
+    over both, their gradients reduce-scattered), rather than each holding a copy."""
+    return (FSDP, CP) if CP in mesh_axes else FSDP
+
+
+def weight_shards(mesh_shape: dict) -> int:
+    """How many ways `weight_axes` split the weights: fsdp (x cp) of `mesh_shape`."""
+    return mesh_shape.get(FSDP, 1) * mesh_shape.get(CP, 1)
+
+
+def whole_rows_spec(mesh) -> P:
+    """Rows split over the training axes `mesh` has of `dp` and `fsdp`, each row whole on
+    its devices (replicated over `cp`: the sampler's prompts and continuations)."""
     return P(tuple(a for a in (DP, FSDP) if a in mesh.axis_names))
+
+
+def batch_spec(mesh) -> P:
+    """[B, S, ...] batches and teacher outputs as they reach the training mesh: rows split
+    over `dp` and `fsdp` (each device its own), and with a `cp` axis each row's sequence
+    split over it in row order (`student.context` lays the pieces out for attention)."""
+    rows = whole_rows_spec(mesh)
+    return P(rows[0], CP) if CP in mesh.axis_names else rows
+
+
+def pieces_spec(mesh) -> P:
+    """The step's rows after `student.context.Context.pieces`: [B * cp, S / cp, ...], split
+    over every training axis (`dp`, `fsdp`, `cp`); without a cp axis, `batch_spec`."""
+    return P(tuple(a for a in (DP, FSDP, CP) if a in mesh.axis_names))
 
 
 def named(mesh, specs):

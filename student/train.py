@@ -35,6 +35,7 @@ from distill.models.cross_losses import CrossSpec
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, routing, sharding
 from student.accumulate import accumulate
+from student.context import Context
 from student.remat import concrete as concrete_remat
 
 # What a skipped step found not finite: bits of `Skips.kinds`.
@@ -141,19 +142,23 @@ def state_shapes(cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainSta
     return TrainState(scalar, params, jax.eval_shape(tx.init, params), _each_skip(scalar))
 
 
-def state_specs(cfg: ModelConfig, tx: optax.GradientTransformation, fsdp: int) -> TrainState:
-    """PartitionSpecs of a TrainState for an `fsdp`-way split: the parameters by the
-    student's table, the optimizer state like the parameters it tracks, the counters
-    replicated."""
+def state_specs(
+    cfg: ModelConfig, tx: optax.GradientTransformation, fsdp: int, axis=sharding.FSDP
+) -> TrainState:
+    """PartitionSpecs of a TrainState for an `fsdp`-way split over the mesh axis or axes
+    `axis` (`sharding.weight_axes`): the parameters by the student's table, the optimizer
+    state like the parameters it tracks, the counters replicated."""
     shapes = state_shapes(cfg, tx)
-    params = sharding.param_specs(cfg, fsdp)
+    params = sharding.param_specs(cfg, fsdp, axis)
     opt = sharding.like_params(shapes.opt_state, shapes.params, params)
     return TrainState(P(), params, opt, _each_skip(P()))
 
 
 def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:
-    """NamedShardings of a TrainState on `mesh` (`state_specs` for the mesh's `fsdp`)."""
-    return sharding.named(mesh, state_specs(cfg, tx, sharding.fsdp_size(mesh)))
+    """NamedShardings of a TrainState on `mesh` (`state_specs` for the mesh's `fsdp`, and
+    `cp`: `sharding.weight_axes`)."""
+    shards, axis = sharding.weight_shards(dict(mesh.shape)), sharding.weight_axes(mesh.axis_names)
+    return sharding.named(mesh, state_specs(cfg, tx, shards, axis))
 
 
 def abstract_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> TrainState:
@@ -168,8 +173,15 @@ def abstract_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> 
 
 def batch_sharding(mesh) -> NamedSharding:
     """Leading (batch) axis split over every device of the training mesh (`dp` x `fsdp`, or
-    a 1-D `dp` mesh); used for batches and teacher outputs alike."""
+    a 1-D `dp` mesh), and with a `cp` axis the sequence axis over it
+    (`sharding.batch_spec`); used for batches and teacher outputs alike."""
     return NamedSharding(mesh, sharding.batch_spec(mesh))
+
+
+def pieces_sharding(mesh) -> NamedSharding:
+    """The rows of the step's forward: `batch_sharding`'s, or with a `cp` axis each
+    device's pieces of the rows as rows of their own (`student.context`)."""
+    return NamedSharding(mesh, sharding.pieces_spec(mesh))
 
 
 def make_train_step(
@@ -202,8 +214,11 @@ def make_train_step(
     loss_fn = make_loss_fn(
         cfg, loss_cfg, dtype, vocab_limit, remat, mesh, unroll=unroll, cross=cross
     )
+    context = Context.of(mesh)
 
     def step(state: TrainState, batch: Batch, teacher_out: TeacherOutput | None):
+        if context is not None:  # each device's pieces of the rows, laid out for the ring
+            batch, teacher_out = context.pieces((batch, teacher_out))
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if grad_accum == 1:
             if teacher_out is not None and isinstance(teacher_out.logprobs, tuple):
@@ -335,8 +350,11 @@ def make_loss_fn(
     at a time (`distill.models.vocab_loss`), so the [B, S, V] logits are never whole. A chunk's
     logits stay under `vocab_loss.CHUNK_BYTES` for the rows one device of `mesh` holds.
     `unroll`: the layers unrolled (`unrolls`). A mixture-of-experts student's routing
-    (`student.routing`) adds `distill.moe_aux_loss` times its load-balancing loss."""
-    split = batch_sharding(mesh)
+    (`student.routing`) adds `distill.moe_aux_loss` times its load-balancing loss. On a
+    mesh with a `cp` axis the batch and teacher output are the step's pieces of the rows
+    (`student.context`), and attention runs over the ring."""
+    split = pieces_sharding(mesh)
+    attend = _attend(mesh)
 
     routed = routing.Routing(cfg, mesh, getattr(loss_cfg, "moe_aux_loss", 0.0))
 
@@ -344,6 +362,7 @@ def make_loss_fn(
         x, head, stats = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
             remat=remat, rows=split, unroll=unroll, moe_opts=routed.opts(batch), with_stats=True,
+            attend=attend,
         )  # fmt: skip
         return routed.add(*losses(x, head, batch, teacher_out), stats, batch)
 
@@ -373,6 +392,13 @@ def make_loss_fn(
     return loss_fn
 
 
+def _attend(mesh):
+    """Attention over the mesh's `cp` ring (`student.context`); None (the model's own
+    backend) without a cp axis."""
+    context = Context.of(mesh)
+    return None if context is None else context.attend
+
+
 def eval_fn_for(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):
     """`make_eval_fn`, built once per process for equal arguments (`distill.programs`)."""
     return programs.cached(make_eval_fn, cfg, mesh, dtype, vocab_limit)
@@ -381,15 +407,19 @@ def eval_fn_for(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int
 def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):
     """metrics(params, batch, teacher_logits) on the training mesh, batch split over its
     devices: `losses.eval_metrics` of the student against the teacher's dense logits, the
-    student's computed a chunk of positions at a time (never a whole [B, S, V])."""
+    student's computed a chunk of positions at a time (never a whole [B, S, V]). With a
+    `cp` axis, on each device's pieces of the rows, as the step (`student.context`)."""
     split = batch_sharding(mesh)
+    context, pieces = Context.of(mesh), pieces_sharding(mesh)
 
     routed = routing.Routing(cfg, mesh)
 
     def metrics(params, batch: Batch, teacher_logits):
+        if context is not None:
+            batch, teacher_logits = context.pieces((batch, teacher_logits))
         x, head = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
-            rows=split, moe_opts=routed.opts(batch),
+            rows=pieces, moe_opts=routed.opts(batch), attend=_attend(mesh),
         )  # fmt: skip
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         return vocab_loss.eval_metrics_chunked(

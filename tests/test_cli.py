@@ -146,16 +146,19 @@ def test_resume_continues_on_the_next_batch(finished_run, tmp_path):
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 6
 
 
-def test_fsdp_student_trains_as_the_dp_student(finished_run, tmp_path, corpus_dir):
+@pytest.mark.parametrize("axis", ["fsdp", "cp"])
+def test_student_layouts_train_as_the_dp_student(finished_run, tmp_path, corpus_dir, axis):
     """The student on dp=1 x fsdp=2 (its parameters and optimizer state split over the two
-    devices) gives the dp=2 run's losses and evaluations, with the same teacher."""
+    devices), or on dp=1 x cp=2 (each row's positions split over the two, attention over
+    the ring: `student.context`), gives the dp=2 run's losses and evaluations, with the
+    same teacher."""
     _, first_out, _ = finished_run
     out = tmp_path / "out"
     cfg = tiny_config(str(corpus_dir), str(out))
     cfg["teacher"].update(checkpoint=str(first_out / "teacher"), pretrain_steps=0)
-    fsdp = ["--set", "mesh.student.fsdp=2", "--set", "mesh.student.dp=1"]
-    assert main(["run", _write(tmp_path, cfg), *fsdp]) == 0
-    assert yaml.safe_load((out / "config.yaml").read_text())["mesh"]["student"]["fsdp"] == 2
+    layout = ["--set", f"mesh.student.{axis}=2", "--set", "mesh.student.dp=1"]
+    assert main(["run", _write(tmp_path, cfg), *layout]) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["mesh"]["student"][axis] == 2
     before, after = _train(first_out), _train(out)
     assert [r["step"] for r in after] == [r["step"] for r in before] == [2, 4, 6]
     for a, b in zip(before, after, strict=True):

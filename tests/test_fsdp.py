@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from distill.checkpoint import Checkpointer
 from distill.config import DistillLossConfig, ModelConfig, OptimConfig
-from distill.mesh import DP, FSDP
+from distill.mesh import DP, FSDP, student_mesh
 from distill.models import model
 from distill.types import Batch, TeacherOutput
 from student import optim, sharding, train
@@ -22,7 +22,9 @@ CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2
 OPT = OptimConfig(lr=1e-2, warmup_steps=1)
 
 
-def _mesh(dp, fsdp):
+def _mesh(dp, fsdp, cp=1):
+    if cp > 1:  # the context-parallel training mesh (distill.mesh.student_mesh)
+        return student_mesh(jax.devices()[: dp * fsdp * cp], dp, fsdp, cp)
     return Mesh(np.array(jax.devices()[: dp * fsdp]).reshape(dp, fsdp), (DP, FSDP))
 
 
@@ -136,7 +138,7 @@ def test_fsdp_holds_a_quarter_of_the_state_per_device():
     assert planned == quarter
 
 
-@pytest.mark.parametrize("src,dst", [((8, 1), (2, 4)), ((2, 4), (8, 1))])
+@pytest.mark.parametrize("src,dst", [((8, 1), (2, 4)), ((2, 4), (8, 1)), ((8, 1), (1, 2, 4))])
 def test_checkpoint_restores_onto_another_layout(tmp_path, src, dst):
     state = _run(*src)[0]
     ckpt = Checkpointer(str(tmp_path), async_save=False)

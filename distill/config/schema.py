@@ -80,11 +80,21 @@ class StudentMesh(Section):
         "devices): parameters, gradients and optimizer state split over fsdp (ZeRO-3), the "
         "batch over both axes.",
     )
+    cp: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel degree of the training mesh (dp x fsdp x cp devices): "
+        "each row's sequence split over cp devices in 2 x cp load-balanced chunks, attention "
+        "passing key/value blocks around the cp ring (ring attention), activations per "
+        "device about 1/cp. train.seq_len must divide by 2 x cp. Local mode only; not yet "
+        "with on-policy, cross-tokenizer or mixture-of-experts students, or mesh.placement "
+        "auto.",
+    )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(
         None,
-        description="Explicit device ids for the student (dp x fsdp of them); default: the "
-        "next dp x fsdp (the first with mesh.placement: colocated).",
+        description="Explicit device ids for the student (dp x fsdp x cp of them); default: "
+        "the next dp x fsdp x cp (the first with mesh.placement: colocated).",
     )
 
 

@@ -19,6 +19,7 @@ around them at trace time.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -239,11 +240,12 @@ class Block(nnx.Module):
         return x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y), stats
 
     def __call__(
-        self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None, moe_opts=None
-    ):
+        self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None, moe_opts=None,
+        attend=None,
+    ):  # fmt: skip
         """(the block's output, expert stats: tokens per expert, dropped assignments)."""
         x, _, stats = self.run(
-            x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts
+            x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts, attend
         )
         return x, stats
 
@@ -253,12 +255,17 @@ class Block(nnx.Module):
         x, kv, _ = self.run(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer)
         return x, kv
 
-    def run(self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts=None):
-        """(the block's output, its keys and values, its expert stats)."""
+    def run(
+        self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts=None,
+        attend=None,
+    ):  # fmt: skip
+        """(the block's output, its keys and values, its expert stats). `attend`: attention in
+        place of `attention` with `backend` (`Transformer.hidden`)."""
         window, inv_freq = self.layer(layer)
         q, k, v = self.qkv(x_bsd, positions_bs, inv_freq, tp_axis)
-        o = attention(
-            q, k, v, segment_ids_bs, backend=backend, scale=self.cfg.scale(), window=window,
+        attend = attend or functools.partial(attention, backend=backend)
+        o = attend(
+            q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
             softcap=self.cfg.attn_softcap,
         )  # fmt: skip
         x, stats = self.finish(x_bsd, o, tp_axis, layer, moe_opts)
@@ -311,7 +318,7 @@ class Transformer(nnx.Module):
 
     def hidden(
         self, tokens_bs, segment_ids_bs, positions_bs, *, tp_axis, dtype, remat, attention,
-        rows=None, unroll=False, moe_opts=None,
+        rows=None, unroll=False, moe_opts=None, attend=None,
     ):  # fmt: skip
         """(the final normed hidden states [B, S, D] (before the LM head), expert stats per
         layer: tokens per expert [L, E], dropped assignments [L]). `rows`: a sharding the
@@ -319,7 +326,9 @@ class Transformer(nnx.Module):
         gathers each layer's weights rather than moving activations between devices.
         `unroll`: each layer its own code rather than one block looped over the stacked
         layers (`student.train.unrolls`). `moe_opts`: `distill.models.moe.moe_ffn`'s
-        ep_axis and capacity_factor."""
+        ep_axis and capacity_factor. `attend(q, k, v, segment_ids, *, scale, window,
+        softcap)`: attention in place of the `attention` backend (the student's context
+        parallelism, `student.context`)."""
         dt = _dtype(dtype)
         x = self.embed_tokens(tokens_bs, tp_axis, dt)
         if rows is not None:
@@ -327,7 +336,7 @@ class Transformer(nnx.Module):
         backend = self.backend(attention, dt, tokens_bs.shape[1])
 
         def block_fn(block, x, layer):
-            return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts)
+            return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts, attend)
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
@@ -432,15 +441,16 @@ def apply_hidden(
     unroll=False,
     moe_opts=None,
     with_stats=False,
+    attend=None,
 ) -> tuple[jax.Array, jax.Array]:
     """(final normed hidden states [B, S, D] in the compute dtype, the LM head [D, V]): for
     losses that form the logits a chunk at a time (`distill.models.vocab_loss`). `rows`,
-    `unroll`, `moe_opts`: see `Transformer.hidden`. `with_stats`: the expert stats per
+    `unroll`, `moe_opts`, `attend`: see `Transformer.hidden`. `with_stats`: the expert stats per
     layer (tokens per expert [L, E], dropped assignments [L]) come third."""
     module = _module(cfg, params)
     x, stats = module.hidden(
         tokens, segment_ids, positions, tp_axis=tp_axis, dtype=dtype, remat=remat,
-        attention=cfg.attention, rows=rows, unroll=unroll, moe_opts=moe_opts,
+        attention=cfg.attention, rows=rows, unroll=unroll, moe_opts=moe_opts, attend=attend,
     )  # fmt: skip
     return (x, module.head(), stats) if with_stats else (x, module.head())
 

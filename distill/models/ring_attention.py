@@ -121,6 +121,28 @@ def from_cp_layout(x_bs, cp: int):
     return halves.reshape(x_bs.shape)
 
 
+def balance(x_bs, axis: str):
+    """Inside `jax.shard_map` over `axis` (cp devices): this device's [B, S/cp, ...] slice of
+    its rows in row order (device i: chunks 2i and 2i+1) -> [B, 2L, ...], its chunks (i,
+    2cp-1-i) as `to_cp_layout` orders them. Each chunk goes straight to its device: one
+    `ppermute` for the first chunks, one for the second (chunk c to device c, or
+    2cp-1-c when c >= cp; each a permutation, since i and 2cp-1-i differ in parity), so a
+    device sends and receives S/cp tokens and never holds more than its share."""
+    cp = collectives.axis_size(axis)
+    chunk = _check_split(x_bs.shape[1] * cp, cp)
+
+    def home(c):  # the device of chunk c
+        return c if c < cp else 2 * cp - 1 - c
+
+    first = collectives.permute(x_bs[:, :chunk], axis, [(d, home(2 * d)) for d in range(cp)])
+    second = collectives.permute(x_bs[:, chunk:], axis, [(d, home(2 * d + 1)) for d in range(cp)])
+    # device i received chunk i and chunk 2cp-1-i: the even one by `first`, the odd by `second`
+    even = lax.axis_index(axis) % 2 == 0
+    return jnp.where(
+        even, jnp.concatenate([first, second], axis=1), jnp.concatenate([second, first], axis=1)
+    )
+
+
 def cp_positions(seq_len: int, cp: int) -> np.ndarray:
     """[S] int32: the index in the whole row of each slot of the laid-out row."""
     return to_cp_layout(np.arange(seq_len, dtype=np.int32)[None], cp)[0]

@@ -9,7 +9,15 @@ import math
 from distill.config import Config
 from distill.errors import DistillError
 from distill.limits import MAX_ELEMENTS, rows_that_fit
-from distill.mesh import EP, Meshes, student_shape, student_size, teacher_size
+from distill.mesh import (
+    CP,
+    EP,
+    Meshes,
+    student_row_shards,
+    student_shape,
+    student_size,
+    teacher_size,
+)
 from distill.models import model, moe
 from student import optim, sharding, train
 from teacher.forward import microbatch_rows
@@ -35,9 +43,16 @@ def teacher_output_bytes_per_step(cfg: Config) -> int:
 
 
 def dense_output_bytes_per_device(cfg: Config) -> int:
-    """Dense teacher outputs held on one student device: its rows x S x V x 4 bytes, twice."""
-    rows = cfg.train.batch_size // student_size(cfg)
-    return rows * cfg.train.seq_len * cfg.teacher.model.vocab_size * 4 * DENSE_BUFFERS
+    """Dense teacher outputs held on one student device: its rows x its positions (S, or
+    S / cp) x V x 4 bytes, twice."""
+    rows, positions = student_rows(cfg)
+    return rows * positions * cfg.teacher.model.vocab_size * 4 * DENSE_BUFFERS
+
+
+def student_rows(cfg: Config) -> tuple[int, int]:
+    """(rows, positions of each) one student device holds of a training batch: its share
+    of the rows (dp x fsdp), each row's S / cp positions."""
+    return cfg.train.batch_size // student_row_shards(cfg), cfg.train.seq_len // cfg.mesh.student.cp
 
 
 def dense_output_budget(device) -> tuple[int, str]:
@@ -123,10 +138,10 @@ def check_dense_output(cfg: Config, device) -> None:
         return
     need, (budget, where) = dense_output_bytes_per_device(cfg), dense_output_budget(device)
     if need > budget:
-        rows = cfg.train.batch_size // student_size(cfg)
+        rows, positions = student_rows(cfg)
         raise DistillError(
             f"teacher.top_k: null sends dense teacher log-probs, {rows} rows x "
-            f"{cfg.train.seq_len} tokens x {cfg.teacher.model.vocab_size} ids x 4 B x "
+            f"{positions} tokens x {cfg.teacher.model.vocab_size} ids x 4 B x "
             f"{DENSE_BUFFERS} buffers = {_gib(need)} per student device, over {where} "
             f"({_gib(budget)}); set teacher.top_k (e.g. --set teacher.top_k=64)"
         )
@@ -188,14 +203,34 @@ def teacher_figures(cfg: Config) -> dict:
     return figures
 
 
+def ring_bytes_per_step(cfg: Config) -> int:
+    """Bytes each device of the student's `cp` ring sends per step in its attention
+    (`distill.models.ring_attention`), an estimate from shapes: per layer, the forward
+    passes its rows' k and v (the compute dtype) and segment ids cp - 1 times; the
+    backward passes them cp - 1 times again, with float32 dk and dv cp times (under
+    `exchange: gather` the same bytes in an all-gather and a reduce-scatter); a
+    rematerialised block runs its forward twice. 0 without cp."""
+    m, cp = cfg.student_model(), cfg.mesh.student.cp
+    if cp == 1:
+        return 0
+    rows, positions = student_rows(cfg)
+    tokens = rows * positions
+    dtype = 2 if cfg.student.dtype == "bfloat16" else 4
+    kv = tokens * (2 * m.n_kv_heads * m.hd * dtype + 4)  # k, v and segment ids
+    forwards = 2 if cfg.train.remat in ("block", "dots") else 1
+    dkv = tokens * 2 * m.n_kv_heads * m.hd * 4
+    return m.n_layers * ((forwards + 1) * (cp - 1) * kv + cp * dkv)
+
+
 def plan(cfg: Config, meshes: Meshes) -> dict:
     scfg, seq = cfg.student_model(), cfg.train.seq_len
     s_params = model.param_count(scfg)
     # the student's state as the sharding table lays it out on the training mesh
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     shapes = train.state_shapes(scfg, tx)
-    specs = train.state_specs(scfg, tx, cfg.mesh.student.fsdp)
     mesh_shape = student_shape(cfg)
+    axis = sharding.weight_axes(mesh_shape)
+    specs = train.state_specs(scfg, tx, sharding.weight_shards(mesh_shape), axis)
     s_weights = sharding.bytes_per_device(shapes.params, specs.params, mesh_shape)
     opt_bytes = sharding.bytes_per_device(shapes.opt_state, specs.opt_state, mesh_shape)
     k = cfg.teacher.top_k
@@ -208,14 +243,24 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
             "optimizer_bytes_per_device": opt_bytes,
             "train_flops_per_token": 3 * model.flops_per_token(scfg, seq),
             **({"active_params": model.active_param_count(scfg)} if scfg.n_experts else {}),
+            **(
+                {"ring_bytes_per_step": ring_bytes_per_step(cfg)} if cfg.mesh.student.cp > 1 else {}
+            ),
         },
         "tokens_per_step": cfg.train.batch_size * seq,
-        "per_device_batch": cfg.train.batch_size // student_size(cfg),
+        "per_device_batch": student_rows(cfg)[0],
+        "positions_per_device_row": student_rows(cfg)[1],
         "grad_accum": cfg.train.grad_accum,
         "teacher_output": f"top-{k}" if k else _dense_layout(cfg),
         "bytes_per_token_between_meshes": teacher_output_bytes_per_token(cfg),
         "teacher_output_bytes_per_step": teacher_output_bytes_per_step(cfg),
     }
+
+
+def _positions(p: dict) -> str:
+    """` x N positions each` when the student's rows are split by position (cp)."""
+    cp = p["layout"]["student"]["shape"].get(CP, 1)
+    return f" x {p['positions_per_device_row']} positions (cp={cp})" if cp > 1 else ""
 
 
 def _dense_layout(cfg: Config) -> str:
@@ -250,9 +295,14 @@ def format_plan(p: dict) -> str:
             + ", "
             f"{mb(s['weight_bytes_per_device'])} weights + "
             f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "
-            f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step",
+            f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step"
+            + (
+                f", cp ring ~{mb(s['ring_bytes_per_step'])}/device/step"
+                if "ring_bytes_per_step" in s
+                else ""
+            ),
             f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device"
-            f"{micro}; "
+            f"{_positions(p)}{micro}; "
             f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token, "
             f"{mb(p['teacher_output_bytes_per_step'])}/step between meshes",
         ]

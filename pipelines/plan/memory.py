@@ -203,7 +203,7 @@ def check_fits(mem: dict) -> None:
     if limit is None:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-    student = "mesh.student.fsdp / train.remat / train.grad_accum"
+    student = "mesh.student.fsdp / mesh.student.cp / train.remat / train.grad_accum"
     if "param_history_bytes_per_device" in mem.get("student", {}):  # on-policy steps
         student += " / pipeline.max_staleness / distill.on_policy"
     for role, keys in (("teacher", "mesh.teacher / teacher.microbatch"), ("student", student)):

@@ -1,0 +1,85 @@
+"""Context parallelism in the student's step: each row's sequence split over the training
+mesh's `cp` axis (`mesh.student.cp`).
+
+The step is GSPMD (`jax.jit` over `dp` x `fsdp` x `cp`); two things in it are explicit
+`jax.shard_map`s over the whole mesh:
+
+- `Context.pieces`: a batch and its teacher output arrive split over `cp` in row order
+  (`student.sharding.batch_spec`: device c of a row's cp group holds tokens [c S/cp,
+  (c+1) S/cp), so the teacher's output lands without a whole row on any device) and are
+  laid out once, at the top of the step, as ring attention wants them: device c gets
+  chunks c and 2cp-1-c of L = S / 2cp tokens (`ring_attention.balance`: two `ppermute`s).
+  Each device's two chunks are then its own row of S/cp tokens: the [B, S, ...] arrays
+  become [B * cp, S / cp, ...] split over (`dp`, `fsdp`, `cp`)
+  (`student.sharding.pieces_spec`), without moving anything. Every per-token part of the
+  model and of the losses (embedding, RoPE from the permuted positions, which are each
+  token's true positions, the matmuls, norms, the chunked KD and CE losses) runs on these
+  rows as under plain data parallelism, and the losses, sums over tokens divided by the
+  batch's token count, are the whole batch's whatever the order of its tokens.
+- `Context.attend`: attention, the one part that crosses positions, runs
+  `ring_attention` on each device's pieces, key/value blocks passed around the `cp` ring
+  (or gathered, `exchange`), with the causal mask from each chunk's place in the row and
+  the segment ids, windows and soft-caps as the single-device kernels apply them.
+
+With `cp` 1 (no cp axis on the mesh) there is no Context and the step is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from distill.mesh import CP
+from distill.models.ring_attention import balance, ring_attention
+from student import sharding
+
+
+class Context:
+    """The `cp` axis of the training mesh `mesh` (which must have one)."""
+
+    def __init__(self, mesh, exchange: str = "auto"):
+        self.mesh, self.exchange = mesh, exchange
+        self.cp = dict(mesh.shape)[CP]
+        self._batch = sharding.batch_spec(mesh)  # P((dp, fsdp), cp)
+        self._pieces = sharding.pieces_spec(mesh)  # P((dp, fsdp, cp))
+
+    @classmethod
+    def of(cls, mesh, exchange: str = "auto") -> Context | None:
+        """The mesh's Context, None when it has no cp axis."""
+        return cls(mesh, exchange) if CP in mesh.axis_names else None
+
+    def pieces(self, tree):
+        """Every [B, S, ...] array of `tree` (a Batch, a TeacherOutput; None leaves kept) in
+        row order, split as `batch_spec` -> [B * cp, S / cp, ...], each device's row its two
+        load-balanced chunks, split as `pieces_spec`."""
+        run = jax.shard_map(
+            functools.partial(balance, axis=CP),
+            mesh=self.mesh,
+            in_specs=self._batch,
+            out_specs=self._pieces,
+        )
+        return jax.tree.map(run, tree)
+
+    def attend(self, q_bshd, k_bskd, v_bskd, segment_ids_bs, *, scale, window, softcap):
+        """Attention of every device's pieces (q [B * cp, S / cp, H, hd], ...), as
+        `distill.models.attention.attention` on the whole rows. `window`: a Python int,
+        None, or a traced int32 scalar (a layer's, under the layer scan)."""
+        rows = self._pieces
+        kw = dict(axis=CP, scale=scale, softcap=softcap, exchange=self.exchange)
+        if window is None or isinstance(window, int):
+            run = jax.shard_map(
+                lambda q, k, v, s: ring_attention(q, k, v, s, window=window, **kw),
+                mesh=self.mesh,
+                in_specs=(rows,) * 4,
+                out_specs=rows,
+            )
+            return run(q_bshd, k_bskd, v_bskd, segment_ids_bs)
+        run = jax.shard_map(
+            lambda q, k, v, s, w: ring_attention(q, k, v, s, window=w, **kw),
+            mesh=self.mesh,
+            in_specs=(rows,) * 4 + (P(),),
+            out_specs=rows,
+        )
+        return run(q_bshd, k_bskd, v_bskd, segment_ids_bs, window)
