@@ -1,13 +1,13 @@
 """Device discovery, the two meshes' placement, and CPU device simulation.
 
-The inference mesh (axes `dp` x `tp`) holds the teacher; the training mesh (axes `dp` x
-`fsdp`) holds the student. `mesh.placement: split` (the default) keeps them disjoint: the
-teacher takes the first `dp * tp` devices and the student the next `dp * fsdp`, and the two
-work at once. `colocated` lays both from the first device on, so they share devices and
-take turns (one GPU; a host where no split balances the roles); `auto` is resolved to one of
-the two before the meshes are built (`pipelines.placement`). On a host without accelerators,
-`simulate_cpu_devices` must run before JAX initialises so that the two-mesh layout runs
-anywhere.
+The inference mesh (axes `pp` x `dp` x `ep` x `tp`) holds the teacher; the training mesh
+(axes `dp` x `fsdp`) holds the student. `mesh.placement: split` (the default) keeps them
+disjoint: the teacher takes the first `pp * dp * ep * tp` devices and the student the next
+`dp * fsdp`, and the two work at once. `colocated` lays both from the first device on, so
+they share devices and take turns (one GPU; a host where no split balances the roles);
+`auto` is resolved to one of the two before the meshes are built (`pipelines.placement`).
+On a host without accelerators, `simulate_cpu_devices` must run before JAX initialises so
+that the two-mesh layout runs anywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ EP = "ep"
 # The data-parallel axis of both meshes: batch rows split over it. One name serves both
 # because the meshes are separate objects and a sharding names its own mesh.
 DP = "dp"
+# The inference mesh's pipeline axis, outermost: its stages each hold a run of the teacher's
+# layers, activations passed stage to stage once per microbatch (`teacher.pipeline`).
+PP = "pp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -48,15 +51,16 @@ def devices_needed(cfg: Config) -> int:
 
 
 def teacher_shape(cfg: Config) -> dict[str, int]:
-    """The inference mesh's axes and sizes: {dp: ..., ep: ..., tp: ...} (tp innermost, so
-    each tensor-parallel group is a run of neighbouring devices; ep next, as the all-to-all
-    of expert dispatch is the next busiest)."""
+    """The inference mesh's axes and sizes: {pp: ..., dp: ..., ep: ..., tp: ...} (tp
+    innermost, so each tensor-parallel group is a run of neighbouring devices; ep next, as
+    the all-to-all of expert dispatch is the next busiest; pp outermost, as its stages
+    exchange one activation per microbatch, so across hosts the stages split first)."""
     t = cfg.mesh.teacher
-    return {DP: t.dp, EP: t.ep, TP: t.tp}
+    return {PP: t.pp, DP: t.dp, EP: t.ep, TP: t.tp}
 
 
 def teacher_size(cfg: Config) -> int:
-    """Devices of the inference mesh: dp * ep * tp."""
+    """Devices of the inference mesh: pp * dp * ep * tp."""
     return math.prod(teacher_shape(cfg).values())
 
 
@@ -67,12 +71,12 @@ def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
     return " x ".join(keys)
 
 
-def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1):
-    """The inference mesh over `devices` (dp * ep * tp of them): axes (DP, EP, TP), laid out
-    by `device_grid`."""
+def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1, pp: int = 1):
+    """The inference mesh over `devices` (pp * dp * ep * tp of them): axes (PP, DP, EP, TP),
+    laid out by `device_grid`."""
     from jax.sharding import Mesh
 
-    return Mesh(device_grid(devices, (dp, ep, tp)), (DP, EP, TP))
+    return Mesh(device_grid(devices, (pp, dp, ep, tp)), (PP, DP, EP, TP))
 
 
 def student_mesh(devices: list, dp: int, fsdp: int):
@@ -292,7 +296,7 @@ def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class Meshes:
-    teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP)
+    teacher: object  # jax.sharding.Mesh, axes (PP, DP, EP, TP)
     student: object  # jax.sharding.Mesh, axes (DP, FSDP)
     platform: str
 
@@ -317,9 +321,9 @@ class Meshes:
         }
 
 
-def _dp_tp_ep(cfg: Config) -> tuple[int, int, int]:
+def _dp_tp_ep(cfg: Config) -> tuple[int, int, int, int]:
     t = cfg.mesh.teacher
-    return t.dp, t.tp, t.ep
+    return t.dp, t.tp, t.ep, t.pp
 
 
 def build_meshes(cfg: Config) -> Meshes:

@@ -25,10 +25,11 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill import programs
 from distill.config import Config, ModelConfig
-from distill.mesh import DP, EP, TP
+from distill.mesh import DP, EP, PP, TP
 from distill.models import model, moe
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
+from teacher import pipeline
 from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits", "target_logprobs"]
@@ -76,20 +77,38 @@ def make_forward(
     if expert_load and not cfg.n_experts:
         raise ValueError("expert_load needs a mixture of experts")
 
+    moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
+    stages = mesh.shape.get(PP, 1)
+
     def outputs(params, batch: Batch):
         """What `mode` returns for some rows: top-k and target log-probs replicated over
         `tp`, else vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at
         a time."""
-        moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
         x, head, *stats = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
             dtype=dtype, moe_opts=moe_opts, with_stats=expert_load,
         )  # fmt: skip  # [b, S, D], [D, V/tp], (ExpertLoad per layer [L, E], [L])
-        chunk = default_chunk(head.shape[-1], x.shape[0])
-        out = by_positions(lambda c: head_outputs(*c, head), (x, batch.targets), chunk)
+        out = rows_outputs(x, batch.targets, head)
         if not expert_load:
             return out
         return out, jax.tree.map(lambda n: jnp.sum(n, axis=0), stats[0])  # over layers
+
+    def rows_outputs(x, targets, head):
+        """`mode`'s outputs of hidden states x [b, S, D] a chunk of positions at a time."""
+        chunk = default_chunk(head.shape[-1], x.shape[0])
+        return by_positions(lambda c: head_outputs(*c, head), (x, targets), chunk)
+
+    def staged(params, batch: Batch, split: bool):
+        """`outputs` of a dp group's rows through the `pp` stages (`teacher.pipeline`): this
+        stage's 1/pp of the rows with `split`, else all of them; the expert load summed."""
+        size = microbatch_rows(batch.tokens.shape[0], microbatch)
+        x, head, load = pipeline.hidden(
+            cfg, params, batch, size, dtype=dtype, split=split, moe_opts=moe_opts,
+            with_stats=expert_load,
+        )  # fmt: skip
+        targets = cc.rows_of_replicated(batch.targets, PP) if split else batch.targets
+        out = in_microbatches(lambda xt: rows_outputs(*xt, head), (x, targets), microbatch)
+        return (out, load) if expert_load else out
 
     def head_outputs(x, targets, head):
         logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
@@ -108,7 +127,10 @@ def make_forward(
         return TeacherOutput(values - cc.logsumexp(z, TP), ids)
 
     def forward(params, batch: Batch, *, split_rows: bool):
-        out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
+        if stages > 1:
+            out = staged(params, batch, split_rows)
+        else:
+            out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
         if expert_load:
             out, load = out
         if mode in ("topk", "target_logprobs"):
@@ -118,7 +140,8 @@ def make_forward(
         out = jax.tree.map(lambda x: layout(x, TP), out)
         if not expert_load:
             return out
-        return out, jax.tree.map(lambda n: cc.psum(n, (DP, EP)), load)  # the mesh's rows
+        rows_axes = (DP, EP, PP) if stages > 1 else (DP, EP)  # each stage its layers' load
+        return out, jax.tree.map(lambda n: cc.psum(n, rows_axes), load)
 
     def run(params, batch: Batch):
         spec = out_spec(batch.tokens.shape[0], mesh)
@@ -128,7 +151,7 @@ def make_forward(
         sharded = jax.shard_map(
             lambda p, b: forward(p, b, split_rows=spec == OUT_ROWS),
             mesh=mesh,
-            in_specs=(param_specs(cfg), BATCH_BS),
+            in_specs=(param_specs(cfg, stages), BATCH_BS),
             out_specs=out_specs,
         )
         return sharded(params, batch)
@@ -172,11 +195,12 @@ def by_positions(fn: Callable, xs, chunk: int):
     return jax.lax.fori_loop(1, -(-s // chunk), body, out)
 
 
-def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None, summed: bool = False):
-    """fn over the rows of `batch` `microbatch` at a time (`jax.lax.map`: one compiled
-    body, peak memory of one microbatch), the outputs concatenated along the rows.
+def in_microbatches(fn: Callable, batch, microbatch: int | None, summed: bool = False):
+    """fn over the rows of `batch` (a Batch, or any tree of [rows, ...] arrays) `microbatch`
+    at a time (`jax.lax.map`: one compiled body, peak memory of one microbatch), the outputs
+    concatenated along the rows.
     `summed`: fn returns (rows' output, counts), and the counts are summed instead."""
-    rows = batch.tokens.shape[0]
+    rows = jax.tree.leaves(batch)[0].shape[0]
     size = microbatch_rows(rows, microbatch)
     if size == rows:
         return fn(batch)

@@ -325,6 +325,20 @@ class Transformer(nnx.Module):
         if rows is not None:
             x = jax.lax.with_sharding_constraint(x, rows)
         backend = self.backend(attention, dt, tokens_bs.shape[1])
+        x, stats = self.blocks(
+            x, segment_ids_bs, positions_bs, layer_data(self.cfg), tp_axis=tp_axis,
+            backend=backend, remat=remat, unroll=unroll, moe_opts=moe_opts,
+        )  # fmt: skip
+        return self.final(x), stats
+
+    def blocks(
+        self, x_bsd, segment_ids_bs, positions_bs, data, *, tp_axis, backend, remat="none",
+        unroll=False, moe_opts=None,
+    ):  # fmt: skip
+        """(x [B, S, D] through the stacked layers this module holds, expert stats per
+        layer): one block scanned over them with `data` (`layer_data` of those layers, or
+        None when layers are alike). A pipeline stage holds a run of the layers and passes
+        their slice of the data (`teacher.pipeline`)."""
 
         def block_fn(block, x, layer):
             return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts)
@@ -336,8 +350,7 @@ class Transformer(nnx.Module):
         def run_layers(x, block, layer):
             return block_fn(block, x, layer)
 
-        x, stats = run_layers(x, self.layers, layer_data(self.cfg))
-        return self.final(x), stats
+        return run_layers(x_bsd, self.layers, data)
 
     def embed_tokens(self, tokens_bs, tp_axis, dt) -> jax.Array:
         """Embeddings [B, S, D] in the compute dtype, times sqrt(D) in that dtype for Gemma
