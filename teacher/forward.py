@@ -17,6 +17,7 @@ student shard from whole row blocks, still device to device).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import jax
@@ -79,6 +80,7 @@ def make_forward(
 
     moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
     stages = mesh.shape.get(PP, 1)
+    stage_kw = {"dtype": dtype, "moe_opts": moe_opts, "with_stats": expert_load}
 
     def outputs(params, batch: Batch):
         """What `mode` returns for some rows: top-k and target log-probs replicated over
@@ -96,39 +98,12 @@ def make_forward(
     def rows_outputs(x, targets, head):
         """`mode`'s outputs of hidden states x [b, S, D] a chunk of positions at a time."""
         chunk = default_chunk(head.shape[-1], x.shape[0])
-        return by_positions(lambda c: head_outputs(*c, head), (x, targets), chunk)
-
-    def staged(params, batch: Batch, split: bool):
-        """`outputs` of a dp group's rows through the `pp` stages (`teacher.pipeline`): this
-        stage's 1/pp of the rows with `split`, else all of them; the expert load summed."""
-        size = microbatch_rows(batch.tokens.shape[0], microbatch)
-        x, head, load = pipeline.hidden(
-            cfg, params, batch, size, dtype=dtype, split=split, moe_opts=moe_opts,
-            with_stats=expert_load,
-        )  # fmt: skip
-        targets = cc.rows_of_replicated(batch.targets, PP) if split else batch.targets
-        out = in_microbatches(lambda xt: rows_outputs(*xt, head), (x, targets), microbatch)
-        return (out, load) if expert_load else out
-
-    def head_outputs(x, targets, head):
-        logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
-        if vocab_limit is not None and vocab_limit < cfg.vocab_size:
-            logits = cc.mask_vocab(logits, vocab_limit, TP)
-        if mode == "logits":
-            return logits
-        z = logits / temperature
-        if mode == "dense":
-            return TeacherOutput(cc.log_softmax(z, TP), None)
-        if mode == "target_logprobs":  # [b, c], replicated over tp
-            return cc.take_ids(z, targets, TP) - cc.logsumexp(z, TP)[..., 0]
-        # log-probs are logits minus one per-token constant: the top-k of the logits are
-        # theirs, so only k log-probs are formed, never the [b, S, V/tp] array
-        values, ids = cc.top_k(z, top_k, TP)
-        return TeacherOutput(values - cc.logsumexp(z, TP), ids)
+        out = partial(head_outputs, cfg, mode, temperature, top_k, vocab_limit)
+        return by_positions(lambda c: out(*c, head), (x, targets), chunk)
 
     def forward(params, batch: Batch, *, split_rows: bool):
         if stages > 1:
-            out = staged(params, batch, split_rows)
+            out = _staged(cfg, params, batch, rows_outputs, microbatch, split_rows, **stage_kw)
         else:
             out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
         if expert_load:
@@ -157,6 +132,38 @@ def make_forward(
         return sharded(params, batch)
 
     return jax.jit(run)
+
+
+def head_outputs(cfg: ModelConfig, mode: Mode, temperature, top_k, vocab_limit, x, targets, head):
+    """`make_forward`'s outputs of `mode` from hidden states x [b, c, D] and this shard's
+    LM head [D, V/tp]: top-k and target log-probs replicated over `tp`, else
+    vocabulary-sharded [b, c, V/tp]."""
+    logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
+    if vocab_limit is not None and vocab_limit < cfg.vocab_size:
+        logits = cc.mask_vocab(logits, vocab_limit, TP)
+    if mode == "logits":
+        return logits
+    z = logits / temperature
+    if mode == "dense":
+        return TeacherOutput(cc.log_softmax(z, TP), None)
+    if mode == "target_logprobs":  # [b, c], replicated over tp
+        return cc.take_ids(z, targets, TP) - cc.logsumexp(z, TP)[..., 0]
+    # log-probs are logits minus one per-token constant: the top-k of the logits are
+    # theirs, so only k log-probs are formed, never the [b, S, V/tp] array
+    values, ids = cc.top_k(z, top_k, TP)
+    return TeacherOutput(values - cc.logsumexp(z, TP), ids)
+
+
+def _staged(cfg, params, batch: Batch, rows_outputs, microbatch, split: bool, **kw):
+    """`rows_outputs` (hidden states, targets, head -> outputs) of a dp group's rows run
+    through the `pp` stages (`teacher.pipeline.hidden`; `kw`: its dtype, moe_opts,
+    with_stats): this stage's 1/pp of the rows with `split`, else all of them; with the
+    expert load summed over layers and microbatches when `with_stats`."""
+    size = microbatch_rows(batch.tokens.shape[0], microbatch)
+    x, head, load = pipeline.hidden(cfg, params, batch, size, split=split, **kw)
+    targets = cc.rows_of_replicated(batch.targets, PP) if split else batch.targets
+    out = in_microbatches(lambda xt: rows_outputs(*xt, head), (x, targets), microbatch)
+    return (out, load) if kw.get("with_stats") else out
 
 
 def _mode_specs(mode: Mode, spec):

@@ -104,22 +104,14 @@ def bubble(pp: int, microbatches: int) -> float:
     return (pp - 1) / (microbatches + pp - 1)
 
 
-def microbatches(cfg: Config) -> int:
-    """m: the microbatches of each dp group's rows a step streams through the stages."""
-    t = cfg.mesh.teacher
-    rows = cfg.train.batch_size // (t.dp * t.ep)
-    micro = cfg.teacher.microbatch
-    size = rows if micro is None else max(d for d in range(1, micro + 1) if rows % d == 0)
-    return rows // size
-
-
-def stage_bytes(cfg: Config, seq_len: int, dtype_bytes: int) -> int:
+def stage_bytes(cfg: Config, microbatches: int, dtype_bytes: int) -> int:
     """Bytes of activations a step sends between stages, over every dp group: each of the
-    m microbatches [rows/m, S, D] crosses each of the pp - 1 stage boundaries once."""
+    m microbatches [rows/m, S, D] crosses each of the pp - 1 stage boundaries once (the
+    schedule's idle ticks send stale buffers too: pp - 1 more per boundary)."""
     t = cfg.mesh.teacher
     rows = cfg.train.batch_size // (t.dp * t.ep)
-    per = rows // microbatches(cfg) * seq_len * cfg.teacher.model.d_model * dtype_bytes
-    return per * (t.pp - 1) * microbatches(cfg) * t.dp * t.ep
+    per = rows // microbatches * cfg.train.seq_len * cfg.teacher.model.d_model * dtype_bytes
+    return per * (t.pp - 1) * microbatches * t.dp * t.ep
 
 
 def check_stages(cfg: Config) -> None:
