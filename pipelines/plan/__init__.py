@@ -258,7 +258,7 @@ def format_plan(p: dict) -> str:
         else ""
     )
     stages = (
-        f"\nteacher stages: {t['stages']} of {t['layers_per_stage']} layers, "
+        f"\nteacher pipeline: {t['stages']} stages x {t['layers_per_stage']} layers, "
         f"{t['microbatches']} microbatches, bubble {t['bubble']:.1%}, "
         f"{mb(t['stage_bytes_per_step'])}/step between stages"
         if "stages" in t
