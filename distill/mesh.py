@@ -51,12 +51,13 @@ def devices_needed(cfg: Config) -> int:
 
 
 def teacher_shape(cfg: Config) -> dict[str, int]:
-    """The inference mesh's axes and sizes: {pp: ..., dp: ..., ep: ..., tp: ...} (tp
-    innermost, so each tensor-parallel group is a run of neighbouring devices; ep next, as
-    the all-to-all of expert dispatch is the next busiest; pp outermost, as its stages
-    exchange one activation per microbatch, so across hosts the stages split first)."""
+    """The inference mesh's axes and sizes: {dp: ..., ep: ..., tp: ...} (tp innermost, so
+    each tensor-parallel group is a run of neighbouring devices; ep next, as the all-to-all
+    of expert dispatch is the next busiest), with pipeline stages {pp: ..., dp: ...} first
+    (outermost: its stages exchange one activation per microbatch, so across hosts the
+    stages split first). A mesh without stages has no pp axis."""
     t = cfg.mesh.teacher
-    return {PP: t.pp, DP: t.dp, EP: t.ep, TP: t.tp}
+    return ({PP: t.pp} if t.pp > 1 else {}) | {DP: t.dp, EP: t.ep, TP: t.tp}
 
 
 def teacher_size(cfg: Config) -> int:
@@ -72,10 +73,12 @@ def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
 
 
 def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1, pp: int = 1):
-    """The inference mesh over `devices` (pp * dp * ep * tp of them): axes (PP, DP, EP, TP),
-    laid out by `device_grid`."""
+    """The inference mesh over `devices` (pp * dp * ep * tp of them): axes (DP, EP, TP),
+    with (PP, DP, EP, TP) when there are pipeline stages, laid out by `device_grid`."""
     from jax.sharding import Mesh
 
+    if pp == 1:
+        return Mesh(device_grid(devices, (dp, ep, tp)), (DP, EP, TP))
     return Mesh(device_grid(devices, (pp, dp, ep, tp)), (PP, DP, EP, TP))
 
 
@@ -296,7 +299,7 @@ def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class Meshes:
-    teacher: object  # jax.sharding.Mesh, axes (PP, DP, EP, TP)
+    teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP); (PP, DP, EP, TP) with stages
     student: object  # jax.sharding.Mesh, axes (DP, FSDP)
     platform: str
 

@@ -31,7 +31,7 @@ from distill.models import model, moe
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
 from teacher import pipeline
-from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
+from teacher.sharding import BATCH_BS, OUT_ROWS_DP, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits", "target_logprobs"]
 
@@ -124,7 +124,7 @@ def make_forward(
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
-            lambda p, b: forward(p, b, split_rows=spec == OUT_ROWS),
+            lambda p, b: forward(p, b, split_rows=spec != OUT_ROWS_DP),
             mesh=mesh,
             in_specs=(param_specs(cfg, stages), BATCH_BS),
             out_specs=out_specs,

@@ -14,7 +14,7 @@ The last stage's outputs, the final hidden states of every row, are then spread 
 stages (a reduce-scatter over `pp`, `distill.collectives.from_last_stage`), so that every
 stage runs the final norm, the LM head and the top-k on its own 1/pp of the rows: the head
 is not left to one stage, and the outputs leave with whole rows split over every device of
-the mesh as without stages (`teacher.sharding.OUT_ROWS`). When the rows do not divide that
+the mesh as without stages (`teacher.sharding.OUT_ROWS_PP`). When the rows do not divide that
 way every stage gets all of them (an all-reduce) and runs the head on all (replicated).
 
 Everything runs inside the teacher's `jax.shard_map` (`teacher.forward.make_forward`).

@@ -73,16 +73,19 @@ def kv_keys(cfg: ModelConfig) -> tuple[str, ...]:
 # [B, S] batch fields: rows split over dp and ep, replicated over tp (and pp: every stage
 # reads the rows' positions and segments; the first embeds their tokens)
 BATCH_BS = P((DP, EP))
-# [B, S, k or V] outputs: whole rows split over every device (a dp group's rows over its
-# stages, each stage's over its tp devices)
-OUT_ROWS = P((DP, EP, PP, TP))
+OUT_ROWS = P((DP, EP, TP))  # [B, S, k or V] outputs: whole rows split over every device
+# the same on a mesh with pipeline stages: a dp group's rows over its stages, each stage's
+# over its tp devices
+OUT_ROWS_PP = P((DP, EP, PP, TP))
 OUT_ROWS_DP = P((DP, EP))  # the same when B is not a multiple of the devices: kept over pp, tp
 
 
 def out_spec(rows: int, mesh) -> P:
     """The outputs' spec for a batch of `rows` rows on `mesh`: split over every device when
-    the rows divide evenly, else over `dp` only."""
-    return OUT_ROWS if rows % mesh.devices.size == 0 else OUT_ROWS_DP
+    the rows divide evenly, else over `dp` (and `ep`) only."""
+    if rows % mesh.devices.size:
+        return OUT_ROWS_DP
+    return OUT_ROWS_PP if PP in mesh.shape else OUT_ROWS
 
 
 def batch_sharding(mesh) -> NamedSharding:
