@@ -22,6 +22,8 @@ Everything runs inside the teacher's `jax.shard_map` (`teacher.forward.make_forw
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
@@ -31,6 +33,8 @@ from distill.errors import DistillError
 from distill.mesh import PP, TP
 from distill.models import model
 from distill.types import Batch
+
+log = logging.getLogger("distill")
 
 
 def stage_data(cfg, stage: jax.Array, pp: int) -> dict | None:
@@ -137,6 +141,14 @@ def check_stages(cfg: Config) -> None:
                 f"{key}: not supported with mesh.teacher.pp={pp} (pipeline stages) yet; "
                 f"needs {needs}"
             )
+    t = cfg.mesh.teacher
+    rows = cfg.train.batch_size // (t.dp * t.ep)
+    if cfg.teacher.microbatch is None or cfg.teacher.microbatch >= rows:
+        log.warning(
+            "mesh.teacher.pp=%d with one teacher microbatch: the stages run one after "
+            "another (bubble %.0f%%); set teacher.microbatch below %d rows to overlap them",
+            pp, 100 * bubble(pp, 1), rows,
+        )  # fmt: skip
 
 
 def stage_layers(cfg: Config) -> int:
