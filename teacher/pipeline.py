@@ -118,9 +118,10 @@ def stage_bytes(cfg: Config, microbatches: int, dtype_bytes: int) -> int:
     return per * (t.pp - 1) * microbatches * t.dp * t.ep
 
 
-def check_stages(cfg: Config) -> None:
+def check_stages(cfg: Config, warn: bool = True) -> None:
     """`mesh.teacher.pp` against the model and the features built for it, before any device
-    work: the layers divide into the stages; local mode; placement split or colocated."""
+    work: the layers divide into the stages; local mode; placement split or colocated.
+    `warn`: log a warning when one microbatch leaves the stages nothing to overlap."""
     pp = cfg.mesh.teacher.pp
     if pp == 1:
         return
@@ -143,7 +144,7 @@ def check_stages(cfg: Config) -> None:
             )
     t = cfg.mesh.teacher
     rows = cfg.train.batch_size // (t.dp * t.ep)
-    if cfg.teacher.microbatch is None or cfg.teacher.microbatch >= rows:
+    if warn and (cfg.teacher.microbatch is None or cfg.teacher.microbatch >= rows):
         log.warning(
             "mesh.teacher.pp=%d with one teacher microbatch: the stages run one after "
             "another (bubble %.0f%%); set teacher.microbatch below %d rows to overlap them",

@@ -123,12 +123,17 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
             check_stages(config_from_dict(tree))
 
 
-def test_validate_refuses_stages_that_do_not_divide(corpus_dir, tmp_path, capsys):
+def test_validate_and_plan_refuse_in_one_line(corpus_dir, tmp_path, capsys):
+    """`distill validate` refuses stages that do not divide the layers; `distill plan`
+    refuses auto placement with stages before it resolves any candidate."""
     path = write_config(tmp_path, _tree(corpus_dir, tmp_path, pp=4))
     assert main(["validate", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("mesh.teacher.pp: 4 does not divide teacher.model.n_layers=2 "
                             "(each stage holds n_layers / pp whole layers)")  # fmt: skip
+    assert main(["plan", path, "--set", "mesh.teacher.pp=2", "--set", "mesh.placement=auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "mesh.placement: not supported with mesh.teacher.pp=2" in err[-1]
 
 
 def test_plan_figures_of_the_stages(corpus_dir, tmp_path):
