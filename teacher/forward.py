@@ -12,6 +12,10 @@ logits (vocabulary-sharded) go through one all-to-all over `tp`. Each device the
 B / (dp * tp) whole rows, and the hop to a student whose batch is split over as many devices
 is one buffer copy per device (`distill.handoff`; for other splits the hop assembles each
 student shard from whole row blocks, still device to device).
+
+With pipeline stages (a `pp` axis: `mesh.teacher.pp`) the group's microbatches stream
+through the stages' layers (`teacher.pipeline`), and each stage then forms the outputs of
+its 1/pp of the rows as above: the rows leave split over pp as well.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def make_forward(
     expert_load: bool = False,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
-    (axes `dp` x `tp`: `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp`.
+    (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages:
+    `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp` x `ep`.
 
     `vocab_limit`: the tokenizer's vocabulary size when the model's is padded past it; the
     logits of ids >= vocab_limit are -inf in every mode (each vocab shard masks its own
