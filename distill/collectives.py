@@ -204,3 +204,26 @@ def cotangent(grad, w):
     (the transpose of using one weight on every device's rows), in its dtype."""
     extra = tuple(sorted(varying(grad) - varying(w)))
     return (jax.lax.psum(grad, extra) if extra else grad).astype(w.dtype)
+
+
+# -- pipeline parallelism -------------------------------------------------------------------
+
+
+def to_next_stage(x, axis: str):
+    """Each stage's `x` (any pytree) to the next stage of `axis`: one point-to-point
+    transfer per stage boundary (not a ring: the last stage sends nothing, the first
+    receives zeros)."""
+    n = jax.lax.axis_size(axis)
+    perm = [(i, i + 1) for i in range(n - 1)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm), x)
+
+
+def from_last_stage(x_b: jax.Array, axis: str, split: bool) -> jax.Array:
+    """The last stage's x [B, ...] (the other stages' values ignored) on every stage of
+    `axis`: with `split`, stage i keeps row block i of it [B/n, ...] (a reduce-scatter);
+    else all of it (an all-reduce). Zeros added to one stage's value: exact."""
+    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
+    x_b = jnp.where(last, x_b, jnp.zeros((), x_b.dtype))
+    if split:
+        return jax.lax.psum_scatter(x_b, axis, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(x_b, axis)

@@ -1,11 +1,12 @@
 """Device discovery, the two meshes' placement, and CPU device simulation.
 
-The inference mesh (axes `dp` x `tp`) holds the teacher; the training mesh (axes `dp` x
-`fsdp`, and `cp` when `mesh.student.cp` > 1) holds the student. `mesh.placement: split`
-(the default) keeps them disjoint: the teacher takes the first `dp * tp` devices and the
-student the next `dp * fsdp * cp`, and the two work at once. `colocated` lays both from the
-first device on, so they share devices and take turns (one GPU; a host where no split
-balances the roles); `auto` is resolved to one of the two before the meshes are built
+The inference mesh (axes `pp` x `dp` x `ep` x `tp`; `pp` only when `mesh.teacher.pp` > 1)
+holds the teacher; the training mesh (axes `dp` x `fsdp`, and `cp` when `mesh.student.cp`
+> 1) holds the student. `mesh.placement: split` (the default) keeps them disjoint: the
+teacher takes the first `pp * dp * ep * tp` devices and the student the next
+`dp * fsdp * cp`, and the two work at once. `colocated` lays both from the first device
+on, so they share devices and take turns (one GPU; a host where no split balances the
+roles); `auto` is resolved to one of the two before the meshes are built
 (`pipelines.placement`). On a host without accelerators, `simulate_cpu_devices` must run
 before JAX initialises so that the two-mesh layout runs anywhere.
 """
@@ -27,6 +28,9 @@ EP = "ep"
 # The data-parallel axis of both meshes: batch rows split over it. One name serves both
 # because the meshes are separate objects and a sharding names its own mesh.
 DP = "dp"
+# The inference mesh's pipeline axis, outermost: its stages each hold a run of the teacher's
+# layers, activations passed stage to stage once per microbatch (`teacher.pipeline`).
+PP = "pp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
 # The training mesh's context-parallel axis: each row's sequence split over it (load-balanced
 # chunks, `distill.models.ring_attention`). Only in a mesh whose cp is above 1.
@@ -53,13 +57,15 @@ def devices_needed(cfg: Config) -> int:
 def teacher_shape(cfg: Config) -> dict[str, int]:
     """The inference mesh's axes and sizes: {dp: ..., ep: ..., tp: ...} (tp innermost, so
     each tensor-parallel group is a run of neighbouring devices; ep next, as the all-to-all
-    of expert dispatch is the next busiest)."""
+    of expert dispatch is the next busiest), with pipeline stages {pp: ..., dp: ...} first
+    (outermost: its stages exchange one activation per microbatch, so across hosts the
+    stages split first). A mesh without stages has no pp axis."""
     t = cfg.mesh.teacher
-    return {DP: t.dp, EP: t.ep, TP: t.tp}
+    return ({PP: t.pp} if t.pp > 1 else {}) | {DP: t.dp, EP: t.ep, TP: t.tp}
 
 
 def teacher_size(cfg: Config) -> int:
-    """Devices of the inference mesh: dp * ep * tp."""
+    """Devices of the inference mesh: pp * dp * ep * tp."""
     return math.prod(teacher_shape(cfg).values())
 
 
@@ -70,12 +76,14 @@ def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
     return " x ".join(keys)
 
 
-def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1):
-    """The inference mesh over `devices` (dp * ep * tp of them): axes (DP, EP, TP), laid out
-    by `device_grid`."""
+def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1, pp: int = 1):
+    """The inference mesh over `devices` (pp * dp * ep * tp of them): axes (DP, EP, TP),
+    with (PP, DP, EP, TP) when there are pipeline stages, laid out by `device_grid`."""
     from jax.sharding import Mesh
 
-    return Mesh(device_grid(devices, (dp, ep, tp)), (DP, EP, TP))
+    if pp == 1:
+        return Mesh(device_grid(devices, (dp, ep, tp)), (DP, EP, TP))
+    return Mesh(device_grid(devices, (pp, dp, ep, tp)), (PP, DP, EP, TP))
 
 
 def student_mesh(devices: list, dp: int, fsdp: int, cp: int = 1):
@@ -345,7 +353,7 @@ def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class Meshes:
-    teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP)
+    teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP); (PP, DP, EP, TP) with stages
     student: object  # jax.sharding.Mesh, axes (DP, FSDP) or (DP, FSDP, CP)
     platform: str
 
@@ -370,9 +378,9 @@ class Meshes:
         }
 
 
-def _dp_tp_ep(cfg: Config) -> tuple[int, int, int]:
+def _dp_tp_ep(cfg: Config) -> tuple[int, int, int, int]:
     t = cfg.mesh.teacher
-    return t.dp, t.tp, t.ep
+    return t.dp, t.tp, t.ep, t.pp
 
 
 def _dp_fsdp_cp(cfg: Config) -> tuple[int, int, int]:

@@ -34,6 +34,7 @@ from pipelines.on_policy import check_on_policy
 from pipelines.placement import resolve
 from pipelines.plan import check_dense_elements, check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
+from teacher.pipeline import check_stages
 from teacher.sharding import check_divisible
 
 
@@ -103,6 +104,7 @@ def preflight_shapes(cfg: Config) -> None:
     devices = available_devices(cfg.mesh.platform)
     cfg.resolve_dtypes(devices[0].platform)
     check_context(cfg)  # before mesh.placement: auto, which lays out dp x fsdp only
+    check_stages(cfg)  # before auto placement, whose candidates have no stages
     resolve(cfg, devices)  # mesh.placement: auto -> the layout chosen for these devices
     check_fit(cfg, len(devices), devices[0].platform)
     check_shapes(cfg)

@@ -12,11 +12,16 @@ logits (vocabulary-sharded) go through one all-to-all over `tp`. Each device the
 B / (dp * tp) whole rows, and the hop to a student whose batch is split over as many devices
 is one buffer copy per device (`distill.handoff`; for other splits the hop assembles each
 student shard from whole row blocks, still device to device).
+
+With pipeline stages (a `pp` axis: `mesh.teacher.pp`) the group's microbatches stream
+through the stages' layers (`teacher.pipeline`), and each stage then forms the outputs of
+its 1/pp of the rows as above: the rows leave split over pp as well.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import jax
@@ -25,11 +30,12 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill import programs
 from distill.config import Config, ModelConfig
-from distill.mesh import DP, EP, TP
+from distill.mesh import DP, EP, PP, TP
 from distill.models import model, moe
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
-from teacher.sharding import BATCH_BS, OUT_ROWS, out_spec, param_specs
+from teacher import pipeline
+from teacher.sharding import BATCH_BS, OUT_ROWS_DP, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits", "target_logprobs"]
 
@@ -48,7 +54,8 @@ def make_forward(
     expert_load: bool = False,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
-    (axes `dp` x `tp`: `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp`.
+    (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages:
+    `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp` x `ep`.
 
     `vocab_limit`: the tokenizer's vocabulary size when the model's is padded past it; the
     logits of ids >= vocab_limit are -inf in every mode (each vocab shard masks its own
@@ -76,39 +83,34 @@ def make_forward(
     if expert_load and not cfg.n_experts:
         raise ValueError("expert_load needs a mixture of experts")
 
+    moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
+    stages = mesh.shape.get(PP, 1)
+    stage_kw = {"dtype": dtype, "moe_opts": moe_opts, "with_stats": expert_load}
+
     def outputs(params, batch: Batch):
         """What `mode` returns for some rows: top-k and target log-probs replicated over
         `tp`, else vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at
         a time."""
-        moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
         x, head, *stats = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
             dtype=dtype, moe_opts=moe_opts, with_stats=expert_load,
         )  # fmt: skip  # [b, S, D], [D, V/tp], (ExpertLoad per layer [L, E], [L])
-        chunk = default_chunk(head.shape[-1], x.shape[0])
-        out = by_positions(lambda c: head_outputs(*c, head), (x, batch.targets), chunk)
+        out = rows_outputs(x, batch.targets, head)
         if not expert_load:
             return out
         return out, jax.tree.map(lambda n: jnp.sum(n, axis=0), stats[0])  # over layers
 
-    def head_outputs(x, targets, head):
-        logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
-        if vocab_limit is not None and vocab_limit < cfg.vocab_size:
-            logits = cc.mask_vocab(logits, vocab_limit, TP)
-        if mode == "logits":
-            return logits
-        z = logits / temperature
-        if mode == "dense":
-            return TeacherOutput(cc.log_softmax(z, TP), None)
-        if mode == "target_logprobs":  # [b, c], replicated over tp
-            return cc.take_ids(z, targets, TP) - cc.logsumexp(z, TP)[..., 0]
-        # log-probs are logits minus one per-token constant: the top-k of the logits are
-        # theirs, so only k log-probs are formed, never the [b, S, V/tp] array
-        values, ids = cc.top_k(z, top_k, TP)
-        return TeacherOutput(values - cc.logsumexp(z, TP), ids)
+    def rows_outputs(x, targets, head):
+        """`mode`'s outputs of hidden states x [b, S, D] a chunk of positions at a time."""
+        chunk = default_chunk(head.shape[-1], x.shape[0])
+        out = partial(head_outputs, cfg, mode, temperature, top_k, vocab_limit)
+        return by_positions(lambda c: out(*c, head), (x, targets), chunk)
 
     def forward(params, batch: Batch, *, split_rows: bool):
-        out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
+        if stages > 1:
+            out = _staged(cfg, params, batch, rows_outputs, microbatch, split_rows, **stage_kw)
+        else:
+            out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
         if expert_load:
             out, load = out
         if mode in ("topk", "target_logprobs"):
@@ -118,7 +120,8 @@ def make_forward(
         out = jax.tree.map(lambda x: layout(x, TP), out)
         if not expert_load:
             return out
-        return out, jax.tree.map(lambda n: cc.psum(n, (DP, EP)), load)  # the mesh's rows
+        rows_axes = (DP, EP, PP) if stages > 1 else (DP, EP)  # each stage its layers' load
+        return out, jax.tree.map(lambda n: cc.psum(n, rows_axes), load)
 
     def run(params, batch: Batch):
         spec = out_spec(batch.tokens.shape[0], mesh)
@@ -126,14 +129,46 @@ def make_forward(
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
-            lambda p, b: forward(p, b, split_rows=spec == OUT_ROWS),
+            lambda p, b: forward(p, b, split_rows=spec != OUT_ROWS_DP),
             mesh=mesh,
-            in_specs=(param_specs(cfg), BATCH_BS),
+            in_specs=(param_specs(cfg, stages), BATCH_BS),
             out_specs=out_specs,
         )
         return sharded(params, batch)
 
     return jax.jit(run)
+
+
+def head_outputs(cfg: ModelConfig, mode: Mode, temperature, top_k, vocab_limit, x, targets, head):
+    """`make_forward`'s outputs of `mode` from hidden states x [b, c, D] and this shard's
+    LM head [D, V/tp]: top-k and target log-probs replicated over `tp`, else
+    vocabulary-sharded [b, c, V/tp]."""
+    logits = model.logits(x, head, cfg.final_softcap)  # [b, c, V/tp], float32
+    if vocab_limit is not None and vocab_limit < cfg.vocab_size:
+        logits = cc.mask_vocab(logits, vocab_limit, TP)
+    if mode == "logits":
+        return logits
+    z = logits / temperature
+    if mode == "dense":
+        return TeacherOutput(cc.log_softmax(z, TP), None)
+    if mode == "target_logprobs":  # [b, c], replicated over tp
+        return cc.take_ids(z, targets, TP) - cc.logsumexp(z, TP)[..., 0]
+    # log-probs are logits minus one per-token constant: the top-k of the logits are
+    # theirs, so only k log-probs are formed, never the [b, S, V/tp] array
+    values, ids = cc.top_k(z, top_k, TP)
+    return TeacherOutput(values - cc.logsumexp(z, TP), ids)
+
+
+def _staged(cfg, params, batch: Batch, rows_outputs, microbatch, split: bool, **kw):
+    """`rows_outputs` (hidden states, targets, head -> outputs) of a dp group's rows run
+    through the `pp` stages (`teacher.pipeline.hidden`; `kw`: its dtype, moe_opts,
+    with_stats): this stage's 1/pp of the rows with `split`, else all of them; with the
+    expert load summed over layers and microbatches when `with_stats`."""
+    size = microbatch_rows(batch.tokens.shape[0], microbatch)
+    x, head, load = pipeline.hidden(cfg, params, batch, size, split=split, **kw)
+    targets = cc.rows_of_replicated(batch.targets, PP) if split else batch.targets
+    out = in_microbatches(lambda xt: rows_outputs(*xt, head), (x, targets), microbatch)
+    return (out, load) if kw.get("with_stats") else out
 
 
 def _mode_specs(mode: Mode, spec):
@@ -172,11 +207,12 @@ def by_positions(fn: Callable, xs, chunk: int):
     return jax.lax.fori_loop(1, -(-s // chunk), body, out)
 
 
-def in_microbatches(fn: Callable, batch: Batch, microbatch: int | None, summed: bool = False):
-    """fn over the rows of `batch` `microbatch` at a time (`jax.lax.map`: one compiled
-    body, peak memory of one microbatch), the outputs concatenated along the rows.
+def in_microbatches(fn: Callable, batch, microbatch: int | None, summed: bool = False):
+    """fn over the rows of `batch` (a Batch, or any tree of [rows, ...] arrays) `microbatch`
+    at a time (`jax.lax.map`: one compiled body, peak memory of one microbatch), the outputs
+    concatenated along the rows.
     `summed`: fn returns (rows' output, counts), and the counts are summed instead."""
-    rows = batch.tokens.shape[0]
+    rows = jax.tree.leaves(batch)[0].shape[0]
     size = microbatch_rows(rows, microbatch)
     if size == rows:
         return fn(batch)

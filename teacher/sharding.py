@@ -1,10 +1,13 @@
-"""The teacher's layout on the inference mesh (axes `dp` x `ep` x `tp`): one PartitionSpec per
-weight, and the specs of the batch going in and the outputs coming out.
+"""The teacher's layout on the inference mesh (axes `pp` x `dp` x `ep` x `tp`): one
+PartitionSpec per weight, and the specs of the batch going in and the outputs coming out.
 
 Weights, Megatron-style over `tp` and replicated over `dp`: column-parallel in (QKV, gate,
 up: output features split over `tp`), row-parallel out (attention output and down
 projections: input features split, summed by `psum`), vocab-parallel embedding and LM head.
-Layer weights carry a leading stacked-layer axis. A mixture of experts' expert weights
+Layer weights carry a leading stacked-layer axis, split over `pp` when the mesh has
+pipeline stages: stage s holds layers [s*L/pp, (s+1)*L/pp) (`teacher.pipeline`); the
+embedding, the final norm and the LM head are replicated over `pp` (the first stage embeds,
+every stage runs the head on its share of the rows). A mixture of experts' expert weights
 [L, E, ...] are split over `ep` by expert and over `tp` as a dense MLP's; its router is
 replicated, and a shared expert is laid out as a dense MLP (replicated over `ep`). When
 there are fewer KV heads than `tp`, each KV head is repeated so that every shard holds the
@@ -26,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.mesh import DP, EP, TP
+from distill.mesh import DP, EP, PP, TP
 from distill.models import model
 
 LAYER_SPECS = {
@@ -67,15 +70,22 @@ def kv_keys(cfg: ModelConfig) -> tuple[str, ...]:
     return (*KV_KEYS, "k_norm") if cfg.qk_norm_full else KV_KEYS
 
 
-BATCH_BS = P((DP, EP))  # [B, S] batch fields: rows split over dp and ep, replicated over tp
+# [B, S] batch fields: rows split over dp and ep, replicated over tp (and pp: every stage
+# reads the rows' positions and segments; the first embeds their tokens)
+BATCH_BS = P((DP, EP))
 OUT_ROWS = P((DP, EP, TP))  # [B, S, k or V] outputs: whole rows split over every device
-OUT_ROWS_DP = P((DP, EP))  # the same when B is not a multiple of the devices: kept over tp
+# the same on a mesh with pipeline stages: a dp group's rows over its stages, each stage's
+# over its tp devices
+OUT_ROWS_PP = P((DP, EP, PP, TP))
+OUT_ROWS_DP = P((DP, EP))  # the same when B is not a multiple of the devices: kept over pp, tp
 
 
 def out_spec(rows: int, mesh) -> P:
     """The outputs' spec for a batch of `rows` rows on `mesh`: split over every device when
-    the rows divide evenly, else over `dp` only."""
-    return OUT_ROWS if rows % mesh.devices.size == 0 else OUT_ROWS_DP
+    the rows divide evenly, else over `dp` (and `ep`) only."""
+    if rows % mesh.devices.size:
+        return OUT_ROWS_DP
+    return OUT_ROWS_PP if PP in mesh.shape else OUT_ROWS
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -83,22 +93,25 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, BATCH_BS)
 
 
-def param_specs(cfg: ModelConfig) -> dict:
+def param_specs(cfg: ModelConfig, pp: int = 1) -> dict:
+    """The weights' specs; with `pp` > 1 pipeline stages the layer axis split over `pp`."""
     specs = {
         "embed": P(TP, None),  # [V, D] vocab-parallel
         "final_norm": P(None),
-        "layers": {k: layer_spec(cfg, k) for k in model.abstract_params(cfg)["layers"]},
+        "layers": {k: layer_spec(cfg, k, pp) for k in model.abstract_params(cfg)["layers"]},
     }
     if not cfg.tie_embeddings:
         specs["lm_head"] = P(None, TP)  # [D, V] vocab-parallel
     return specs
 
 
-def layer_spec(cfg: ModelConfig, key: str) -> P:
-    """The PartitionSpec of layer weight `key` of `cfg`'s model."""
+def layer_spec(cfg: ModelConfig, key: str, pp: int = 1) -> P:
+    """The PartitionSpec of layer weight `key` of `cfg`'s model (its layer axis over `pp`
+    when there are stages)."""
+    spec = LAYER_SPECS[key]
     if cfg.qk_norm_full and key in FULL_QK_NORM_SPECS:
-        return FULL_QK_NORM_SPECS[key]
-    return LAYER_SPECS[key]
+        spec = FULL_QK_NORM_SPECS[key]
+    return P(PP, *spec[1:]) if pp > 1 else spec
 
 
 def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model", ep: int = 1) -> None:
@@ -147,10 +160,10 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
 
 def shardings(cfg: ModelConfig, mesh) -> dict:
     """NamedShardings of `param_specs` on `mesh` (a spec names only `tp`: replicated over
-    `dp`)."""
+    `dp`; the layers split over `pp` where it has stages)."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),
-        param_specs(cfg),
+        param_specs(cfg, mesh.shape.get(PP, 1)),
         is_leaf=lambda x: isinstance(x, P),
     )
 

@@ -334,9 +334,24 @@ class Transformer(nnx.Module):
         if rows is not None:
             x = jax.lax.with_sharding_constraint(x, rows)
         backend = self.backend(attention, dt, tokens_bs.shape[1])
+        x, stats = self.blocks(
+            x, segment_ids_bs, positions_bs, layer_data(self.cfg), tp_axis=tp_axis,
+            backend=backend, remat=remat, unroll=unroll, moe_opts=moe_opts, attend=attend,
+        )  # fmt: skip
+        return self.final(x), stats
+
+    def blocks(
+        self, x_bsd, segment_ids_bs, positions_bs, data, *, tp_axis, backend, remat="none",
+        unroll=False, moe_opts=None, attend=None,
+    ):  # fmt: skip
+        """(x [B, S, D] through the stacked layers this module holds, expert stats per
+        layer): one block scanned over them with `data` (`layer_data` of those layers, or
+        None when layers are alike). A pipeline stage holds a run of the layers and passes
+        their slice of the data (`teacher.pipeline`). `attend`: as `hidden`'s."""
 
         def block_fn(block, x, layer):
-            return block(x, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts, attend)
+            args = (tp_axis, backend, layer, moe_opts, attend)
+            return block(x, segment_ids_bs, positions_bs, *args)
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
@@ -345,8 +360,7 @@ class Transformer(nnx.Module):
         def run_layers(x, block, layer):
             return block_fn(block, x, layer)
 
-        x, stats = run_layers(x, self.layers, layer_data(self.cfg))
-        return self.final(x), stats
+        return run_layers(x_bsd, self.layers, data)
 
     def embed_tokens(self, tokens_bs, tp_axis, dt) -> jax.Array:
         """Embeddings [B, S, D] in the compute dtype, times sqrt(D) in that dtype for Gemma
@@ -428,21 +442,10 @@ def _module(cfg: ModelConfig, params: Params) -> Transformer:
 
 
 def apply_hidden(
-    cfg: ModelConfig,
-    params: Params,
-    tokens,
-    segment_ids,
-    positions,
-    *,
-    tp_axis=None,
-    dtype="float32",
-    remat="none",
-    rows=None,
-    unroll=False,
-    moe_opts=None,
-    with_stats=False,
+    cfg: ModelConfig, params: Params, tokens, segment_ids, positions, *, tp_axis=None,
+    dtype="float32", remat="none", rows=None, unroll=False, moe_opts=None, with_stats=False,
     attend=None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(final normed hidden states [B, S, D] in the compute dtype, the LM head [D, V]): for
     losses that form the logits a chunk at a time (`distill.models.vocab_loss`). `rows`,
     `unroll`, `moe_opts`, `attend`: see `Transformer.hidden`. `with_stats`: the expert stats per

@@ -21,6 +21,7 @@ from pipelines.plan import flops as plan_flops
 from pipelines.plan import format_plan, host_memory, plan
 from pipelines.plan import memory as plan_memory
 from pipelines.preflight import preflight, preflight_shapes
+from teacher.pipeline import check_stages
 
 log = logging.getLogger("distill")
 
@@ -193,6 +194,7 @@ def plan_json(cfg: Config) -> str:
     alone: no data is read and no weights are loaded (the tokenizer, if its file is here,
     only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
     _require_ray(cfg)
+    check_stages(cfg, warn=False)  # auto's candidates have no pipeline stages
     table = placement.resolve(cfg, available_devices(cfg.mesh.platform))  # auto: its candidates
     preflight_shapes(cfg)
     meshes = build_meshes(cfg)

@@ -20,6 +20,7 @@ from distill.mesh import (
 )
 from distill.models import model, moe
 from student import optim, sharding, train
+from teacher import pipeline
 from teacher.forward import microbatch_rows
 
 # Dense teacher outputs on a student device at once: the step's own and the next step's,
@@ -182,16 +183,25 @@ def all_to_all_bytes_per_step(cfg: Config) -> int:
     return per_call * (rows // size) * sum(m.moe_layers()) * t.dp * t.ep * t.tp
 
 
+def layer_params(cfg: Config) -> int:
+    """The teacher's stacked layers' parameters (all but the embedding, final norm, head)."""
+    layers = model.abstract_params(cfg.teacher.model)["layers"]
+    return sum(math.prod(x.shape) for x in layers.values())
+
+
 def teacher_figures(cfg: Config) -> dict:
     """The teacher's parameters and weight bytes per device (experts split over ep and tp,
-    the rest over tp); for a mixture of experts its active parameters, the experts' bytes
-    per device and the all-to-all bytes per step too."""
-    tcfg, t = cfg.teacher.model, cfg.mesh.teacher
-    params, experts = model.param_count(tcfg), expert_params(cfg)
-    expert_bytes = experts * _dtype_bytes(cfg) // (t.ep * t.tp)
+    the rest over tp, the layers over the pp stages too); for a mixture of experts its
+    active parameters, the experts' bytes per device and the all-to-all bytes per step; with
+    pipeline stages their layers, the bubble and the bytes sent between stages per step."""
+    tcfg, t, b = cfg.teacher.model, cfg.mesh.teacher, _dtype_bytes(cfg)
+    params, experts, layers = model.param_count(tcfg), expert_params(cfg), layer_params(cfg)
+    expert_bytes = experts * b // (t.ep * t.tp * t.pp)
+    # the embedding, final norm and head on every stage; a stage's layers on it alone
+    dense = (params - layers) * b // t.tp + (layers - experts) * b // (t.tp * t.pp)
     figures = {
         "params": params,
-        "weight_bytes_per_device": (params - experts) * _dtype_bytes(cfg) // t.tp + expert_bytes,
+        "weight_bytes_per_device": dense + expert_bytes,
         "forward_flops_per_token": model.flops_per_token(tcfg, cfg.train.seq_len),
     }
     if tcfg.n_experts:
@@ -199,6 +209,16 @@ def teacher_figures(cfg: Config) -> dict:
             active_params=model.active_param_count(tcfg),
             expert_bytes_per_device=expert_bytes,
             all_to_all_bytes_per_step=all_to_all_bytes_per_step(cfg),
+        )
+    if t.pp > 1:
+        rows = cfg.train.batch_size // (t.dp * t.ep)
+        m = rows // microbatch_rows(rows, cfg.teacher.microbatch)
+        figures.update(
+            stages=t.pp,
+            layers_per_stage=pipeline.stage_layers(cfg),
+            microbatches=m,
+            bubble=pipeline.bubble(t.pp, m),
+            stage_bytes_per_step=pipeline.stage_bytes(cfg, m, b),
         )
     return figures
 
@@ -282,6 +302,13 @@ def format_plan(p: dict) -> str:
         if "active_params" in t
         else ""
     )
+    stages = (
+        f"\nteacher pipeline: {t['stages']} stages x {t['layers_per_stage']} layers, "
+        f"{t['microbatches']} microbatches, bubble {t['bubble']:.1%}, "
+        f"{mb(t['stage_bytes_per_step'])}/step between stages"
+        if "stages" in t
+        else ""
+    )
     return "\n".join(
         [
             f"devices ({lay['platform']}, {lay.get('placement', 'split')}): "
@@ -289,7 +316,7 @@ def format_plan(p: dict) -> str:
             f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
             f"{mb(t['weight_bytes_per_device'])} weights/device, "
-            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward",
+            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward{stages}",
             f"student: {s['params'] / 1e6:.2f}M params"
             + (f" ({s['active_params'] / 1e6:.2f}M active)" if "active_params" in s else "")
             + ", "
