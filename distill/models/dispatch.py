@@ -1,0 +1,205 @@
+"""The dropless expert-parallel dispatch (ep > 1): every (token, expert) assignment to its
+expert's device, through the grouped matmul there and back, exact, with buffers sized
+from the load rather than for the worst case.
+
+Each device holds its A = T * k assignments sorted by expert, hence by destination device
+(`count_n[j]` rows for device j, contiguous), and every device learns every other's counts
+first (an all-gather of n integers, `distill.collectives.gather_shards`): the [n, n]
+matrix of rows sender i has for receiver j, the same on every device. Each receiver has
+room for `ep * C` rows a round, C = ceil(SLACK * T * k / ep) (`pair_slots`): one round
+suffices when every device gets at most SLACK times its share. Rounds repeat
+(`jax.lax.while_loop`) until every row has been sent: exact whatever the load, nothing
+dropped, and one round for a balanced router. Every device computes the same schedule
+from the same counts, so all run the same number of rounds.
+
+Two transports (`kind()` chooses by platform, `distill plan` names it):
+
+- `ragged` (GPU, TPU): `jax.lax.ragged_all_to_all` sends each receiver exactly its rows,
+  the receivers' room shared among the senders in device order; the all-to-alls carry the
+  routed rows' bytes and nothing more, whatever the rounds.
+- `rounds` (CPU: XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not
+  supported by XLA:CPU ThunkEmitter" in jax 0.10.2): a dense all-to-all of [ep, C, D]
+  blocks, at most C rows from each sender to each receiver a round; SLACK times the
+  routed rows' bytes when balanced, more rounds when a pair overflows.
+
+The received rows (grouped by sender, within one by expert) go through the grouped matmul
+(`distill.models.grouped.expert_rows` lays them out by local expert), and the results
+travel back by the same transport into each row's place. The backward (`jax.custom_vjp`)
+runs the same rounds: each row with its cotangent there, the grouped matmul's transpose,
+the input cotangents back; the weights' gradients add up over the rounds and are summed
+over the other mesh axes once, after the loop (no collective but over `ep` in a loop
+whose trip count only the `ep` group agrees on).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from distill import collectives as cc
+from distill.models import attention, grouped
+
+KINDS = ("ragged", "rounds")
+SLACK = 1.125  # a receiver's room a round over its share of a balanced load
+
+
+def kind(platform: str | None = None) -> str:
+    """The transport for `platform` (default: attention's, `attention.platform`): `rounds`
+    on CPU, which lacks a ragged all-to-all; `ragged` elsewhere."""
+    return "rounds" if (platform or attention.platform()) == "cpu" else "ragged"
+
+
+def pair_slots(tokens: int, k: int, ep: int) -> int:
+    """C: a receiver's room a round is ep * C rows (`rounds`: C from each sender)."""
+    return max(1, math.ceil(SLACK * tokens * k / ep))
+
+
+def rows_per_call(tokens: int, k: int, ep: int, kind_name: str) -> int:
+    """Rows one device's all-to-alls carry each way in a layer under a balanced load (one
+    round): `ragged`, its T * k assignments; `rounds`, its whole [ep, C] buffer."""
+    return tokens * k if kind_name == "ragged" else ep * pair_slots(tokens, k, ep)
+
+
+class _Round(NamedTuple):
+    """One round's schedule, each [n, n] over (sender i, receiver j): rows i sends j, where
+    they land in j's buffer, and where they start in i's sorted rows."""
+
+    send: jax.Array
+    at: jax.Array
+    start: jax.Array
+
+
+def _schedule(counts, sent, kind_name: str, slots: int) -> _Round:
+    """The round after `sent` [n, n] rows of `counts` [n, n] went: `rounds` sends each pair
+    up to `slots` rows at block i of j's buffer; `ragged` fills each receiver's n * slots
+    rows from the senders in order."""
+    n = counts.shape[0]
+    rem = counts - sent
+    if kind_name == "rounds":
+        send = jnp.minimum(rem, slots)
+        at = jnp.broadcast_to(jnp.arange(n, dtype=counts.dtype)[:, None] * slots, (n, n))
+    else:
+        before = jnp.cumsum(rem, axis=0) - rem
+        send = jnp.clip(n * slots - before, 0, rem)
+        at = jnp.cumsum(send, axis=0) - send
+    start = jnp.cumsum(counts, axis=1) - counts + sent
+    return _Round(send, at, start)
+
+
+def _pair_rows(r: _Round, me, slots: int, rows: int):
+    """[n, slots]: the sorted rows `me` sends each receiver this round (`rounds`), `rows`
+    (past the end) for the empty slots."""
+    c = jnp.arange(slots, dtype=r.send.dtype)
+    return jnp.where(c < r.send[me][:, None], r.start[me][:, None] + c, rows)
+
+
+def _full(shape, fill, like):
+    """An array of `fill`, varying over the mesh axes `like` varies over."""
+    return grouped._vary(jnp.full(shape, fill, like.dtype), grouped._varying(like))
+
+
+def _there(x, r: _Round, me, axis, kind_name: str, slots: int, fill):
+    """This round's rows of x [A, ...] (sorted by destination) on their receivers: each
+    receiver's buffer [n * slots, ...], `fill` where nothing arrived."""
+    n = r.send.shape[0]
+    shape = (n * slots, *x.shape[1:])
+    if kind_name == "ragged":
+        out = _full(shape, fill, x)
+        return cc.ragged_all_to_all(x, out, r.start[me], r.send[me], r.at[me], r.send[:, me], axis)
+    buf = x.at[_pair_rows(r, me, slots, x.shape[0])].get(mode="fill", fill_value=fill)
+    return cc.all_to_all(buf, axis).reshape(shape)
+
+
+def _back(y, acc, r: _Round, me, axis, kind_name: str, slots: int):
+    """`acc` [A, ...] with this round's results y (a receiver's buffer [n * slots, ...])
+    written back at their rows' places on their senders."""
+    if kind_name == "ragged":
+        back = (r.at[:, me], r.send[:, me], r.start[:, me], r.send[me])
+        return cc.ragged_all_to_all(y, acc, *back, axis)
+    n = r.send.shape[0]
+    back = cc.all_to_all(y.reshape(n, slots, *y.shape[1:]), axis)
+    return acc.at[_pair_rows(r, me, slots, acc.shape[0])].set(back, mode="drop")
+
+
+def _loop(body, init, counts, kind_name: str, slots: int):
+    """`body(round, carry)` over the rounds until every row of `counts` went."""
+
+    def step(c):
+        sent, carry = c
+        r = _schedule(counts, sent, kind_name, slots)
+        return sent + r.send, body(r, carry)
+
+    done = lambda c: jnp.any(c[0] < counts)  # noqa: E731
+    return jax.lax.while_loop(done, step, (jnp.zeros_like(counts), init))[1]
+
+
+def expert_outputs(x_ad, local_a, count_n, experts, *, axis, act, kernel: str, slots: int,
+                   kind_name: str | None = None):  # fmt: skip
+    """y [A, D]: row a of x (this device's assignments sorted by destination device,
+    `count_n[j]` of them for device j of `axis`) through the SwiGLU of expert `local_a[a]`
+    of that device (`experts`: its gate, up [E/ep, D, F], down [E/ep, F, D]), back in
+    row a's place; partial over `tp` as the experts' columns are. `slots`: `pair_slots`."""
+    f = _exchange(axis, act, kernel, kind_name or kind(), slots)
+    return f(x_ad, local_a, count_n.astype(jnp.int32), *experts)
+
+
+def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
+    if kind_name not in KINDS:
+        raise ValueError(f"unknown dispatch {kind_name!r}; expected one of {KINDS}")
+
+    def setup(count):
+        return cc.gather_shards(count, axis), jax.lax.axis_index(axis)
+
+    def ffn(xr, er, *weights):
+        return grouped.expert_rows(xr, jnp.arange(xr.shape[0]), er, *weights, act, kernel)
+
+    def run(x, local, count, *weights):
+        counts, me = setup(count)
+        n_local = weights[0].shape[0]
+
+        def body(r, acc):
+            xr = _there(x, r, me, axis, kind_name, slots, 0)
+            er = _there(local, r, me, axis, kind_name, slots, n_local)
+            return _back(ffn(xr, er, *weights), acc, r, me, axis, kind_name, slots)
+
+        vma = frozenset().union(*(grouped._varying(a) for a in (x, local, *weights)))
+        init = grouped._vary(jnp.zeros(x.shape, x.dtype), vma)
+        return _loop(body, init, counts, kind_name, slots)
+
+    @jax.custom_vjp
+    def f(x, local, count, gate, up, down):
+        return run(x, local, count, gate, up, down)
+
+    def fwd(x, local, count, gate, up, down):
+        return run(x, local, count, gate, up, down), (x, local, count, gate, up, down)
+
+    def bwd(res, dy):
+        x, local, count, *weights = res
+        counts, me = setup(count)
+        n_local, d = weights[0].shape[0], x.shape[1]
+        vma = frozenset().union(*(grouped._varying(a) for a in (x, local, dy, *weights)))
+        # the weights varying as the rows do: no psum inside the loop (`_cotangent` after)
+        ws = [grouped._vary(w, vma - grouped._varying(w)) for w in weights]
+        xdy = jnp.concatenate([x, dy.astype(x.dtype)], axis=-1)
+
+        def body(r, acc):
+            dx, dws = acc
+            both = _there(xdy, r, me, axis, kind_name, slots, 0)
+            er = _there(local, r, me, axis, kind_name, slots, n_local)
+            xr, dyr = both[:, :d], both[:, d:]
+            _, vjp = jax.vjp(lambda xr, *w: ffn(xr, er, *w), xr, *ws)
+            dxr, *dw = vjp(dyr)
+            dx = _back(dxr, dx, r, me, axis, kind_name, slots)
+            return dx, tuple(a + g.astype(jnp.float32) for a, g in zip(dws, dw, strict=True))
+
+        zeros = tuple(grouped._vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
+        init = (grouped._vary(jnp.zeros(x.shape, x.dtype), vma), zeros)
+        dx, dws = _loop(body, init, counts, kind_name, slots)
+        grads = (grouped._cotangent(g, w) for g, w in zip(dws, weights, strict=True))
+        return (dx, None, None, *grads)
+
+    f.defvjp(fwd, bwd)
+    return f
