@@ -101,27 +101,38 @@ def _full(shape, fill, like):
     return grouped._vary(jnp.full(shape, fill, like.dtype), grouped._varying(like))
 
 
-def _there(x, r: _Round, me, axis, kind_name: str, slots: int, fill):
-    """This round's rows of x [A, ...] (sorted by destination) on their receivers: each
-    receiver's buffer [n * slots, ...], `fill` where nothing arrived."""
+def _index(r: _Round, me, slots: int, n_rows: int, rows):
+    """[n, slots]: where `rounds` reads (and writes back) each slot's row: `_pair_rows`,
+    through `rows` (each sorted row's row of the table, [A]) when given; past the end for
+    the empty slots."""
+    idx = _pair_rows(r, me, slots, n_rows if rows is None else rows.shape[0])
+    return idx if rows is None else jnp.append(rows, n_rows)[idx]
+
+
+def _there(x, r: _Round, me, axis, kind_name: str, slots: int, fill, rows=None):
+    """This round's rows on their receivers, each receiver's buffer [n * slots, ...] (`fill`
+    where nothing arrived): the rows x[rows] (x itself when `rows` is None), sorted by
+    destination. `rounds` gathers its send buffer straight from x."""
     n = r.send.shape[0]
     shape = (n * slots, *x.shape[1:])
     if kind_name == "ragged":
+        x = x if rows is None else x[rows]
         out = _full(shape, fill, x)
         return cc.ragged_all_to_all(x, out, r.start[me], r.send[me], r.at[me], r.send[:, me], axis)
-    buf = x.at[_pair_rows(r, me, slots, x.shape[0])].get(mode="fill", fill_value=fill)
+    buf = x.at[_index(r, me, slots, x.shape[0], rows)].get(mode="fill", fill_value=fill)
     return cc.all_to_all(buf, axis).reshape(shape)
 
 
-def _back(y, acc, r: _Round, me, axis, kind_name: str, slots: int):
-    """`acc` [A, ...] with this round's results y (a receiver's buffer [n * slots, ...])
-    written back at their rows' places on their senders."""
+def _back(y, acc, r: _Round, me, axis, kind_name: str, slots: int, rows=None):
+    """`acc` with this round's results y (a receiver's buffer [n * slots, ...]) back on
+    their senders, added at their rows' places: acc [A, ...] in sorted order, or with
+    `rounds` and `rows` given, acc[rows[a]] += row a's."""
     if kind_name == "ragged":
         back = (r.at[:, me], r.send[:, me], r.start[:, me], r.send[me])
-        return cc.ragged_all_to_all(y, acc, *back, axis)
+        return cc.ragged_all_to_all(y, acc, *back, axis)  # writes: acc holds zeros there
     n = r.send.shape[0]
     back = cc.all_to_all(y.reshape(n, slots, *y.shape[1:]), axis)
-    return acc.at[_pair_rows(r, me, slots, acc.shape[0])].set(back, mode="drop")
+    return acc.at[_index(r, me, slots, acc.shape[0], rows)].add(back, mode="drop")
 
 
 def _loop(body, init, counts, kind_name: str, slots: int):
@@ -136,70 +147,73 @@ def _loop(body, init, counts, kind_name: str, slots: int):
     return jax.lax.while_loop(done, step, (jnp.zeros_like(counts), init))[1]
 
 
-def expert_outputs(x_ad, local_a, count_n, experts, *, axis, act, kernel: str, slots: int,
-                   kind_name: str | None = None):  # fmt: skip
-    """y [A, D]: row a of x (this device's assignments sorted by destination device,
-    `count_n[j]` of them for device j of `axis`) through the SwiGLU of expert `local_a[a]`
-    of that device (`experts`: its gate, up [E/ep, D, F], down [E/ep, F, D]), back in
-    row a's place; partial over `tp` as the experts' columns are. `slots`: `pair_slots`."""
+def expert_outputs(h_td, token_a, local_a, count_n, experts, *, axis, act, kernel: str,
+                   slots: int, kind_name: str | None = None):  # fmt: skip
+    """y [A, D]: row a, this device's assignment a (sorted by destination device, `count_n[j]`
+    of them for device j of `axis`), is h[token_a[a]] through the SwiGLU of expert
+    `local_a[a]` of that device (`experts`: its gate, up [E/ep, D, F], down [E/ep, F, D]);
+    partial over `tp` as the experts' columns are. `slots`: `pair_slots`."""
     f = _exchange(axis, act, kernel, kind_name or kind(), slots)
-    return f(x_ad, local_a, count_n.astype(jnp.int32), *experts)
+    return f(h_td, token_a, local_a, count_n.astype(jnp.int32), *experts)
 
 
 def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
     if kind_name not in KINDS:
         raise ValueError(f"unknown dispatch {kind_name!r}; expected one of {KINDS}")
+    ragged = kind_name == "ragged"
 
-    def setup(count):
-        return cc.gather_shards(count, axis), jax.lax.axis_index(axis)
+    def setup(h, token, count):
+        """(counts [n, n], this device's index, the rows to send: the table and their
+        index in it, or with `ragged` the rows gathered once, contiguous)."""
+        counts, me = cc.gather_shards(count, axis), jax.lax.axis_index(axis)
+        return counts, me, ((h[token], None) if ragged else (h, token))
 
-    def ffn(xr, er, *weights):
-        return grouped.expert_rows(xr, jnp.arange(xr.shape[0]), er, *weights, act, kernel)
-
-    def run(x, local, count, *weights):
-        counts, me = setup(count)
+    def run(h, token, local, count, *weights):
+        counts, me, (x, rows) = setup(h, token, count)
         n_local = weights[0].shape[0]
 
         def body(r, acc):
-            xr = _there(x, r, me, axis, kind_name, slots, 0)
+            xr = _there(x, r, me, axis, kind_name, slots, 0, rows)
             er = _there(local, r, me, axis, kind_name, slots, n_local)
-            return _back(ffn(xr, er, *weights), acc, r, me, axis, kind_name, slots)
+            y = grouped.expert_rows(xr, jnp.arange(xr.shape[0]), er, *weights, act, kernel)
+            return _back(y, acc, r, me, axis, kind_name, slots)
 
-        vma = frozenset().union(*(grouped._varying(a) for a in (x, local, *weights)))
-        init = grouped._vary(jnp.zeros(x.shape, x.dtype), vma)
+        vma = frozenset().union(*(grouped._varying(a) for a in (h, token, local, *weights)))
+        init = grouped._vary(jnp.zeros((token.shape[0], h.shape[1]), h.dtype), vma)
         return _loop(body, init, counts, kind_name, slots)
 
     @jax.custom_vjp
-    def f(x, local, count, gate, up, down):
-        return run(x, local, count, gate, up, down)
+    def f(h, token, local, count, gate, up, down):
+        return run(h, token, local, count, gate, up, down)
 
-    def fwd(x, local, count, gate, up, down):
-        return run(x, local, count, gate, up, down), (x, local, count, gate, up, down)
+    def fwd(h, token, local, count, gate, up, down):
+        return run(h, token, local, count, gate, up, down), (h, token, local, count, gate, up, down)
 
     def bwd(res, dy):
-        x, local, count, *weights = res
-        counts, me = setup(count)
-        n_local, d = weights[0].shape[0], x.shape[1]
-        vma = frozenset().union(*(grouped._varying(a) for a in (x, local, dy, *weights)))
+        h, token, local, count, *weights = res
+        counts, me, (x, rows) = setup(h, token, count)
+        n_local = weights[0].shape[0]
+        vma = frozenset().union(*(grouped._varying(a) for a in (h, token, local, dy, *weights)))
         # the weights varying as the rows do: no psum inside the loop (`_cotangent` after)
         ws = [grouped._vary(w, vma - grouped._varying(w)) for w in weights]
-        xdy = jnp.concatenate([x, dy.astype(x.dtype)], axis=-1)
 
         def body(r, acc):
             dx, dws = acc
-            both = _there(xdy, r, me, axis, kind_name, slots, 0)
+            xr = _there(x, r, me, axis, kind_name, slots, 0, rows)
+            dyr = _there(dy, r, me, axis, kind_name, slots, 0)
             er = _there(local, r, me, axis, kind_name, slots, n_local)
-            xr, dyr = both[:, :d], both[:, d:]
-            _, vjp = jax.vjp(lambda xr, *w: ffn(xr, er, *w), xr, *ws)
-            dxr, *dw = vjp(dyr)
-            dx = _back(dxr, dx, r, me, axis, kind_name, slots)
-            return dx, tuple(a + g.astype(jnp.float32) for a, g in zip(dws, dw, strict=True))
+            rows_r = jnp.arange(xr.shape[0])
+            dxr, dws = grouped.expert_rows_grads(xr, rows_r, er, ws, dyr, dws, act, kernel)
+            return _back(dxr, dx, r, me, axis, kind_name, slots, rows), dws
 
+        # the rows' cotangents: sorted [A, D] (ragged; summed per token after), or each
+        # token's [T, D] (rounds, added in as they come back)
+        dx = jnp.zeros(x.shape if ragged else h.shape, h.dtype)
         zeros = tuple(grouped._vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
-        init = (grouped._vary(jnp.zeros(x.shape, x.dtype), vma), zeros)
-        dx, dws = _loop(body, init, counts, kind_name, slots)
+        dx, dws = _loop(body, (grouped._vary(dx, vma), zeros), counts, kind_name, slots)
+        dh = jax.ops.segment_sum(dx, token, num_segments=h.shape[0]) if ragged else dx
         grads = (grouped._cotangent(g, w) for g, w in zip(dws, weights, strict=True))
-        return (dx, None, None, *grads)
+        return (dh, None, None, None, *grads)
 
     f.defvjp(fwd, bwd)
     return f

@@ -156,7 +156,7 @@ def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, act, kernel):
     sid, token = ids_a[order], order // k
     count = jnp.bincount(sid // n_local, length=n_shards)
     y = dispatch.expert_outputs(
-        h[token], sid % n_local, count, experts, axis=ep_axis, act=act,
+        h, token, sid % n_local, count, experts, axis=ep_axis, act=act,
         kernel=kernel or grouped.kernel(), slots=dispatch.pair_slots(t, k, n_shards),
     )  # fmt: skip
     out = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
