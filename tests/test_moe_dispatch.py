@@ -1,4 +1,5 @@
-"""The dropless expert-parallel dispatch (`distill.models.dispatch`) at ep = 2 and 4: its
+"""The dropless expert-parallel dispatch (`distill.models.dispatch`) at ep = 2, 4 and
+ep = 2 x tp = 2: its
 outputs and gradients equal the single-device layer's (no dispatch) under a random router
 and with every token routed to the same experts (overflowing the receivers' room, so
 re-dispatched in rounds), by both transports: `rounds` (CPU's dense all-to-alls) and
@@ -16,7 +17,7 @@ import pytest
 from distill import collectives as cc
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import ModelConfig
-from distill.mesh import EP
+from distill.mesh import EP, TP
 from distill.models import attention, dispatch, moe
 
 CFG = ModelConfig(d_model=16, n_experts=8, experts_per_token=3, d_ff_expert=8)
@@ -50,13 +51,15 @@ def _loss(y):  # a cotangent that is not all ones
     return jnp.sum(y * jnp.sin(jnp.arange(y.size).reshape(y.shape)))
 
 
-def _layer(ep):
-    """(y, grads wrt (h, params)) of the layer over `ep` devices, each with its rows."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:ep]), (EP,))
-    specs = {"router": jax.P(), **{k: jax.P(EP) for k in ("we_gate", "we_up", "we_down")}}
+def _layer(ep, tp=1):
+    """(y, grads wrt (h, params)) of the layer over `ep` devices, each with its rows, and
+    each expert's hidden columns split over `tp`."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: ep * tp]).reshape(ep, tp), (EP, TP))
+    ffn = {"we_gate": jax.P(EP, None, TP), "we_up": jax.P(EP, None, TP), "we_down": jax.P(EP, TP)}
+    specs = {"router": jax.P(), **ffn}
 
     def f(h, p):
-        return moe.moe_ffn(h, p, CFG, tp_axis=None, ep_axis=EP)[0]
+        return moe.moe_ffn(h, p, CFG, tp_axis=TP, ep_axis=EP)[0]
 
     run = jax.shard_map(f, mesh=mesh, in_specs=(jax.P(EP), specs), out_specs=jax.P(EP))
     return jax.jit(lambda h, p: (run(h, p), jax.grad(lambda h, p: _loss(run(h, p)), (0, 1))(h, p)))
@@ -83,8 +86,8 @@ def _rounds_needed(h, p, ep, kind_name):
 
 @pytest.mark.parametrize("skewed", [False, True])
 @pytest.mark.parametrize("kind_name", ["rounds", "ragged"])
-@pytest.mark.parametrize("ep", [2, 4])
-def test_dispatch_equals_the_single_device_layer(monkeypatch, ep, kind_name, skewed):
+@pytest.mark.parametrize("ep, tp", [(2, 1), (4, 1), (2, 2)])
+def test_dispatch_equals_the_single_device_layer(monkeypatch, ep, tp, kind_name, skewed):
     if kind_name == "ragged":  # the platform that has it, the collective emulated
         monkeypatch.setattr(attention, "_platform", "gpu")
         monkeypatch.setattr(cc, "ragged_all_to_all", _emulated_ragged)
@@ -92,7 +95,7 @@ def test_dispatch_equals_the_single_device_layer(monkeypatch, ep, kind_name, ske
     p = _params(skewed)
     h = jax.random.normal(jax.random.key(1), SHAPE)
     want, (want_dh, want_dp) = _reference(h, p)
-    got, (dh, dp) = _layer(ep)(h, p)
+    got, (dh, dp) = _layer(ep, tp)(h, p)
     assert (_rounds_needed(h, p, ep, kind_name) > 1) == skewed  # overflow re-dispatched
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(dh), np.asarray(want_dh), atol=1e-4, rtol=1e-4)
@@ -103,11 +106,12 @@ def test_dispatch_equals_the_single_device_layer(monkeypatch, ep, kind_name, ske
 
 
 def test_lowered_for_cuda_the_dispatch_is_ragged(monkeypatch):
-    """On GPU the forward and backward send rows by `ragged_all_to_all` only: no dense
-    all-to-all of a padded buffer is left (the counts travel by an all-gather)."""
+    """On GPU (ep=2 x tp=2) the forward and backward send rows by `ragged_all_to_all`
+    only: no dense all-to-all of a padded buffer is left (the counts travel by an
+    all-gather)."""
     monkeypatch.setattr(attention, "_platform", "gpu")
     h, p = jax.random.normal(jax.random.key(1), SHAPE), _params(False)
-    text = _layer(2).trace(h, p).lower(lowering_platforms=("cuda",)).as_text()
+    text = _layer(2, 2).trace(h, p).lower(lowering_platforms=("cuda",)).as_text()
     assert "@ragged_all_to_all" in text
     assert "all_to_all" not in text.replace("ragged_all_to_all", "")
 

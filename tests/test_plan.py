@@ -14,6 +14,7 @@ from distill.mesh import teacher_mesh
 from distill.models import dispatch
 from pipelines import plan
 from pipelines.commands.cli import main
+from pipelines.plan import flops as plan_flops
 from pipelines.plan import memory as plan_memory
 from pipelines.plan.memory import check_fits
 from tests.conftest import tiny_config
@@ -156,6 +157,23 @@ def test_shipped_moe_all_to_all_is_the_routed_rows(platform):
     ratio = plan.all_to_all_bytes_per_step(cfg, platform) / routed
     assert 1.0 <= ratio <= (1.002 if platform == "gpu" else 1.2), ratio
     assert dispatch.kind(platform) == ("ragged" if platform == "gpu" else "rounds")
+
+
+def test_plan_names_the_moe_dispatch():
+    """The compiled-matmuls line names how tokens reach their experts: CPU's `rounds` at
+    ep > 1, the capacity path's dense all-to-all, nothing at ep = 1 or for a dense student."""
+    cfg, capacity, one = _moe_config(), _moe_config(1.0), _moe_config()
+    one.mesh.teacher.ep = 1
+    assert plan_flops.moe_dispatch(cfg, "teacher") == "rounds"  # CPU devices here
+    assert plan_flops.moe_dispatch(capacity, "teacher") == "all_to_all"
+    assert plan_flops.moe_dispatch(one, "teacher") is None
+    assert plan_flops.moe_dispatch(cfg, "student") is None
+    role = {"compiled_flops_per_token": 1e6, "forward_flops_per_token": 1e6}
+    teacher = {**role, "moe_kernel": "tiled", "moe_dispatch": "rounds"}
+    line = plan_flops.format_flops(
+        {"teacher": teacher, "student": {**role, "train_flops_per_token": 1}}
+    )
+    assert "(model 1.0, MoE kernel tiled, dispatch rounds)" in line
 
 
 def test_moe_teacher_figures():

@@ -212,6 +212,7 @@ def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
         zeros = tuple(grouped._vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
         dx, dws = _loop(body, (grouped._vary(dx, vma), zeros), counts, kind_name, slots)
         dh = jax.ops.segment_sum(dx, token, num_segments=h.shape[0]) if ragged else dx
+        dh = grouped._cotangent(dh, h)  # summed over tp: each shard's columns gave a part
         grads = (grouped._cotangent(g, w) for g, w in zip(dws, weights, strict=True))
         return (dh, None, None, None, *grads)
 
