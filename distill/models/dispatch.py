@@ -4,8 +4,8 @@ from the load rather than for the worst case.
 
 Each device holds its A = T * k assignments sorted by expert, hence by destination device
 (`count_n[j]` rows for device j, contiguous), and every device learns every other's counts
-first (an all-gather of n integers, `distill.collectives.gather_shards`): the [n, n]
-matrix of rows sender i has for receiver j, the same on every device. Each receiver has
+first (an all-gather of ep integers, `distill.collectives.gather_shards`): the [n, n]
+matrix (n = ep) of rows sender i has for receiver j, the same on every device. Each receiver has
 room for `ep * C` rows a round, C = ceil(SLACK * T * k / ep) (`pair_slots`): one round
 suffices when every device gets at most SLACK times its share. Rounds repeat
 (`jax.lax.while_loop`) until every row has been sent: exact whatever the load, nothing
@@ -25,10 +25,12 @@ Two transports (`kind()` chooses by platform, `distill plan` names it):
 The received rows (grouped by sender, within one by expert) go through the grouped matmul
 (`distill.models.grouped.expert_rows` lays them out by local expert), and the results
 travel back by the same transport into each row's place. The backward (`jax.custom_vjp`)
-runs the same rounds: each row with its cotangent there, the grouped matmul's transpose,
-the input cotangents back; the weights' gradients add up over the rounds and are summed
-over the other mesh axes once, after the loop (no collective but over `ep` in a loop
-whose trip count only the `ep` group agrees on).
+runs the same rounds: each row travels again with its cotangent, the receiver recomputes
+gate and up and runs the grouped matmul's transpose (`grouped.expert_rows_grads`: no
+residual is kept across rounds, whose number is known only at run time), and the rows'
+cotangents come back; the experts' gradients add up over the rounds in one accumulator
+and are summed over the other mesh axes once, after the loop (inside it, no collective
+but over `ep`, whose group alone agrees on the trip count).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _pair_rows(r: _Round, me, slots: int, rows: int):
 
 def _full(shape, fill, like):
     """An array of `fill`, varying over the mesh axes `like` varies over."""
-    return grouped._vary(jnp.full(shape, fill, like.dtype), grouped._varying(like))
+    return grouped.vary(jnp.full(shape, fill, like.dtype), grouped.varying(like))
 
 
 def _index(r: _Round, me, slots: int, n_rows: int, rows):
@@ -178,8 +180,8 @@ def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
             y = grouped.expert_rows(xr, jnp.arange(xr.shape[0]), er, *weights, act, kernel)
             return _back(y, acc, r, me, axis, kind_name, slots)
 
-        vma = frozenset().union(*(grouped._varying(a) for a in (h, token, local, *weights)))
-        init = grouped._vary(jnp.zeros((token.shape[0], h.shape[1]), h.dtype), vma)
+        vma = frozenset().union(*(grouped.varying(a) for a in (h, token, local, *weights)))
+        init = grouped.vary(jnp.zeros((token.shape[0], h.shape[1]), h.dtype), vma)
         return _loop(body, init, counts, kind_name, slots)
 
     @jax.custom_vjp
@@ -193,9 +195,9 @@ def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
         h, token, local, count, *weights = res
         counts, me, (x, rows) = setup(h, token, count)
         n_local = weights[0].shape[0]
-        vma = frozenset().union(*(grouped._varying(a) for a in (h, token, local, dy, *weights)))
-        # the weights varying as the rows do: no psum inside the loop (`_cotangent` after)
-        ws = [grouped._vary(w, vma - grouped._varying(w)) for w in weights]
+        vma = frozenset().union(*(grouped.varying(a) for a in (h, token, local, dy, *weights)))
+        # the weights varying as the rows do: no psum inside the loop (`cotangent` after)
+        ws = [grouped.vary(w, vma - grouped.varying(w)) for w in weights]
 
         def body(r, acc):
             dx, dws = acc
@@ -209,11 +211,11 @@ def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
         # the rows' cotangents: sorted [A, D] (ragged; summed per token after), or each
         # token's [T, D] (rounds, added in as they come back)
         dx = jnp.zeros(x.shape if ragged else h.shape, h.dtype)
-        zeros = tuple(grouped._vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
-        dx, dws = _loop(body, (grouped._vary(dx, vma), zeros), counts, kind_name, slots)
+        zeros = tuple(grouped.vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
+        dx, dws = _loop(body, (grouped.vary(dx, vma), zeros), counts, kind_name, slots)
         dh = jax.ops.segment_sum(dx, token, num_segments=h.shape[0]) if ragged else dx
-        dh = grouped._cotangent(dh, h)  # summed over tp: each shard's columns gave a part
-        grads = (grouped._cotangent(g, w) for g, w in zip(dws, weights, strict=True))
+        dh = grouped.cotangent(dh, h)  # summed over tp: each shard's columns gave a part
+        grads = (grouped.cotangent(g, w) for g, w in zip(dws, weights, strict=True))
         return (dh, None, None, None, *grads)
 
     f.defvjp(fwd, bwd)

@@ -123,30 +123,30 @@ def _add_at(acc, e, v):
     return jax.lax.dynamic_update_index_in_dim(acc, cur + v.astype(acc.dtype), e, 0)
 
 
-def _varying(x) -> frozenset:
+def varying(x) -> frozenset:
     """The mesh axes `x` varies over inside `jax.shard_map` (none outside)."""
     return jax.typeof(x).mat.varying
 
 
-def _vary(x, vma):
+def vary(x, vma):
     """x varying over the mesh axes `vma` (inside `jax.shard_map`), as a loop carry that
     accumulates varying values must start."""
     return jax.lax.pcast(x, tuple(sorted(vma)), to="varying") if vma else x
 
 
-def _cotangent(grad, w):
+def cotangent(grad, w):
     """A weight's gradient summed over the mesh axes its rows varied over and it does not
     (the transpose of using one weight on every device's rows), in its dtype."""
-    extra = tuple(sorted(_varying(grad) - _varying(w)))
+    extra = tuple(sorted(varying(grad) - varying(w)))
     return (jax.lax.psum(grad, extra) if extra else grad).astype(w.dtype)
 
 
 def _tile_scan(tile, x, tile_e, weights):
     """`tile(x_t, e, *weights)` over the tiles of x [tiles, m, D] (`jax.lax.scan`), zeros
     for a tile of expert E (past the routed rows: `jax.lax.cond` skips its matmuls)."""
-    vma = frozenset().union(*(_varying(a) for a in (x, tile_e, *weights)))
+    vma = frozenset().union(*(varying(a) for a in (x, tile_e, *weights)))
     out = jax.eval_shape(tile, x[0], tile_e[0], *weights)
-    skip = jax.tree.map(lambda o: _vary(jnp.zeros(o.shape, o.dtype), vma), out)
+    skip = jax.tree.map(lambda o: vary(jnp.zeros(o.shape, o.dtype), vma), out)
 
     def body(_, xe):
         used = xe[1] < weights[0].shape[0]
@@ -177,8 +177,8 @@ def _tiles_grads(act, x, tile_e, weights, g, u, dy, acc):
         dx = dg @ _take(gate, e, dg.dtype).T + du @ _take(up, e, du.dtype).T
         return (d_gate, d_up, d_down), dx
 
-    vma = frozenset().union(*(_varying(a) for a in (x, tile_e, dy, *weights)))
-    none = _vary(jnp.zeros(x.shape[1:], x.dtype), vma)
+    vma = frozenset().union(*(varying(a) for a in (x, tile_e, dy, *weights)))
+    none = vary(jnp.zeros(x.shape[1:], x.dtype), vma)
 
     def body(acc, xs):
         used = xs[1] < gate.shape[0]
@@ -208,10 +208,10 @@ def tiled_swiglu(act):
     def bwd(res, dy):
         x, tile_e, gate, up, down, (g, u) = res
         weights = (gate, up, down)
-        vma = frozenset().union(*(_varying(a) for a in (x, tile_e, dy, *weights)))
-        zeros = tuple(_vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
+        vma = frozenset().union(*(varying(a) for a in (x, tile_e, dy, *weights)))
+        zeros = tuple(vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
         dx, grads = _tiles_grads(act, x, tile_e, weights, g, u, dy, zeros)
-        return (dx, None, *(_cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
+        return (dx, None, *(cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
 
     f.defvjp(fwd, bwd)
     return f
