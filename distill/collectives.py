@@ -147,6 +147,16 @@ def all_to_all(x_n: jax.Array, axis: str | None) -> jax.Array:
     return jax.lax.all_to_all(x_n, axis, split_axis=0, concat_axis=0, tiled=True)
 
 
+def ragged_all_to_all(x, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis: str):
+    """`out` with the rows other shards of `axis` send here written in, each shard sending
+    shard j the rows x[input_offsets[j]:][:send_sizes[j]], to land at output_offsets[j]
+    there; recv_sizes[i]: rows that arrive from shard i (`jax.lax.ragged_all_to_all`: the
+    expert dispatch sending only routed rows). XLA:CPU does not implement it."""
+    return jax.lax.ragged_all_to_all(
+        x, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis
+    )
+
+
 def axis_size(axis: str | None) -> int:
     """Shards along `axis`; 1 on the unsharded path."""
     return 1 if axis is None else jax.lax.axis_size(axis)

@@ -11,8 +11,10 @@ import yaml
 from distill.config.load import config_from_dict, load_config
 from distill.errors import DistillError
 from distill.mesh import teacher_mesh
+from distill.models import dispatch
 from pipelines import plan
 from pipelines.commands.cli import main
+from pipelines.plan import flops as plan_flops
 from pipelines.plan import memory as plan_memory
 from pipelines.plan.memory import check_fits
 from tests.conftest import tiny_config
@@ -119,8 +121,8 @@ def _moe_config(capacity_factor=None):
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_all_to_all_bytes_are_the_compiled_programs(capacity_factor):
     """The plan's all-to-all bytes per step equal the all-to-alls of the compiled teacher
-    forward (one layer's, in one microbatch's body): their buffers' bytes x 2 microbatches
-    x 3 MoE layers x 2 devices."""
+    forward on CPU (one layer's, in one microbatch's body; dropless, one round of the
+    dispatch): their buffers' bytes x 2 microbatches x 3 MoE layers x 2 devices."""
     cfg = _moe_config(capacity_factor)
     mesh = teacher_mesh(jax.devices()[:2], 1, 1, 2)
     compiled, _ = plan_memory._teacher(cfg, mesh, None)
@@ -134,10 +136,44 @@ def test_all_to_all_bytes_are_the_compiled_programs(capacity_factor):
         for call in calls
         for dt, dims in re.findall(r"(\w+)\[([\d,]+)\]", call)
     )
-    slots = 64 if capacity_factor is None else 32  # 32 tokens x 2; 2 experts x 16
+    # dropless on CPU: a round's [2, C] buffer, C = ceil(1.125 x 32 tokens x 2 / 2) = 36;
+    # capacity: 2 experts x 16 slots for each of the 2 devices
+    slots = 2 * 36 if capacity_factor is None else 2 * 32
     ids = 4 if capacity_factor is None else 0
-    assert per_body == 2 * slots * (2 * 32 * 4 + ids)
+    assert per_body == slots * (2 * 32 * 4 + ids)
     assert plan.all_to_all_bytes_per_step(cfg) == per_body * 2 * 3 * 2
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_shipped_moe_all_to_all_is_the_routed_rows(platform):
+    """The shipped 30B-A3B layout (ep=4, 48 MoE layers, 4,096-token microbatches): the
+    dropless all-to-alls carry the routed rows' bytes (GPU's ragged all-to-all; their int32
+    expert ids aside) or at most 1.2x them (CPU's rounds, one round when balanced), not
+    ep = 4 times them; and the plan's kernel line names the transport."""
+    cfg = load_config("pipelines/qwen3-30b-a3b-to-1.7b.yaml")
+    cfg.resolve_dtypes(platform)
+    routed = 32 * 4096 * 8 * 48 * 2 * 2048 * (2 if platform == "gpu" else 4)
+    assert plan.routed_bytes_per_step(cfg) == routed
+    ratio = plan.all_to_all_bytes_per_step(cfg, platform) / routed
+    assert 1.0 <= ratio <= (1.002 if platform == "gpu" else 1.2), ratio
+    assert dispatch.kind(platform) == ("ragged" if platform == "gpu" else "rounds")
+
+
+def test_plan_names_the_moe_dispatch():
+    """The compiled-matmuls line names how tokens reach their experts: CPU's `rounds` at
+    ep > 1, the capacity path's dense all-to-all, nothing at ep = 1 or for a dense student."""
+    cfg, capacity, one = _moe_config(), _moe_config(1.0), _moe_config()
+    one.mesh.teacher.ep = 1
+    assert plan_flops.moe_dispatch(cfg, "teacher") == "rounds"  # CPU devices here
+    assert plan_flops.moe_dispatch(capacity, "teacher") == "all_to_all"
+    assert plan_flops.moe_dispatch(one, "teacher") is None
+    assert plan_flops.moe_dispatch(cfg, "student") is None
+    role = {"compiled_flops_per_token": 1e6, "forward_flops_per_token": 1e6}
+    teacher = {**role, "moe_kernel": "tiled", "moe_dispatch": "rounds"}
+    line = plan_flops.format_flops(
+        {"teacher": teacher, "student": {**role, "train_flops_per_token": 1}}
+    )
+    assert "(model 1.0, MoE kernel tiled, dispatch rounds)" in line
 
 
 def test_moe_teacher_figures():

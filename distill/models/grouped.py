@@ -95,14 +95,20 @@ def expert_rows(x_nd, src_r, expert_r, gate_efd, up_efd, down_edf, act, kernel_n
         return jnp.zeros_like(y).at[order].set(y)
     if kernel_name not in KERNELS:
         raise ValueError(f"unknown MoE kernel {kernel_name!r}; expected one of {KERNELS}")
+    x, src, pos, tile_e = _tiled_input(x_nd, src_r, expert_r, n_experts)
+    y = tiled_swiglu(act)(x, tile_e, gate_efd, up_efd, down_edf).reshape(src.shape[0], -1)
+    return y.at[pos].get(mode="fill", fill_value=0)
+
+
+def _tiled_input(x_nd, src_r, expert_r, n_experts: int):
+    """The tiled kernel's input: (x [tiles, m, D], each tile row's source row in x_nd
+    [tiles * m] (N where empty), each row's place in the tiles [R], each tile's expert)."""
     rows = expert_r.shape[0]
     m = tile_rows(rows, n_experts)
     tiles = n_tiles(rows, n_experts, m)
     pos, tile_e = _tile_layout(expert_r, n_experts, m, tiles)
     src = jnp.full((tiles * m,), x_nd.shape[0], jnp.int32).at[pos].set(src_r, mode="drop")
-    x = x_nd.at[src].get(mode="fill", fill_value=0).reshape(tiles, m, -1)
-    y = tiled_swiglu(act)(x, tile_e, gate_efd, up_efd, down_edf).reshape(tiles * m, -1)
-    return y.at[pos].get(mode="fill", fill_value=0)
+    return x_nd.at[src].get(mode="fill", fill_value=0).reshape(tiles, m, -1), src, pos, tile_e
 
 
 def _tile_layout(expert_r, n_experts: int, m: int, tiles: int):
@@ -142,63 +148,98 @@ def _add_at(acc, e, v):
     return jax.lax.dynamic_update_index_in_dim(acc, cur + v.astype(acc.dtype), e, 0)
 
 
+def _tile_scan(tile, x, tile_e, weights):
+    """`tile(x_t, e, *weights)` over the tiles of x [tiles, m, D] (`jax.lax.scan`), zeros
+    for a tile of expert E (past the routed rows: `jax.lax.cond` skips its matmuls)."""
+    vma = frozenset().union(*(varying(a) for a in (x, tile_e, *weights)))
+    out = jax.eval_shape(tile, x[0], tile_e[0], *weights)
+    skip = jax.tree.map(lambda o: vary(jnp.zeros(o.shape, o.dtype), vma), out)
+
+    def body(_, xe):
+        used = xe[1] < weights[0].shape[0]
+        return None, jax.lax.cond(used, lambda: tile(*xe, *weights), lambda: skip)
+
+    return jax.lax.scan(body, None, (x, tile_e))[1]
+
+
+def _gate_up(x, e, gate, up):
+    return x @ _take(gate, e, x.dtype), x @ _take(up, e, x.dtype)
+
+
+def _tiles_grads(act, x, tile_e, weights, g, u, dy, acc):
+    """The tiled backward: (dx [tiles, m, D], acc + the weights' gradients), from each
+    tile's input x, gate and up activations g, u and output cotangent dy; `acc` float32
+    like the weights, each tile's gradients added into its expert's slot in place."""
+    gate, up, down = weights
+
+    def step(acc, xs):
+        x_t, e, g_t, u_t, dy_t = xs
+        a, act_vjp = jax.vjp(act, g_t)
+        dh = dy_t @ _take(down, e, dy_t.dtype).T
+        (dg,) = act_vjp(dh * u_t)
+        du = dh * a
+        d_gate = _add_at(acc[0], e, x_t.T @ dg)
+        d_up = _add_at(acc[1], e, x_t.T @ du)
+        d_down = _add_at(acc[2], e, (a * u_t).T @ dy_t)
+        dx = dg @ _take(gate, e, dg.dtype).T + du @ _take(up, e, du.dtype).T
+        return (d_gate, d_up, d_down), dx
+
+    vma = frozenset().union(*(varying(a) for a in (x, tile_e, dy, *weights)))
+    none = vary(jnp.zeros(x.shape[1:], x.dtype), vma)
+
+    def body(acc, xs):
+        used = xs[1] < gate.shape[0]
+        return jax.lax.cond(used, lambda: step(acc, xs), lambda: (acc, none))
+
+    acc, dx = jax.lax.scan(body, acc, (x, tile_e, g, u, dy))
+    return dx, acc
+
+
 def tiled_swiglu(act):
     """f(x [tiles, m, D], tile_e [tiles], gate, up, down) -> [tiles, m, D]: each tile
     through its expert's SwiGLU (activation `act`), with the tiled backward. A tile of
     expert E (past the routed rows) is skipped (`jax.lax.cond`): zeros, no matmul."""
 
     def tile(x, e, gate, up, down):
-        g, u = x @ _take(gate, e, x.dtype), x @ _take(up, e, x.dtype)
+        g, u = _gate_up(x, e, gate, up)
         return (act(g) * u) @ _take(down, e, x.dtype), (g, u)
-
-    def tiles(x, tile_e, gate, up, down):
-        vma = frozenset().union(*(varying(a) for a in (x, tile_e, gate, up, down)))
-        out = jax.eval_shape(tile, x[0], tile_e[0], gate, up, down)
-        skip = jax.tree.map(lambda o: vary(jnp.zeros(o.shape, o.dtype), vma), out)
-
-        def body(_, xe):
-            used = xe[1] < gate.shape[0]
-            return None, jax.lax.cond(used, lambda: tile(*xe, gate, up, down), lambda: skip)
-
-        return jax.lax.scan(body, None, (x, tile_e))[1]
 
     @jax.custom_vjp
     def f(x, tile_e, gate, up, down):
-        return tiles(x, tile_e, gate, up, down)[0]  # the unused (g, u) outputs are dropped
+        return _tile_scan(tile, x, tile_e, (gate, up, down))[0]  # (g, u) unused, dropped
 
     def fwd(x, tile_e, gate, up, down):
-        y, gu = tiles(x, tile_e, gate, up, down)
+        y, gu = _tile_scan(tile, x, tile_e, (gate, up, down))
         return y, (x, tile_e, gate, up, down, gu)
 
     def bwd(res, dy):
         x, tile_e, gate, up, down, (g, u) = res
-
-        def step(acc, xs):
-            x_t, e, g_t, u_t, dy_t = xs
-            a, act_vjp = jax.vjp(act, g_t)
-            dh = dy_t @ _take(down, e, dy_t.dtype).T
-            (dg,) = act_vjp(dh * u_t)
-            du = dh * a
-            d_gate = _add_at(acc[0], e, x_t.T @ dg)
-            d_up = _add_at(acc[1], e, x_t.T @ du)
-            d_down = _add_at(acc[2], e, (a * u_t).T @ dy_t)
-            dx = dg @ _take(gate, e, dg.dtype).T + du @ _take(up, e, du.dtype).T
-            return (d_gate, d_up, d_down), dx
-
         weights = (gate, up, down)
         vma = frozenset().union(*(varying(a) for a in (x, tile_e, dy, *weights)))
         zeros = tuple(vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
-        none = vary(jnp.zeros(x.shape[1:], x.dtype), vma)
-
-        def body(acc, xs):
-            used = xs[1] < gate.shape[0]
-            return jax.lax.cond(used, lambda: step(acc, xs), lambda: (acc, none))
-
-        grads, dx = jax.lax.scan(body, zeros, (x, tile_e, g, u, dy))
+        dx, grads = _tiles_grads(act, x, tile_e, weights, g, u, dy, zeros)
         return (dx, None, *(cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
 
     f.defvjp(fwd, bwd)
     return f
+
+
+def expert_rows_grads(x_nd, src_r, expert_r, weights, dy_rd, acc, act, kernel_name: str):
+    """The transpose of `expert_rows` at its output cotangent dy [R, D]: (dx [N, D], acc +
+    the weights' gradients), `acc` float32 like the weights (gate, up, down) and varying
+    as the rows do: no sum over mesh axes here. The tiled kernel recomputes gate and up
+    (not down) and adds each tile's gradients into `acc` in place (an accumulator over
+    calls, such as the dispatch's rounds, holds one copy of the gradients)."""
+    if kernel_name != "tiled":
+        fn = lambda x, *w: expert_rows(x, src_r, expert_r, *w, act, kernel_name)  # noqa: E731
+        dx, *dw = jax.vjp(fn, x_nd, *weights)[1](dy_rd)
+        return dx, tuple(a + g.astype(a.dtype) for a, g in zip(acc, dw, strict=True))
+    x, src, pos, tile_e = _tiled_input(x_nd, src_r, expert_r, weights[0].shape[0])
+    dy = jnp.zeros((src.shape[0], dy_rd.shape[1]), dy_rd.dtype).at[pos].set(dy_rd, mode="drop")
+    g, u = _tile_scan(_gate_up, x, tile_e, weights[:2])
+    dx, acc = _tiles_grads(act, x, tile_e, weights, g, u, dy.reshape(x.shape), acc)
+    dx = jnp.zeros_like(x_nd).at[src].add(dx.reshape(src.shape[0], -1), mode="drop")
+    return dx, acc
 
 
 def batched_swiglu(x_ecd, gate_efd, up_efd, down_edf, act):

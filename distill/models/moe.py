@@ -12,16 +12,13 @@ grouped matmul (`distill.models.grouped.expert_rows`: `ragged_dot` on TPU, the e
 probabilities.
 
 Dispatch over `ep`, inside `jax.shard_map` on one device holding its T tokens (its rows,
-replicated over `tp`) and E / ep experts (each expert's hidden columns split over `tp`):
-
-1. the assignments are sorted by expert (within an expert by falling router probability)
-   and written into a send buffer [ep, C, D]: row j holds what goes to the device of
-   experts j * E/ep ...; C = T * min(k, E/ep) slots per device, enough for every
-   assignment (dropless);
-2. one all-to-all over `ep` (`distill.collectives.all_to_all`) delivers each device the
-   tokens of its experts, with their local expert ids, and the grouped matmul runs them;
-3. a second all-to-all returns each result to the slot it came from, and each token sums
-   its k results weighted by its router probabilities.
+replicated over `tp`) and E / ep experts (each expert's hidden columns split over `tp`),
+dropless: the assignments are sorted by expert (so by device), and
+`distill.models.dispatch` sends each to its expert's device, through the grouped matmul
+there and back, with buffers sized from the load (a ragged all-to-all on GPU and TPU;
+on CPU dense all-to-alls of [ep, C, D] blocks, C a little over the balanced share, in
+as many rounds as the load needs); each token sums its k results weighted by its router
+probabilities.
 
 A shared expert (Qwen2-MoE's, `ModelConfig.d_ff_shared`) runs every token of the device
 through one more SwiGLU (its hidden columns split over `tp` as a dense MLP's, replicated
@@ -50,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
-from distill.models import grouped
+from distill.models import dispatch, grouped
 from distill.models.topk import top_k
 
 EXPERTS = ("we_gate", "we_up", "we_down")  # [E, ...]: split over the expert axis
@@ -105,32 +102,25 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float | None) -> int |
     return max(1, math.ceil(factor * tokens * k / n_experts))
 
 
-def dispatch_slots(tokens: int, k: int, n_experts: int, ep: int, factor: float | None) -> int:
-    """Slots C of each block of a device's dispatch buffer [ep, C, D] for its `tokens`
-    tokens: room for every assignment to one device's E / ep experts (dropless), or with a
-    capacity factor the capacity of each of them (its slots at fixed places)."""
-    n_local = n_experts // ep
-    cap = capacity(tokens, k, n_experts, factor)
-    return tokens * min(k, n_local) if cap is None else n_local * cap
+def capacity_slots(tokens: int, k: int, n_experts: int, ep: int, factor: float) -> int:
+    """Slots C of each block of a device's capacity buffer [ep, C, D] for its `tokens`
+    tokens: the capacity of each of one device's E / ep experts, at fixed places."""
+    return n_experts // ep * capacity(tokens, k, n_experts, factor)
 
 
-def _slots(ids_a, weights_a, n_local: int, n_shards: int, cap: int | None, slots: int):
-    """Where each assignment goes: (sort order, destination device, slot there, kept), the
-    assignments sorted by expert and, within one, by falling probability. Dropless, an
-    expert's slots follow the device's previous expert's; with a capacity each local expert
-    owns `cap` slots from local expert * cap (its [C, D] block of the device's buffer)."""
+def _slots(ids_a, weights_a, n_local: int, n_shards: int, cap: int, slots: int):
+    """Where each assignment goes with a capacity: (sort order, destination device, slot
+    there, kept), the assignments sorted by expert and, within one, by falling probability;
+    each local expert owns `cap` slots from local expert * cap (its [C, D] block of the
+    device's buffer), `slots` (past the end) for the dropped."""
     n_experts = n_local * n_shards
     order = jnp.lexsort((-weights_a, ids_a))  # the last key is the primary one
     sid = ids_a[order]
     counts = jnp.bincount(sid, length=n_experts)
     first = jnp.cumsum(counts) - counts  # each expert's first sorted position
     pos = jnp.arange(sid.shape[0]) - first[sid]
-    dest = sid // n_local
-    if cap is not None:
-        keep = pos < cap
-        return order, dest, jnp.where(keep, sid % n_local * cap + pos, slots), keep
-    rank = pos + first[sid] - first[dest * n_local]  # assignments before it, same device
-    return order, dest, rank, jnp.ones_like(sid, bool)
+    keep = pos < cap
+    return order, sid // n_local, jnp.where(keep, sid % n_local * cap + pos, slots), keep
 
 
 def moe_ffn(
@@ -179,25 +169,20 @@ def _shared(h_td, p: dict, act) -> jax.Array:
 
 
 def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, act, kernel):
-    """Dropless over `ep_axis`: each assignment to its expert's device in a [ep, C, D]
-    buffer, through the grouped matmul there and back; float32 [T, D] (partial over tp)."""
-    (t, d), k = h.shape, ids.shape[1]
+    """Dropless over `ep_axis`: each assignment, sorted by expert (so by device), to its
+    expert's device and back (`distill.models.dispatch`, buffers sized from the load);
+    float32 [T, D] (partial over tp)."""
+    (t, _), k = h.shape, ids.shape[1]
     n_local = experts[0].shape[0]
-    ids_a, weights_a = ids.reshape(-1), weights.reshape(-1)
-    slots = dispatch_slots(t, k, n_local * n_shards, n_shards, None)
-    order, dest, slot, _ = _slots(ids_a, weights_a, n_local, n_shards, None, slots)
-    token = order // k
-    send = jnp.zeros((n_shards, slots, d), h.dtype).at[dest, slot].set(h[token], mode="drop")
-    local = jnp.full((n_shards, slots), n_local, jnp.int32)
-    local = local.at[dest, slot].set(ids_a[order] % n_local, mode="drop")
-    recv, recv_e = cc.all_to_all(send, ep_axis), cc.all_to_all(local, ep_axis)
-    flat, kernel = recv.reshape(-1, d), kernel or grouped.kernel()
-    y = grouped.expert_rows(
-        flat, jnp.arange(flat.shape[0]), recv_e.reshape(-1), *experts, act, kernel
-    )
-    back = cc.all_to_all(y.reshape(n_shards, slots, d), ep_axis)
-    got = back[dest, slot]  # [A, D], sorted order
-    out = got.astype(jnp.float32) * weights_a[order][:, None]
+    ids_a = ids.reshape(-1)
+    order = jnp.argsort(ids_a, stable=True)
+    sid, token = ids_a[order], order // k
+    count = jnp.bincount(sid // n_local, length=n_shards)
+    y = dispatch.expert_outputs(
+        h, token, sid % n_local, count, experts, axis=ep_axis, act=act,
+        kernel=kernel or grouped.kernel(), slots=dispatch.pair_slots(t, k, n_shards),
+    )  # fmt: skip
+    out = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(out, token, num_segments=t), jnp.zeros_like(ids[0, 0])
 
 

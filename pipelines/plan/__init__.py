@@ -18,7 +18,7 @@ from distill.mesh import (
     student_size,
     teacher_size,
 )
-from distill.models import model, moe
+from distill.models import dispatch, model, moe
 from student import optim, sharding, train
 from teacher import pipeline
 from teacher.forward import microbatch_rows
@@ -164,22 +164,29 @@ def expert_params(cfg: Config) -> int:
     return sum(math.prod(x.shape) for name, x in layers.items() if name.startswith("we_"))
 
 
-def all_to_all_bytes_per_step(cfg: Config) -> int:
+def all_to_all_bytes_per_step(cfg: Config, platform: str | None = None) -> int:
     """Bytes through the expert dispatch's all-to-alls in one step, over every device of
-    the inference mesh: per MoE layer and microbatch, each device's send buffer [ep, C, D]
-    and the results back, in the teacher's dtype, and dropless the slots' expert ids [ep,
-    C] int32 (`distill.models.moe.moe_ffn`; (ep - 1) / ep of it leaves the device)."""
+    the inference mesh: per MoE layer and microbatch, each device's rows there and their
+    results back in the teacher's dtype, and dropless their int32 local expert ids. Dropless
+    (`distill.models.dispatch`, its transport chosen for `platform`, default attention's):
+    `ragged`, the routed rows alone; `rounds` (CPU), the [ep, C] buffer of one round,
+    SLACK times the rows when the load is balanced (a skewed load takes more rounds). With
+    a capacity factor each device's buffer [ep, E/ep * C] (`moe.capacity_slots`)."""
     m, t = cfg.teacher.model, cfg.mesh.teacher
     if not m.n_experts or t.ep == 1:  # ep = 1: no dispatch buffer (`moe.moe_ffn`)
         return 0
     rows = cfg.train.batch_size // (t.dp * t.ep)  # each device's rows (replicated over tp)
     size = microbatch_rows(rows, cfg.teacher.microbatch)
-    slots = moe.dispatch_slots(
-        size * cfg.train.seq_len, m.experts_per_token, m.n_experts, t.ep,
+    tokens, k, factor = (
+        size * cfg.train.seq_len,
+        m.experts_per_token,
         cfg.teacher.moe_capacity_factor,
-    )  # fmt: skip
-    ids = 4 if cfg.teacher.moe_capacity_factor is None else 0  # capacity: slots at fixed places
-    per_call = t.ep * slots * (2 * m.d_model * _dtype_bytes(cfg) + ids)
+    )
+    if factor is None:
+        sent, ids = dispatch.rows_per_call(tokens, k, t.ep, dispatch.kind(platform)), 4
+    else:  # capacity: the slots at fixed places, no ids
+        sent, ids = t.ep * moe.capacity_slots(tokens, k, m.n_experts, t.ep, factor), 0
+    per_call = sent * (2 * m.d_model * _dtype_bytes(cfg) + ids)
     return per_call * (rows // size) * sum(m.moe_layers()) * t.dp * t.ep * t.tp
 
 
@@ -187,6 +194,15 @@ def layer_params(cfg: Config) -> int:
     """The teacher's stacked layers' parameters (all but the embedding, final norm, head)."""
     layers = model.abstract_params(cfg.teacher.model)["layers"]
     return sum(math.prod(x.shape) for x in layers.values())
+
+
+def routed_bytes_per_step(cfg: Config) -> int:
+    """The bytes of the routed rows themselves, there and back, over the inference mesh in
+    a step: every token's k assignments in each MoE layer on every device that holds the
+    token (its tp group): what the all-to-alls would carry with no padding at all."""
+    m, t = cfg.teacher.model, cfg.mesh.teacher
+    tokens = cfg.train.batch_size * cfg.train.seq_len * m.experts_per_token * t.tp
+    return tokens * sum(m.moe_layers()) * 2 * m.d_model * _dtype_bytes(cfg)
 
 
 def teacher_figures(cfg: Config) -> dict:
@@ -209,6 +225,7 @@ def teacher_figures(cfg: Config) -> dict:
             active_params=model.active_param_count(tcfg),
             expert_bytes_per_device=expert_bytes,
             all_to_all_bytes_per_step=all_to_all_bytes_per_step(cfg),
+            routed_bytes_per_step=routed_bytes_per_step(cfg) if t.ep > 1 else 0,
         )
     if t.pp > 1:
         rows = cfg.train.batch_size // (t.dp * t.ep)
@@ -298,7 +315,8 @@ def format_plan(p: dict) -> str:
     micro = f" in {p['grad_accum']} microbatches" if p["grad_accum"] > 1 else ""
     experts = (
         f" ({t['active_params'] / 1e6:.2f}M active; experts {mb(t['expert_bytes_per_device'])}"
-        f"/device, all-to-all {mb(t['all_to_all_bytes_per_step'])}/step)"
+        f"/device, all-to-all {mb(t['all_to_all_bytes_per_step'])}/step for "
+        f"{mb(t['routed_bytes_per_step'])} of routed rows)"
         if "active_params" in t
         else ""
     )

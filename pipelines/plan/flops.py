@@ -12,10 +12,11 @@ matmul's padded tiles, or a matmul over every expert where a grouped matmul was 
 A mixture of experts also names its grouped-matmul kernel (`distill.models.grouped`):
 `ragged_dot` on TPU, `mosaic_gpu` (Pallas Mosaic GPU) on Hopper GPUs where its dtype
 and block widths allow, `tiled` (exact pure XLA) elsewhere, `batched` for the teacher's
-capacity path. The tiled kernel skips at run time the tiles no routed row reaches, but a
-compiled program holds the worst case: at ep > 1 the dropless buffer's every slot
-(T * min(k, E/ep) per device, `ep` times the assignments when balanced), so the compiled
-figure there is an upper bound on the work.
+capacity path; and where it dispatches tokens over devices (ep > 1, a student's experts
+split over fsdp) the transport (`distill.models.dispatch`): `ragged` on GPU and TPU,
+`rounds` on CPU. The tiled kernel skips at run time the tiles no routed row reaches, but a
+compiled program holds the worst case of its buffer: at ep > 1 one round's receive buffer
+(SLACK = 1.125 times a device's share of a balanced load), the round loop counted once.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import logging
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import Config
 from distill.errors import DistillError
-from distill.models import grouped, grouped_mosaic, model
+from distill.models import dispatch, grouped, grouped_mosaic, model
+from student.sharding import experts_split
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +49,36 @@ def moe_kernel(cfg: Config, role: str) -> str | None:
     return name
 
 
+def moe_dispatch(cfg: Config, role: str) -> str | None:
+    """How `role`'s MoE layers send tokens to the devices of their experts: the dropless
+    transport (`distill.models.dispatch.kind`: `ragged` on GPU and TPU, `rounds` on CPU),
+    `all_to_all` for the teacher's capacity buffers; None where nothing is dispatched
+    (ep = 1, a dense model, a student whose experts are gathered, not split)."""
+    if role == "teacher":
+        if not cfg.teacher.model.n_experts or cfg.mesh.teacher.ep == 1:
+            return None
+        return "all_to_all" if cfg.teacher.moe_capacity_factor is not None else dispatch.kind()
+    return dispatch.kind() if experts_split(cfg.student_model(), cfg.mesh.student.fsdp) else None
+
+
 def figures(compiled, mesh, cfg: Config, role: str) -> dict:
     """`compiled_flops_per_token` of `role`'s compiled program on `mesh`, and for a mixture
     of experts its `moe_kernel`."""
     tokens = cfg.train.batch_size * cfg.train.seq_len
     out = {"compiled_flops_per_token": compiled_dot_flops(compiled) * mesh.size / tokens}
-    kernel = moe_kernel(cfg, role)
-    return out if kernel is None else {**out, "moe_kernel": kernel}
+    kernel, sent = moe_kernel(cfg, role), moe_dispatch(cfg, role)
+    out = out if kernel is None else {**out, "moe_kernel": kernel}
+    return out if sent is None else {**out, "moe_dispatch": sent}
 
 
 def format_flops(p: dict) -> str:
     """One line: each role's compiled FLOPs per token beside its model figure."""
     t, s = p["teacher"], p["student"]
     mf = lambda x: f"{x / 1e6:.1f}"  # noqa: E731
-    kernel = lambda r: f", MoE kernel {r['moe_kernel']}" if "moe_kernel" in r else ""  # noqa: E731
+    kernel = lambda r: (  # noqa: E731
+        (f", MoE kernel {r['moe_kernel']}" if "moe_kernel" in r else "")
+        + (f", dispatch {r['moe_dispatch']}" if "moe_dispatch" in r else "")
+    )
     return (
         f"compiled matmuls (XLA, every loop counted): teacher forward "
         f"{mf(t['compiled_flops_per_token'])} MFLOP/token (model {mf(t['forward_flops_per_token'])}"
