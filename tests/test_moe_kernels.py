@@ -192,7 +192,8 @@ def test_the_30b_a3b_layer_compiles_to_its_active_flops(path):
 def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe(caplog):
     """The tiny MoE teacher at ep=1: its compiled forward's FLOPs per token (every layer and
     tile counted) near the model's, its kernel named; 127x is refused in one line naming
-    the field that asks to run it anyway, and with that field set it is a warning."""
+    the field that asks to run it anyway, and with that field set it is a warning. At ep=2
+    (the dispatch's round counted once) it stays within the bound."""
     from distill.errors import DistillError
     from distill.mesh import teacher_mesh
     from distill.models import model
@@ -216,3 +217,7 @@ def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe(caplog):
     with caplog.at_level(logging.WARNING, logger=plan_flops.__name__):
         plan_flops.check_moe(cfg, ungrouped)
     assert "the compiled MoE forward does 127.0x" in caplog.text
+    cfg.mesh.teacher.ep = 2  # the dispatch's one round, within the bound too
+    mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:2], 1, 1, 2), None)
+    assert mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
+    plan_flops.check_moe(cfg, mem)
