@@ -106,16 +106,21 @@ def _children(pid: int) -> list[int]:
 
 
 def measure(cmd: list[str], cap: int, until: str | None = None) -> dict:
-    """Run `cmd`, sampling its RSS; the peak, the RSS at each printed line, the exit code.
-    With `until`, the child is killed (SIGKILL: no stop handling, whose final checkpoint
-    would count) once it prints a line holding that text."""
+    """Run `cmd`, sampling its RSS; the peak (and the last line printed before it, so the
+    phase holding it is named), the RSS at each printed line, the exit code. With `until`,
+    the child is killed (SIGKILL: no stop handling, whose final checkpoint would count)
+    once it prints a line holding that text."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak, lines, start = [0], [], time.time()
+    peak, lines, start = {"rss": 0, "after": ""}, [""], time.time()
+
+    def seen(rss: int) -> None:
+        if rss > peak["rss"]:
+            peak.update(rss=rss, after=lines[-1][:100])
 
     def sample() -> None:
         while proc.poll() is None:
             now = rss_bytes(proc.pid)
-            peak[0] = max(peak[0], now)
+            seen(now)
             if now > cap:
                 proc.kill()
             time.sleep(0.05)
@@ -123,14 +128,15 @@ def measure(cmd: list[str], cap: int, until: str | None = None) -> dict:
     threading.Thread(target=sample, daemon=True).start()
     for line in proc.stdout:
         rss = rss_bytes(proc.pid)
-        peak[0] = max(peak[0], rss)
-        lines.append(f"{time.time() - start:7.1f}s {rss / 1e9:6.2f} GB  {line.rstrip()[:150]}")
-        print(lines[-1], flush=True)
+        seen(rss)
+        lines.append(line.rstrip())
+        print(f"{time.time() - start:7.1f}s {rss / 1e9:6.2f} GB  {line.rstrip()[:150]}", flush=True)
         if until and until in line:
             proc.kill()
             break
     rc = proc.wait()
-    return {"rc": rc, "peak_rss_gb": round(peak[0] / 1e9, 2), "seconds": round(time.time() - start)}
+    out = {"rc": rc, "peak_rss_gb": round(peak["rss"] / 1e9, 2), "peak_after": peak["after"]}
+    return {**out, "seconds": round(time.time() - start)}
 
 
 def load_only(sets: list[str]) -> None:
