@@ -103,24 +103,24 @@ def _kept_from_checkpoint(path: str, mcfg, layers: list[int], shardings) -> dict
     tensor restored straight into its placement, each stacked layer tensor restored alone
     on the host, its kept layers placed and the rest dropped before the next."""
     host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    where = lambda *keys: host if shardings is None else _at(shardings, keys)  # noqa: E731
+    abstract = model.abstract_params(mcfg)
 
-    def one(*keys, sharding) -> np.ndarray | jax.Array:
-        leaf = _at(model.abstract_params(mcfg), keys)
-        part = jax.ShapeDtypeStruct(leaf.shape, jnp.float32, sharding=sharding)
+    def one(*keys: str, placed=None) -> jax.Array:
+        """The stored tensor at `keys`, alone, in float32 on `placed` (None: where the
+        student's parameter goes)."""
+        where = placed or (host if shardings is None else _at(shardings, keys))
+        part = jax.ShapeDtypeStruct(_at(abstract, keys).shape, jnp.float32, sharding=where)
         for k in reversed(keys):
             part = {k: part}
         return _at(load_param_part(path, part), keys)
 
-    params: dict = {"layers": {}}
-    for key in model.abstract_params(mcfg):
-        if key != "layers":
-            params[key] = one(key, sharding=where(key))
-    for key in model.abstract_params(mcfg)["layers"]:
-        stacked = one("layers", key, sharding=host)
-        kept = np.asarray(stacked)[np.asarray(layers)]
-        del stacked
-        params["layers"][key] = jax.device_put(kept, where("layers", key))
+    params: dict = {key: one(key) for key in abstract if key != "layers"}
+    params["layers"] = {}
+    for key in abstract["layers"]:
+        kept = np.asarray(one("layers", key, placed=host))[np.asarray(layers)]
+        where = host if shardings is None else shardings["layers"][key]
+        params["layers"][key] = jax.device_put(kept, where)
+        del kept
     return params
 
 
