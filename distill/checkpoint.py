@@ -237,6 +237,19 @@ def load_params(path: str, abstract_params: Any) -> Any:
         return ckpt.restore(_path(path), abstract_params)
 
 
+def load_param_part(path: str, abstract_part: Any) -> Any:
+    """Read only the leaves of `abstract_part`, a subtree of the stored parameter pytree (the
+    same keys, fewer of them), into its shardings and dtypes: one tensor at a time, so the
+    host never holds the whole tree."""
+    args = ocp.args.PyTreeRestore(
+        item=abstract_part,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_part),
+        partial_restore=True,
+    )
+    with ocp.PyTreeCheckpointer() as ckpt:
+        return ckpt.restore(_path(path), args=args)
+
+
 def params_exist(path: str | None) -> bool:
     return bool(path) and _path(path).exists() and any(_path(path).iterdir())
 

@@ -42,13 +42,14 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
     cross = cross_spec(cfg, corpus)
     tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit, cross=cross)
     ckpt = run_checkpointer(cfg)
+    placed = train.param_shardings(cfg.student_model(), mesh)  # its weights read straight there
     history = None
     if cfg.distill.on_policy.fraction > 0:
         abstract = train.abstract_state(cfg.student_model(), tx, mesh).params
         history = ParamHistory(cfg.pipeline.max_staleness, abstract)
     return LocalExecutor(
         mesh,
-        lambda: start_student(cfg, tx, mesh, ckpt, lambda: student_init_params(cfg)),
+        lambda: start_student(cfg, tx, mesh, ckpt, lambda: student_init_params(cfg, placed)),
         step_fn,
         ckpt=ckpt,
         evaluator=StudentEval(cfg, mesh, limit, eval_byte_lengths(cfg, corpus)),

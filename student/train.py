@@ -108,13 +108,14 @@ def _no_skips_program(mesh):
 def init_state(
     cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh, params: dict | None = None
 ) -> TrainState:
-    """Initialise parameters (or take `params`, host arrays of `cfg`'s shapes, e.g. from the
-    teacher) and the optimizer state directly in their placement on `mesh`
-    (`state_shardings`): no device ever holds more than its share."""
+    """Initialise parameters (or take `params` of `cfg`'s shapes, e.g. from the teacher:
+    arrays already in their placement, as `teacher.weights.student_init_params` makes them
+    given `param_shardings`, or host arrays) and the optimizer state directly in their
+    placement on `mesh` (`state_shardings`): no device ever holds more than its share."""
     if params is not None:
         expected = model.abstract_params(cfg)
-        placed = state_shardings(cfg, tx, mesh).params
-        params = jax.device_put(jax.tree.map(_host_param, expected, params), placed)
+        placed = param_shardings(cfg, mesh)
+        params = jax.device_put(jax.tree.map(_given_param, expected, params), placed)
     return programs.cached(_init_program, cfg, tx, seed, mesh, params is None)(params)
 
 
@@ -128,11 +129,22 @@ def _init_program(cfg: ModelConfig, tx, seed: int, mesh, fresh: bool):
     return jax.jit(init, out_shardings=state_shardings(cfg, tx, mesh), donate_argnums=donate)
 
 
-def _host_param(expected: jax.ShapeDtypeStruct, given) -> np.ndarray:
-    given = np.asarray(given, np.float32)
+def _given_param(expected: jax.ShapeDtypeStruct, given) -> jax.Array | np.ndarray:
+    """A given parameter in float32: a placed array as it is (a device_put to its own
+    sharding is no copy), a host one converted."""
+    if isinstance(given, jax.Array):
+        given = given if given.dtype == jnp.float32 else given.astype(jnp.float32)
+    else:
+        given = np.asarray(given, np.float32)
     if given.shape != tuple(expected.shape):
         raise ValueError(f"initial parameter of shape {given.shape}, expected {expected.shape}")
     return given
+
+
+def param_shardings(cfg: ModelConfig, mesh) -> dict:
+    """NamedShardings of the student's parameters on `mesh` (those of `state_shardings`),
+    where its starting weights are read straight into."""
+    return sharding.named(mesh, sharding.param_specs(cfg, sharding.fsdp_size(mesh)))
 
 
 def state_shapes(cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:

@@ -24,6 +24,7 @@ the same slice get the same host array (`_once_per_index`): read once, copied dp
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for safetensors' numpy reader)
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
@@ -91,29 +92,84 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
     return params
 
 
-def read_hf_layers(path: str | Path, cfg: ModelConfig, layers: list[int]) -> dict:
-    """Host float32 parameters in distill's layout of the model made of the checkpoint's
-    embeddings, final norm, head and `layers` (in that order): depth pruning for
-    `student.init: from_teacher`. Only the tensors kept are read."""
+def read_hf_layers(
+    path: str | Path, cfg: ModelConfig, layers: list[int], shardings=None, *, dtype=np.float32
+) -> dict:
+    """Parameters in distill's layout of the model made of the checkpoint's embeddings,
+    final norm, head and `layers` (in that order), in `dtype`: depth pruning for
+    `student.init: from_teacher` (every layer: a pretrained student). Only the tensors kept
+    are read, each straight into its placement: `shardings` (a tree like the kept model's
+    parameters, e.g. the student's on its mesh; None: the host's CPU device).
+
+    Each parameter is made one device at a time (`_placed`): that device's slice of each
+    kept layer read from the memory-mapped file, converted to `dtype` into one array,
+    placed, and dropped before the next device's: beyond the arrays themselves the host
+    holds one device's slice of one parameter and one layer's stored slice, never a whole
+    tensor converted, nor the model (tests/test_host_copies.py)."""
     hf.check_checkpoint(path, cfg, 1)
-    slot = {layer: i for i, layer in enumerate(layers)}
     files, needed = hf.weight_files(path), hf.weight_names(cfg)
+    slot = {layer: i for i, layer in enumerate(layers)}
+    parts: dict[str, dict[tuple, tuple[str, str, bool]]] = {}  # key -> {(slot[, expert]): ...}
+    for name, (key, layer, transposed) in needed.items():
+        i, expert = layer if isinstance(layer, tuple) else (layer, None)
+        if layer is not None and i not in slot:
+            continue
+        at = () if layer is None else (slot[i],) if expert is None else (slot[i], expert)
+        parts.setdefault(key, {})[at] = (files[name], name, transposed)
+    host = SingleDeviceSharding(jax.devices("cpu")[0])
     params: dict = {"layers": {}}
-    for file in sorted(set(files[n] for n in needed)):
-        with safe_open(Path(path) / file, framework="numpy") as f:
-            for name, (key, layer, transposed) in needed.items():
-                i, expert = layer if isinstance(layer, tuple) else (layer, None)
-                if files[name] != file or (layer is not None and i not in slot):
-                    continue
-                x = np.asarray(f.get_tensor(name), np.float32)
-                x = x.T if transposed else x
-                if layer is None:
-                    params[key] = x
-                    continue
-                outer = (len(layers),) if expert is None else (len(layers), cfg.n_experts)
-                stacked = params["layers"].setdefault(key, np.zeros((*outer, *x.shape), np.float32))
-                stacked[(slot[i],) if expert is None else (slot[i], expert)] = x
+    for key, kept in parts.items():
+        lead = len(next(iter(kept)))  # 0: a top-level tensor; 1: a layer's; 2: an expert's
+        shape = hf.hf_shape(cfg, key)
+        shape = shape[::-1] if next(iter(kept.values()))[2] else shape
+        shape = (*(len(layers), cfg.n_experts)[:lead], *shape)
+        tree = params if lead == 0 else params["layers"]
+        where = (
+            host if shardings is None else (shardings if lead == 0 else shardings["layers"])[key]
+        )
+        tree[key] = _placed(shape, where, _kept_slices(Path(path), kept, shape, lead, dtype))
     return params
+
+
+def _placed(shape: tuple[int, ...], where, read: Callable[[Index], np.ndarray]) -> jax.Array:
+    """`jax.make_array_from_callback`, one device at a time: each distinct slice is read,
+    placed and dropped before the next is read (the callback API reads every device's slice
+    before placing any: a whole tensor on the host), and a device holding a slice already
+    placed (a replica) gets a device-to-device copy of it."""
+    arrays, placed = [], {}
+    for device, index in where.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)  # slices hash from 3.12 only
+        src = placed.get(key)
+        arrays.append(jax.device_put(read(index) if src is None else src, device))
+        placed.setdefault(key, arrays[-1])
+    return jax.make_array_from_single_device_arrays(shape, where, arrays)
+
+
+def _kept_slices(
+    root: Path, kept: dict[tuple, tuple[str, str, bool]], shape: tuple[int, ...], lead: int, dtype
+) -> Callable[[Index], np.ndarray]:
+    """index in distill's layout (`shape`: `lead` axes of slots, then [in, out]) -> that
+    slice of the parameter stacked from the `kept` tensors ({(slot[, expert]): (file, name,
+    transposed)}): each layer's slice read at the mirrored index of its stored [out, in]
+    tensor and written, converted, into the one output array. A slot without a tensor (the
+    dense feed-forward of a mixture-of-experts layer) stays zero."""
+    transposed = next(iter(kept.values()))[2]
+
+    def read(index: Index) -> np.ndarray:
+        ranges = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
+        out = np.zeros(tuple(map(len, ranges)), dtype)
+        inner = tuple(index[lead:])
+        stored = inner[::-1] if transposed else inner
+        for at in itertools.product(*(enumerate(r) for r in ranges[:lead])):
+            part = kept.get(tuple(i for _, i in at))
+            if part is None:
+                continue
+            with safe_open(root / part[0], framework="numpy") as f:
+                x = f.get_slice(part[1])[stored]  # only this slice's bytes are touched
+            out[tuple(j for j, _ in at)] = x.T if transposed else x
+        return out
+
+    return read
 
 
 def _stored_shape(cfg: ModelConfig, key: str, reps: int) -> tuple[int, ...]:

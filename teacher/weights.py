@@ -4,9 +4,9 @@
 `<output_dir>/teacher`) or a Hugging Face directory (`teacher.hf`). `load_teacher` reads it
 straight into the layout of the inference mesh (split over `tp`, replicated over `dp`:
 `teacher.sharding`); `random_teacher` makes random weights in that layout (benchmarks);
-`student_init_params` reads what a student starts from into host memory: a pretrained
-student's own Hugging Face checkpoint (`student.checkpoint`), or the layers a
-`student.init: from_teacher` student keeps.
+`student_init_params` reads what a student starts from straight into its placement, one
+tensor at a time: a pretrained student's own Hugging Face checkpoint (`student.checkpoint`),
+or the layers a `student.init: from_teacher` student keeps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distill.checkpoint import abstract_like, load_params
+from distill.checkpoint import abstract_like, load_param_part, load_params
 from distill.config import Config
 from distill.mesh import TP
 from distill.models import model
@@ -72,32 +72,59 @@ def random_teacher(cfg: Config, mesh) -> dict:
     return jax.jit(init, out_shardings=sharding.shardings(mcfg, mesh))()
 
 
-def student_init_params(cfg: Config) -> dict | None:
-    """Host float32 parameters the student starts from: a pretrained student's checkpoint
-    (`student.checkpoint`, read tensor by tensor); with `student.init: from_teacher` the
-    teacher's embeddings, final norm, head and the layers `cfg.init_layers()`; None: random.
+def student_init_params(cfg: Config, shardings=None) -> dict | None:
+    """Float32 parameters the student starts from, each made in its placement: `shardings`
+    (the student's parameter shardings on its mesh, a tree like its parameters; None: the
+    host's CPU device). A pretrained student's checkpoint (`student.checkpoint`); with
+    `student.init: from_teacher` the teacher's embeddings, final norm, head and the layers
+    `cfg.init_layers()`; None: random.
 
-    A Hugging Face teacher is read tensor by tensor, only the tensors the student keeps; a
-    distill checkpoint is read whole into host memory first."""
+    Only the tensors the student keeps are read, one at a time: a Hugging Face checkpoint
+    each device's slice at a time (`teacher.hf.read_hf_layers`), a distill checkpoint one
+    stored tensor at a time (the kept layers picked from its stacked layers, the rest
+    dropped before the next)."""
     if cfg.student.checkpoint is not None:
         from teacher.hf import read_hf_layers
 
         scfg = cfg.student_model()
-        return read_hf_layers(cfg.student.checkpoint, scfg, list(range(scfg.n_layers)))
+        return read_hf_layers(cfg.student.checkpoint, scfg, list(range(scfg.n_layers)), shardings)
     if cfg.student.init != "from_teacher":
         return None
     layers, mcfg = cfg.init_layers(), cfg.teacher.model
     if cfg.teacher.is_hf():
         from teacher.hf import read_hf_layers
 
-        return read_hf_layers(cfg.teacher.checkpoint, mcfg, layers)
+        return read_hf_layers(cfg.teacher.checkpoint, mcfg, layers, shardings)
+    return _kept_from_checkpoint(teacher_path(cfg), mcfg, layers, shardings)
+
+
+def _kept_from_checkpoint(path: str, mcfg, layers: list[int], shardings) -> dict:
+    """The student's starting parameters from a distill teacher checkpoint: each top-level
+    tensor restored straight into its placement, each stacked layer tensor restored alone
+    on the host, its kept layers placed and the rest dropped before the next."""
     host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=host),
-        model.abstract_params(mcfg),
-    )
-    params = jax.tree.map(
-        lambda x: np.asarray(x, np.float32), load_params(teacher_path(cfg), abstract)
-    )
-    params["layers"] = {k: v[np.asarray(layers)] for k, v in params["layers"].items()}
+    abstract = model.abstract_params(mcfg)
+
+    def one(*keys: str, placed=None) -> jax.Array:
+        """The stored tensor at `keys`, alone, in float32 on `placed` (None: where the
+        student's parameter goes)."""
+        where = placed or (host if shardings is None else _at(shardings, keys))
+        part = jax.ShapeDtypeStruct(_at(abstract, keys).shape, jnp.float32, sharding=where)
+        for k in reversed(keys):
+            part = {k: part}
+        return _at(load_param_part(path, part), keys)
+
+    params: dict = {key: one(key) for key in abstract if key != "layers"}
+    params["layers"] = {}
+    for key in abstract["layers"]:
+        kept = np.asarray(one("layers", key, placed=host))[np.asarray(layers)]
+        where = host if shardings is None else shardings["layers"][key]
+        params["layers"][key] = jax.device_put(kept, where)
+        del kept
     return params
+
+
+def _at(tree: dict, keys: tuple[str, ...]):
+    for k in keys:
+        tree = tree[k]
+    return tree

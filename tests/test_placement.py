@@ -148,6 +148,25 @@ def test_auto_is_deterministic_for_a_table():
     assert [choose(rows, SPLIT, None, None).layout for _ in range(3)] == [COLO] * 3
 
 
+def test_auto_on_cpu_prefers_layouts_that_copy_no_model():
+    """On CPU the simulated devices share one RAM: a layout whose dp copies of the roles'
+    resident state take more than 5% of the memory available goes after those that copy
+    less, whatever the speeds (a student over fsdp=4 beats one over dp=4 predicted 3x
+    faster); copies that small, or an accelerator, leave the choice to the speed."""
+    fsdp4 = Layout("split", (1, 1, 4), (1, 4))
+    table = {SPLIT: (1.0, 1.0), fsdp4: (3.0, 3.0), OTHER: (0.1, 0.1), COLO: (0.1, 0.1)}
+    rows = _rows(table, "cpu")  # resident GIB / 2 a role per device
+    assert [r.replicated / GIB for r in rows] == [3 * 0.5, 0, 0.5 * 2 + 0.5 * 2, 0.5 * 4 + 3.5]
+    assert choose(rows, SPLIT, None, 20 * GIB).layout == fsdp4  # copies over 1 GiB: out
+    assert choose(rows, SPLIT, None, 35 * GIB).layout == SPLIT  # OTHER's 2 GiB out
+    assert choose(rows, SPLIT, None, 1000 * GIB).layout == OTHER  # all cheap: the fastest
+    assert choose(_rows(table, "gpu"), SPLIT, None, None).layout == OTHER
+    assert all(r.replicated == 0 for r in _rows(table, "gpu"))
+    # no candidate copies little enough: the fewest copies, then the speed among those
+    rows = _rows({OTHER: (0.1, 0.1), SPLIT: (1.0, 1.0)}, "cpu")
+    assert choose(rows, OTHER, None, 20 * GIB).layout == SPLIT
+
+
 def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys):
     """`distill plan` with auto on the 8 simulated devices: every candidate compiled from
     abstract shapes, the table printed, the choice applied to the plan."""

@@ -11,8 +11,10 @@ from distill.checkpoint import save_params
 from distill.config import ModelConfig
 from distill.config.load import config_from_dict
 from distill.errors import DistillError
+from distill.mesh import student_mesh
 from distill.models import model
 from pipelines.commands.cli import main
+from student import train
 from teacher.weights import student_init_params
 from tests.conftest import tiny_config
 
@@ -73,8 +75,10 @@ def test_a_shallower_student_takes_the_kept_layers_types(corpus_dir, tmp_path, i
         config_from_dict(tree).student_model()
 
 
-@pytest.mark.parametrize("fmt", ["distill", "hf"])
-def test_init_params_are_the_chosen_teacher_layers(corpus_dir, tmp_path, fmt):
+@pytest.mark.parametrize("fmt, placed", [("distill", False), ("hf", False), ("distill", True)])
+def test_init_params_are_the_chosen_teacher_layers(corpus_dir, tmp_path, fmt, placed):
+    """The kept layers, on the host's CPU device or (placed) straight in the student's
+    layout on its mesh (a Hugging Face teacher's: tests/test_host_copies.py)."""
     params = _teacher_params()
     ckpt = tmp_path / "teacher"
     if fmt == "distill":
@@ -91,11 +95,16 @@ def test_init_params_are_the_chosen_teacher_layers(corpus_dir, tmp_path, fmt):
         tree["teacher"]["model"] = {}  # from config.json
     cfg = config_from_dict(tree)
     assert cfg.teacher.is_hf() == (fmt == "hf")
-    got = student_init_params(cfg)
+    where = None
+    if placed:
+        where = train.param_shardings(cfg.student_model(), student_mesh(jax.devices()[:4], 2, 2))
+    got = student_init_params(cfg, where)
     want = dict(params, layers={k: v[[0, 2]] for k, v in params["layers"].items()})
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(g, w)
+    if placed:
+        assert jax.tree.leaves(jax.tree.map(lambda g: g.sharding, got)) == jax.tree.leaves(where)
 
 
 def test_from_teacher_with_every_layer_starts_equal_to_the_teacher(corpus_dir, tmp_path):

@@ -1,6 +1,7 @@
 """Peak host memory (RSS) of a run on CPU devices with a Qwen2.5-0.5B-shaped teacher.
 
     nice python -m pipelines.bench.host_memory WORKDIR [--until TEXT] [--set KEY=VALUE ...]
+    nice python -m pipelines.bench.host_memory WORKDIR --command load [--set KEY=VALUE ...]
 
 Makes, once, under WORKDIR: a Hugging Face directory of a random Qwen2.5 model with the
 real 0.5B dimensions (transformers' `Qwen2Config`, saved in bfloat16 with
@@ -9,7 +10,9 @@ beside it, and a chat JSONL. Then runs `distill run pipelines/qwen3-0.6b-laptop-
 on them (a few steps, one evaluation; `--set` overrides are passed on) as a child process,
 sampling its resident memory every 50 ms: the peak, and the RSS at each line the run
 prints, so the phase that holds the peak is visible. The child is killed past `--cap-gb`
-(the machine is shared). Prints one JSON object last (docs/benchmarks/2026-11-27-host-memory.md).
+(the machine is shared). `--command load` runs, in the child, only what a run loads
+before its first step (`load_only`). Prints one JSON object last
+(docs/benchmarks/2026-11-27-host-memory.md).
 """
 
 from __future__ import annotations
@@ -103,16 +106,21 @@ def _children(pid: int) -> list[int]:
 
 
 def measure(cmd: list[str], cap: int, until: str | None = None) -> dict:
-    """Run `cmd`, sampling its RSS; the peak, the RSS at each printed line, the exit code.
-    With `until`, the child is killed (SIGKILL: no stop handling, whose final checkpoint
-    would count) once it prints a line holding that text."""
+    """Run `cmd`, sampling its RSS; the peak (and the last line printed before it, so the
+    phase holding it is named), the RSS at each printed line, the exit code. With `until`,
+    the child is killed (SIGKILL: no stop handling, whose final checkpoint would count)
+    once it prints a line holding that text."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak, lines, start = [0], [], time.time()
+    peak, lines, start = {"rss": 0, "after": ""}, [""], time.time()
+
+    def seen(rss: int) -> None:
+        if rss > peak["rss"]:
+            peak.update(rss=rss, after=lines[-1][:100])
 
     def sample() -> None:
         while proc.poll() is None:
             now = rss_bytes(proc.pid)
-            peak[0] = max(peak[0], now)
+            seen(now)
             if now > cap:
                 proc.kill()
             time.sleep(0.05)
@@ -120,14 +128,50 @@ def measure(cmd: list[str], cap: int, until: str | None = None) -> dict:
     threading.Thread(target=sample, daemon=True).start()
     for line in proc.stdout:
         rss = rss_bytes(proc.pid)
-        peak[0] = max(peak[0], rss)
-        lines.append(f"{time.time() - start:7.1f}s {rss / 1e9:6.2f} GB  {line.rstrip()[:150]}")
-        print(lines[-1], flush=True)
+        seen(rss)
+        lines.append(line.rstrip())
+        print(f"{time.time() - start:7.1f}s {rss / 1e9:6.2f} GB  {line.rstrip()[:150]}", flush=True)
         if until and until in line:
             proc.kill()
             break
     rc = proc.wait()
-    return {"rc": rc, "peak_rss_gb": round(peak[0] / 1e9, 2), "seconds": round(time.time() - start)}
+    out = {"rc": rc, "peak_rss_gb": round(peak["rss"] / 1e9, 2), "peak_after": peak["after"]}
+    return {**out, "seconds": round(time.time() - start)}
+
+
+def load_only(sets: list[str]) -> None:
+    """The child of `--command load`: the run's config and meshes, the teacher loaded onto
+    its mesh, then the student's state made from the teacher's kept layers, as `distill
+    run` does before its first step (no corpus, no compile of the step); prints the peak
+    RSS after each as JSON (`getrusage`)."""
+    import resource
+
+    from distill.allocator import keep_freed_memory
+    from distill.config.load import load_config
+    from distill.mesh import devices_needed, simulate_cpu_devices
+
+    cfg = load_config(CONFIG, sets)
+    simulate_cpu_devices(devices_needed(cfg))
+    keep_freed_memory()
+    import jax
+
+    from distill.mesh import build_meshes
+    from student import optim, train
+    from teacher.weights import load_teacher, student_init_params
+
+    peak = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)  # noqa: E731
+    meshes = build_meshes(cfg)
+    cfg.resolve_dtypes(meshes.platform)
+    teacher = jax.block_until_ready(load_teacher(cfg, meshes.teacher))
+    after_teacher = peak()
+    scfg, mesh = cfg.student_model(), meshes.student
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    init = student_init_params(cfg, train.param_shardings(scfg, mesh))
+    state = jax.block_until_ready(train.init_state(scfg, tx, cfg.run.seed, mesh, init))
+    del init
+    sizes = [x.nbytes for x in jax.tree.leaves((teacher, state))]
+    out = {"peak_after_teacher_gb": after_teacher, "peak_after_student_gb": peak()}
+    print(dumps({**out, "arrays_gb": round(sum(sizes) / 1e9, 2)}), flush=True)
 
 
 def main(argv=None) -> None:
@@ -135,9 +179,12 @@ def main(argv=None) -> None:
     ap.add_argument("workdir")
     ap.add_argument("--cap-gb", type=float, default=14.0)
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--command", default="run", choices=["run", "plan"])
+    ap.add_argument("--command", default="run", choices=["run", "plan", "load"])
+    ap.add_argument("--load-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--until", default=None, help="kill the run at a line holding this text")
     args = ap.parse_args(argv)
+    if args.load_child:
+        return load_only(args.set)
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     model = make_model_dir(root)
@@ -150,6 +197,8 @@ def main(argv=None) -> None:
         "data.eval_batches=1", "server.port=0", *args.set,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "pipelines.commands.cli", args.command, CONFIG]
+    if args.command == "load":
+        cmd = [sys.executable, "-m", "pipelines.bench.host_memory", str(root), "--load-child"]
     cmd += [a for s in sets for a in ("--set", s)]
     result = measure(cmd, int(args.cap_gb * 1e9), args.until)
     print(dumps({**result, "sets": args.set}))

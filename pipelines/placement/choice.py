@@ -26,10 +26,13 @@ scanned layers once: scaled by `layers_factor`), over a nominal roofline of the 
 
 The choice (`choose`) is deterministic for a given table: the candidates that fit
 (memory per device on an accelerator; on CPU the sum over the devices, which share the
-host's memory) and are predicted within `MARGIN` of the fastest tie, and a tie goes to the
-mesh axes the config gives (placement split) if among them, else to the one with the least
-memory (per device; on CPU the host's total, so a layout that replicates a model loses),
-else to the first in the table's order.
+host's memory); on CPU, of those, the ones whose copies of a model take at most
+`REPLICA_SHARE` of the host's available memory, or else the fewest copies (each role's
+resident bytes copied over its `dp`: `Row.replicated`; the simulated devices' copies all
+live in the one RAM and buy no compute), before any speed; then those predicted within
+`MARGIN` of the fastest tie, and a tie goes to the mesh axes the config gives (placement
+split) if among them, else to the one with the least memory (per device; on CPU the host's
+total), else to the first in the table's order.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ MARGIN = 0.10
 # ratio decides whether a program is compute- or memory-bound. CPU: the whole host (its
 # simulated devices share it).
 ROOFLINE = {"gpu": (989e12, 3.35e12), "tpu": (197e12, 8.2e11), "cpu": (1e11, 2e10)}
+# On CPU a layout whose replicas of a model (dp copies of the teacher's weights, of the
+# student's weights and optimizer state) take more than this share of the host's available
+# memory is passed over for one that copies less, whatever their speeds: the quick start's
+# few MB of student replicas are not, a 0.5B model's gigabytes are.
+REPLICA_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,7 @@ class Row:
     bytes_per_device: int
     host_bytes: int  # the sum over the layout's devices
     measured: bool = False  # from measured role times (else compiled costs)
+    replicated: int = 0  # on CPU: host bytes of the roles' copies beyond one (dp replicas)
 
 
 def configured(cfg: Config) -> Layout:
@@ -193,7 +202,18 @@ def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str)
         t = t if teacher.measured else t * nt
         s = s if student.measured else s * ns
     seconds = t + s if layout.placement == "colocated" else max(t, s)
-    return Row(layout, seconds, per_device, host, teacher.measured and student.measured)
+    copies = replicated_bytes(layout, teacher, student) if platform == "cpu" else 0
+    return Row(layout, seconds, per_device, host, teacher.measured and student.measured, copies)
+
+
+def replicated_bytes(layout: Layout, teacher: RoleCost, student: RoleCost) -> int:
+    """Host bytes of the copies a layout makes of each role's resident state beyond the
+    first: the teacher's weights over its `dp`, the student's weights and optimizer state
+    over its `dp` (`tp`, `ep` and `fsdp` split them)."""
+    n = layout.devices() if layout.placement == "colocated" else None
+    nt, ns = n or math.prod(layout.teacher), n or math.prod(layout.student)
+    dt, ds = layout.teacher[0], layout.student[0]
+    return teacher.resident * nt * (dt - 1) // dt + student.resident * ns * (ds - 1) // ds
 
 
 def colocated_bytes(teacher: RoleCost, student: RoleCost) -> int:
@@ -215,6 +235,9 @@ def choose(rows: list[Row], given: Layout, limit: int | None, host_limit: int | 
             f"mesh.placement: auto found no layout that fits the memory; the smallest is "
             f"{smallest.layout.label()} at {_gib(smallest.bytes_per_device)} per device"
         )
+    if host_limit is not None:  # CPU: no layout that copies a model into the one RAM
+        cheap = [r for r in fits if r.replicated <= REPLICA_SHARE * host_limit]
+        fits = cheap or [r for r in fits if r.replicated == min(x.replicated for x in fits)]
     best = min(r.seconds for r in fits)
     ties = [r for r in fits if r.seconds <= best * (1 + MARGIN)]
     for r in ties:
