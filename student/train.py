@@ -144,7 +144,8 @@ def _given_param(expected: jax.ShapeDtypeStruct, given) -> jax.Array | np.ndarra
 def param_shardings(cfg: ModelConfig, mesh) -> dict:
     """NamedShardings of the student's parameters on `mesh` (those of `state_shardings`),
     where its starting weights are read straight into."""
-    return sharding.named(mesh, sharding.param_specs(cfg, sharding.fsdp_size(mesh)))
+    shards, axis = sharding.weight_shards(dict(mesh.shape)), sharding.weight_axes(mesh.axis_names)
+    return sharding.named(mesh, sharding.param_specs(cfg, shards, axis))
 
 
 def state_shapes(cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:

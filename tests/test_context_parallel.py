@@ -139,6 +139,8 @@ def test_the_weights_are_split_over_fsdp_and_cp():
     split = sharding.bytes_per_device(shapes.params, specs.params, {DP: 1, FSDP: 2, CP: 2})
     whole = sharding.bytes_per_device(shapes.params, jax.tree.map(lambda _: P(), specs.params), {})
     assert whole / 4 <= split < whole / 3  # a quarter of all but the norms
+    # starting weights (from a teacher) are read straight into the state's layout
+    assert train.param_shardings(PLAIN, student_mesh(jax.devices()[:4], 1, 2, 2)) == placed.params
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -256,8 +256,9 @@ class StudentMember(_Member):
         plan_memory.resolve_remat(cfg, self._mesh, vocab_limit=limit)  # `auto` on these devices
         tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit, cross=cross)
         self._ckpt = run_checkpointer(cfg)
+        placed = train.param_shardings(cfg.student_model(), self._mesh)  # read straight there
         self._state, self._data_state, self._start = start_student(
-            cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg)
+            cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg, placed)
         )
         self._next = self._start + 1
         self._rows = cfg.train.batch_size
