@@ -124,11 +124,6 @@ def check_cross_tokenizer(cfg: Config) -> None:
             "teacher.chat_template: read only for data.format: chat with a teacher.tokenizer "
             "of its own (else data.chat_template is both sides' template); remove it"
         )
-    if cfg.distill.cross_gate and not cfg.cross_tokenizer():
-        raise DistillError(
-            "distill.cross_gate: for a teacher with a tokenizer of its own (teacher.tokenizer);"
-            " remove it"
-        )
     if not cfg.cross_tokenizer():
         return
     refused = [
@@ -143,10 +138,6 @@ def check_cross_tokenizer(cfg: Config) -> None:
          cfg.distill.cross_tokenizer == "byte_path" and cfg.teacher.tokenizer != "bytes",
          "a byte-level teacher (teacher.tokenizer: bytes): it reads the teacher's positions "
          "inside each student token"),
-        ("distill.cross_gate",
-         cfg.distill.cross_gate
-         and (cfg.distill.cross_tokenizer != "first_byte" or cfg.teacher.top_k is not None),
-         "distill.cross_tokenizer: first_byte and a dense teacher (teacher.top_k: null)"),
     ]  # fmt: skip
     for key, bad, needs in refused:
         if bad:

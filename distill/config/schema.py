@@ -270,13 +270,6 @@ class DistillLossConfig(Section):
         "(the teacher's next byte conditioned on the student's token boundary); false: over "
         "every byte both vocabularies reach.",
     )
-    cross_gate: bool = Field(
-        False,
-        description="first_byte with a dense teacher: weigh the divergence by alpha only at "
-        "the positions where the teacher gives the target's first byte more probability than "
-        "the student does, the cross-entropy whole at the others (for a teacher worse than "
-        "the student in places); false: alpha everywhere.",
-    )
     moe_aux_loss: float = Field(
         0.0,
         ge=0,

@@ -52,7 +52,6 @@ from distill.models.vocab_loss import Tree, _chunked_sums
 from distill.types import TeacherOutput
 
 METHODS = ("mapped", "uld", "first_byte", "byte_path")
-GATE_MARGIN = 1e-5  # nats: `first_byte_gated`'s teacher is better by more than rounding
 
 
 @dataclass(frozen=True)
@@ -249,40 +248,6 @@ def cross_divergence(
     return _divergence(lp, lq, cfg)
 
 
-def target_columns(fb: FirstBytes) -> np.ndarray:
-    """[Vs] int32: each student id's first-byte bucket as a column of `first_byte_buckets`'
-    output (`first_byte_keep`'s order), -1 for ids whose bucket is not kept."""
-    keep = first_byte_keep(fb)
-    col = np.full(FirstBytes.size, -1, np.int32)
-    col[keep] = np.arange(len(keep))
-    return np.where(fb.student >= 0, col[np.maximum(fb.student, 0)], -1).astype(np.int32)
-
-
-def first_byte_gated(
-    student_logits: jax.Array,
-    teacher_lp: jax.Array,
-    cfg: DistillLossConfig,
-    fb: FirstBytes,
-    targets: jax.Array,
-    inputs: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """``first_byte``'s divergence [...] (`cross_divergence`) and [...] bool, whether the
-    teacher gives the target's first byte more probability than the student does, both as
-    the divergence compares them (at T, over the kept buckets; `distill.cross_gate`) by more
-    than `GATE_MARGIN` nats: a tie (one bucket left after the boundary, both at 1) is not."""
-    zt = student_logits.astype(jnp.float32) / cfg.temperature
-    lq = zt - jax.nn.logsumexp(zt, axis=-1, keepdims=True)
-    lp = jax.lax.stop_gradient(teacher_lp.astype(jnp.float32))
-    bp, bq = first_byte_buckets(lp, lq, fb, inputs)
-    col = jnp.asarray(target_columns(fb))[targets]
-    at = jnp.maximum(col, 0)[..., None]
-    gain = (
-        jnp.take_along_axis(bp, at, axis=-1)[..., 0] - jnp.take_along_axis(bq, at, axis=-1)[..., 0]
-    )
-    better = (col >= 0) & (gain > GATE_MARGIN)
-    return _divergence(bp, bq, cfg), jax.lax.stop_gradient(better)
-
-
 def at_student_positions(teacher_lp_btw: jax.Array, align_bs: jax.Array) -> jax.Array:
     """[B, S, ...] the teacher's values [B, T, ...] (log-probs, top-k ids) at each student
     position's aligned teacher position (position 0's where unmatched: the loss leaves
@@ -393,27 +358,16 @@ def cross_kd_loss_chunked(
     loss); align_bs [B, S] int32: the teacher position of each student position, -1
     unmatched; inputs_bs [B, S]: the student's input tokens, which ``first_byte`` and
     ``byte_path`` condition the teacher's next byte on (`first_byte_buckets`). KD is the
-    mean over masked, aligned positions; CE the mean over masked ones. With
-    `cfg.cross_gate` (``first_byte``, dense) the divergence counts only where the teacher is
-    better (`first_byte_gated`), still over every aligned position, and there it stands in
-    for alpha of the cross-entropy: alpha KD + (1 - alpha) CE at those positions, CE alone
-    at the others. Metrics as `kd_loss` plus "aligned_fraction" (aligned share of the
-    masked positions)."""
+    mean over masked, aligned positions; CE the mean over masked ones. Metrics as
+    `kd_loss` plus "aligned_fraction" (aligned share of the masked positions)."""
     per_token, at, topk, whole = _teacher_inputs(teacher, align_bs, method, vmap, teacher_live)
-    gate = cfg.cross_gate
-    if gate and (method != "first_byte" or topk):
-        raise ValueError("distill.cross_gate needs first_byte and a dense teacher")
     aligned = (align_bs >= 0).astype(jnp.float32)
     per_token.update(targets=targets_bs, aligned=aligned)
     if inputs_bs is not None:
         per_token["inputs"] = inputs_bs
 
     def token_fn(z_bcv: jax.Array, t: Tree) -> Tree:
-        weight = t["aligned"]  # the positions whose divergence counts
-        if gate:
-            kd, better = first_byte_gated(z_bcv, t["lp"], cfg, vmap, t["targets"], t.get("inputs"))
-            weight = weight * better
-        elif method == "byte_path":
+        if method == "byte_path":
             kd = _byte_path_tokens(z_bcv, t, cfg, vmap)
         elif topk:
             kd = cross_topk_divergence(
@@ -421,11 +375,11 @@ def cross_kd_loss_chunked(
             )
         else:
             kd = cross_divergence(z_bcv, t["lp"], cfg, vmap, method, t.get("inputs"))
-        ce = _token_ce(z_bcv, t["targets"])
-        out = {"kd": jnp.where(weight > 0, kd, 0.0), "ce": ce, "aligned": t["aligned"]}
-        if gate:  # the cross-entropy the divergence stands in for, at those positions
-            out["gated_ce"] = jnp.where(weight > 0, ce, 0.0)
-        return out
+        return {
+            "kd": jnp.where(t["aligned"] > 0, kd, 0.0),
+            "ce": _token_ce(z_bcv, t["targets"]),
+            "aligned": t["aligned"],
+        }
 
     sums = _chunked_sums(
         token_fn,
@@ -444,9 +398,6 @@ def cross_kd_loss_chunked(
     kd = sums["kd"] / jnp.maximum(sums["aligned"], 1.0)
     ce = sums["ce"] / jnp.maximum(tokens, 1.0)
     loss = cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce
-    if gate:  # alpha only where the teacher is better: the cross-entropy whole elsewhere
-        loss = cfg.alpha * cfg.temperature**2 * kd + ce
-        loss = loss - cfg.alpha * sums["gated_ce"] / jnp.maximum(tokens, 1.0)
     return loss, {
         "loss": loss,
         "kd_loss": kd,
