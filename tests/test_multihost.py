@@ -5,7 +5,8 @@ heads) in 2-row microbatches; a student group of 2 processes x 2 CPU devices (dp
 fsdp = 2) with 2 accumulated microbatches and rematerialised blocks; half the steps
 on-policy; evaluation in two chunks. Each is its own JAX distributed system with gloo
 collectives and gives the local mode's losses, evaluation and sample metrics; a killed
-process takes its group down and the group is recreated; a full stop resumes exactly."""
+process takes its group down and the group is recreated; a full stop resumes exactly. A
+teacher in 2 pipeline stages, one per process (`mesh.teacher.pp`), does the same."""
 
 import warnings
 
