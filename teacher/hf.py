@@ -19,6 +19,9 @@ other memory beyond the weights at the peak). Each stored byte is read once, exc
 with fewer KV heads than `tp` each KV head is read once per shard that uses it, giving the
 layout of `teacher.sharding.expand_kv_heads`. With `dp` > 1 the dp groups' devices that hold
 the same slice get the same host array (`_once_per_index`): read once, copied dp times.
+With pipeline stages (`pp`) a layer's tensor is read only by the devices of the stage that
+holds the layer (`_load_layer`): in a teacher group of processes, one per stage, each reads
+only its own layers (and the embedding, norm and head that every stage holds).
 """
 
 from __future__ import annotations
