@@ -19,6 +19,9 @@ other memory beyond the weights at the peak). Each stored byte is read once, exc
 with fewer KV heads than `tp` each KV head is read once per shard that uses it, giving the
 layout of `teacher.sharding.expand_kv_heads`. With `dp` > 1 the dp groups' devices that hold
 the same slice get the same host array (`_once_per_index`): read once, copied dp times.
+With pipeline stages (`pp`) a layer's tensor is read only by the devices of the stage that
+holds the layer (`_load_layer`): in a teacher group of processes, one per stage, each reads
+only its own layers (and the embedding, norm and head that every stage holds).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from distill.config import ModelConfig
-from distill.mesh import TP
+from distill.mesh import PP, TP
 from distill.models import hf
 from teacher import sharding
 
@@ -76,20 +79,49 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
                     continue
                 target = targets["layers"][key]
                 slot = layer if isinstance(layer, tuple) else (layer,)  # (layer, expert)
-                lead = (1,) * len(slot)
-                one = jax.make_array_from_callback(
-                    (*lead, *shape),
-                    _as_stored(target, transposed, len(slot)),
-                    _once_per_index(_leading(read, len(slot))),
-                )
                 stacked = params["layers"].get(key)
-                if stacked is None:
-                    layout = shape[::-1] if transposed else shape
-                    outer = (cfg.n_layers, cfg.n_experts)[: len(slot)]
-                    stacked = jnp.zeros((*outer, *layout), one.dtype, device=target)
-                stacked = _set_layer(stacked, one, tuple(map(np.int32, slot)), transposed)
+                stacked = _load_layer(cfg, target, stacked, read, shape, slot, transposed)
                 params["layers"][key] = stacked.block_until_ready()
     return params
+
+
+def _load_layer(cfg: ModelConfig, target, stacked, read, shape, slot, transposed: bool):
+    """`stacked` (None: not made yet) with one layer's tensor (or one expert's) read into
+    `slot`. With pipeline stages, only the devices of the stage holding the layer read it
+    (`_in_stage`): in a group of several processes, a stage's process reads only its own
+    layers' tensors."""
+    pp, lead = target.mesh.shape.get(PP, 1), (1,) * len(slot)
+    stored = _as_stored(target, transposed, len(slot))
+    read = _once_per_index(_leading(read, len(slot)))
+    if pp > 1:  # a leading slot per stage, read only in the layer's own
+        stage = slot[0] // (cfg.n_layers // pp)
+        stored = NamedSharding(target.mesh, P(PP, *stored.spec))
+        whole = (pp, *lead, *shape)
+        one = jax.make_array_from_callback(whole, stored, _in_stage(read, stage, whole))
+    else:
+        one = jax.make_array_from_callback((*lead, *shape), stored, read)
+    if stacked is None:
+        layout = shape[::-1] if transposed else shape
+        outer = (cfg.n_layers, cfg.n_experts)[: len(slot)]
+        stacked = jnp.zeros((*outer, *layout), one.dtype, device=target)
+    if pp > 1:
+        return _set_staged(stacked, one, slot, transposed)
+    return _set_layer(stacked, one, tuple(map(np.int32, slot)), transposed)
+
+
+def _in_stage(read: Callable[[Index], np.ndarray], stage: int, shape) -> Callable:
+    """The callback of a [pp, ...] array of `shape` with one slot per stage: the tensor read
+    into slot `stage`, zeros (nothing of it read) in the others'."""
+    dtype = read((slice(0, 1),) * (len(shape) - 1)).dtype  # one element, for the zeros
+
+    def callback(index: Index) -> np.ndarray:
+        if index[0].indices(shape[0])[0] == stage:
+            return read(index[1:])[None]
+        return np.zeros(
+            [len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True)], dtype
+        )
+
+    return callback
 
 
 def read_hf_layers(
@@ -244,3 +276,29 @@ def _set_layer(stacked_l: jax.Array, one_1: jax.Array, slot, transposed: bool) -
     one_1 = jnp.swapaxes(one_1, -1, -2) if transposed else one_1
     starts = (*slot, *(0,) * (stacked_l.ndim - len(slot)))
     return jax.lax.dynamic_update_slice(stacked_l, one_1.astype(stacked_l.dtype), starts)
+
+
+def _set_staged(stacked_l: jax.Array, one_s: jax.Array, slot, transposed: bool) -> jax.Array:
+    """`_set_layer` on a mesh with pipeline stages: `one_s` has a slot per stage, and only
+    the stage holding layer `slot[0]` writes its slot into its own layers (no transfer
+    between stages)."""
+    s, o = stacked_l.sharding, one_s.sharding
+    write = _staged_writer(s.mesh, s.spec, o.spec, stacked_l.shape[0], transposed)
+    return write(stacked_l, one_s, tuple(map(np.int32, slot)))
+
+
+@functools.cache
+def _staged_writer(mesh, spec, one_spec, layers: int, transposed: bool):
+    n = layers // mesh.shape[PP]  # layers per stage
+
+    def write(stacked, one, slot):
+        one = jnp.swapaxes(one[0], -1, -2) if transposed else one[0]
+        starts = (slot[0] % n, *slot[1:], *(0,) * (stacked.ndim - len(slot)))
+        return jax.lax.cond(
+            jax.lax.axis_index(PP) == slot[0] // n,
+            lambda: jax.lax.dynamic_update_slice(stacked, one.astype(stacked.dtype), starts),
+            lambda: stacked,
+        )
+
+    staged = jax.shard_map(write, mesh=mesh, in_specs=(spec, one_spec, P()), out_specs=spec)
+    return jax.jit(staged, donate_argnums=0)

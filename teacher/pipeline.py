@@ -120,7 +120,8 @@ def stage_bytes(cfg: Config, microbatches: int, dtype_bytes: int) -> int:
 
 def check_stages(cfg: Config, warn: bool = True) -> None:
     """`mesh.teacher.pp` against the model and the features built for it, before any device
-    work: the layers divide into the stages; local mode; placement split or colocated.
+    work: the layers divide into the stages; placement split or colocated (in ray mode the
+    stages are the processes of a teacher group, `mesh.teacher.hosts`).
     `warn`: log a warning when one microbatch leaves the stages nothing to overlap."""
     pp = cfg.mesh.teacher.pp
     if pp == 1:
@@ -131,17 +132,11 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
             f"mesh.teacher.pp: {pp} does not divide teacher.model.n_layers={layers} "
             "(each stage holds n_layers / pp whole layers)"
         )
-    refused = [
-        ("pipeline.mode", cfg.pipeline.mode == "ray", "pipeline.mode local"),
-        ("mesh.placement", cfg.mesh.placement == "auto", "mesh.placement split or colocated "
-         "(auto's candidate layouts have no stages)"),
-    ]  # fmt: skip
-    for key, bad, needs in refused:
-        if bad:
-            raise DistillError(
-                f"{key}: not supported with mesh.teacher.pp={pp} (pipeline stages) yet; "
-                f"needs {needs}"
-            )
+    if cfg.mesh.placement == "auto":
+        raise DistillError(
+            f"mesh.placement: not supported with mesh.teacher.pp={pp} (pipeline stages) yet; "
+            "needs mesh.placement split or colocated (auto's candidate layouts have no stages)"
+        )
     t = cfg.mesh.teacher
     rows = cfg.train.batch_size // (t.dp * t.ep)
     if warn and (cfg.teacher.microbatch is None or cfg.teacher.microbatch >= rows):

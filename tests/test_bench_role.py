@@ -139,3 +139,20 @@ def test_dense_kd_is_timed_while_it_fits(corpus_dir, tmp_path):
     assert not _dense_fits(cfg, huge, mesh, 2**50)  # 4.2e9 elements a device
     dense_run = cfg.model_copy(update={"teacher": cfg.teacher.model_copy(update={"top_k": None})})
     assert _dense_fits(dense_run, dense, mesh, 4)  # the run's own output: always
+
+
+def test_staged_teacher_reports_its_measured_bubble(tmp_path, corpus_dir, capsys):
+    """pp=2 x tp=2 in 4 microbatches of 2 rows: the stages' loop timed on the batch and on
+    the batch twice over, the bubble measured from the two beside the schedule's 1/5.
+    (Simulated CPU devices share the cores, so here it measures ticks, not overlap.)"""
+    mesh = {"teacher": {"pp": 2, "tp": 2}, "student": {"dp": 4, "fsdp": 2}}
+    code, out = _bench(
+        tmp_path, corpus_dir, capsys, "--role", "teacher", mesh=mesh, teacher={"microbatch": 2}
+    )
+    assert code == 0, out.err
+    text, result = out.out.strip().splitlines(), json.loads(out.out.strip().splitlines()[-1])
+    assert result["mesh"] == {"pp": 2, "dp": 1, "ep": 1, "tp": 2}
+    assert result["microbatches"] == 4 and result["bubble_predicted"] == pytest.approx(0.2)
+    assert result["stage_loop_2x_ms"] > result["stage_loop_ms"] > 0
+    assert -1 < result["bubble_measured"] < 1
+    assert any(line.startswith("stages: loop ") for line in text)

@@ -64,6 +64,19 @@ def test_gpu_hosts_keep_tensor_parallel_groups_on_one_host():
     assert ids(device_grid(gpus, (1, 8))) == [[0, 1, 2, 3, 4, 5, 6, 7]]
 
 
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_pipeline_stages_are_hosts(platform):
+    """A teacher in pp=2 stages of tp=4 over 2 hosts (`pipelines/llama3-405b-to-8b.yaml`'s
+    layout, smaller): `pp`, the outermost axis, crosses the hosts, so stage s is process
+    s's devices and each tp group stays on its host; over 4 hosts, each stage is 2 hosts."""
+    devs = [Dev(i, i // 4, platform, "NVIDIA H100") for i in (4, 5, 6, 7, 3, 2, 1, 0)]
+    grid = device_grid(devs, (2, 1, 1, 4))  # pp x dp x ep x tp
+    assert [[d.process_index for d in stage.flat] for stage in grid] == [[0] * 4, [1] * 4]
+    assert [sorted(row) for row in ids(grid.reshape(2, 4))] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    four = device_grid([Dev(i, i // 2, platform) for i in range(8)], (2, 1, 1, 4))
+    assert [sorted({d.process_index for d in s.flat}) for s in four] == [[0, 1], [2, 3]]
+
+
 def _v5e_slice(hosts_x: int, hosts_y: int) -> list[Dev]:
     """A TPU v5e slice of (2 hosts_x) x (2 hosts_y) chips, each host a 2 x 2 block, listed
     process by process as `jax.devices()` does."""

@@ -5,7 +5,8 @@ heads) in 2-row microbatches; a student group of 2 processes x 2 CPU devices (dp
 fsdp = 2) with 2 accumulated microbatches and rematerialised blocks; half the steps
 on-policy; evaluation in two chunks. Each is its own JAX distributed system with gloo
 collectives and gives the local mode's losses, evaluation and sample metrics; a killed
-process takes its group down and the group is recreated; a full stop resumes exactly."""
+process takes its group down and the group is recreated; a full stop resumes exactly. A
+teacher in 2 pipeline stages, one per process (`mesh.teacher.pp`), does the same."""
 
 import warnings
 
@@ -173,9 +174,12 @@ def test_spans_merge_a_process_adjacent_shards():
 
 
 @pytest.mark.parametrize("owners", [(0, 1, 2, 3), (1, 0, 3, 2), (0, 0, 1, 1)])
-def test_teacher_parts_send_each_row_once(owners):
-    """A teacher output replicated over tp (rows split over dp only) goes to the student
-    processes as `owners` says, each row once, from the devices' own buffers."""
+@pytest.mark.parametrize("staged", [False, True])
+def test_teacher_parts_send_each_row_once(owners, staged):
+    """A teacher output replicated over tp (rows split over dp only), or with pipeline
+    stages split over every device (`OUT_ROWS_PP`: each stage 1/pp of the rows), goes to
+    the student processes as `owners` says, each row once, from the devices' own
+    buffers."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -183,10 +187,14 @@ def test_teacher_parts_send_each_row_once(owners):
 
     from distill.types import TeacherOutput
     from pipelines.ray import rows as ray_rows
+    from teacher.sharding import OUT_ROWS_PP
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
     values = np.arange(8 * 3 * 2, dtype=np.float32).reshape(8, 3, 2)
     split = NamedSharding(mesh, P("dp"))
+    if staged:
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 1, 4), ("pp", "dp", "ep", "tp"))
+        split = NamedSharding(mesh, OUT_ROWS_PP)
     out = TeacherOutput(
         jax.device_put(values, split), jax.device_put(values.astype(np.int32), split)
     )
@@ -479,3 +487,59 @@ def test_a_colocated_group_of_two_processes_matches_local(
     summary = _summary(out)
     assert summary["actor_restarts"] == {"teacher": 0, "student": 1}
     assert summary["student_resumed_from"] == [3] and summary["bytes_per_step"] == 0
+
+
+# the teacher in 2 pipeline stages of tp = 2, one per process: layer 0 on process 0's
+# devices, layer 1 (and its stage's share of the head) on process 1's
+STAGES = {"pp": 2, "tp": 2, "hosts": 2}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_teacher_stages_across_processes_match_local(
+    ray_cluster, local_run, corpus_dir, tmp_path, monkeypatch
+):
+    """mesh.teacher.pp=2 over a teacher group of 2 processes: each process one stage, the
+    activations passed between them by the group's own collective (a ppermute over gloo), 4
+    microbatches of 2 rows; the outputs leave with rows split over both stages' devices,
+    each student process getting its rows from whichever stage holds them. The local
+    (unstaged) run's losses, through the death of the second stage's process at step 2:
+    the group is recreated and the step retried."""
+    infos = []
+
+    def kill_stage(step, pool):
+        infos.append(pool.info["teacher-0"])
+        if step == 2:
+            _kill(pool.info["teacher-0"]["processes"][1]["pid"])
+
+    out = tmp_path / "out"
+    cfg = _groups_config(corpus_dir, out, local_run)
+    cfg["mesh"]["teacher"] = STAGES
+    assert _run(tmp_path, cfg, kill_stage) == 0
+    _assert_same_losses(out, local_run)
+    summary = _summary(out)
+    assert summary["actor_restarts"] == {"teacher": 1, "student": 0}
+    assert _train(out)[6]["bytes_per_token"] == 8 * 8  # each row once, from one stage
+    layout = infos[-1]["layout"]
+    assert layout["shape"] == {"pp": 2, "dp": 1, "ep": 1, "tp": 2}
+    # stage s is process s's devices
+    stages = [d["id"] for d in layout["devices"]]
+    assert [p["local_devices"] for p in infos[-1]["processes"]] == [stages[:2], stages[2:]]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_colocated_teacher_stages_across_processes_match_local(
+    ray_cluster, local_run, corpus_dir, tmp_path
+):
+    """`mesh.placement: colocated` with mesh.teacher.pp=2 over 2 processes: each process
+    holds one teacher stage (tp = 2) and half the student (dp = 2 x fsdp = 2) on the same
+    devices; the teacher's outputs reach the training mesh on device. The local run's
+    losses."""
+    out = tmp_path / "out"
+    cfg = _groups_config(corpus_dir, out, local_run)
+    cfg["mesh"]["teacher"] = STAGES
+    cfg["mesh"]["placement"] = "colocated"
+    assert _run(tmp_path, cfg) == 0
+    _assert_same_losses(out, local_run)
+    assert _summary(out)["bytes_per_step"] == 0

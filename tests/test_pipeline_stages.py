@@ -103,9 +103,10 @@ def _tree(corpus_dir, tmp_path, **teacher_mesh_):
 
 
 def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
-    """The stages multiply the inference mesh; layer counts that do not divide, ray mode
-    and auto placement are refused in one line naming the field; one microbatch (stages
-    that cannot overlap) is a logged warning."""
+    """The stages multiply the inference mesh; layer counts that do not divide and auto
+    placement are refused in one line naming the field (ray mode is not: its stages are a
+    teacher group's processes, tests/test_multihost.py); one microbatch (stages that cannot
+    overlap) is a logged warning."""
     cfg = config_from_dict(_tree(corpus_dir, tmp_path, pp=2))
     assert devices_needed(cfg) == 2 * 2 + 2  # pp x tp + the student's dp
     with caplog.at_level(logging.WARNING, logger="distill"):
@@ -113,9 +114,11 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
     assert "mesh.teacher.pp=2 with one teacher microbatch" in caplog.text
     bad = [
         ({"pp": 4}, {}, "^mesh.teacher.pp: 4 does not divide teacher.model.n_layers=2"),
-        ({"pp": 2}, {"pipeline": {"mode": "ray"}}, "^pipeline.mode: not supported with mesh"),
         ({"pp": 2}, {"mesh": {"placement": "auto"}}, "^mesh.placement: not supported with"),
     ]
+    ray = _tree(corpus_dir, tmp_path, pp=2, hosts=2)
+    ray["pipeline"] = {"mode": "ray"}
+    check_stages(config_from_dict(ray))
     for mesh, sections, message in bad:
         tree = _tree(corpus_dir, tmp_path, **mesh)
         for section, values in sections.items():
@@ -231,3 +234,29 @@ def test_a_staged_cache_gives_the_runs_losses(tiny_run, tmp_path):
     assert sorted(got) == sorted(want) == [2, 4, 6]
     for step, r in want.items():
         assert got[step]["loss"] == pytest.approx(r["loss"], rel=1e-5), step
+
+
+def test_a_stage_reads_only_its_own_layers():
+    """A layer's tensor is read by the devices of the stage that holds it: the callback of
+    another stage's slot gives zeros of its block's shape without reading the tensor (bar
+    one element, for its dtype), so in a group of processes a stage's process reads only
+    its own layers' tensors."""
+    import numpy as np
+
+    from teacher.hf import _in_stage
+
+    tensor, reads = np.arange(4 * 6, dtype=np.float32).reshape(1, 4, 6), []
+
+    def read(index):
+        reads.append(index)
+        return tensor[index]
+
+    whole = (2, 1, 4, 6)  # a slot per stage, one layer of [4, 6]
+    callback = _in_stage(read, 1, whole)
+    assert [r[1:] for r in reads] == [(slice(0, 1),) * 2]  # the dtype's one element
+    block = (slice(None), slice(0, 2), slice(None))
+    other = callback((slice(0, 1), *block))
+    assert other.shape == (1, 1, 2, 6) and other.dtype == np.float32 and not other.any()
+    assert len(reads) == 1
+    np.testing.assert_array_equal(callback((slice(1, 2), *block))[0], tensor[block])
+    assert reads[-1] == block

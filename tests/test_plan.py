@@ -3,6 +3,8 @@
 import json
 import math
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -17,7 +19,7 @@ from pipelines.commands.cli import main
 from pipelines.plan import flops as plan_flops
 from pipelines.plan import memory as plan_memory
 from pipelines.plan.memory import check_fits
-from tests.conftest import tiny_config
+from tests.conftest import cli_env, tiny_config
 
 
 def _plan(capsys, argv) -> dict:
@@ -63,6 +65,37 @@ def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     assert p["layout"]["teacher"]["shape"] == {"dp": 4, "ep": 1, "tp": 1}
     assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 4}
     assert p["student"]["params"] == pytest.approx(1.236e9, rel=1e-3)
+
+
+@pytest.mark.slow  # about 40 s on 2 cores: the 405B forward and the 8B step compiled
+def test_the_405b_to_8b_pipeline_fits_80_gb_planned_on_cpu():
+    """The shipped 405B teacher in 2 stages of tp=8 (two 8-GPU hosts of one Ray group) and
+    an 8B student on a third host, planned from shapes alone on simulated CPU devices. CPU
+    devices hold a bfloat16 weight stack again in float32 for the matmuls (a CPU compile's
+    copy, not a GPU's), so the teacher is planned in float32: its weights then take twice
+    their bfloat16 bytes and its temporaries no less than bfloat16's, so the bfloat16 peak
+    on a GPU is at most the float32 peak less half the float32 weights, under 80 GB."""
+    path = "pipelines/llama3-405b-to-8b.yaml"
+    cfg = load_config(path)
+    assert cfg.teacher.dtype == "bfloat16" and cfg.pipeline.mode == "ray"
+    assert (cfg.mesh.teacher.hosts, cfg.mesh.student.hosts) == (2, 1)
+    sets = ["mesh.platform=cpu", "teacher.dtype=float32", "train.remat=block"]
+    argv = [sys.executable, "-m", "pipelines.commands.cli", "plan", path]
+    argv += sum((["--set", s] for s in sets), [])
+    done = subprocess.run(argv, env=cli_env(24), capture_output=True, text=True, check=True)
+    p = json.loads(done.stdout.strip().splitlines()[-1])  # 24 CPU devices: its own process
+    t, s = p["teacher"], p["student"]
+    assert p["layout"]["teacher"]["shape"] == {"pp": 2, "dp": 1, "ep": 1, "tp": 8}
+    assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 8}
+    assert t["params"] == pytest.approx(405.85e9, rel=1e-3)
+    assert s["params"] == pytest.approx(8.03e9, rel=1e-3)
+    assert (t["stages"], t["layers_per_stage"], t["microbatches"]) == (2, 63, 16)
+    assert t["bubble"] == pytest.approx(1 / 17)
+    # float32 here: [2, 4096, 16384] x 4 B per microbatch and boundary (bfloat16: half)
+    assert t["stage_bytes_per_step"] == 16 * 2 * 4096 * 16384 * 4
+    bf16_peak = t["peak_bytes_per_device"] - t["weight_bytes_per_device"] / 2
+    assert t["weight_bytes_per_device"] / 2 < 55e9 and bf16_peak < 75e9
+    assert s["peak_bytes_per_device"] < 80e9
 
 
 def test_a_role_over_the_device_memory_is_one_line_naming_its_keys():

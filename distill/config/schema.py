@@ -69,8 +69,9 @@ class TeacherMesh(Section):
         description="Pipeline stages of the inference mesh (pp x dp x ep x tp devices): stage "
         "s holds layers [s*L/pp, (s+1)*L/pp) (divides teacher.model.n_layers); the "
         "teacher.microbatch microbatches stream through the stages, each stage's activations "
-        "sent to the next (bubble (pp-1)/(m+pp-1) with m microbatches). Local mode, placement "
-        "split or colocated (docs/guides/pipeline-parallel.md).",
+        "sent to the next (bubble (pp-1)/(m+pp-1) with m microbatches). Placement split or "
+        "colocated; in ray mode with hosts = pp each stage is a host "
+        "(docs/guides/pipeline-parallel.md).",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(

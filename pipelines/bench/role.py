@@ -33,6 +33,7 @@ from distill.limits import MAX_ELEMENTS
 from distill.mesh import role_mesh
 from distill.models.topk import top_k
 from distill.types import TeacherOutput
+from pipelines.bench.phases import _interleaved_ms as interleaved_ms
 from pipelines.bench.phases import (
     bench_top_k,
     student_figures,
@@ -40,6 +41,7 @@ from pipelines.bench.phases import (
     teacher_figures,
     teacher_phases_ms,
 )
+from pipelines.bench.stages import format_bubble, measured_bubble
 from pipelines.plan import memory as plan_memory
 from pipelines.preflight import preflight_role
 from student import train
@@ -83,6 +85,9 @@ def bench_role(
         batch = jax.device_put(host_batch, teacher_sharding.batch_sharding(mesh))
         res, _ = teacher_phases_ms(cfg, mesh, params, batch, limit, repeats)
         res.update(teacher_figures(res, cfg, mesh))
+        if cfg.mesh.teacher.pp > 1:  # the stages' bubble, measured and predicted
+            timed = lambda fns: interleaved_ms(fns, repeats)  # noqa: E731
+            res.update(measured_bubble(cfg, mesh, params, host_batch, timed))
     else:
         batch = jax.device_put(host_batch, train.batch_sharding(mesh))
         dense = _dense_fits(cfg, outputs["dense"], mesh, device_bytes)
@@ -171,6 +176,8 @@ def format_role(r: dict) -> str:
             f"compiled per device: {gib(r['teacher_forward_temp_bytes_per_device'])} "
             f"temporaries, peak {gib(r['teacher_peak_bytes_per_device'])}",
         ]
+        if "bubble_measured" in r:
+            lines.insert(-1, format_bubble(r))
     else:
         lines = [
             f"student alone on {mesh} ({r['device_kind']}): CE {r['student_ce_ms']:.1f} ms"

@@ -212,9 +212,10 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
     cfg = _config(args)
     meshes, corpus = run.validate(cfg)
+    stages = f"pp={cfg.mesh.teacher.pp} x " if cfg.mesh.teacher.pp > 1 else ""
     print(
         f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
-        f"rows; teacher dp={cfg.mesh.teacher.dp} x tp={cfg.mesh.teacher.tp}, "
+        f"rows; teacher {stages}dp={cfg.mesh.teacher.dp} x tp={cfg.mesh.teacher.tp}, "
         f"student dp={cfg.mesh.student.dp} x fsdp={cfg.mesh.student.fsdp}, {meshes.platform})"
     )
 
