@@ -68,7 +68,7 @@ def test_1b_student_step_at_8_rows_of_4096(tmp_path, capsys):
 def test_mosaic_grouped_matmul_equals_the_tiled_kernel():
     """On a Hopper GPU the MoE layer takes the Pallas Mosaic GPU kernels; its output and
     gradients equal the tiled XLA kernel's (bfloat16 tolerance), rows of no expert zero."""
-    from distill.models import grouped
+    from distill.models.experts import grouped
 
     if not grouped.hopper():
         pytest.skip("the Mosaic grouped matmul is written for Hopper GPUs")

@@ -1,4 +1,4 @@
-"""The dropless expert-parallel dispatch (`distill.models.dispatch`) at ep = 2, 4 and
+"""The dropless expert-parallel dispatch (`distill.models.experts.dispatch`) at ep = 2, 4 and
 ep = 2 x tp = 2: its
 outputs and gradients equal the single-device layer's (no dispatch) under a random router
 and with every token routed to the same experts (overflowing the receivers' room, so
@@ -18,7 +18,8 @@ from distill import collectives as cc
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import ModelConfig
 from distill.mesh import EP, TP
-from distill.models import attention, dispatch, moe
+from distill.models import attention, moe
+from distill.models.experts import dispatch
 
 CFG = ModelConfig(d_model=16, n_experts=8, experts_per_token=3, d_ff_expert=8)
 SHAPE = (4, 6, 16)  # rows, tokens a row, d_model

@@ -1,4 +1,4 @@
-"""The experts' grouped matmuls (`distill.models.grouped`): the tiled XLA kernel equals
+"""The experts' grouped matmuls (`distill.models.experts.grouped`): the tiled XLA kernel equals
 `jax.lax.ragged_dot` (today's dropless layer) forward and backward; one layer of the
 Qwen3-30B-A3B shape compiles, on every pure-XLA path, to at most 1.3x its active FLOPs
 (counted over every loop iteration by `distill.compiled_flops`), with no [E, T*k, D]
@@ -15,7 +15,8 @@ import pytest
 
 from distill.compiled_flops import compiled_dot_flops, dot_flops
 from distill.config import ModelConfig
-from distill.models import grouped, moe
+from distill.models import moe
+from distill.models.experts import grouped
 
 
 def _params(d, e, f, seed=0):
@@ -91,10 +92,10 @@ def test_mosaic_composition_and_its_backward_equal_autodiff():
     """The `mosaic_gpu` kernel's SwiGLU and hand-written backward, run with XLA's reference
     grouped matmuls in place of the Hopper kernels: output and every gradient equal plain
     autodiff of `ragged_dot`, and the rows of no expert are zero."""
-    from distill.models import grouped_mosaic
+    from distill.models.experts import mosaic
 
     x, sizes, w, probe = _sorted_rows()
-    f = grouped_mosaic.grouped_swiglu(jax.nn.silu, grouped_mosaic.reference_ops())
+    f = mosaic.grouped_swiglu(jax.nn.silu, mosaic.reference_ops())
 
     def loss(fn, x, *w):
         y = fn(x, sizes, *w)
@@ -120,7 +121,7 @@ def test_mosaic_kernel_lowers_for_cuda_without_ragged_dot(monkeypatch):
 
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
 
-    from distill.models import grouped_mosaic
+    from distill.models.experts import mosaic
 
     # the transposed kernel sizes its grid by the first device's SMs: an H100's 132 here
     gpu = SimpleNamespace(core_count=132)
@@ -141,9 +142,9 @@ def test_mosaic_kernel_lowers_for_cuda_without_ragged_dot(monkeypatch):
     ).as_text()  # fmt: skip
     assert text.count("custom_call @mosaic_gpu") == 9  # 3 forward, 3 + 3 backward
     assert not re.search(r"(chlo|stablehlo)\.ragged_dot", text)
-    assert grouped_mosaic.usable(64, 128, jnp.bfloat16)
-    assert not grouped_mosaic.usable(64, 128, jnp.float32)
-    assert not grouped_mosaic.usable(64, 96, jnp.bfloat16)
+    assert mosaic.usable(64, 128, jnp.bfloat16)
+    assert not mosaic.usable(64, 128, jnp.float32)
+    assert not mosaic.usable(64, 96, jnp.bfloat16)
 
 
 def test_dot_flops_count_every_loop_iteration():

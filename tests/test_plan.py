@@ -13,7 +13,7 @@ import yaml
 from distill.config.load import config_from_dict, load_config
 from distill.errors import DistillError
 from distill.mesh import teacher_mesh
-from distill.models import dispatch
+from distill.models.experts import dispatch
 from pipelines import plan
 from pipelines.commands.cli import main
 from pipelines.plan import flops as plan_flops

@@ -7,14 +7,14 @@ Mixtral's top-k-then-softmax is the same numbers).
 
 With every expert on the device (ep = 1, dropless) nothing is dispatched: the T * k
 (token, expert) assignments read their token's row in expert order straight into the
-grouped matmul (`distill.models.grouped.expert_rows`: `ragged_dot` on TPU, the exact
+grouped matmul (`distill.models.experts.grouped.expert_rows`: `ragged_dot` on TPU, the exact
 `tiled` XLA kernel elsewhere), and each token sums its k results, weighted by its router
 probabilities.
 
 Dispatch over `ep`, inside `jax.shard_map` on one device holding its T tokens (its rows,
 replicated over `tp`) and E / ep experts (each expert's hidden columns split over `tp`),
 dropless: the assignments are sorted by expert (so by device), and
-`distill.models.dispatch` sends each to its expert's device, through the grouped matmul
+`distill.models.experts.dispatch` sends each to its expert's device, through the grouped matmul
 there and back, with buffers sized from the load (a ragged all-to-all on GPU and TPU;
 on CPU dense all-to-alls of [ep, C, D] blocks, C a little over the balanced share, in
 as many rounds as the load needs); each token sums its k results weighted by its router
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
-from distill.models import dispatch, grouped
+from distill.models.experts import dispatch, grouped
 from distill.models.topk import top_k
 
 EXPERTS = ("we_gate", "we_up", "we_down")  # [E, ...]: split over the expert axis
@@ -133,7 +133,7 @@ def moe_ffn(
     we_gate, we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D], and a shared expert's ws_gate,
     ws_up [D, Fs/tp], ws_down [Fs/tp, D], shared_gate [D, 1]. `layout`: run per device of
     a GSPMD program (`Layout`; then `p` holds whole weights). `kernel`: the grouped
-    matmul (`distill.models.grouped.KERNELS`; None: the platform's)."""
+    matmul (`distill.models.experts.grouped.KERNELS`; None: the platform's)."""
     if layout is not None:
         return _per_device(h_bsd, p, cfg, layout, act, token_mask, kernel)
     b, s, d = h_bsd.shape
@@ -170,7 +170,7 @@ def _shared(h_td, p: dict, act) -> jax.Array:
 
 def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, act, kernel):
     """Dropless over `ep_axis`: each assignment, sorted by expert (so by device), to its
-    expert's device and back (`distill.models.dispatch`, buffers sized from the load);
+    expert's device and back (`distill.models.experts.dispatch`, buffers sized from the load);
     float32 [T, D] (partial over tp)."""
     (t, _), k = h.shape, ids.shape[1]
     n_local = experts[0].shape[0]

@@ -18,7 +18,8 @@ from distill.mesh import (
     student_size,
     teacher_size,
 )
-from distill.models import dispatch, model, moe
+from distill.models import model, moe
+from distill.models.experts import dispatch
 from student import optim, sharding, train
 from teacher import pipeline
 from teacher.forward import microbatch_rows
@@ -168,7 +169,7 @@ def all_to_all_bytes_per_step(cfg: Config, platform: str | None = None) -> int:
     """Bytes through the expert dispatch's all-to-alls in one step, over every device of
     the inference mesh: per MoE layer and microbatch, each device's rows there and their
     results back in the teacher's dtype, and dropless their int32 local expert ids. Dropless
-    (`distill.models.dispatch`, its transport chosen for `platform`, default attention's):
+    (`distill.models.experts.dispatch`, its transport chosen for `platform`, default attention's):
     `ragged`, the routed rows alone; `rounds` (CPU), the [ep, C] buffer of one round,
     SLACK times the rows when the load is balanced (a skewed load takes more rounds). With
     a capacity factor each device's buffer [ep, E/ep * C] (`moe.capacity_slots`)."""

@@ -9,11 +9,11 @@ devices and divided by the step's tokens. Beside the model's `forward_flops_per_
 out, such as a rematerialised forward, the vocabulary head's padding, the grouped
 matmul's padded tiles, or a matmul over every expert where a grouped matmul was meant.
 
-A mixture of experts also names its grouped-matmul kernel (`distill.models.grouped`):
+A mixture of experts also names its grouped-matmul kernel (`distill.models.experts.grouped`):
 `ragged_dot` on TPU, `mosaic_gpu` (Pallas Mosaic GPU) on Hopper GPUs where its dtype
 and block widths allow, `tiled` (exact pure XLA) elsewhere, `batched` for the teacher's
 capacity path; and where it dispatches tokens over devices (ep > 1, a student's experts
-split over fsdp) the transport (`distill.models.dispatch`): `ragged` on GPU and TPU,
+split over fsdp) the transport (`distill.models.experts.dispatch`): `ragged` on GPU and TPU,
 `rounds` on CPU. The tiled kernel skips at run time the tiles no routed row reaches, but a
 compiled program holds the worst case of its buffer: at ep > 1 one round's receive buffer
 (SLACK = 1.125 times a device's share of a balanced load), the round loop counted once.
@@ -26,7 +26,8 @@ import logging
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import Config
 from distill.errors import DistillError
-from distill.models import dispatch, grouped, grouped_mosaic, model
+from distill.models import model
+from distill.models.experts import dispatch, grouped, mosaic
 from student.sharding import experts_split
 
 log = logging.getLogger(__name__)
@@ -44,14 +45,14 @@ def moe_kernel(cfg: Config, role: str) -> str | None:
         tp = cfg.mesh.teacher.tp if role == "teacher" else 1
         dtype = getattr(cfg, role).dtype
         dtype = "bfloat16" if dtype == "auto" else dtype
-        if not grouped_mosaic.usable(mcfg.d_model, mcfg.d_ff_expert // tp, dtype):
+        if not mosaic.usable(mcfg.d_model, mcfg.d_ff_expert // tp, dtype):
             return "tiled"
     return name
 
 
 def moe_dispatch(cfg: Config, role: str) -> str | None:
     """How `role`'s MoE layers send tokens to the devices of their experts: the dropless
-    transport (`distill.models.dispatch.kind`: `ragged` on GPU and TPU, `rounds` on CPU),
+    transport (`distill.models.experts.dispatch.kind`: `ragged` on GPU and TPU, `rounds` on CPU),
     `all_to_all` for the teacher's capacity buffers; None where nothing is dispatched
     (ep = 1, a dense model, a student whose experts are gathered, not split)."""
     if role == "teacher":

@@ -2,7 +2,7 @@
 JAX's Pallas Mosaic GPU ragged-dot kernels for Hopper GPUs
 (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` and `transposed_ragged_dot_mgpu`), which
 multiply each row by its own expert's weights only (XLA's own `ragged_dot` on NVIDIA GPUs
-multiplies every row by every expert: `distill.models.grouped`).
+multiplies every row by every expert: `distill.models.experts.grouped`).
 
 Three grouped matmuls make the forward and its backward (`Ops`): `dot` (rows [M, K] by their
 group's [K, N]), `dot_t` (by their group's [N, K], transposed) and `outer` (each group's
@@ -14,7 +14,7 @@ XLA's reference ops (`reference_ops`), which tests compare with plain autodiff o
 platform; the Mosaic kernels themselves run on a Hopper GPU only (tests marked `gpu`).
 
 The kernels take bfloat16 or float16 operands whose contracting and output widths are
-multiples of their 64-wide blocks (`usable`); `distill.models.grouped` takes its `tiled`
+multiples of their 64-wide blocks (`usable`); `distill.models.experts.grouped` takes its `tiled`
 kernel for any other shape or dtype.
 """
 

@@ -20,8 +20,8 @@ Kernels (`kernel()` picks one per platform, as attention picks its backend):
   rows than routed. Fewer rows per expert (small R / E) mean smaller tiles, down to m = 1.
 - `mosaic_gpu`: on Hopper GPUs (compute capability 9.x), JAX's Pallas Mosaic GPU ragged-dot
   kernels over the rows sorted by expert, with their own backward
-  (`distill.models.grouped_mosaic`); bfloat16 or float16 widths that are multiples of 64
-  (`grouped_mosaic.usable`), else the `tiled` kernel.
+  (`distill.models.experts.mosaic`); bfloat16 or float16 widths that are multiples of 64
+  (`mosaic.usable`), else the `tiled` kernel.
 
 The capacity path (`teacher.moe_capacity_factor`) needs no grouping: its [E, C, D] slots
 run as batched matmuls (`batched_swiglu`).
@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from distill.collectives import cotangent, vary, varying
-from distill.models import attention, grouped_mosaic
+from distill.models import attention
+from distill.models.experts import mosaic
 
 KERNELS = ("ragged_dot", "mosaic_gpu", "tiled")
 MAX_TILE = 128  # rows per tile at most: enough for a GPU's tensor cores
@@ -84,13 +85,13 @@ def expert_rows(x_nd, src_r, expert_r, gate_efd, up_efd, down_edf, act, kernel_n
     where expert_r[r] == E (an empty or dropped row). Weights gate, up [E, D, F], down
     [E, F, D] (F may be this shard's columns: the result is then partial over `tp`)."""
     n_experts = gate_efd.shape[0]
-    mosaic = kernel_name == "mosaic_gpu" and grouped_mosaic.usable(
+    on_hopper = kernel_name == "mosaic_gpu" and mosaic.usable(
         x_nd.shape[-1], gate_efd.shape[-1], x_nd.dtype
     )
-    if kernel_name == "ragged_dot" or mosaic:  # the rows sorted by expert, as runs
+    if kernel_name == "ragged_dot" or on_hopper:  # the rows sorted by expert, as runs
         order = jnp.argsort(expert_r, stable=True)  # rows of no expert last
         sizes = jnp.bincount(expert_r, length=n_experts + 1)[:n_experts].astype(jnp.int32)
-        swiglu = grouped_mosaic.grouped_swiglu(act) if mosaic else partial(ragged_swiglu, act=act)
+        swiglu = mosaic.grouped_swiglu(act) if on_hopper else partial(ragged_swiglu, act=act)
         y = swiglu(x_nd[src_r[order]], sizes, gate_efd, up_efd, down_edf)
         return jnp.zeros_like(y).at[order].set(y)
     if kernel_name not in KERNELS:

@@ -23,7 +23,7 @@ Two transports (`kind()` chooses by platform, `distill plan` names it):
   routed rows' bytes when balanced, more rounds when a pair overflows.
 
 The received rows (grouped by sender, within one by expert) go through the grouped matmul
-(`distill.models.grouped.expert_rows` lays them out by local expert), and the results
+(`distill.models.experts.grouped.expert_rows` lays them out by local expert), and the results
 travel back by the same transport into each row's place. The backward (`jax.custom_vjp`)
 runs the same rounds: each row travels again with its cotangent, the receiver recomputes
 gate and up and runs the grouped matmul's transpose (`grouped.expert_rows_grads`: no
@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from distill import collectives as cc
-from distill.models import attention, grouped
+from distill.models import attention
+from distill.models.experts import grouped
 
 KINDS = ("ragged", "rounds")
 SLACK = 1.125  # a receiver's room a round over its share of a balanced load
