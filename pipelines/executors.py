@@ -107,4 +107,8 @@ class LocalExecutor:
     def finish(self) -> None:
         if self._ckpt is not None:
             self._ckpt.close()
+        self.close()
+
+    def close(self) -> None:
+        """Stop timing (idempotent): also where the run ended by an error, before `finish`."""
         self._watch.close()

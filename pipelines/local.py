@@ -140,3 +140,4 @@ def distill_local(
         ).run()
     finally:
         source.close()
+        executor.close()
