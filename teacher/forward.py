@@ -16,6 +16,14 @@ student shard from whole row blocks, still device to device).
 With pipeline stages (a `pp` axis: `mesh.teacher.pp`) the group's microbatches stream
 through the stages' layers (`teacher.pipeline`), and each stage then forms the outputs of
 its 1/pp of the rows as above: the rows leave split over pp as well.
+
+With context parallelism (a `cp` axis: `mesh.teacher.cp`) the batch comes in with each
+row's positions split over cp in row order; each device lays its slice out as the two
+load-balanced chunks ring attention wants (`ring_attention.balance`, two `ppermute`s of the
+int32 fields), runs the layers on them with attention over the cp ring, forms its positions'
+outputs, and sends them back to row order (`ring_attention.unbalance`). The outputs leave
+split over cp by position (`P(rows, cp)`), as a student of the same cp takes them: no row
+is ever whole on one device.
 """
 
 from __future__ import annotations
@@ -30,12 +38,12 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill import programs
 from distill.config import Config, ModelConfig
-from distill.mesh import DP, EP, PP, TP
-from distill.models import model, moe
+from distill.mesh import CP, DP, EP, PP, TP
+from distill.models import model, moe, ring_attention
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
 from teacher import pipeline
-from teacher.sharding import BATCH_BS, OUT_ROWS_DP, out_spec, param_specs
+from teacher.sharding import OUT_ROWS_DP, batch_spec, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits", "target_logprobs"]
 
@@ -54,8 +62,9 @@ def make_forward(
     expert_load: bool = False,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
-    (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages:
-    `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp` x `ep`.
+    (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages and `cp` before `tp` for
+    context parallelism: `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp`
+    x `ep`, its positions (with `cp`) by 2 x cp (`teacher.sharding.batch_spec`).
 
     `vocab_limit`: the tokenizer's vocabulary size when the model's is padded past it; the
     logits of ids >= vocab_limit are -inf in every mode (each vocab shard masks its own
@@ -85,6 +94,7 @@ def make_forward(
 
     moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
     stages = mesh.shape.get(PP, 1)
+    context, attend = _context(mesh)
     stage_kw = {"dtype": dtype, "moe_opts": moe_opts, "with_stats": expert_load}
 
     def outputs(params, batch: Batch):
@@ -93,7 +103,7 @@ def make_forward(
         a time."""
         x, head, *stats = model.apply_hidden(
             cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
-            dtype=dtype, moe_opts=moe_opts, with_stats=expert_load,
+            dtype=dtype, moe_opts=moe_opts, with_stats=expert_load, attend=attend,
         )  # fmt: skip  # [b, S, D], [D, V/tp], (ExpertLoad per layer [L, E], [L])
         out = rows_outputs(x, batch.targets, head)
         if not expert_load:
@@ -107,20 +117,19 @@ def make_forward(
         return by_positions(lambda c: out(*c, head), (x, targets), chunk)
 
     def forward(params, batch: Batch, *, split_rows: bool):
+        if context:  # each device's two load-balanced chunks of its rows
+            batch = jax.tree.map(lambda x: ring_attention.balance(x, CP), batch)
         if stages > 1:
             out = _staged(cfg, params, batch, rows_outputs, microbatch, split_rows, **stage_kw)
         else:
             out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
         if expert_load:
             out, load = out
-        if mode in ("topk", "target_logprobs"):
-            layout = cc.rows_of_replicated if split_rows else lambda x, _: x
-        else:
-            layout = cc.vocab_to_rows if split_rows else cc.gather_vocab
-        out = jax.tree.map(lambda x: layout(x, TP), out)
+        out = _leave(out, mode, split_rows, context)
         if not expert_load:
             return out
-        rows_axes = (DP, EP, PP) if stages > 1 else (DP, EP)  # each stage its layers' load
+        # each stage its layers' load; each cp device its positions' routing
+        rows_axes = (DP, EP) + ((PP,) if stages > 1 else ()) + ((CP,) if context else ())
         return out, jax.tree.map(lambda n: cc.psum(n, rows_axes), load)
 
     def run(params, batch: Batch):
@@ -129,14 +138,40 @@ def make_forward(
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
-            lambda p, b: forward(p, b, split_rows=spec != OUT_ROWS_DP),
+            lambda p, b: forward(p, b, split_rows=spec[0] != OUT_ROWS_DP[0]),
             mesh=mesh,
-            in_specs=(param_specs(cfg, stages), BATCH_BS),
+            in_specs=(param_specs(cfg, stages), batch_spec(mesh)),
             out_specs=out_specs,
         )
         return sharded(params, batch)
 
     return jax.jit(run)
+
+
+def _context(mesh) -> tuple[bool, Callable | None]:
+    """(whether `mesh` splits rows over `cp`, attention over its ring or None). Each device
+    then holds its rows' two load-balanced chunks (`ring_attention.balance`, the student's
+    layout): RoPE from their true positions, attention by `ring_attention` (key/value
+    blocks around the ring, or gathered, as for the student), windows, soft-caps and packed
+    segments as on one device; everything else is per position."""
+    context = CP in mesh.shape
+    if context and PP in mesh.shape:
+        raise ValueError("a teacher mesh with both pp and cp axes is not supported")
+    return context, partial(ring_attention.ring_attention, axis=CP) if context else None
+
+
+def _leave(out, mode: Mode, split_rows: bool, context: bool):
+    """The outputs as they leave the mesh: with `cp`, back in row order (each device its
+    S/cp positions: `ring_attention.unbalance`); then top-k and target log-probs sliced to
+    this `tp` device's rows (`split_rows`) or kept, vocabulary shards sent to their rows'
+    devices (all-to-all) or gathered."""
+    if context:
+        out = jax.tree.map(lambda x: ring_attention.unbalance(x, CP), out)
+    if mode in ("topk", "target_logprobs"):
+        layout = cc.rows_of_replicated if split_rows else lambda x, _: x
+    else:
+        layout = cc.vocab_to_rows if split_rows else cc.gather_vocab
+    return jax.tree.map(lambda x: layout(x, TP), out)
 
 
 def head_outputs(cfg: ModelConfig, mode: Mode, temperature, top_k, vocab_limit, x, targets, head):
