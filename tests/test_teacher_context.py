@@ -21,9 +21,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distill import handoff
+from distill.config import Config
+from distill.config.load import config_from_dict
 from distill.mesh import CP, student_mesh, teacher_mesh
 from distill.models import model, ring_attention
+from pipelines import plan
 from pipelines.commands.cli import main
+from pipelines.plan import memory as plan_memory
 from student import train
 from teacher.forward import make_forward
 from teacher.sharding import batch_sharding, shard_params
@@ -145,3 +149,39 @@ def test_a_run_with_cp_in_both_roles_gives_the_runs_losses(tiny_run, tmp_path):
     evals = [[r["student_loss"] for r in read_evals(o)] for o in (tiny_run.out, out)]
     assert len(evals[0]) == 3
     np.testing.assert_allclose(evals[1], evals[0], atol=1e-6, rtol=0)
+
+
+# the tiny run's teacher (`tests.conftest.tiny_config`)
+TINY_TEACHER = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+
+
+def _plan_config(cp: int) -> Config:
+    cfg = config_from_dict(
+        {
+            "data": {"source": "x"},
+            "teacher": {"model": TINY_TEACHER, "top_k": 8},
+            "mesh": {"teacher": {"cp": cp}},
+            "train": {"seq_len": 8192, "batch_size": 2},
+        }
+    )
+    cfg.resolve_dtypes("cpu")
+    return cfg
+
+
+def test_the_plan_shows_the_teachers_memory_falling_with_cp():
+    """Compile-only (`distill plan`'s figures), two rows of 8,192 tokens: a device's
+    forward temporaries at cp = 2 at most 0.6x, at cp = 4 at most 0.35x cp = 1's; the ring's
+    bytes: k, v and segment ids of a device's tokens, cp - 1 times a layer."""
+    temps = {}
+    for cp in (1, 2, 4):
+        cfg = _plan_config(cp)
+        mesh = teacher_mesh(jax.devices()[:cp], 1, 1, 1, 1, cp)
+        figures, _ = plan_memory.teacher_memory(cfg, mesh, None)
+        temps[cp] = figures["forward_temp_bytes_per_device"]
+    assert temps[2] <= 0.6 * temps[1] and temps[4] <= 0.35 * temps[1], temps
+    cfg = _plan_config(2)
+    m = cfg.teacher.model
+    assert "ring_bytes_per_step" not in plan.teacher_figures(_plan_config(1))
+    tokens = 2 * 8192 // 2
+    kv = tokens * (2 * m.n_kv_heads * m.hd * 4 + 4)  # float32 on CPU
+    assert plan.teacher_figures(cfg)["ring_bytes_per_step"] == m.n_layers * kv
