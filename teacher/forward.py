@@ -60,6 +60,7 @@ def make_forward(
     microbatch: int | None = None,
     capacity_factor: float | None = None,
     expert_load: bool = False,
+    sequence_parallel: bool = True,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
     (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages and `cp` before `tp` for
@@ -71,10 +72,9 @@ def make_forward(
     range), so log-probs and top-k put no mass on ids the tokenizer never produces.
 
     `microbatch`: rows per forward in each dp group (at most: the largest divisor of the
-    group's rows not above it); None: all of them at once.
-
-    `capacity_factor`: a mixture of experts' per-expert capacity (`distill.models.moe`);
-    None: dropless. Its experts are split over the mesh's `ep` axis.
+    group's rows not above it); None: all of them at once. `capacity_factor`: a mixture of
+    experts' per-expert capacity (`distill.models.moe`); None: dropless.
+    `sequence_parallel`: norms and residuals on 1/tp of the positions (`_tensor_axis`).
 
     `expert_load` (a mixture of experts only): return (output, `moe.ExpertLoad`), the
     batch's routing counts summed over layers, microbatches and the axes that split rows
@@ -101,10 +101,12 @@ def make_forward(
         """What `mode` returns for some rows: top-k and target log-probs replicated over
         `tp`, else vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at
         a time."""
+        tp = _tensor_axis(mesh, batch.tokens.shape[1], sequence_parallel)
         x, head, *stats = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=tp,
             dtype=dtype, moe_opts=moe_opts, with_stats=expert_load, attend=attend,
-        )  # fmt: skip  # [b, S, D], [D, V/tp], (ExpertLoad per layer [L, E], [L])
+        )  # fmt: skip  # [b, S, D] ([b, S/tp, D] under SP), [D, V/tp], (ExpertLoad [L, E], [L])
+        x = cc.gather_positions(x, tp)
         out = rows_outputs(x, batch.targets, head)
         if not expert_load:
             return out
@@ -158,6 +160,20 @@ def _context(mesh) -> tuple[bool, Callable | None]:
     if context and PP in mesh.shape:
         raise ValueError("a teacher mesh with both pp and cp axes is not supported")
     return context, partial(ring_attention.ring_attention, axis=CP) if context else None
+
+
+def _tensor_axis(mesh, positions: int, sequence_parallel: bool) -> str:
+    """The tensor-parallel axis the model runs on: `SequenceParallel(TP)` when asked and the
+    `positions` of a device's rows divide over `tp` (> 1), without stages; else `TP`. Under
+    it, between the column- and row-parallel matmuls, the residual stream and the norms
+    hold 1/tp of the positions a device: each row-parallel sum is a reduce-scatter over
+    the positions, each column-parallel matmul's input an all-gather of them (the same
+    bytes as the all-reduce they replace), and the final hidden states are gathered once
+    for the vocabulary-parallel head. The outputs equal plain tp's to float32 rounding."""
+    tp = mesh.shape[TP]
+    if sequence_parallel and tp > 1 and positions % tp == 0 and PP not in mesh.shape:
+        return cc.SequenceParallel(TP)
+    return TP
 
 
 def _leave(out, mode: Mode, split_rows: bool, context: bool):
