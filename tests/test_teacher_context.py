@@ -132,14 +132,18 @@ def _spy(fn, calls: list):
     return wrapped
 
 
-def test_a_run_with_cp_in_both_roles_gives_the_runs_losses(tiny_run, tmp_path):
+@pytest.mark.parametrize("placement", ["split", pytest.param("colocated", marks=pytest.mark.slow)])
+def test_a_run_with_cp_in_both_roles_gives_the_runs_losses(tiny_run, tmp_path, placement):
     """The tiny run again with its teacher on tp = 2 x cp = 2 and its student on dp = 2 x
-    cp = 2 (8 devices; the outputs hop block for block): the same losses and evaluations."""
+    cp = 2 (8 devices, the outputs hopping block for block; or colocated on the same 4,
+    whose blocks lie on other devices of the two meshes): the same losses and
+    evaluations."""
     tree = json.loads(json.dumps(tiny_run.tree))
     out = tmp_path / "out"
     tree["run"]["output_dir"] = str(out)
     tree["mesh"]["teacher"]["cp"] = 2
     tree["mesh"]["student"]["cp"] = 2
+    tree["mesh"]["placement"] = placement
     tree["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
     assert main(["run", write_config(tmp_path, tree)]) == 0
     runs = [train_by_step(o) for o in (tiny_run.out, out)]
