@@ -15,9 +15,39 @@ import jax.numpy as jnp
 from distill.models import topk
 
 
+class SequenceParallel(str):
+    """A tensor-parallel axis name whose row-parallel sums leave each device 1/tp of the
+    positions (Megatron's sequence parallelism): `psum` of a [B, S, D] activation is then a
+    reduce-scatter over S, and `gather_positions` all-gathers a normed [B, S/tp, D] shard
+    back to [B, S, D] before the next column-parallel matmul. The residual stream and the
+    norms between the parallel matmuls hold S/tp positions a device; the bytes moved are
+    those of the all-reduce it replaces (an all-reduce is a reduce-scatter then an
+    all-gather). Used as the axis name itself, so the model's code is the same."""
+
+
 def psum(x: jax.Array, axis: str | None) -> jax.Array:
-    """Sum partial results of a row-parallel matmul over the tensor-parallel axis."""
-    return x if axis is None else jax.lax.psum(x, axis)
+    """Sum partial results of a row-parallel matmul over the tensor-parallel axis: with
+    `SequenceParallel`, reduce-scattered over the positions (axis 1)."""
+    if axis is None:
+        return x
+    if isinstance(axis, SequenceParallel):
+        return jax.lax.psum_scatter(x, str(axis), scatter_dimension=1, tiled=True)
+    return jax.lax.psum(x, axis)
+
+
+def psum_whole(x: jax.Array, axis: str | None) -> jax.Array:
+    """`psum` whose result is whole on every device even under `SequenceParallel` (a sum
+    over features, not positions: OLMoE's query/key norm)."""
+    return x if axis is None else jax.lax.psum(x, str(axis))
+
+
+def gather_positions(x_bsd: jax.Array, axis: str | None) -> jax.Array:
+    """Under `SequenceParallel`: every device's [B, S/tp, ...] positions gathered to
+    [B, S, ...] (all-gather over the tensor-parallel axis), typed replicated over it as
+    the whole-row activations of plain tp are; else `x_bsd` as it is."""
+    if not isinstance(axis, SequenceParallel):
+        return x_bsd
+    return jax.lax.all_gather(x_bsd, str(axis), axis=1, tiled=True, to="invarying")
 
 
 def _vocab_offset(local_vocab: int, axis: str | None) -> jax.Array | int:
@@ -32,7 +62,7 @@ def embed_lookup(embed_vd: jax.Array, tokens_bs: jax.Array, axis: str | None) ->
     local_ids = tokens_bs - _vocab_offset(local_v, axis)
     owned = (local_ids >= 0) & (local_ids < local_v)
     x = embed_vd[jnp.clip(local_ids, 0, local_v - 1)]
-    return jax.lax.psum(jnp.where(owned[..., None], x, 0).astype(embed_vd.dtype), axis)
+    return psum(jnp.where(owned[..., None], x, 0).astype(embed_vd.dtype), axis)
 
 
 def mask_vocab(

@@ -10,8 +10,10 @@ than the student, or fewer), each student shard is made on its device from copie
 teacher's row blocks it spans, sliced on the teacher's devices where a block reaches past it.
 Colocated meshes (`mesh.placement: colocated`) share devices: where a device's own teacher
 block is exactly its student rows the buffer is handed over as it is (no copy), and where it
-covers them the rows are sliced on that device. A student that splits each row's positions
-too (`mesh.student.cp`) gets its shards the same way, each part cut to the shard's
+covers them the rows are sliced on that device. Context parallelism splits each row's
+positions too (`mesh.student.cp`, `mesh.teacher.cp`): blocks are then rows x positions and
+the same rules hold for them (a teacher and a student with equal row splits and equal cp:
+one copy per device, no row ever whole on one device), each part cut to the destination's
 positions on the teacher's device before it moves.
 """
 
@@ -20,7 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-Rows = tuple[int, int]  # [start, stop) of the leading axis
+Rows = tuple[int, int]  # [start, stop) of the leading axis (or of the positions, axis 1)
+Block = tuple[Rows, Rows]  # (rows, positions) of a shard
 
 
 def hop(tree, sharding):
@@ -35,65 +38,67 @@ def row_blocks(index: tuple, shape: tuple[int, ...]) -> Rows | None:
     return index[0].indices(shape[0])[:2]
 
 
+def blocks(index: tuple, shape: tuple[int, ...]) -> Block | None:
+    """(rows, positions) a shard's index covers, or None if it splits any axis after the
+    second (positions: the whole row unless context parallelism splits it)."""
+    if len(shape) < 2:
+        rows = row_blocks(index, shape)
+        return None if rows is None else (rows, (0, 1))
+    if row_blocks((index[0], slice(None), *index[2:]), shape) is None:
+        return None
+    return index[0].indices(shape[0])[:2], index[1].indices(shape[1])[:2]
+
+
 def _hop(x, sharding):
     if not isinstance(x, jax.Array) or x.sharding == sharding:
         return jax.device_put(x, sharding)
-    src: dict[Rows, jax.Array] = {}
-    local: dict[tuple[Rows, object], jax.Array] = {}  # (rows, device): that device's block
+    src: dict[Block, jax.Array] = {}
+    local: dict[tuple[Block, object], jax.Array] = {}  # (block, device): that device's
     for shard in x.addressable_shards:
-        rows = row_blocks(shard.index, x.shape)
-        if rows is None:  # not batch-major: JAX's own reshard (may go through the host)
+        block = blocks(shard.index, x.shape)
+        if block is None:  # not batch-major: JAX's own reshard (may go through the host)
             return jax.device_put(x, sharding)
-        src.setdefault(rows, shard.data)
-        local[rows, shard.device] = shard.data
+        src.setdefault(block, shard.data)
+        local[block, shard.device] = shard.data
     indices = sharding.addressable_devices_indices_map(x.shape)
-    dst = {device: row_blocks(index, x.shape) for device, index in indices.items()}
+    dst = {device: blocks(index, x.shape) for device, index in indices.items()}
     if None in dst.values():
-        return _to_pieces(x, sharding, src, local, indices)
-    if all((rows, device) in local for device, rows in dst.items()):
-        # colocated meshes whose row blocks agree: each device keeps its buffer, no copy
-        shards = [local[rows, device] for device, rows in dst.items()]
+        return jax.device_put(x, sharding)
+    if all((block, device) in local for device, block in dst.items()):
+        # colocated meshes whose blocks agree: each device keeps its buffer, no copy
+        shards = [local[block, device] for device, block in dst.items()]
         return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
-    if all(rows in src for rows in dst.values()):
+    if all(block in src for block in dst.values()):
         return jax.device_put(x, sharding)  # one buffer copy per destination device
-    shards = [_assemble(src, local, rows, device) for device, rows in dst.items()]
+    shards = [_assemble(src, local, block, device, x.ndim) for device, block in dst.items()]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
-def _to_pieces(x, sharding, src: dict[Rows, jax.Array], local: dict, indices: dict):
-    """`x` onto a `sharding` that also splits its second (sequence) axis (the student's
-    context parallelism, `student.sharding.batch_spec`): each destination shard assembled
-    from the source's row blocks as `_assemble` does, each part cut to the shard's
-    positions on its source device before it moves, so no device receives more than its
-    share. JAX's own reshard where the destination splits any later axis."""
-    shards = []
-    for device, index in indices.items():
-        if row_blocks((index[0], slice(None), *index[2:]), x.shape) is None:
-            return jax.device_put(x, sharding)
-        rows, cols = (index[a].indices(x.shape[a])[:2] for a in (0, 1))
-        shards.append(_assemble(src, local, rows, device, cols))
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+def _assemble(src: dict[Block, jax.Array], local: dict, block: Block, device, ndim: int):
+    """The rows [a, b) and positions [c, d) of `block` on `device`: from a block the device
+    holds itself where one covers them (colocated meshes: sliced there, nothing crosses
+    devices), else the overlapping part of each source block (sliced on its own device, so
+    no device receives more than its share), copied over and put together there (along the
+    positions within each band of rows, then the bands)."""
+
+    def cut(buf, origin: Block, part: Block):
+        for axis, ((lo, hi), (o, _)) in enumerate(zip(part, origin, strict=True)):
+            if axis < ndim and (lo, hi) != origin[axis]:
+                buf = jax.lax.slice_in_dim(buf, lo - o, hi - o, axis=axis)
+        return buf
+
+    for (rows, cols), dev in local:
+        if dev == device and _inside(block, (rows, cols)):
+            return cut(local[(rows, cols), dev], (rows, cols), block)
+    bands: dict[Rows, list] = {}
+    for origin, buf in sorted(src.items()):
+        pairs = zip(block, origin, strict=True)
+        part = tuple((max(a, s0), min(b, s1)) for (a, b), (s0, s1) in pairs)
+        if all(lo < hi for lo, hi in part):
+            bands.setdefault(part[0], []).append(jax.device_put(cut(buf, origin, part), device))
+    rows = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=1) for _, p in sorted(bands.items())]
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows)
 
 
-def _assemble(
-    src: dict[Rows, jax.Array], local: dict, rows: Rows, device, cols: Rows | None = None
-) -> jax.Array:
-    """Rows [a, b) on `device` (and of them the positions `cols`, [c, d) of the second
-    axis, when given): from a block the device holds itself where one covers them
-    (colocated meshes: sliced there, nothing crosses devices), else the overlapping part of
-    each source block (sliced on its own device), copied over, concatenated there."""
-    a, b = rows
-
-    def positions(part):
-        return part if cols is None else jax.lax.slice_in_dim(part, *cols, axis=1)
-
-    for (s0, s1), dev in local:
-        if dev == device and s0 <= a and b <= s1:
-            return positions(jax.lax.slice_in_dim(local[(s0, s1), dev], a - s0, b - s0))
-    parts = []
-    for (s0, s1), buf in sorted(src.items()):
-        lo, hi = max(a, s0), min(b, s1)
-        if lo < hi:
-            part = buf if (lo, hi) == (s0, s1) else jax.lax.slice_in_dim(buf, lo - s0, hi - s0)
-            parts.append(jax.device_put(positions(part), device))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+def _inside(inner: Block, outer: Block) -> bool:
+    return all(s0 <= a and b <= s1 for (a, b), (s0, s1) in zip(inner, outer, strict=True))

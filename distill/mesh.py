@@ -1,14 +1,15 @@
 """Device discovery, the two meshes' placement, and CPU device simulation.
 
-The inference mesh (axes `pp` x `dp` x `ep` x `tp`; `pp` only when `mesh.teacher.pp` > 1)
-holds the teacher; the training mesh (axes `dp` x `fsdp`, and `cp` when `mesh.student.cp`
-> 1) holds the student. `mesh.placement: split` (the default) keeps them disjoint: the
-teacher takes the first `pp * dp * ep * tp` devices and the student the next
-`dp * fsdp * cp`, and the two work at once. `colocated` lays both from the first device
-on, so they share devices and take turns (one GPU; a host where no split balances the
-roles); `auto` is resolved to one of the two before the meshes are built
-(`pipelines.placement`). On a host without accelerators, `simulate_cpu_devices` must run
-before JAX initialises so that the two-mesh layout runs anywhere.
+The inference mesh (axes `pp` x `dp` x `ep` x `cp` x `tp`; `pp` and `cp` only when
+`mesh.teacher.pp` or `mesh.teacher.cp` > 1) holds the teacher; the training mesh (axes
+`dp` x `fsdp`, and `cp` when `mesh.student.cp` > 1) holds the student.
+`mesh.placement: split` (the default) keeps them disjoint: the teacher takes the first
+`pp * dp * ep * cp * tp` devices and the student the next `dp * fsdp * cp`, and the two
+work at once. `colocated` lays both from the first device on, so they share devices and
+take turns (one GPU; a host where no split balances the roles); `auto` is resolved to one
+of the two before the meshes are built (`pipelines.placement`). On a host without
+accelerators, `simulate_cpu_devices` must run before JAX initialises so that the two-mesh
+layout runs anywhere.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ DP = "dp"
 # layers, activations passed stage to stage once per microbatch (`teacher.pipeline`).
 PP = "pp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
-# The training mesh's context-parallel axis: each row's sequence split over it (load-balanced
+# Both meshes' context-parallel axis: each row's sequence split over it (load-balanced
 # chunks, `distill.models.ring_attention`). Only in a mesh whose cp is above 1.
 CP = "cp"
 
@@ -59,13 +60,16 @@ def teacher_shape(cfg: Config) -> dict[str, int]:
     each tensor-parallel group is a run of neighbouring devices; ep next, as the all-to-all
     of expert dispatch is the next busiest), with pipeline stages {pp: ..., dp: ...} first
     (outermost: its stages exchange one activation per microbatch, so across hosts the
-    stages split first). A mesh without stages has no pp axis."""
+    stages split first), and context parallelism {..., cp: ..., tp: ...} just outside tp
+    (its ring passes key/value blocks every layer, fewer bytes than tp's all-reduces). A
+    mesh without stages has no pp axis, one without context parallelism no cp axis."""
     t = cfg.mesh.teacher
-    return ({PP: t.pp} if t.pp > 1 else {}) | {DP: t.dp, EP: t.ep, TP: t.tp}
+    cp = {CP: t.cp} if t.cp > 1 else {}
+    return ({PP: t.pp} if t.pp > 1 else {}) | {DP: t.dp, EP: t.ep} | cp | {TP: t.tp}
 
 
 def teacher_size(cfg: Config) -> int:
-    """Devices of the inference mesh: pp * dp * ep * tp."""
+    """Devices of the inference mesh: pp * dp * ep * cp * tp."""
     return math.prod(teacher_shape(cfg).values())
 
 
@@ -76,14 +80,15 @@ def _teacher_keys(cfg: Config, prefix: str = "mesh.teacher.") -> str:
     return " x ".join(keys)
 
 
-def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1, pp: int = 1):
-    """The inference mesh over `devices` (pp * dp * ep * tp of them): axes (DP, EP, TP),
-    with (PP, DP, EP, TP) when there are pipeline stages, laid out by `device_grid`."""
+def teacher_mesh(devices: list, dp: int, tp: int, ep: int = 1, pp: int = 1, cp: int = 1):
+    """The inference mesh over `devices` (pp * dp * ep * cp * tp of them): axes (DP, EP,
+    TP), with PP first when there are pipeline stages and CP before TP when `cp` > 1 (each
+    row's sequence split over it: `teacher.forward`), laid out by `device_grid`."""
     from jax.sharding import Mesh
 
-    if pp == 1:
-        return Mesh(device_grid(devices, (dp, ep, tp)), (DP, EP, TP))
-    return Mesh(device_grid(devices, (pp, dp, ep, tp)), (PP, DP, EP, TP))
+    sizes = {PP: pp, DP: dp, EP: ep, CP: cp, TP: tp}
+    axes = tuple(a for a, n in sizes.items() if a not in (PP, CP) or n > 1)
+    return Mesh(device_grid(devices, tuple(sizes[a] for a in axes)), axes)
 
 
 def student_mesh(devices: list, dp: int, fsdp: int, cp: int = 1):
@@ -230,14 +235,26 @@ def check_batch_split(cfg: Config) -> None:
 
 
 def check_context(cfg: Config) -> None:
-    """`mesh.student.cp` > 1: every row splits into 2 x cp equal chunks (`train.seq_len`),
-    and the run uses only what the student's context parallelism is built for so far."""
-    cp, seq = cfg.mesh.student.cp, cfg.train.seq_len
+    """`mesh.student.cp` or `mesh.teacher.cp` > 1: every row splits into 2 x cp equal
+    chunks (`train.seq_len`), and the run uses only what each role's context parallelism
+    is built for so far."""
+    _check_role_context(cfg, "student", [
+        ("student.model.n_experts", bool(cfg.student_model().n_experts), "a dense student"),
+    ])  # fmt: skip
+    _check_role_context(cfg, "teacher", [
+        ("mesh.teacher.pp", cfg.mesh.teacher.pp > 1, "mesh.teacher.pp: 1 (no stages)"),
+    ])  # fmt: skip
+
+
+def _check_role_context(cfg: Config, role: str, own: list) -> None:
+    """One role's cp (`mesh.<role>.cp`) against the row length, the refusals both roles
+    share and the role's `own` ones (field, refused, what it needs)."""
+    cp, seq = getattr(cfg.mesh, role).cp, cfg.train.seq_len
     if cp == 1:
         return
     if seq % (2 * cp):
         raise DistillError(
-            f"train.seq_len: {seq} does not split into 2 x mesh.student.cp = {2 * cp} equal "
+            f"train.seq_len: {seq} does not split into 2 x mesh.{role}.cp = {2 * cp} equal "
             "chunks (context parallelism); make it a multiple of that"
         )
     refused = [
@@ -245,13 +262,13 @@ def check_context(cfg: Config) -> None:
         ("mesh.placement", cfg.mesh.placement == "auto", "mesh.placement: split or colocated"),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction: 0"),
         ("teacher.tokenizer", cfg.cross_tokenizer(), "the student's tokenizer (data.tokenizer)"),
-        ("student.model.n_experts", bool(cfg.student_model().n_experts), "a dense student"),
+        *own,
     ]
     for key, bad, needs in refused:
         if bad:
             raise DistillError(
-                f"{key}: not supported with mesh.student.cp={cp} (context parallelism) yet; "
-                f"needs {needs}, or mesh.student.cp: 1"
+                f"{key}: not supported with mesh.{role}.cp={cp} (context parallelism) yet; "
+                f"needs {needs}, or mesh.{role}.cp: 1"
             )
 
 
@@ -353,7 +370,7 @@ def _device_ids(cfg: Config) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class Meshes:
-    teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP); (PP, DP, EP, TP) with stages
+    teacher: object  # jax.sharding.Mesh, axes (DP, EP, TP); PP first with stages, CP before TP
     student: object  # jax.sharding.Mesh, axes (DP, FSDP) or (DP, FSDP, CP)
     platform: str
 
@@ -378,9 +395,9 @@ class Meshes:
         }
 
 
-def _dp_tp_ep(cfg: Config) -> tuple[int, int, int, int]:
+def _dp_tp_ep(cfg: Config) -> tuple[int, int, int, int, int]:
     t = cfg.mesh.teacher
-    return t.dp, t.tp, t.ep, t.pp
+    return t.dp, t.tp, t.ep, t.pp, t.cp
 
 
 def _dp_fsdp_cp(cfg: Config) -> tuple[int, int, int]:

@@ -175,8 +175,8 @@ def preflight_role(cfg: Config, role: str) -> Corpus:
     devices = available_devices(cfg.mesh.platform)
     cfg.resolve_dtypes(devices[0].platform)
     check_shapes(cfg)
+    check_context(cfg)
     if role == "student":
-        check_context(cfg)
         check_dense_output(cfg, devices[0])
     return _corpus(cfg)
 

@@ -16,6 +16,14 @@ student shard from whole row blocks, still device to device).
 With pipeline stages (a `pp` axis: `mesh.teacher.pp`) the group's microbatches stream
 through the stages' layers (`teacher.pipeline`), and each stage then forms the outputs of
 its 1/pp of the rows as above: the rows leave split over pp as well.
+
+With context parallelism (a `cp` axis: `mesh.teacher.cp`) the batch comes in with each
+row's positions split over cp in row order; each device lays its slice out as the two
+load-balanced chunks ring attention wants (`ring_attention.balance`, two `ppermute`s of the
+int32 fields), runs the layers on them with attention over the cp ring, forms its positions'
+outputs, and sends them back to row order (`ring_attention.unbalance`). The outputs leave
+split over cp by position (`P(rows, cp)`), as a student of the same cp takes them: no row
+is ever whole on one device.
 """
 
 from __future__ import annotations
@@ -30,12 +38,12 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill import programs
 from distill.config import Config, ModelConfig
-from distill.mesh import DP, EP, PP, TP
-from distill.models import model, moe
+from distill.mesh import CP, DP, EP, PP, TP
+from distill.models import model, moe, ring_attention
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
 from teacher import pipeline
-from teacher.sharding import BATCH_BS, OUT_ROWS_DP, out_spec, param_specs
+from teacher.sharding import OUT_ROWS_DP, batch_spec, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits", "target_logprobs"]
 
@@ -52,20 +60,21 @@ def make_forward(
     microbatch: int | None = None,
     capacity_factor: float | None = None,
     expert_load: bool = False,
+    sequence_parallel: bool = True,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
-    (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages:
-    `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp` x `ep`.
+    (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages and `cp` before `tp` for
+    context parallelism: `distill.mesh.teacher_mesh`). The batch's rows must divide by `dp`
+    x `ep`, its positions (with `cp`) by 2 x cp (`teacher.sharding.batch_spec`).
 
     `vocab_limit`: the tokenizer's vocabulary size when the model's is padded past it; the
     logits of ids >= vocab_limit are -inf in every mode (each vocab shard masks its own
     range), so log-probs and top-k put no mass on ids the tokenizer never produces.
 
     `microbatch`: rows per forward in each dp group (at most: the largest divisor of the
-    group's rows not above it); None: all of them at once.
-
-    `capacity_factor`: a mixture of experts' per-expert capacity (`distill.models.moe`);
-    None: dropless. Its experts are split over the mesh's `ep` axis.
+    group's rows not above it); None: all of them at once. `capacity_factor`: a mixture of
+    experts' per-expert capacity (`distill.models.moe`); None: dropless.
+    `sequence_parallel`: norms and residuals on 1/tp of the positions (`_tensor_axis`).
 
     `expert_load` (a mixture of experts only): return (output, `moe.ExpertLoad`), the
     batch's routing counts summed over layers, microbatches and the axes that split rows
@@ -85,16 +94,19 @@ def make_forward(
 
     moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
     stages = mesh.shape.get(PP, 1)
+    context, attend = _context(mesh)
     stage_kw = {"dtype": dtype, "moe_opts": moe_opts, "with_stats": expert_load}
 
     def outputs(params, batch: Batch):
         """What `mode` returns for some rows: top-k and target log-probs replicated over
         `tp`, else vocabulary-sharded [b, S, V/tp]; the logits formed a chunk of positions at
         a time."""
+        tp = _tensor_axis(mesh, batch.tokens.shape[1], sequence_parallel)
         x, head, *stats = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=TP,
-            dtype=dtype, moe_opts=moe_opts, with_stats=expert_load,
-        )  # fmt: skip  # [b, S, D], [D, V/tp], (ExpertLoad per layer [L, E], [L])
+            cfg, params, batch.tokens, batch.segment_ids, batch.positions, tp_axis=tp,
+            dtype=dtype, moe_opts=moe_opts, with_stats=expert_load, attend=attend,
+        )  # fmt: skip  # [b, S, D] ([b, S/tp, D] under SP), [D, V/tp], (ExpertLoad [L, E], [L])
+        x = cc.gather_positions(x, tp)
         out = rows_outputs(x, batch.targets, head)
         if not expert_load:
             return out
@@ -107,20 +119,19 @@ def make_forward(
         return by_positions(lambda c: out(*c, head), (x, targets), chunk)
 
     def forward(params, batch: Batch, *, split_rows: bool):
+        if context:  # each device's two load-balanced chunks of its rows
+            batch = jax.tree.map(lambda x: ring_attention.balance(x, CP), batch)
         if stages > 1:
             out = _staged(cfg, params, batch, rows_outputs, microbatch, split_rows, **stage_kw)
         else:
             out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
         if expert_load:
             out, load = out
-        if mode in ("topk", "target_logprobs"):
-            layout = cc.rows_of_replicated if split_rows else lambda x, _: x
-        else:
-            layout = cc.vocab_to_rows if split_rows else cc.gather_vocab
-        out = jax.tree.map(lambda x: layout(x, TP), out)
+        out = _leave(out, mode, split_rows, context)
         if not expert_load:
             return out
-        rows_axes = (DP, EP, PP) if stages > 1 else (DP, EP)  # each stage its layers' load
+        # each stage its layers' load; each cp device its positions' routing
+        rows_axes = (DP, EP) + ((PP,) if stages > 1 else ()) + ((CP,) if context else ())
         return out, jax.tree.map(lambda n: cc.psum(n, rows_axes), load)
 
     def run(params, batch: Batch):
@@ -129,14 +140,54 @@ def make_forward(
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
-            lambda p, b: forward(p, b, split_rows=spec != OUT_ROWS_DP),
+            lambda p, b: forward(p, b, split_rows=spec[0] != OUT_ROWS_DP[0]),
             mesh=mesh,
-            in_specs=(param_specs(cfg, stages), BATCH_BS),
+            in_specs=(param_specs(cfg, stages), batch_spec(mesh)),
             out_specs=out_specs,
         )
         return sharded(params, batch)
 
     return jax.jit(run)
+
+
+def _context(mesh) -> tuple[bool, Callable | None]:
+    """(whether `mesh` splits rows over `cp`, attention over its ring or None). Each device
+    then holds its rows' two load-balanced chunks (`ring_attention.balance`, the student's
+    layout): RoPE from their true positions, attention by `ring_attention` (key/value
+    blocks around the ring, or gathered, as for the student), windows, soft-caps and packed
+    segments as on one device; everything else is per position."""
+    context = CP in mesh.shape
+    if context and PP in mesh.shape:
+        raise ValueError("a teacher mesh with both pp and cp axes is not supported")
+    return context, partial(ring_attention.ring_attention, axis=CP) if context else None
+
+
+def _tensor_axis(mesh, positions: int, sequence_parallel: bool) -> str:
+    """The tensor-parallel axis the model runs on: `SequenceParallel(TP)` when asked and the
+    `positions` of a device's rows divide over `tp` (> 1), without stages; else `TP`. Under
+    it, between the column- and row-parallel matmuls, the residual stream and the norms
+    hold 1/tp of the positions a device: each row-parallel sum is a reduce-scatter over
+    the positions, each column-parallel matmul's input an all-gather of them (the same
+    bytes as the all-reduce they replace), and the final hidden states are gathered once
+    for the vocabulary-parallel head. The outputs equal plain tp's to float32 rounding."""
+    tp = mesh.shape[TP]
+    if sequence_parallel and tp > 1 and positions % tp == 0 and PP not in mesh.shape:
+        return cc.SequenceParallel(TP)
+    return TP
+
+
+def _leave(out, mode: Mode, split_rows: bool, context: bool):
+    """The outputs as they leave the mesh: with `cp`, back in row order (each device its
+    S/cp positions: `ring_attention.unbalance`); then top-k and target log-probs sliced to
+    this `tp` device's rows (`split_rows`) or kept, vocabulary shards sent to their rows'
+    devices (all-to-all) or gathered."""
+    if context:
+        out = jax.tree.map(lambda x: ring_attention.unbalance(x, CP), out)
+    if mode in ("topk", "target_logprobs"):
+        layout = cc.rows_of_replicated if split_rows else lambda x, _: x
+    else:
+        layout = cc.vocab_to_rows if split_rows else cc.gather_vocab
+    return jax.tree.map(lambda x: layout(x, TP), out)
 
 
 def head_outputs(cfg: ModelConfig, mode: Mode, temperature, top_k, vocab_limit, x, targets, head):

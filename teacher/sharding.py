@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from distill.config import ModelConfig
 from distill.errors import DistillError
-from distill.mesh import DP, EP, PP, TP
+from distill.mesh import CP, DP, EP, PP, TP
 from distill.models import model
 
 LAYER_SPECS = {
@@ -82,15 +82,26 @@ OUT_ROWS_DP = P((DP, EP))  # the same when B is not a multiple of the devices: k
 
 def out_spec(rows: int, mesh) -> P:
     """The outputs' spec for a batch of `rows` rows on `mesh`: split over every device when
-    the rows divide evenly, else over `dp` (and `ep`) only."""
-    if rows % mesh.devices.size:
-        return OUT_ROWS_DP
-    return OUT_ROWS_PP if PP in mesh.shape else OUT_ROWS
+    the rows divide evenly, else over `dp` (and `ep`) only. With a `cp` axis each row's
+    positions are split over it too, in row order (`P(rows, cp)`, as the student's
+    `batch_spec`), the rows over the other axes."""
+    cp = CP in mesh.shape
+    if rows % (mesh.devices.size // mesh.shape.get(CP, 1)):
+        spec = OUT_ROWS_DP
+    else:
+        spec = OUT_ROWS_PP if PP in mesh.shape else OUT_ROWS
+    return P(spec[0], CP) if cp else spec
+
+
+def batch_spec(mesh) -> P:
+    """[B, S] batch fields on `mesh`: `BATCH_BS`, and with a `cp` axis each row's positions
+    split over it in row order (the forward lays its chunks out for ring attention)."""
+    return P(BATCH_BS[0], CP) if CP in mesh.shape else BATCH_BS
 
 
 def batch_sharding(mesh) -> NamedSharding:
     """Where a batch is put for the teacher forward."""
-    return NamedSharding(mesh, BATCH_BS)
+    return NamedSharding(mesh, batch_spec(mesh))
 
 
 def param_specs(cfg: ModelConfig, pp: int = 1) -> dict:

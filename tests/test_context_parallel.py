@@ -170,28 +170,34 @@ def test_the_teacher_output_lands_split_by_position(first):
     assert {s.data.shape for s in moved.addressable_shards} == {(4, S // 4, 3)}
 
 
-def _config(**mesh_student) -> Config:
+def _config(role: str = "student", **mesh) -> Config:
     return config_from_dict(
         {
             "data": {"source": "x"},
-            "mesh": {"student": mesh_student},
+            "mesh": {role: mesh},
             "train": {"seq_len": S, "batch_size": 4},
         }
     )
 
 
+REFUSED = [  # (updates, the field named) for either role's cp (`mesh.teacher.cp` too)
+    ({"train": {"seq_len": 36}}, "train.seq_len"),
+    ({"pipeline": {"mode": "ray"}}, "pipeline.mode"),
+    ({"mesh": {"placement": "auto"}}, "mesh.placement"),
+    ({"distill": {"on_policy": {"fraction": 0.5}}}, "distill.on_policy.fraction"),
+]
+
+
 @pytest.mark.parametrize(
-    "updates, key",
-    [
-        ({"train": {"seq_len": 36}}, "train.seq_len"),
-        ({"pipeline": {"mode": "ray"}}, "pipeline.mode"),
-        ({"mesh": {"placement": "auto"}}, "mesh.placement"),
-        ({"distill": {"on_policy": {"fraction": 0.5}}}, "distill.on_policy.fraction"),
-        ({"student": {"model": {"n_experts": 4, "experts_per_token": 2}}}, "student.model"),
+    "role, updates, key",
+    [(role, *case) for role in ("student", "teacher") for case in REFUSED]
+    + [
+        ("student", {"student": {"model": {"n_experts": 4, "experts_per_token": 2}}}, "student"),
+        ("teacher", {"mesh": {"teacher": {"pp": 2}}}, "mesh.teacher.pp"),
     ],
 )
-def test_what_cp_does_not_support_is_refused_in_one_line(updates, key):
-    tree = _config(cp=4).model_dump()
+def test_what_cp_does_not_support_is_refused_in_one_line(role, updates, key):
+    tree = _config(role, cp=4).model_dump()
     for section, values in updates.items():
         for k, v in values.items():
             if isinstance(v, dict):
@@ -200,8 +206,8 @@ def test_what_cp_does_not_support_is_refused_in_one_line(updates, key):
                 tree[section][k] = v
     with pytest.raises(DistillError, match=key) as err:
         check_context(Config.model_validate(tree))
-    assert "\n" not in str(err.value)
-    tree["mesh"]["student"]["cp"] = 1  # the same run without context parallelism passes
+    assert "\n" not in str(err.value) and f"mesh.{role}.cp" in str(err.value)
+    tree["mesh"][role]["cp"] = 1  # the same run without context parallelism passes
     check_context(Config.model_validate(tree))
 
 

@@ -73,6 +73,15 @@ class TeacherMesh(Section):
         "colocated; in ray mode with hosts = pp each stage is a host "
         "(docs/guides/pipeline-parallel.md).",
     )
+    cp: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel degree of the inference mesh (dp x ep x cp x tp "
+        "devices), as mesh.student.cp's: rows split over cp in 2 x cp load-balanced chunks, "
+        "ring attention, the outputs leaving split by position as a student of the same cp "
+        "takes them. Local mode; not yet with mesh.teacher.pp, on-policy, cross-tokenizer "
+        "rows or mesh.placement auto.",
+    )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(
         None,

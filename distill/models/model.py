@@ -173,7 +173,7 @@ class Block(nnx.Module):
         """RMSNorm over all heads' features of y [B, S, heads, hd] (OLMoE), whose heads are
         split over `tp`: the mean square is summed across the shards."""
         y32 = y_bshd.astype(jnp.float32)
-        ss = cc.psum(jnp.sum(y32 * y32, axis=(-2, -1), keepdims=True), tp_axis)
+        ss = cc.psum_whole(jnp.sum(y32 * y32, axis=(-2, -1), keepdims=True), tp_axis)
         width = y_bshd.shape[-2] * y_bshd.shape[-1] * cc.axis_size(tp_axis)
         y = y32 * jax.lax.rsqrt(ss / width + self.cfg.norm_eps)
         return (y * scale[...].astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
@@ -181,7 +181,7 @@ class Block(nnx.Module):
     def qkv(self, x_bsd, positions_bs, inv_freq, tp_axis=None):
         """Queries [B, S, H, hd] and keys, values [B, S, KV, hd] (local heads), RoPE applied."""
         bias = self.cfg.qkv_bias
-        h = self._norm(x_bsd, self.attn_norm)
+        h = cc.gather_positions(self._norm(x_bsd, self.attn_norm), tp_axis)
         q = self._project(h, self.wq, self.bq if bias else None)
         k = self._project(h, self.wk, self.bk if bias else None)
         v = self._project(h, self.wv, self.bv if bias else None)
@@ -232,10 +232,10 @@ class Block(nnx.Module):
         `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor (the
         teacher), layout and token_mask (the student's training step)."""
         dt = x_bsd.dtype
-        b, s, _ = x_bsd.shape
+        b, s = o_bshd.shape[:2]  # x holds S/tp of them under sequence parallelism
         o = cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
-        h = self._norm(x_bsd, self.mlp_norm)
+        h = cc.gather_positions(self._norm(x_bsd, self.mlp_norm), tp_axis)
         y, stats = self.ffn(h, tp_axis, layer, moe_opts or {})
         return x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y), stats
 

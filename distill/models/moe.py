@@ -154,10 +154,10 @@ def moe_ffn(
         out, dropped = _dispatch(h, weights, ids, experts, n_shards, ep_axis, act, kernel)
     if "ws_gate" in p:
         out = out + _shared(h, p, act)
-    out = cc.psum(out.astype(h.dtype), tp_axis)
+    out = cc.psum(out.astype(h.dtype).reshape(b, s, d), tp_axis)  # [b, S/tp, D] under SP
     load = jnp.bincount(ids.reshape(-1), length=cfg.n_experts)
     balance = None if token_mask is None else _balance(h, p["router"], ids, token_mask)
-    return out.reshape(b, s, d), ExpertLoad(load, dropped, balance)
+    return out, ExpertLoad(load, dropped, balance)
 
 
 def _shared(h_td, p: dict, act) -> jax.Array:

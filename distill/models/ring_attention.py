@@ -143,6 +143,27 @@ def balance(x_bs, axis: str):
     )
 
 
+def unbalance(x_bs, axis: str):
+    """The inverse of `balance`, inside `jax.shard_map` over `axis`: this device's [B, 2L,
+    ...] chunks (i, 2cp-1-i) -> its [B, S/cp, ...] slice of the rows in row order (chunks
+    2i and 2i+1), for per-token outputs computed in the balanced layout (the teacher's).
+    Chunk c goes home to device c // 2: one `ppermute` for the even chunks (to the first
+    half of their device's slice), one for the odd (to the second half)."""
+    cp = collectives.axis_size(axis)
+    chunk = x_bs.shape[1] // 2
+    even_first = lax.axis_index(axis) % 2 == 0  # chunk i is the even one of the pair
+
+    def even_of(d):  # the even one of device d's chunks (d, 2cp-1-d)
+        return d if d % 2 == 0 else 2 * cp - 1 - d
+
+    first, second = x_bs[:, :chunk], x_bs[:, chunk:]
+    even = jnp.where(even_first, first, second)
+    odd = jnp.where(even_first, second, first)
+    even = collectives.permute(even, axis, [(d, even_of(d) // 2) for d in range(cp)])
+    odd = collectives.permute(odd, axis, [(d, (2 * cp - 1 - even_of(d)) // 2) for d in range(cp)])
+    return jnp.concatenate([even, odd], axis=1)
+
+
 def cp_positions(seq_len: int, cp: int) -> np.ndarray:
     """[S] int32: the index in the whole row of each slot of the laid-out row."""
     return to_cp_layout(np.arange(seq_len, dtype=np.int32)[None], cp)[0]

@@ -179,7 +179,7 @@ def all_to_all_bytes_per_step(cfg: Config, platform: str | None = None) -> int:
     rows = cfg.train.batch_size // (t.dp * t.ep)  # each device's rows (replicated over tp)
     size = microbatch_rows(rows, cfg.teacher.microbatch)
     tokens, k, factor = (
-        size * cfg.train.seq_len,
+        size * cfg.train.seq_len // t.cp,  # a device's S / cp positions of its rows
         m.experts_per_token,
         cfg.teacher.moe_capacity_factor,
     )
@@ -188,7 +188,21 @@ def all_to_all_bytes_per_step(cfg: Config, platform: str | None = None) -> int:
     else:  # capacity: the slots at fixed places, no ids
         sent, ids = t.ep * moe.capacity_slots(tokens, k, m.n_experts, t.ep, factor), 0
     per_call = sent * (2 * m.d_model * _dtype_bytes(cfg) + ids)
-    return per_call * (rows // size) * sum(m.moe_layers()) * t.dp * t.ep * t.tp
+    return per_call * (rows // size) * sum(m.moe_layers()) * t.dp * t.ep * t.cp * t.tp
+
+
+def teacher_ring_bytes_per_step(cfg: Config) -> int:
+    """Bytes each device of the teacher's `cp` ring sends per step in its attention, an
+    estimate from shapes (forward only: `ring_bytes_per_step`'s first term): per layer,
+    its rows' S / cp positions of k and v (its tp shard's KV heads, the teacher's dtype)
+    and segment ids, cp - 1 times. 0 without cp."""
+    m, t = cfg.teacher.model, cfg.mesh.teacher
+    if t.cp == 1:
+        return 0
+    tokens = cfg.train.batch_size // (t.dp * t.ep) * cfg.train.seq_len // t.cp
+    kv_heads = max(m.n_kv_heads // t.tp, 1)  # fewer than tp: each shard one, repeated
+    kv = tokens * (2 * kv_heads * m.hd * _dtype_bytes(cfg) + 4)
+    return m.n_layers * (t.cp - 1) * kv
 
 
 def layer_params(cfg: Config) -> int:
@@ -221,6 +235,8 @@ def teacher_figures(cfg: Config) -> dict:
         "weight_bytes_per_device": dense + expert_bytes,
         "forward_flops_per_token": model.flops_per_token(tcfg, cfg.train.seq_len),
     }
+    if t.cp > 1:
+        figures["ring_bytes_per_step"] = teacher_ring_bytes_per_step(cfg)
     if tcfg.n_experts:
         figures.update(
             active_params=model.active_param_count(tcfg),
@@ -301,6 +317,12 @@ def _positions(p: dict) -> str:
     return f" x {p['positions_per_device_row']} positions (cp={cp})" if cp > 1 else ""
 
 
+def _ring(role: dict) -> str:
+    """`, cp ring ~N MiB/device/step` for a role whose rows are split over cp."""
+    n = role.get("ring_bytes_per_step")
+    return "" if n is None else f", cp ring ~{n / 2**20:.1f} MiB/device/step"
+
+
 def _dense_layout(cfg: Config) -> str:
     n = dense_blocks(cfg)
     return "dense" if n == 1 else f"dense in {n} blocks (one per microbatch, under 2^31 elements)"
@@ -335,18 +357,13 @@ def format_plan(p: dict) -> str:
             f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
             f"{mb(t['weight_bytes_per_device'])} weights/device, "
-            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward{stages}",
+            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward" + _ring(t) + stages,
             f"student: {s['params'] / 1e6:.2f}M params"
             + (f" ({s['active_params'] / 1e6:.2f}M active)" if "active_params" in s else "")
             + ", "
             f"{mb(s['weight_bytes_per_device'])} weights + "
             f"{mb(s['optimizer_bytes_per_device'])} optimizer/device, "
-            f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step"
-            + (
-                f", cp ring ~{mb(s['ring_bytes_per_step'])}/device/step"
-                if "ring_bytes_per_step" in s
-                else ""
-            ),
+            f"{s['train_flops_per_token'] / 1e6:.1f} MFLOP/token train step" + _ring(s),
             f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device"
             f"{_positions(p)}{micro}; "
             f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token, "
