@@ -541,3 +541,29 @@ def test_byte_path_needs_a_byte_level_teacher(bpe, corpus_dir, tmp_path, capsys)
     cfg["distill"] = {"cross_tokenizer": "byte_path"}
     assert main(["validate", write_config(tmp_path, cfg)]) == 2
     assert "distill.cross_tokenizer: byte_path" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_staged_teacher_across_tokenizers_gives_the_runs_losses(cross_run, tmp_path):
+    """The cross-tokenizer run (dense teacher outputs at the student's positions, on-policy
+    samples re-tokenised and scored) with its byte-level teacher in two stages of one layer
+    (tp=2 inside each), one-row microbatches: the same losses and evaluation."""
+    import json
+
+    from pipelines.commands.cli import main
+    from tests.conftest import read_evals, train_by_step, write_config
+
+    want_out, cfg = cross_run
+    tree = json.loads(json.dumps(cfg))
+    tree["run"]["output_dir"] = str(tmp_path / "out")
+    tree["mesh"]["teacher"]["pp"] = 2
+    tree["teacher"]["microbatch"] = 1
+    assert main(["run", write_config(tmp_path, tree)]) == 0
+    want, got = train_by_step(want_out), train_by_step(tmp_path / "out")
+    assert sorted(got) == sorted(want) == [2, 4, 6]
+    for step, r in want.items():
+        for key in ("loss", "kd_loss", "ce_loss", "aligned_fraction"):
+            assert got[step][key] == pytest.approx(r[key], rel=1e-5, abs=1e-6), (step, key)
+    for e, w in zip(read_evals(tmp_path / "out"), read_evals(want_out), strict=True):
+        assert e["student_bpb"] == pytest.approx(w["student_bpb"], rel=1e-5)
+        assert e["teacher_bpb"] == pytest.approx(w["teacher_bpb"], rel=1e-5)
