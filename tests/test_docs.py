@@ -25,6 +25,16 @@ def test_generated_reference_is_current(module, path):
     assert committed == fresh, f"{path} is stale: regenerate it with `{module.COMMAND}`"
 
 
+def test_the_config_reference_writer_takes_help_and_a_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        config_ref.main(["--help"])
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # nothing written, no file named --help
+    assert config_ref.main([str(tmp_path / "ref.md")]) == 0
+    assert (tmp_path / "ref.md").read_text() == config_ref.config_reference()
+
+
 def _without_fences(text: str) -> str:
     return re.sub(r"^(```|~~~).*?^\1\s*$", "", text, flags=re.M | re.S)
 

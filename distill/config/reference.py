@@ -121,8 +121,14 @@ def config_reference() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the reference to `docs/reference/config.md` (or the path given)."""
-    args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0]) if args else OUTPUT
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m distill.config.reference",
+        description="Write the config reference, generated from the schema.",
+    )
+    parser.add_argument("path", nargs="?", default=str(OUTPUT), help=f"default: {OUTPUT}")
+    path = Path(parser.parse_args(sys.argv[1:] if argv is None else argv).path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config_reference())
     print(f"wrote {path}")
