@@ -122,7 +122,8 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
     """`mesh.teacher.pp` against the model and the features built for it, before any device
     work: the layers divide into the stages; placement split or colocated (in ray mode the
     stages are the processes of a teacher group, `mesh.teacher.hosts`).
-    `warn`: log a warning when one microbatch leaves the stages nothing to overlap."""
+    `warn`: log a warning when one microbatch leaves the stages nothing to overlap, or a
+    stage spans several hosts."""
     pp = cfg.mesh.teacher.pp
     if pp == 1:
         return
@@ -138,6 +139,12 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
             "needs mesh.placement split or colocated (auto's candidate layouts have no stages)"
         )
     t = cfg.mesh.teacher
+    if warn and t.hosts > pp:  # ray mode: stages are outermost, so a stage spans hosts
+        log.warning(
+            "mesh.teacher.hosts=%d with mesh.teacher.pp=%d: each stage spans %d hosts, so its "
+            "tp (and dp, ep) collectives cross them; hosts = pp keeps each stage in one host",
+            t.hosts, pp, t.hosts // pp,
+        )  # fmt: skip
     rows = cfg.train.batch_size // (t.dp * t.ep)
     if warn and (cfg.teacher.microbatch is None or cfg.teacher.microbatch >= rows):
         log.warning(

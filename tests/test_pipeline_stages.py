@@ -119,6 +119,11 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
     ray = _tree(corpus_dir, tmp_path, pp=2, hosts=2)
     ray["pipeline"] = {"mode": "ray"}
     check_stages(config_from_dict(ray))
+    assert "each stage spans" not in caplog.text
+    ray["mesh"]["teacher"].update(hosts=4, tp=4)  # 2 stages over 4 hosts: tp crosses hosts
+    with caplog.at_level(logging.WARNING, logger="distill"):
+        check_stages(config_from_dict(ray))
+    assert "mesh.teacher.hosts=4 with mesh.teacher.pp=2: each stage spans 2 hosts" in caplog.text
     for mesh, sections, message in bad:
         tree = _tree(corpus_dir, tmp_path, **mesh)
         for section, values in sections.items():
