@@ -407,9 +407,9 @@ class ActorPool:
         restarts, queued work and busy fraction, for /api/status and the dashboard (a
         colocated group: one row, both roles)."""
         if self.colocated:
-            queued = len(self.in_flight) + self.student_queued
-            row = self._row("teacher+student", "student", self.students, 0, queued)
-            row.update(name="colocated", restarts=self.restarts["student"])
+            queued, restarts = len(self.in_flight) + self.student_queued, self.restarts["student"]
+            row = self._row("teacher+student", "student", self.students, restarts, queued)
+            row["name"] = "colocated"
             row["busy"] = min(1.0, sum(self.busy.get(k) or 0.0 for k in ("teacher-0", "student")))
             self.store.update(actors=[row], restarts=self.restarts["student"])
             return
