@@ -153,6 +153,9 @@ def test_staged_teacher_reports_its_measured_bubble(tmp_path, corpus_dir, capsys
     text, result = out.out.strip().splitlines(), json.loads(out.out.strip().splitlines()[-1])
     assert result["mesh"] == {"pp": 2, "dp": 1, "ep": 1, "tp": 2}
     assert result["microbatches"] == 4 and result["bubble_predicted"] == pytest.approx(0.2)
-    assert result["stage_loop_2x_ms"] > result["stage_loop_ms"] > 0
-    assert -1 < result["bubble_measured"] < 1
+    # timings on shared cores: their values vary (a loaded machine can even time the
+    # doubled batch faster), so the check is that both were timed and how they combine
+    loop, loop2 = result["stage_loop_ms"], result["stage_loop_2x_ms"]
+    assert loop > 0 and loop2 > 0
+    assert result["bubble_measured"] == pytest.approx(2 - loop2 / loop, abs=1e-3)
     assert any(line.startswith("stages: loop ") for line in text)

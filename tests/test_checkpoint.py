@@ -5,6 +5,7 @@ and retention never deletes the last readable checkpoint."""
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -171,6 +172,23 @@ def test_a_step_set_aside_twice_keeps_both(tmp_path):
     assert not (tmp_path / "6").exists()
 
 
+def _writes_settled(directory: Path, quiet_s: float = 0.5, limit_s: float = 60) -> None:
+    """Wait until no file under `directory` appears, goes or changes size for `quiet_s`:
+    the array writes of a save whose metadata failed go on in their own threads."""
+
+    def files() -> set:
+        return {(str(p), p.stat().st_size) for p in directory.rglob("*") if p.is_file()}
+
+    end, last = time.monotonic() + limit_s, None
+    while time.monotonic() < end:
+        now = files()
+        if now == last:
+            return
+        last = now
+        time.sleep(quiet_s)
+    raise AssertionError(f"files under {directory} still changing after {limit_s} s")
+
+
 def test_retention_never_deletes_the_last_readable_checkpoint(tmp_path):
     """keep=1 after a resume from step 3 past an unreadable 6: a save that fails leaves
     step 3 in place; the next run's save replaces it once written; the step set aside is
@@ -191,6 +209,7 @@ def test_retention_never_deletes_the_last_readable_checkpoint(tmp_path):
     assert steps() == {"3", aside}
     _assert_state(ckpt.restore(abstract, step=3)[0], 3)
     del ckpt  # a run whose save failed dies; the rerun resumes from step 3 again
+    _writes_settled(tmp_path)  # a dead process writes nothing more; this one's threads may
     ckpt = Checkpointer(str(tmp_path), keep=1)
     assert ckpt.restore(abstract)[2] == 3
     ckpt.save(6, _state(60), {"next": 6})
