@@ -47,8 +47,7 @@ class OnlineTeacher:
             "vocab_limit": limit,
             "microbatch": cfg.teacher.microbatch,
         }
-        # a student split over cp reads a cross-tokenizer output at its own positions
-        self._in_place = cfg.cross_tokenizer() and cfg.mesh.student.cp > 1
+        self._in_place = positions.wanted(cfg)
         self._logits = forward_for(mcfg, mesh, mode="logits", **kw)
         self._target_logprobs = forward_for(mcfg, mesh, mode="target_logprobs", **kw)
 
@@ -193,7 +192,7 @@ class CacheSource(QueueSource):
     logits, or is skipped when they were too large to store."""
 
     def __init__(self, cfg: Config):
-        in_place = cfg.cross_tokenizer() and cfg.mesh.student.cp > 1  # as `OnlineTeacher`'s
+        in_place = positions.wanted(cfg)
         super().__init__(
             lambda: teacher_cache.train_iterator(cfg),
             lambda item: (*(_in_place(*item) if in_place else item), None),

@@ -28,9 +28,16 @@ from jax.sharding import NamedSharding
 
 from distill import collectives as cc
 from distill import programs
+from distill.config import Config
 from distill.mesh import CP
 from distill.types import TeacherOutput
 from teacher.sharding import out_spec
+
+
+def wanted(cfg: Config) -> bool:
+    """Whether the run's teacher outputs go to the student at its positions: across
+    tokenizers, to a student with `mesh.student.cp` > 1."""
+    return cfg.cross_tokenizer() and cfg.mesh.student.cp > 1
 
 
 def at_student_positions(mesh, out: TeacherOutput, align_bs) -> TeacherOutput:
