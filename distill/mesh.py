@@ -239,7 +239,6 @@ def check_context(cfg: Config) -> None:
     chunks (`train.seq_len`), and the run uses only what each role's context parallelism
     is built for so far."""
     _check_role_context(cfg, "student", [
-        ("student.model.n_experts", bool(cfg.student_model().n_experts), "a dense student"),
         ("distill.cross_tokenizer", cfg.cross_tokenizer() and cfg.distill.cross_tokenizer
          == "byte_path", "first_byte, mapped or uld"),
     ])  # fmt: skip

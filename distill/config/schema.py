@@ -107,8 +107,7 @@ class StudentMesh(Section):
         "each row's sequence split over cp devices in 2 x cp load-balanced chunks, attention "
         "passing key/value blocks around the cp ring (ring attention), activations per "
         "device about 1/cp. train.seq_len must divide by 2 x cp. Local mode only; not yet "
-        "with on-policy, mixture-of-experts students, distill.cross_tokenizer byte_path or "
-        "mesh.placement auto.",
+        "with on-policy, distill.cross_tokenizer byte_path or mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(
