@@ -88,7 +88,9 @@ def test_sharded_step_equals_one_device(n_experts, dp, fsdp, split):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("n_experts, fsdp, split", [(4, 2, True), (6, 2, False)])
+@pytest.mark.parametrize(
+    "n_experts, fsdp, split", [(4, 2, True), pytest.param(6, 2, False, marks=pytest.mark.slow)]
+)
 def test_a_cp_step_equals_one_device(n_experts, fsdp, split):
     """On cp = 2 (each row's positions over two devices): each device routes its pieces'
     tokens, to experts split over fsdp x cp when it divides E, else gathered; the
