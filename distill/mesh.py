@@ -239,7 +239,11 @@ def check_context(cfg: Config) -> None:
     chunks (`train.seq_len`), and the run uses only what each role's context parallelism
     is built for so far."""
     _check_role_context(cfg, "student", [
-        ("student.model.n_experts", bool(cfg.student_model().n_experts), "a dense student"),
+        ("distill.cross_tokenizer", cfg.cross_tokenizer() and cfg.distill.cross_tokenizer
+         == "byte_path", "first_byte, mapped or uld"),
+        # ray's teacher actors do not gather outputs at the student's positions yet
+        ("teacher.tokenizer", cfg.cross_tokenizer() and cfg.pipeline.mode == "ray",
+         "pipeline.mode: local (teacher.positions)"),
     ])  # fmt: skip
     _check_role_context(cfg, "teacher", [
         ("mesh.teacher.pp", cfg.mesh.teacher.pp > 1, "mesh.teacher.pp: 1 (no stages)"),
@@ -261,7 +265,6 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
         ("pipeline.mode", cfg.pipeline.mode == "ray", "pipeline.mode: local"),
         ("mesh.placement", cfg.mesh.placement == "auto", "mesh.placement: split or colocated"),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction: 0"),
-        ("teacher.tokenizer", cfg.cross_tokenizer(), "the student's tokenizer (data.tokenizer)"),
         *own,
     ]
     for key, bad, needs in refused:

@@ -14,7 +14,7 @@ from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.data.cross_examples import cross_example_corpus
-from distill.data.cross_rows import cross_corpus
+from distill.data.cross_rows import cross_corpus, row_multiple
 from distill.data.pipeline import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
 from distill.data.tokenizers import Tokenizer, load_tokenizer
@@ -186,9 +186,10 @@ def cross_tokenizer_corpus(cfg: Config) -> tuple[Corpus, Tokenizer]:
     side renders chat and prompt/completion records with its own template); with the
     teacher's tokenizer. Local mode and every Ray actor read it so."""
     teacher = load_tokenizer(cfg.teacher.tokenizer, "teacher.tokenizer")
+    seq, multiple = cfg.train.seq_len, row_multiple(cfg.mesh.teacher.cp, cfg.mesh.student.cp)
     if cfg.data.is_examples:
-        return cross_example_corpus(cfg.data, cfg.train.seq_len, teacher, cfg.teacher), teacher
-    return cross_corpus(cfg.data, cfg.train.seq_len, teacher), teacher
+        return cross_example_corpus(cfg.data, seq, teacher, cfg.teacher, multiple), teacher
+    return cross_corpus(cfg.data, seq, teacher, multiple=multiple), teacher
 
 
 def _corpus(cfg: Config) -> Corpus:

@@ -23,6 +23,7 @@ from pipelines.loop import Item
 from pipelines.offline import teacher_cache
 from pipelines.plan import dense_blocks
 from pipelines.timing import ReadyWatcher
+from teacher import positions
 from teacher.forward import forward_for, make_output_forward
 from teacher.sharding import batch_sharding
 from teacher.weights import load_teacher
@@ -46,6 +47,7 @@ class OnlineTeacher:
             "vocab_limit": limit,
             "microbatch": cfg.teacher.microbatch,
         }
+        self._in_place = positions.wanted(cfg)
         self._logits = forward_for(mcfg, mesh, mode="logits", **kw)
         self._target_logprobs = forward_for(mcfg, mesh, mode="target_logprobs", **kw)
 
@@ -54,7 +56,15 @@ class OnlineTeacher:
         own rows [B, T] when the batch carries them (cross-tokenizer), else on the batch; a
         dense one too large for one array per device in blocks, one per `train.grad_accum`
         microbatch (`pipelines.plan.dense_blocks`: block j holds rows j, j + n, ...).
-        Returns (the output, a mixture of experts' `moe.ExpertLoad` on device, else None)."""
+        Returns (the output, a mixture of experts' `moe.ExpertLoad` on device, else None).
+        Across tokenizers to a student with `cp`, the output is at the student's positions
+        (`teacher.positions`)."""
+        out, load = self._own_output(batch)
+        if self._in_place and batch.teacher is not None:
+            out = positions.at_student_positions(self.mesh, out, batch.teacher.align)
+        return out, load
+
+    def _own_output(self, batch: Batch) -> tuple:
         rows = own_rows(batch)
         n = dense_blocks(self._cfg, rows.tokens.shape[1])
         if n == 1:
@@ -182,11 +192,20 @@ class CacheSource(QueueSource):
     logits, or is skipped when they were too large to store."""
 
     def __init__(self, cfg: Config):
-        super().__init__(lambda: teacher_cache.train_iterator(cfg), lambda item: (*item, None))
+        in_place = positions.wanted(cfg)
+        super().__init__(
+            lambda: teacher_cache.train_iterator(cfg),
+            lambda item: (*(_in_place(*item) if in_place else item), None),
+        )
         self._eval = teacher_cache.eval_logits(cfg)
 
     def eval_logits(self, batches: list):
         return self._eval
+
+
+def _in_place(batch: Batch, out: TeacherOutput) -> tuple[Batch, TeacherOutput]:
+    """A cache record's output [B, T, ...] at the student's positions [B, S, ...]."""
+    return batch, positions.on_host(out, batch.teacher.align)
 
 
 class NoTeacher(QueueSource):

@@ -21,6 +21,12 @@ The step is GSPMD (`jax.jit` over `dp` x `fsdp` x `cp`); two things in it are ex
   (or gathered, `exchange`), with the causal mask from each chunk's place in the row and
   the segment ids, windows and soft-caps as the single-device kernels apply them.
 
+Across tokenizers (a batch carrying a `TeacherView`) the teacher's output arrives already at
+the student's positions ([B, S, ...], `teacher.positions`), split like the batch: its
+pieces are made as the batch's, the teacher's own rows are left out of the step, and the
+alignment becomes, for each piece, its own position where the student's position is aligned
+(-1 where not), so the cross-tokenizer loss reads each position's teacher values in place.
+
 With `cp` 1 (no cp axis on the mesh) there is no Context and the step is unchanged.
 """
 
@@ -29,10 +35,12 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distill.mesh import CP
 from distill.models.ring_attention import balance, ring_attention
+from distill.types import TeacherView
 from student import sharding
 
 
@@ -53,14 +61,16 @@ class Context:
     def pieces(self, tree):
         """Every [B, S, ...] array of `tree` (a Batch, a TeacherOutput; None leaves kept) in
         row order, split as `batch_spec` -> [B * cp, S / cp, ...], each device's row its two
-        load-balanced chunks, split as `pieces_spec`."""
+        load-balanced chunks, split as `pieces_spec`. A `TeacherView` becomes its alignment
+        alone, in place (see the module's docstring)."""
         run = jax.shard_map(
             functools.partial(balance, axis=CP),
             mesh=self.mesh,
             in_specs=self._batch,
             out_specs=self._pieces,
         )
-        return jax.tree.map(run, tree)
+        views = lambda f, t: jax.tree.map(f, t, is_leaf=_is_view)  # noqa: E731
+        return views(_in_place, jax.tree.map(run, views(_alignment, tree)))
 
     def attend(self, q_bshd, k_bskd, v_bskd, segment_ids_bs, *, scale, window, softcap):
         """Attention of every device's pieces (q [B * cp, S / cp, H, hd], ...), as
@@ -83,3 +93,20 @@ class Context:
             out_specs=rows,
         )
         return run(q_bshd, k_bskd, v_bskd, segment_ids_bs, window)
+
+
+def _is_view(x) -> bool:
+    return isinstance(x, TeacherView)
+
+
+def _alignment(x):
+    """A TeacherView without the teacher's rows (the step reads its output in place)."""
+    return TeacherView(None, x.align) if _is_view(x) else x
+
+
+def _in_place(x):
+    """A TeacherView's alignment [rows, s] as each position's own index where aligned."""
+    if not _is_view(x):
+        return x
+    own = jnp.broadcast_to(jnp.arange(x.align.shape[1], dtype=jnp.int32), x.align.shape)
+    return TeacherView(None, jnp.where(x.align >= 0, own, -1))

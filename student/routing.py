@@ -8,7 +8,11 @@ When `fsdp` divides the experts, the student's table splits the expert weights o
 expert axis and the layer dispatches tokens to their experts over `fsdp` by all-to-all,
 as the teacher does over `ep` (the experts stay put; `dp` replicas each hold a copy);
 otherwise each expert weight is split along another dimension and gathered whole for the
-layer, like every dense weight (ZeRO-3). Either way the numbers are the single device's.
+layer, like every dense weight (ZeRO-3). With a `cp` axis (`student.context`) a device's
+rows are its pieces of the rows: it routes their tokens (routing is per token), the experts
+split over `fsdp` x `cp` when that divides them (the weights' axes, `weight_axes`), and
+the load-balancing statistics are summed over every axis, so the auxiliary loss is the
+whole batch's. Either way the numbers are the single device's.
 Evaluation runs the same layout; generation runs the plain layer under the partitioner.
 
 Metrics of an MoE student's step: `moe_aux_loss` (transformers' load-balancing loss over
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distill.config import ModelConfig
-from distill.mesh import DP, FSDP
+from distill.mesh import CP, DP, FSDP
 from distill.models import moe
 from distill.observability.expert_load import load_figures
 from student import sharding
@@ -39,9 +43,10 @@ class Routing:
 
     def __init__(self, cfg: ModelConfig, mesh, coef: float = 0.0):
         self.cfg, self.coef = cfg, coef
-        fsdp = sharding.fsdp_size(mesh)
-        rows = tuple(a for a in (DP, FSDP) if a in mesh.axis_names)
-        experts = FSDP if sharding.experts_split(cfg, fsdp) else None
+        names = mesh.axis_names
+        split = sharding.experts_split(cfg, sharding.weight_shards(dict(mesh.shape)))
+        rows = tuple(a for a in (DP, FSDP, CP) if a in names)  # with cp: each device's pieces
+        experts = sharding.weight_axes(names) if split else None
         self.layout = moe.Layout(mesh, rows, experts)
 
     @property

@@ -459,19 +459,23 @@ def make_cross_eval_fn(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | No
     """metrics(params, batch, teacher_logits) of a cross-tokenizer batch: the student's loss
     in its own tokens; the teacher's on its own rows, from its dense logits [B, T, Vt], with
     its own token count ("teacher_tokens"); the share of student tokens aligned. The two
-    losses are in different tokens: only their bits per byte compare."""
+    losses are in different tokens: only their bits per byte compare. With a `cp` axis the
+    student runs on its pieces of the rows (`student.context`); the teacher's rows, its
+    logits and the alignment are read in row order, split by position."""
     split = batch_sharding(mesh)
+    context, pieces = Context.of(mesh), pieces_sharding(mesh)
 
     routed = routing.Routing(cfg, mesh)
 
     def metrics(params, batch: Batch, teacher_logits):
+        own = batch if context is None else context.pieces(batch._replace(teacher=None))
         x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
-            rows=split, moe_opts=routed.opts(batch),
+            cfg, params, own.tokens, own.segment_ids, own.positions, dtype=dtype,
+            rows=pieces, moe_opts=routed.opts(own), attend=_attend(mesh),
         )  # fmt: skip
-        rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
+        rows = max(own.tokens.shape[0] // mesh.devices.size, 1)
         _, m = vocab_loss.ce_loss_chunked(
-            x, head, batch.targets, batch.mask, vocab_limit=vocab_limit,
+            x, head, own.targets, own.mask, vocab_limit=vocab_limit,
             chunk=vocab_loss.default_chunk(cfg.vocab_size, rows), compute_dtype=x.dtype,
             softcap=cfg.final_softcap,
         )  # fmt: skip

@@ -247,7 +247,8 @@ def test_cache_manifest_names_the_teacher_tokenizer(tmp_path):
 @pytest.mark.slow
 def test_cached_cross_run_matches_the_online_one(tiny_run, corpus_dir, tmp_path):
     """A byte-level top-k teacher for a BPE student: `distill cache-teacher` then a run from
-    the cache gives the online top-k run's losses."""
+    the cache gives the online top-k run's losses; so does one from the same cache with the
+    student on dp = 2 x cp = 2 (the records gathered at its positions on the host)."""
     from distill.data.bpe import train_bpe
     from pipelines.commands.cli import main
     from tests.conftest import read_train, tiny_config, write_config
@@ -255,8 +256,9 @@ def test_cached_cross_run_matches_the_online_one(tiny_run, corpus_dir, tmp_path)
     texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
     bpe_path = train_bpe(texts, 300, tmp_path / "bpe" / "tokenizer.json")
 
-    def config(name, **teacher):
+    def config(name, student_cp=1, **teacher):
         cfg = tiny_config(str(corpus_dir), str(tmp_path / name))
+        cfg["mesh"]["student"]["cp"] = student_cp
         cfg["teacher"].update(
             checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0, top_k=16,
             tokenizer="bytes", cache_dir=str(tmp_path / "cache"), **teacher,
@@ -265,12 +267,16 @@ def test_cached_cross_run_matches_the_online_one(tiny_run, corpus_dir, tmp_path)
         cfg["data"]["tokenizer"] = str(bpe_path)
         return write_config(tmp_path / name, cfg)
 
-    (tmp_path / "online").mkdir(), (tmp_path / "cached").mkdir()
+    for name in ("online", "cached", "cached_cp"):
+        (tmp_path / name).mkdir()
     assert main(["run", config("online")]) == 0
     assert main(["cache-teacher", config("cached")]) == 0
     assert main(["run", config("cached", source="cache")]) == 0
-    online, cached = read_train(tmp_path / "online"), read_train(tmp_path / "cached")
-    assert [r["step"] for r in cached] == [r["step"] for r in online]
-    for a, b in zip(online, cached, strict=True):
-        for key in ("loss", "kd_loss", "ce_loss", "aligned_fraction"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    assert main(["run", config("cached_cp", student_cp=2, source="cache")]) == 0
+    online = read_train(tmp_path / "online")
+    for run in ("cached", "cached_cp"):
+        cached = read_train(tmp_path / run)
+        assert [r["step"] for r in cached] == [r["step"] for r in online]
+        for a, b in zip(online, cached, strict=True):
+            for key in ("loss", "kd_loss", "ce_loss", "aligned_fraction"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (run, key)

@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from distill.config import DistillLossConfig, ModelConfig, OptimConfig  # noqa: E402
 from distill.config.load import config_from_dict  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
-from distill.mesh import FSDP  # noqa: E402
+from distill.mesh import CP, DP, FSDP  # noqa: E402
 from distill.models import hf, model, moe  # noqa: E402
 from pipelines.commands.cli import main  # noqa: E402
-from student import export, optim, train  # noqa: E402
+from student import export, optim, routing, train  # noqa: E402
 from teacher.weights import student_init_params  # noqa: E402
 from tests.conftest import read_train, tiny_config  # noqa: E402
 from tests.test_families import _save as save_family  # noqa: E402
@@ -48,11 +48,11 @@ def _moe_cfg(n_experts):
 
 
 @functools.cache
-def _step(n_experts, dp, fsdp):
-    """(params after one SGD step, its metrics) of the MoE student on a dp x fsdp mesh, with
-    the load-balancing loss on and a row half padding (SGD: equal parameters after the
-    step are equal gradients)."""
-    cfg, mesh, tx = _moe_cfg(n_experts), _mesh(dp, fsdp), optax.sgd(0.5)
+def _step(n_experts, dp, fsdp, cp=1):
+    """(params after one SGD step, its metrics) of the MoE student on a dp x fsdp (x cp)
+    mesh, with the load-balancing loss on and a row half padding (SGD: equal parameters
+    after the step are equal gradients)."""
+    cfg, mesh, tx = _moe_cfg(n_experts), _mesh(dp, fsdp, cp), optax.sgd(0.5)
     step = train.make_train_step(
         cfg, tx, mesh, loss_cfg=DistillLossConfig(alpha=0.7, moe_aux_loss=0.1),
         lr_schedule=optim.schedule(OptimConfig(), 10),
@@ -86,6 +86,26 @@ def test_sharded_step_equals_one_device(n_experts, dp, fsdp, split):
     assert (spec == P(None, FSDP, None, None)) == split
     for a, b in zip(jax.tree.leaves(want_params), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "n_experts, fsdp, split", [(4, 2, True), pytest.param(6, 2, False, marks=pytest.mark.slow)]
+)
+def test_a_cp_step_equals_one_device(n_experts, fsdp, split):
+    """On cp = 2 (each row's positions over two devices): each device routes its pieces'
+    tokens, to experts split over fsdp x cp when it divides E, else gathered; the
+    load-balancing loss is normalised by the whole batch's routing and tokens, so the
+    single device's losses, routing counts and gradients."""
+    rows = routing.Routing(_moe_cfg(n_experts), _mesh(1, fsdp, 2)).layout.rows
+    assert rows == (DP, FSDP, CP)  # each device routes its own pieces, none twice
+    want_params, want = _step(n_experts, 1, 1)
+    params, got = _step(n_experts, 1, fsdp, 2)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=k)
+    spec = params["layers"]["we_gate"].sharding.spec
+    assert (spec == P(None, (FSDP, CP), None, None)) == split
+    for a, b in zip(jax.tree.leaves(want_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)
 
 
 def test_sharded_evaluation_equals_one_device():

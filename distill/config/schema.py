@@ -79,8 +79,9 @@ class TeacherMesh(Section):
         description="Context-parallel degree of the inference mesh (dp x ep x cp x tp "
         "devices), as mesh.student.cp's: rows split over cp in 2 x cp load-balanced chunks, "
         "ring attention, the outputs leaving split by position as a student of the same cp "
-        "takes them. Local mode; not yet with mesh.teacher.pp, on-policy, cross-tokenizer "
-        "rows or mesh.placement auto.",
+        "takes them (across tokenizers: over the teacher's own rows, then gathered at the "
+        "student's positions when mesh.student.cp > 1). Local mode; not yet with "
+        "mesh.teacher.pp, on-policy or mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(
@@ -106,8 +107,7 @@ class StudentMesh(Section):
         "each row's sequence split over cp devices in 2 x cp load-balanced chunks, attention "
         "passing key/value blocks around the cp ring (ring attention), activations per "
         "device about 1/cp. train.seq_len must divide by 2 x cp. Local mode only; not yet "
-        "with on-policy, cross-tokenizer or mixture-of-experts students, or mesh.placement "
-        "auto.",
+        "with on-policy, distill.cross_tokenizer byte_path or mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(

@@ -197,11 +197,14 @@ def _sides(cfg: DataConfig, student: Tokenizer, teacher: Tokenizer, teacher_cfg)
     return s_examples, t_examples, found, records
 
 
-def cross_example_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, teacher_cfg) -> Corpus:
+def cross_example_corpus(
+    cfg: DataConfig, seq_len: int, teacher: Tokenizer, teacher_cfg, multiple: int = ROW_MULTIPLE
+) -> Corpus:
     """Conversations (or pairs) rendered and tokenised by each side, whole records held out
     as ``distill.data.pipeline`` holds them out (by the student's tokens), packed into the
     student's rows with the teacher's rows of the same records and the alignment.
-    ``teacher_cfg``: the teacher's ``tokenizer`` and ``chat_template`` keys."""
+    ``teacher_cfg``: the teacher's ``tokenizer`` and ``chat_template`` keys; the teacher's
+    rows a multiple of `multiple` long (``cross_rows.row_multiple``)."""
     if cfg.prepared_dir is not None:
         raise DistillError(
             "data.prepared_dir: a prepared corpus holds no teacher rows; with a teacher.tokenizer"
@@ -223,7 +226,7 @@ def cross_example_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, teac
                 " to learn; raise train.seq_len or set data.long_conversations: split"
             )
     need = max(sum(len(p[0]) for p in row) - 1 for _, t, _ in packed.values() for row in t)
-    length = -(-max(need, 1) // ROW_MULTIPLE) * ROW_MULTIPLE
+    length = -(-max(need, 1) // multiple) * multiple
     pad = teacher.pad_id if teacher.pad_id is not None else teacher.eos_id
     rows = {name: split_rows(*part, length, pad) for name, part in packed.items()}
     corpus = Corpus(tokenizer=student, train=rows["train"], eval=rows["eval"], teacher=teacher)

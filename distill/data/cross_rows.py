@@ -24,6 +24,7 @@ text after that character: the student's slots within it have no match.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -205,11 +206,19 @@ def pad_rows(rows: list[tuple[np.ndarray, ...]], length: int, pad_id: int):
     return ids, starts, real
 
 
-def teacher_length(rows: list[tuple[np.ndarray, ...]]) -> int:
+def teacher_length(rows: list[tuple[np.ndarray, ...]], multiple: int = ROW_MULTIPLE) -> int:
     """The teacher's row length T: the most tokens any row needs (less the one shared with
-    the next row), rounded up to a multiple of ROW_MULTIPLE."""
+    the next row), rounded up to a multiple of `multiple` (`row_multiple`)."""
     need = max((len(ids) - 1 for ids, _, _ in rows), default=1)
-    return -(-max(need, 1) // ROW_MULTIPLE) * ROW_MULTIPLE
+    return -(-max(need, 1) // multiple) * multiple
+
+
+def row_multiple(teacher_cp: int = 1, student_cp: int = 1) -> int:
+    """What the teacher's row length T is a multiple of: ROW_MULTIPLE, and with context
+    parallelism what each role splits T into: 2 x `mesh.teacher.cp` load-balanced chunks
+    for the teacher, `mesh.student.cp` row-order blocks where the student holds the teacher's
+    rows (its evaluation). Up to a teacher cp of 4 and a student cp of 8, ROW_MULTIPLE."""
+    return math.lcm(ROW_MULTIPLE, 2 * teacher_cp, student_cp)
 
 
 def cross_splits(
@@ -217,14 +226,15 @@ def cross_splits(
     seq_len: int,
     student: Tokenizer,
     teacher: Tokenizer,
+    multiple: int = ROW_MULTIPLE,
 ) -> dict[str, CrossRows]:
     """CrossRows of each split, given as (texts, student ids, student offsets), with one
-    teacher row length for all splits."""
+    teacher row length for all splits (a multiple of `multiple`)."""
     made = {}
     for name, (texts, ids, offsets) in splits.items():
         packed = PackedRows(ids, seq_len, student.bos_id, student.eos_id)
         made[name] = (packed, *teacher_rows(texts, offsets, packed, teacher))
-    length = max(teacher_length(rows) for _, rows, _ in made.values())
+    length = max(teacher_length(rows, multiple) for _, rows, _ in made.values())
     pad = teacher.pad_id if teacher.pad_id is not None else teacher.eos_id
     return {
         name: CrossRows(packed, *pad_rows(rows, length, pad), align)
@@ -232,10 +242,13 @@ def cross_splits(
     }
 
 
-def cross_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, progress=None) -> Corpus:
+def cross_corpus(
+    cfg: DataConfig, seq_len: int, teacher: Tokenizer, progress=None, multiple=ROW_MULTIPLE
+) -> Corpus:
     """Text documents tokenised by both tokenizers, held out as ``tokenize_corpus`` holds
     them out (by the student's tokens), packed into the student's rows with the teacher's
-    rows of the same text and the alignment (``distill.data.cross_rows``)."""
+    rows of the same text and the alignment (``distill.data.cross_rows``); the teacher's
+    rows a multiple of `multiple` long (`row_multiple`)."""
     if cfg.prepared_dir is not None:  # (conversations and pairs: distill.data.cross_examples)
         raise DistillError(
             "teacher.tokenizer: a teacher tokenizer of its own needs the documents read here;"
@@ -258,7 +271,7 @@ def cross_corpus(cfg: DataConfig, seq_len: int, teacher: Tokenizer, progress=Non
                     for part in (texts, ids, [e[1] for e in encoded]))
         for name, want in (("train", False), ("eval", True))
     }  # fmt: skip
-    rows = cross_splits(splits, seq_len, student, teacher)
+    rows = cross_splits(splits, seq_len, student, teacher, multiple)
     for name, part in rows.items():
         if len(part) < 1:
             raise DistillError(

@@ -38,6 +38,7 @@ from pipelines.bench.figures import student_figures, teacher_figures
 from pipelines.local import cross_spec, distill_local
 from pipelines.sources import own_rows
 from student import train
+from teacher import positions
 from teacher import sharding as teacher_sharding
 from teacher.forward import make_forward
 from teacher.weights import load_teacher
@@ -199,7 +200,11 @@ def _phase_ms(cfg: Config, corpus: Corpus, meshes: Meshes, tmp: str, repeats: in
     res, fwd = teacher_phases_ms(cfg, meshes.teacher, t_params, t_batch, limit, repeats)
     cross = cross_spec(cfg, corpus)  # across tokenizers the step takes dense outputs only
     kinds = ("dense",) if cross is not None else ("dense", "topk")
-    outs = {m: handoff.hop(fwd[m](t_params, t_batch), s_put) for m in kinds}
+    outs = {m: fwd[m](t_params, t_batch) for m in kinds}
+    if positions.wanted(cfg):  # at the student's positions, as `OnlineTeacher` sends them
+        mesh, align = meshes.teacher, host_batch.teacher.align
+        outs = {m: positions.at_student_positions(mesh, o, align) for m, o in outs.items()}
+    outs = {m: handoff.hop(o, s_put) for m, o in outs.items()}
     s_batch = jax.device_put(host_batch, s_put)
     res.update(student_phases_ms(cfg, meshes.student, s_batch, outs, limit, repeats, cross))
 

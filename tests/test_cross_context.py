@@ -1,0 +1,207 @@
+"""Context parallelism across tokenizers (`mesh.student.cp`, `mesh.teacher.cp` with a
+`teacher.tokenizer` of its own) against one device.
+
+The teacher's outputs on its own rows [B, T] are gathered at the student's positions on the
+inference mesh (`teacher.positions`: around its cp ring, or in place without one) and
+equal the host gather; the student's cross-tokenizer loss and gradients on cp = 2 from
+those outputs equal one device's from the teacher's rows (float32, 1e-6), for a dense
+teacher under `first_byte` conditioned on the boundary and a top-k one under `mapped`;
+and what cannot work is refused in one line.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from distill import handoff
+from distill.config import Config, DistillLossConfig, ModelConfig
+from distill.config.load import config_from_dict
+from distill.data.token_bytes import FirstBytes, VocabMap
+from distill.data.tokenizers import ByteTokenizer
+from distill.errors import DistillError
+from distill.mesh import check_context, student_mesh, teacher_mesh
+from distill.models import cross_losses, model
+from distill.models.cross_losses import CrossSpec
+from distill.types import Batch, TeacherOutput, TeacherView
+from student import train
+from student.context import Context
+from teacher import positions
+from teacher.sharding import out_spec
+from tests.test_cross_tokenizer import bpe  # noqa: F401  (the fixture)
+
+B, S, T, VT, VS = 4, 32, 48, 259, 320
+STUDENT = ModelConfig(vocab_size=VS, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
+LOSS = DistillLossConfig(temperature=2.0, alpha=0.7)
+
+
+def _align(rng) -> np.ndarray:
+    """[B, S]: increasing teacher positions, about a fifth of them unmatched (-1)."""
+    rows = [np.sort(rng.choice(T, S, replace=False)) for _ in range(B)]
+    align = np.stack(rows).astype(np.int32)
+    return np.where(rng.random((B, S)) < 0.2, -1, align).astype(np.int32)
+
+
+def _batch(seed: int) -> Batch:
+    """Packed student rows (three documents, then padding) with the teacher's view."""
+    rng = np.random.default_rng(seed)
+    ids = lambda n, v: rng.integers(0, v, (B, n)).astype(np.int32)  # noqa: E731
+    seg = np.zeros((B, S), np.int32)
+    seg[:, :11], seg[:, 11:27], seg[:, 27:30] = 1, 2, 3
+    pos = np.tile(np.concatenate([np.arange(11), np.arange(16), np.arange(3), [0, 1]]), (B, 1))
+    mask = (rng.random((B, S)) > 0.2).astype(np.float32) * (seg > 0)
+    own = Batch(ids(T, VT), ids(T, VT), np.ones((B, T), np.int32), ids(T, T), np.ones((B, T)))
+    view = TeacherView(own._replace(mask=own.mask.astype(np.float32)), _align(rng))
+    return Batch(ids(S, VS), ids(S, VS), seg, pos.astype(np.int32), mask, view)
+
+
+def _teacher(seed: int, k: int | None) -> TeacherOutput:
+    logits = np.random.default_rng(seed).normal(size=(B, T, VT)).astype(np.float32) * 3
+    lp = np.asarray(jax.nn.log_softmax(logits / LOSS.temperature))
+    if k is None:
+        return TeacherOutput(lp)
+    vals, ids = jax.lax.top_k(lp, k)
+    return TeacherOutput(np.asarray(vals), np.asarray(ids, np.int32))
+
+
+def _cross(method: str, tok, batch: Batch) -> CrossSpec:
+    if method == "mapped":
+        return CrossSpec(method, VocabMap.between(ByteTokenizer(), tok, VT, VS), VT)
+    fb = FirstBytes.between(ByteTokenizer(), tok, VT, VS)
+    stream = batch.tokens.ravel()
+    return CrossSpec(method, fb.after_tokens(stream, np.zeros(len(stream), bool)), VT)
+
+
+@pytest.mark.parametrize(
+    "axes", [(1, 2, 2), (2, 1, 2), (2, 2, 1)], ids=["tp2-cp2", "dp2-cp2", "dp2-tp2"]
+)
+def test_the_outputs_reach_the_students_positions(axes):
+    """On the inference mesh, split by position over cp (or not): the host gather's values,
+    laid out as the teacher's outputs are."""
+    dp, tp, cp = axes
+    mesh = teacher_mesh(jax.devices()[: dp * tp * cp], dp, tp, cp=cp)
+    batch, out = _batch(0), _teacher(1, 5)
+    placed = jax.device_put(out, NamedSharding(mesh, out_spec(B, mesh)))
+    got = positions.at_student_positions(mesh, placed, batch.teacher.align)
+    want = positions.on_host(out, batch.teacher.align)
+    for g, w, x in zip(got, want, out, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)
+        assert g.sharding.spec == out_spec(B, mesh)
+        np.testing.assert_array_equal(
+            w, np.asarray(cross_losses.at_student_positions(x, batch.teacher.align))
+        )
+
+
+def _loss_and_grads(mesh, cross: CrossSpec, batch: Batch, out: TeacherOutput):
+    """(loss, metrics, gradients) of the step's loss on `mesh`, the batch laid out as the
+    step lays it out (`student.context`)."""
+    loss_fn = train.make_loss_fn(STUDENT, LOSS, "float32", None, "none", mesh, cross=cross)
+    context = Context.of(mesh)
+
+    def run(params, batch, out):
+        if context is not None:
+            batch, out = context.pieces((batch, out))
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, out)
+        return loss, metrics, grads
+
+    split = train.batch_sharding(mesh)
+    params = model.init_params(STUDENT, 0)
+    return jax.device_get(jax.jit(run, in_shardings=(None, split, split))(params, batch, out))
+
+
+@pytest.mark.parametrize("method, k", [("first_byte", None), ("mapped", 6)])
+def test_cp_across_tokenizers_gives_one_devices_loss_and_gradients(bpe, method, k):  # noqa: F811
+    """One device reads the teacher's rows [B, T]; the cp = 2 student reads the outputs the
+    cp = 2 inference mesh gathered at its positions, hopped onto its mesh."""
+    devices = jax.devices()
+    batch, out = _batch(2), _teacher(3, k)
+    cross = _cross(method, bpe, batch)
+    want = _loss_and_grads(student_mesh(devices[:1], 1, 1), cross, batch, out)
+
+    tmesh = teacher_mesh(devices[:2], 1, 1, cp=2)
+    smesh = student_mesh(devices[2:4], 1, 1, 2)
+    placed = jax.device_put(out, NamedSharding(tmesh, out_spec(B, tmesh)))
+    moved = handoff.hop(
+        positions.at_student_positions(tmesh, placed, batch.teacher.align),
+        train.batch_sharding(smesh),
+    )
+    got = _loss_and_grads(smesh, cross, batch, moved)
+    assert want[1]["aligned_fraction"] < 1 and want[1]["kd_loss"] > 0
+    np.testing.assert_allclose(got[0], want[0], atol=1e-6, rtol=0)
+    for key in want[1]:
+        np.testing.assert_allclose(got[1][key], want[1][key], atol=1e-6, rtol=0, err_msg=key)
+    for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+
+
+def _config(role: str, **distill) -> Config:
+    return config_from_dict(
+        {
+            "data": {"source": "x", "tokenizer": "bpe/tokenizer.json"},
+            "teacher": {"tokenizer": "bytes"},
+            "mesh": {role: {"cp": 2}},
+            "train": {"seq_len": S, "batch_size": 4},
+            "distill": distill,
+        }
+    )
+
+
+def test_cp_across_tokenizers_is_checked_in_one_line():
+    """Either role's cp takes a teacher tokenizer of its own; the student's refuses
+    `byte_path` (its deeper bytes read teacher positions past the aligned one, which the
+    outputs gathered at the student's positions do not hold), the teacher's takes it."""
+    for role in ("student", "teacher"):
+        assert _config(role).cross_tokenizer()
+        check_context(_config(role))
+    check_context(_config("teacher", cross_tokenizer="byte_path"))
+    with pytest.raises(DistillError, match="distill.cross_tokenizer") as err:
+        check_context(_config("student", cross_tokenizer="byte_path"))
+    assert "\n" not in str(err.value) and "mesh.student.cp" in str(err.value)
+
+
+def _cross_tree(tiny_run, corpus_dir, tmp, **mesh) -> dict:
+    """The tiny run's byte-level teacher (dense outputs) and a BPE student tokenizer
+    trained on the same corpus, on the meshes `mesh` (role -> axes)."""
+    from distill.data.bpe import train_bpe
+    from tests.conftest import tiny_config
+
+    texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
+    cfg = tiny_config(str(corpus_dir), str(tmp / "out"))
+    cfg["teacher"].update(
+        checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0, top_k=None, tokenizer="bytes"
+    )
+    cfg["student"]["model"]["vocab_size"] = 320
+    cfg["data"]["tokenizer"] = str(train_bpe(texts, 300, tmp / "bpe" / "tokenizer.json"))
+    for role, axes in mesh.items():
+        cfg["mesh"][role].update(axes)
+    return cfg
+
+
+@pytest.mark.slow
+def test_a_cross_tokenizer_run_with_cp_in_both_roles_gives_the_runs_losses(
+    tiny_run, corpus_dir, tmp_path
+):
+    """The byte-level teacher on tp = 2 x cp = 2 over its own rows, the BPE student on dp =
+    2 x cp = 2 reading the outputs gathered at its positions: the losses, the aligned share
+    and the evaluations (bits per byte of both models) of the run on one cp."""
+    from pipelines.commands.cli import main
+    from tests.conftest import read_evals, train_by_step, write_config
+
+    outs = []
+    for name, cp in (("one", 1), ("cp", 2)):
+        tmp = tmp_path / name
+        tree = _cross_tree(tiny_run, corpus_dir, tmp, teacher={"cp": cp}, student={"cp": cp})
+        assert main(["run", write_config(tmp, tree)]) == 0
+        outs.append(tmp / "out")
+    want, got = (train_by_step(o) for o in outs)
+    assert sorted(got) == sorted(want) == [2, 4, 6]
+    keys = ("loss", "kd_loss", "ce_loss", "aligned_fraction")
+    for step, r in want.items():
+        assert 0.8 < r["aligned_fraction"] <= 1.0
+        for key in keys:
+            assert got[step][key] == pytest.approx(r[key], rel=0, abs=1e-6), (step, key)
+    evals = [read_evals(o) for o in outs]
+    assert len(evals[0]) == len(evals[1]) == 3
+    for e, w in zip(evals[1], evals[0], strict=True):
+        for key in ("student_loss", "teacher_loss", "student_bpb", "teacher_bpb"):
+            assert e[key] == pytest.approx(w[key], rel=0, abs=1e-6), key
