@@ -241,6 +241,7 @@ def check_context(cfg: Config) -> None:
     _check_role_context(cfg, "student", [
         ("student.model.n_experts", bool(cfg.student_model().n_experts), "a dense student"),
     ])  # fmt: skip
+    _check_student_rows_in_a_process(cfg)
     _check_role_context(cfg, "teacher", [
         ("mesh.teacher.pp", cfg.mesh.teacher.pp > 1, "mesh.teacher.pp: 1 (no stages)"),
     ])  # fmt: skip
@@ -258,7 +259,6 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
             "chunks (context parallelism); make it a multiple of that"
         )
     refused = [
-        ("pipeline.mode", cfg.pipeline.mode == "ray", "pipeline.mode: local"),
         ("mesh.placement", cfg.mesh.placement == "auto", "mesh.placement: split or colocated"),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction: 0"),
         ("teacher.tokenizer", cfg.cross_tokenizer(), "the student's tokenizer (data.tokenizer)"),
@@ -270,6 +270,21 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
                 f"{key}: not supported with mesh.{role}.cp={cp} (context parallelism) yet; "
                 f"needs {needs}, or mesh.{role}.cp: 1"
             )
+
+
+def _check_student_rows_in_a_process(cfg: Config) -> None:
+    """Ray mode: a row's `mesh.student.cp` devices are one process's (the group's hosts
+    split the row shards, dp x fsdp, `distill.mesh.granule_split`), as the row hand-off,
+    the sampler and the evaluation give each student process whole rows. The teacher's cp
+    may cross its processes: its outputs leave by (rows, positions) blocks."""
+    s = cfg.mesh.student
+    if cfg.pipeline.mode != "ray" or s.cp == 1 or (s.dp * s.fsdp) % s.hosts == 0:
+        return
+    raise DistillError(
+        f"mesh.student.cp: {s.cp} would split rows across the student group's {s.hosts} hosts "
+        f"(mesh.student.dp x fsdp = {s.dp * s.fsdp} row shards); in pipeline.mode ray a row's "
+        "cp devices are one process's: make mesh.student.hosts divide dp x fsdp"
+    )
 
 
 def check_teacher_split(cfg: Config) -> None:

@@ -182,7 +182,6 @@ def _config(role: str = "student", **mesh) -> Config:
 
 REFUSED = [  # (updates, the field named) for either role's cp (`mesh.teacher.cp` too)
     ({"train": {"seq_len": 36}}, "train.seq_len"),
-    ({"pipeline": {"mode": "ray"}}, "pipeline.mode"),
     ({"mesh": {"placement": "auto"}}, "mesh.placement"),
     ({"distill": {"on_policy": {"fraction": 0.5}}}, "distill.on_policy.fraction"),
 ]
@@ -209,6 +208,21 @@ def test_what_cp_does_not_support_is_refused_in_one_line(role, updates, key):
     assert "\n" not in str(err.value) and f"mesh.{role}.cp" in str(err.value)
     tree["mesh"][role]["cp"] = 1  # the same run without context parallelism passes
     check_context(Config.model_validate(tree))
+
+
+def test_ray_mode_keeps_a_students_row_in_one_process():
+    """pipeline.mode ray: either role's cp passes; the student's only while the group's
+    hosts split its row shards (a row's cp devices one process's), the teacher's across
+    its processes too."""
+    tree = _config("student", cp=2).model_dump()
+    tree["pipeline"]["mode"] = "ray"
+    tree["mesh"]["teacher"].update(cp=2, hosts=2)
+    tree["mesh"]["student"].update(dp=2, hosts=2)
+    check_context(Config.model_validate(tree))
+    tree["mesh"]["student"].update(dp=1)
+    with pytest.raises(DistillError, match="mesh.student.cp: 2 would split rows across") as err:
+        check_context(Config.model_validate(tree))
+    assert "\n" not in str(err.value) and "mesh.student.hosts" in str(err.value)
 
 
 def test_the_plan_counts_the_rings_bytes():

@@ -297,7 +297,7 @@ class StudentMember(_Member):
         t0 = time.perf_counter()
         if self._n > 1:
             rows = prompts.tokens.shape[0] * self._n
-            prompts = ray_rows.global_arrays(prompts, self._split, rows)
+            prompts = ray_rows.global_arrays(prompts, sampler.put, rows)  # whole rows
         rows, stats = sampler(params, prompts, key)
         rows, stats = ray_rows.local_rows(rows), self._jax.device_get(stats)
         ms = 1e3 * (time.perf_counter() - t0)
