@@ -79,8 +79,8 @@ class TeacherMesh(Section):
         description="Context-parallel degree of the inference mesh (dp x ep x cp x tp "
         "devices), as mesh.student.cp's: rows split over cp in 2 x cp load-balanced chunks, "
         "ring attention, the outputs leaving split by position as a student of the same cp "
-        "takes them. Local mode; not yet with mesh.teacher.pp, on-policy, cross-tokenizer "
-        "rows or mesh.placement auto.",
+        "takes them. Local and ray mode (where it may cross the group's hosts); not yet with "
+        "mesh.teacher.pp, on-policy, cross-tokenizer rows or mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(
@@ -105,9 +105,9 @@ class StudentMesh(Section):
         description="Context-parallel degree of the training mesh (dp x fsdp x cp devices): "
         "each row's sequence split over cp devices in 2 x cp load-balanced chunks, attention "
         "passing key/value blocks around the cp ring (ring attention), activations per "
-        "device about 1/cp. train.seq_len must divide by 2 x cp. Local mode only; not yet "
-        "with on-policy, cross-tokenizer or mixture-of-experts students, or mesh.placement "
-        "auto.",
+        "device about 1/cp. train.seq_len must divide by 2 x cp. Local and ray mode (a row's "
+        "cp devices in one process: mesh.student.hosts dividing dp x fsdp); not yet with "
+        "on-policy, cross-tokenizer or mixture-of-experts students, or mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(
