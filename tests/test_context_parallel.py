@@ -225,6 +225,22 @@ def test_ray_mode_keeps_a_students_row_in_one_process():
     assert "\n" not in str(err.value) and "mesh.student.hosts" in str(err.value)
 
 
+def test_validate_names_both_roles_cp_in_ray_mode(corpus_dir, tmp_path, capsys):
+    """`distill validate` of a ray-mode config with cp in both roles: ok, its line naming
+    each mesh's cp; a student row split over the group's hosts: one line naming the field."""
+    from pipelines.commands.cli import main
+    from tests.conftest import tiny_config, write_config
+
+    mesh = {"teacher": {"tp": 2, "cp": 2}, "student": {"dp": 2, "cp": 2}}
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"), mesh=mesh, pipeline={"mode": "ray"})
+    path = write_config(tmp_path, tree)
+    assert main(["validate", path]) == 0
+    assert "teacher dp=1 x cp=2 x tp=2, student dp=2 x fsdp=1 x cp=2" in capsys.readouterr().out
+    assert main(["validate", path, "--set", "mesh.student.hosts=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distill: error: mesh.student.cp: 2 would split rows") and "\n" not in err
+
+
 def test_the_plan_counts_the_rings_bytes():
     """Per device and step: k, v and segment ids around the ring cp - 1 times forward and
     backward, float32 dk and dv cp times; a rematerialised forward passes them again."""
