@@ -213,7 +213,7 @@ def test_what_cp_does_not_support_is_refused_in_one_line(role, updates, key):
 def test_ray_mode_keeps_a_students_row_in_one_process():
     """pipeline.mode ray: either role's cp passes; the student's only while the group's
     hosts split its row shards (a row's cp devices one process's), the teacher's across
-    its processes too."""
+    its processes too, colocated only with both meshes on the same devices."""
     tree = _config("student", cp=2).model_dump()
     tree["pipeline"]["mode"] = "ray"
     tree["mesh"]["teacher"].update(cp=2, hosts=2)
@@ -223,6 +223,15 @@ def test_ray_mode_keeps_a_students_row_in_one_process():
     with pytest.raises(DistillError, match="mesh.student.cp: 2 would split rows across") as err:
         check_context(Config.model_validate(tree))
     assert "\n" not in str(err.value) and "mesh.student.hosts" in str(err.value)
+    # colocated over several processes: the teacher's blocks reach the student's devices by
+    # JAX's reshard across processes, which needs one set of devices for both meshes
+    tree["mesh"].update(placement="colocated")
+    tree["mesh"]["teacher"].update(tp=2)
+    tree["mesh"]["student"].update(dp=2, cp=1)
+    with pytest.raises(DistillError, match="mesh.teacher.cp: 2 in a colocated group of 2"):
+        check_context(Config.model_validate(tree))
+    tree["mesh"]["student"].update(cp=2)  # 4 devices each
+    check_context(Config.model_validate(tree))
 
 
 def test_validate_names_both_roles_cp_in_ray_mode(corpus_dir, tmp_path, capsys):
