@@ -566,8 +566,9 @@ def test_cp_across_processes_matches_cp_1(ray_cluster, tiny_run, corpus_dir, tmp
     dp = 2 x cp = 2 with its rows' cp devices in one process. Split, each student process
     receives its rows from both teacher processes as rows x positions blocks; colocated,
     the blocks are on the other process's devices, so the group reshards them together.
-    The losses and evaluations of the session's cp = 1 tiny run (teacher tp = 2, student
-    dp = 2) to 1e-6."""
+    The losses and evaluations (with the samples each student process decodes, whole rows
+    on its cp devices) of the session's cp = 1 tiny run (teacher tp = 2, student dp = 2) to
+    1e-6."""
     infos = []
     record = lambda step, pool: infos.append(pool.info["teacher-0"])  # noqa: E731
     out = tmp_path / "out"
@@ -587,7 +588,7 @@ def test_cp_across_processes_matches_cp_1(ray_cluster, tiny_run, corpus_dir, tmp
         for key in KEYS:
             assert runs[1][step][key] == pytest.approx(expected[key], rel=0, abs=1e-6), key
     final, want = _summary(out)["final_eval"], _summary(tiny_run.out)["final_eval"]
-    for key in ("teacher_loss", "student_loss", "kl", "student_bpb", "teacher_bpb"):
+    for key in ("teacher_loss", "student_loss", "kl", "student_bpb", "teacher_bpb", *SAMPLE_KEYS):
         assert final[key] == pytest.approx(want[key], rel=0, abs=1e-6), key
     info = infos[-1]  # a colocated group's: the student's layout, the teacher's beside it
     layout, processes = info.get("teacher_layout", info["layout"]), info["processes"]

@@ -225,7 +225,7 @@ class TeacherMember(_Member):
 
 
 class StudentMember(_Member):
-    """One process of the student's group: the training mesh (axes `dp` x `fsdp`) over the
+    """One process of the student's group: the training mesh (axes `dp` x `fsdp`, `cp`) over the
     group's devices, train state, train step, evaluation, checkpoints (every process writes
     its shards, Orbax multi-host).
 

@@ -20,9 +20,13 @@ which the teacher process holds (`teacher_parts`), each row by exactly one teach
 teacher process reads the rows its devices hold (`global_batch`). A student process joins
 what it receives (`student_rows`) and assembles global arrays from every process's rows
 (`global_arrays`: a process's rows concatenated in row order, as
-`jax.make_array_from_process_local_data` maps them). On-policy rows are made by the
-student processes and sent to the teacher group, which puts them back in row order
-(`join_batch`). Nothing here goes through the driver.
+`jax.make_array_from_process_local_data` maps them). With context parallelism
+(`mesh.<role>.cp`) the teacher's outputs are split by position too: a teacher process
+sends blocks of rows x positions, never whole rows it does not hold, and a student
+process, which holds all the cp devices of its rows, writes them into its rows, each of
+its devices then taking its positions. On-policy rows are made by the student processes
+and sent to the teacher group, which puts them back in row order (`join_batch`). Nothing
+here goes through the driver.
 """
 
 from __future__ import annotations
@@ -198,8 +202,8 @@ def teacher_parts(out: TeacherOutput, owners: Owners) -> list[list[Piece]]:
     logprobs = _owned_blocks(out.logprobs)
     ids = _owned_blocks(out.ids) if out.ids is not None else None
     parts: list[list[Piece]] = [[] for _ in range(max(owners) + 1)]
-    for ((a, b), (c, _)), lp in sorted(logprobs.items()):
-        held = TeacherOutput(lp, None if ids is None else ids[(a, b), (c, _)])
+    for ((a, b), (c, d)), lp in sorted(logprobs.items()):
+        held = TeacherOutput(lp, None if ids is None else ids[(a, b), (c, d)])
         for k in range(a // size, (b - 1) // size + 1):
             lo, hi = max(a, k * size), min(b, (k + 1) * size)
             piece = TeacherOutput(*(_rows(x, lo - a, hi - a) for x in held))
