@@ -14,7 +14,10 @@ covers them the rows are sliced on that device. Context parallelism splits each 
 positions too (`mesh.student.cp`, `mesh.teacher.cp`): blocks are then rows x positions and
 the same rules hold for them (a teacher and a student with equal row splits and equal cp:
 one copy per device, no row ever whole on one device), each part cut to the destination's
-positions on the teacher's device before it moves.
+positions on the teacher's device before it moves. Meshes over several processes (a
+colocated Ray group) hand over this way where each process holds the blocks its devices
+receive; elsewhere (the teacher's cp across the processes, the student's rows within one)
+every process takes JAX's own reshard, a collective over the group.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def blocks(index: tuple, shape: tuple[int, ...]) -> Block | None:
 def _hop(x, sharding):
     if not isinstance(x, jax.Array) or x.sharding == sharding:
         return jax.device_put(x, sharding)
+    if not x.is_fully_addressable and not _within_processes(x, sharding):
+        return jax.device_put(x, sharding)  # JAX's reshard across processes (a collective)
     src: dict[Block, jax.Array] = {}
     local: dict[tuple[Block, object], jax.Array] = {}  # (block, device): that device's
     for shard in x.addressable_shards:
@@ -74,6 +79,30 @@ def _hop(x, sharding):
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
+def _within_processes(x, sharding) -> bool:
+    """Whether each destination block is covered by source blocks of its own device's
+    process (so every process makes its shards from its own buffers). The same answer in
+    every process of a multi-process mesh: where it is False, they all reshard together."""
+    held: dict[int, set] = {}
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        held.setdefault(device.process_index, set()).add(blocks(index, x.shape))
+    for device, index in sharding.devices_indices_map(x.shape).items():
+        block, mine = blocks(index, x.shape), held.get(device.process_index, set())
+        if block is None or None in mine:
+            return False
+        if sum(_area(_overlap(block, o)) for o in mine) != _area(block):
+            return False
+    return True
+
+
+def _overlap(a: Block, b: Block) -> Block:
+    return tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+
+
+def _area(block: Block) -> int:
+    return max(block[0][1] - block[0][0], 0) * max(block[1][1] - block[1][0], 0)
+
+
 def _assemble(src: dict[Block, jax.Array], local: dict, block: Block, device, ndim: int):
     """The rows [a, b) and positions [c, d) of `block` on `device`: from a block the device
     holds itself where one covers them (colocated meshes: sliced there, nothing crosses
@@ -92,8 +121,7 @@ def _assemble(src: dict[Block, jax.Array], local: dict, block: Block, device, nd
             return cut(local[(rows, cols), dev], (rows, cols), block)
     bands: dict[Rows, list] = {}
     for origin, buf in sorted(src.items()):
-        pairs = zip(block, origin, strict=True)
-        part = tuple((max(a, s0), min(b, s1)) for (a, b), (s0, s1) in pairs)
+        part = _overlap(block, origin)
         if all(lo < hi for lo, hi in part):
             bands.setdefault(part[0], []).append(jax.device_put(cut(buf, origin, part), device))
     rows = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=1) for _, p in sorted(bands.items())]

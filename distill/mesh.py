@@ -245,6 +245,7 @@ def check_context(cfg: Config) -> None:
         ("teacher.tokenizer", cfg.cross_tokenizer() and cfg.pipeline.mode == "ray",
          "pipeline.mode: local (teacher.positions)"),
     ])  # fmt: skip
+    _check_ray_context(cfg)
     _check_role_context(cfg, "teacher", [
         ("mesh.teacher.pp", cfg.mesh.teacher.pp > 1, "mesh.teacher.pp: 1 (no stages)"),
     ])  # fmt: skip
@@ -262,7 +263,6 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
             "chunks (context parallelism); make it a multiple of that"
         )
     refused = [
-        ("pipeline.mode", cfg.pipeline.mode == "ray", "pipeline.mode: local"),
         ("mesh.placement", cfg.mesh.placement == "auto", "mesh.placement: split or colocated"),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction: 0"),
         *own,
@@ -273,6 +273,31 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
                 f"{key}: not supported with mesh.{role}.cp={cp} (context parallelism) yet; "
                 f"needs {needs}, or mesh.{role}.cp: 1"
             )
+
+
+def _check_ray_context(cfg: Config) -> None:
+    """Ray mode: a row's `mesh.student.cp` devices are one process's (the group's hosts
+    split the row shards, dp x fsdp, `distill.mesh.granule_split`), as the row hand-off,
+    the sampler and the evaluation give each student process whole rows. The teacher's cp
+    may cross its processes: its outputs leave by (rows, positions) blocks; in a colocated
+    group of several processes they then reach the student's devices by JAX's reshard
+    across processes, which needs both meshes on the same devices."""
+    t, s = cfg.mesh.teacher, cfg.mesh.student
+    if cfg.pipeline.mode != "ray":
+        return
+    if s.cp > 1 and (s.dp * s.fsdp) % s.hosts:
+        raise DistillError(
+            f"mesh.student.cp: {s.cp} would split rows across the student group's {s.hosts} "
+            f"hosts (mesh.student.dp x fsdp = {s.dp * s.fsdp} row shards); in pipeline.mode ray "
+            "a row's cp devices are one process's: make mesh.student.hosts divide dp x fsdp"
+        )
+    sizes = teacher_size(cfg), student_size(cfg)
+    if t.cp > 1 and colocated(cfg) and s.hosts > 1 and sizes[0] != sizes[1]:
+        raise DistillError(
+            f"mesh.teacher.cp: {t.cp} in a colocated group of {s.hosts} processes needs the "
+            f"teacher's and the student's meshes on the same devices ({sizes[0]} and "
+            f"{sizes[1]}); make them equal, or mesh.placement: split"
+        )
 
 
 def check_teacher_split(cfg: Config) -> None:

@@ -182,7 +182,6 @@ def _config(role: str = "student", **mesh) -> Config:
 
 REFUSED = [  # (updates, the field named) for either role's cp (`mesh.teacher.cp` too)
     ({"train": {"seq_len": 36}}, "train.seq_len"),
-    ({"pipeline": {"mode": "ray"}}, "pipeline.mode"),
     ({"mesh": {"placement": "auto"}}, "mesh.placement"),
     ({"distill": {"on_policy": {"fraction": 0.5}}}, "distill.on_policy.fraction"),
 ]
@@ -206,6 +205,46 @@ def test_what_cp_does_not_support_is_refused_in_one_line(role, updates, key):
     assert "\n" not in str(err.value) and f"mesh.{role}.cp" in str(err.value)
     tree["mesh"][role]["cp"] = 1  # the same run without context parallelism passes
     check_context(Config.model_validate(tree))
+
+
+def test_ray_mode_keeps_a_students_row_in_one_process():
+    """pipeline.mode ray: either role's cp passes; the student's only while the group's
+    hosts split its row shards (a row's cp devices one process's), the teacher's across
+    its processes too, colocated only with both meshes on the same devices."""
+    tree = _config("student", cp=2).model_dump()
+    tree["pipeline"]["mode"] = "ray"
+    tree["mesh"]["teacher"].update(cp=2, hosts=2)
+    tree["mesh"]["student"].update(dp=2, hosts=2)
+    check_context(Config.model_validate(tree))
+    tree["mesh"]["student"].update(dp=1)
+    with pytest.raises(DistillError, match="mesh.student.cp: 2 would split rows across") as err:
+        check_context(Config.model_validate(tree))
+    assert "\n" not in str(err.value) and "mesh.student.hosts" in str(err.value)
+    # colocated over several processes: the teacher's blocks reach the student's devices by
+    # JAX's reshard across processes, which needs one set of devices for both meshes
+    tree["mesh"].update(placement="colocated")
+    tree["mesh"]["teacher"].update(tp=2)
+    tree["mesh"]["student"].update(dp=2, cp=1)
+    with pytest.raises(DistillError, match="mesh.teacher.cp: 2 in a colocated group of 2"):
+        check_context(Config.model_validate(tree))
+    tree["mesh"]["student"].update(cp=2)  # 4 devices each
+    check_context(Config.model_validate(tree))
+
+
+def test_validate_names_both_roles_cp_in_ray_mode(corpus_dir, tmp_path, capsys):
+    """`distill validate` of a ray-mode config with cp in both roles: ok, its line naming
+    each mesh's cp; a student row split over the group's hosts: one line naming the field."""
+    from pipelines.commands.cli import main
+    from tests.conftest import tiny_config, write_config
+
+    mesh = {"teacher": {"tp": 2, "cp": 2}, "student": {"dp": 2, "cp": 2}}
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"), mesh=mesh, pipeline={"mode": "ray"})
+    path = write_config(tmp_path, tree)
+    assert main(["validate", path]) == 0
+    assert "teacher dp=1 x cp=2 x tp=2, student dp=2 x fsdp=1 x cp=2" in capsys.readouterr().out
+    assert main(["validate", path, "--set", "mesh.student.hosts=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distill: error: mesh.student.cp: 2 would split rows") and "\n" not in err
 
 
 def test_the_plan_counts_the_rings_bytes():

@@ -156,7 +156,7 @@ def test_rows_between_groups_cover_each_student_process_rows(owners):
     assert all((x == y).all() for x, y in zip(joined[:5], batch[:5], strict=True))
     out = TeacherOutput(np.arange(8 * 2, dtype=np.float32).reshape(8, 2), None)
     mine = ray_rows.spans(owners, max(owners), 8)
-    pieces = [[(a, TeacherOutput(out.logprobs[a : a + 1], None))] for lo, hi in mine
+    pieces = [[((a, 0), TeacherOutput(out.logprobs[a : a + 1], None))] for lo, hi in mine
               for a in range(lo, hi)][::-1]  # fmt: skip
     rows, nbytes = ray_rows.student_rows(pieces, mine)
     assert (rows.logprobs == ray_rows.take(out.logprobs, mine)).all()
@@ -174,12 +174,13 @@ def test_spans_merge_a_process_adjacent_shards():
 
 
 @pytest.mark.parametrize("owners", [(0, 1, 2, 3), (1, 0, 3, 2), (0, 0, 1, 1)])
-@pytest.mark.parametrize("staged", [False, True])
-def test_teacher_parts_send_each_row_once(owners, staged):
-    """A teacher output replicated over tp (rows split over dp only), or with pipeline
-    stages split over every device (`OUT_ROWS_PP`: each stage 1/pp of the rows), goes to
-    the student processes as `owners` says, each row once, from the devices' own
-    buffers."""
+@pytest.mark.parametrize("layout", ["tp", "staged", "cp"])
+def test_teacher_parts_send_each_row_once(owners, layout):
+    """A teacher output replicated over tp (rows split over dp only), with pipeline stages
+    split over every device (`OUT_ROWS_PP`: each stage 1/pp of the rows), or with the
+    teacher's cp each row's positions split too (`P(rows, cp)`: blocks of rows x
+    positions, sent as they are, never whole rows), goes to the student processes as
+    `owners` says, each row and position once, from the devices' own buffers."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -190,21 +191,29 @@ def test_teacher_parts_send_each_row_once(owners, staged):
     from teacher.sharding import OUT_ROWS_PP
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
-    values = np.arange(8 * 3 * 2, dtype=np.float32).reshape(8, 3, 2)
+    values = np.arange(8 * 4 * 2, dtype=np.float32).reshape(8, 4, 2)
     split = NamedSharding(mesh, P("dp"))
-    if staged:
+    if layout == "staged":
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 1, 4), ("pp", "dp", "ep", "tp"))
         split = NamedSharding(mesh, OUT_ROWS_PP)
+    if layout == "cp":  # rows over dp x tp, positions over cp (`teacher.sharding.out_spec`)
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "cp", "tp"))
+        split = NamedSharding(mesh, P(("dp", "tp"), "cp"))
     out = TeacherOutput(
         jax.device_put(values, split), jax.device_put(values.astype(np.int32), split)
     )
     parts = ray_rows.teacher_parts(out, owners)
     for p, part in enumerate(parts):
         mine = ray_rows.spans(owners, p, 8)
-        rows, nbytes = ray_rows.student_rows([part], mine)
+        if layout == "cp":  # each piece half a row's positions
+            assert {piece.logprobs.shape[1] for _, piece in part} == {2}
+        rows, nbytes = ray_rows.student_rows([part[::-1]], mine)  # in any order
         assert (rows.logprobs == ray_rows.take(values, mine)).all()
         assert (rows.ids == ray_rows.take(values, mine)).all()
-        assert nbytes == sum(b - a for a, b in mine) * 6 * 8
+        assert nbytes == sum(b - a for a, b in mine) * 8 * 8
+        if layout == "cp":  # a missing block of positions is noticed
+            with pytest.raises(RuntimeError, match="do not cover"):
+                ray_rows.student_rows([part[1:]], mine)
 
 
 def _corpus(corpus_dir):
@@ -240,7 +249,8 @@ def test_each_process_reads_its_rows_of_the_iterators_batch(corpus_dir):
 
 def test_teacher_process_batch_is_the_global_batch(corpus_dir):
     """`global_batch` (what a teacher process puts on its mesh, reading only the rows of its
-    devices) is the batch the iterator yields, on a dp x tp mesh."""
+    devices) is the batch the iterator yields, on a dp x tp mesh and on a dp x cp x tp one
+    (each device its positions of its rows)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -250,15 +260,17 @@ def test_teacher_process_batch_is_the_global_batch(corpus_dir):
 
     cfg, corpus = _corpus(corpus_dir)
     reader = ray_rows.BatchReader(corpus, 4, cfg.run.seed)
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
     state = {"next_index": 5}
-    batch = ray_rows.global_batch(reader, state, NamedSharding(mesh, P("dp")))
-    for got, want in zip(batch, reader.rows(state), strict=True):
-        if want is None:  # no teacher rows of its own (one tokenizer)
-            assert got is None
-            continue
-        assert got.shape == want.shape
-        np.testing.assert_array_equal(np.asarray(got), want)
+    plain = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+    context = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "cp", "tp"))
+    for split in (NamedSharding(plain, P("dp")), NamedSharding(context, P("dp", "cp"))):
+        batch = ray_rows.global_batch(reader, state, split)
+        for got, want in zip(batch, reader.rows(state), strict=True):
+            if want is None:  # no teacher rows of its own (one tokenizer)
+                assert got is None
+                continue
+            assert got.shape == want.shape and got.sharding == split
+            np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_a_raw_corpus_read_by_many_processes_is_worth_a_warning(tmp_path, caplog):
@@ -543,3 +555,44 @@ def test_colocated_teacher_stages_across_processes_match_local(
     assert _run(tmp_path, cfg) == 0
     _assert_same_losses(out, local_run)
     assert _summary(out)["bytes_per_step"] == 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_cp_across_processes_matches_cp_1(ray_cluster, tiny_run, corpus_dir, tmp_path, placement):
+    """Context parallelism in groups of 2 processes: the teacher's tp = 2 x cp = 2 with its
+    cp across the processes (each process half of every row's positions) and the student's
+    dp = 2 x cp = 2 with its rows' cp devices in one process. Split, each student process
+    receives its rows from both teacher processes as rows x positions blocks; colocated,
+    the blocks are on the other process's devices, so the group reshards them together.
+    The losses and evaluations (with the samples each student process decodes, whole rows
+    on its cp devices) of the session's cp = 1 tiny run (teacher tp = 2, student dp = 2) to
+    1e-6."""
+    infos = []
+    record = lambda step, pool: infos.append(pool.info["teacher-0"])  # noqa: E731
+    out = tmp_path / "out"
+    mesh = {
+        "teacher": {"tp": 2, "cp": 2, "hosts": 2},
+        "student": {"dp": 2, "cp": 2, "hosts": 2},
+        "placement": placement,
+    }
+    cfg = tiny_config(
+        str(corpus_dir), str(out), mesh=mesh, pipeline={"mode": "ray"},
+        teacher={"checkpoint": str(tiny_run.out / "teacher")},
+    )  # fmt: skip
+    assert _run(tmp_path, cfg, record) == 0
+    runs = [_train(o) for o in (tiny_run.out, out)]
+    assert sorted(runs[0]) == sorted(runs[1]) == [2, 4, 6]
+    for step, expected in runs[0].items():
+        for key in KEYS:
+            assert runs[1][step][key] == pytest.approx(expected[key], rel=0, abs=1e-6), key
+    final, want = _summary(out)["final_eval"], _summary(tiny_run.out)["final_eval"]
+    for key in ("teacher_loss", "student_loss", "kl", "student_bpb", "teacher_bpb", *SAMPLE_KEYS):
+        assert final[key] == pytest.approx(want[key], rel=0, abs=1e-6), key
+    info = infos[-1]  # a colocated group's: the student's layout, the teacher's beside it
+    layout, processes = info.get("teacher_layout", info["layout"]), info["processes"]
+    assert layout["shape"] == {"dp": 1, "ep": 1, "cp": 2, "tp": 2}
+    ids = [d["id"] for d in layout["devices"]]  # cp chunk c is process c's devices
+    assert [p["local_devices"] for p in processes] == [ids[:2], ids[2:]]
+    assert runs[1][6]["bytes_per_token"] == (8 * 8 if placement == "split" else 0)

@@ -80,8 +80,9 @@ class TeacherMesh(Section):
         "devices), as mesh.student.cp's: rows split over cp in 2 x cp load-balanced chunks, "
         "ring attention, the outputs leaving split by position as a student of the same cp "
         "takes them (across tokenizers: over the teacher's own rows, then gathered at the "
-        "student's positions when mesh.student.cp > 1). Local mode; not yet with "
-        "mesh.teacher.pp, on-policy or mesh.placement auto.",
+        "student's positions when mesh.student.cp > 1). Local and ray mode (where it may "
+        "cross the group's hosts); not yet with mesh.teacher.pp, on-policy or "
+        "mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(
@@ -106,8 +107,10 @@ class StudentMesh(Section):
         description="Context-parallel degree of the training mesh (dp x fsdp x cp devices): "
         "each row's sequence split over cp devices in 2 x cp load-balanced chunks, attention "
         "passing key/value blocks around the cp ring (ring attention), activations per "
-        "device about 1/cp. train.seq_len must divide by 2 x cp. Local mode only; not yet "
-        "with on-policy, distill.cross_tokenizer byte_path or mesh.placement auto.",
+        "device about 1/cp. train.seq_len must divide by 2 x cp. Local and ray mode (a row's "
+        "cp devices in one process: mesh.student.hosts dividing dp x fsdp; in ray mode with "
+        "the student's own tokenizer); not yet with on-policy, distill.cross_tokenizer "
+        "byte_path or mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(

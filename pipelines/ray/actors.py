@@ -225,7 +225,7 @@ class TeacherMember(_Member):
 
 
 class StudentMember(_Member):
-    """One process of the student's group: the training mesh (axes `dp` x `fsdp`) over the
+    """One process of the student's group: the training mesh (axes `dp` x `fsdp`, `cp`) over the
     group's devices, train state, train step, evaluation, checkpoints (every process writes
     its shards, Orbax multi-host).
 
@@ -297,7 +297,7 @@ class StudentMember(_Member):
         t0 = time.perf_counter()
         if self._n > 1:
             rows = prompts.tokens.shape[0] * self._n
-            prompts = ray_rows.global_arrays(prompts, self._split, rows)
+            prompts = ray_rows.global_arrays(prompts, sampler.put, rows)  # whole rows
         rows, stats = sampler(params, prompts, key)
         rows, stats = ray_rows.local_rows(rows), self._jax.device_get(stats)
         ms = 1e3 * (time.perf_counter() - t0)

@@ -20,9 +20,13 @@ which the teacher process holds (`teacher_parts`), each row by exactly one teach
 teacher process reads the rows its devices hold (`global_batch`). A student process joins
 what it receives (`student_rows`) and assembles global arrays from every process's rows
 (`global_arrays`: a process's rows concatenated in row order, as
-`jax.make_array_from_process_local_data` maps them). On-policy rows are made by the
-student processes and sent to the teacher group, which puts them back in row order
-(`join_batch`). Nothing here goes through the driver.
+`jax.make_array_from_process_local_data` maps them). With context parallelism
+(`mesh.<role>.cp`) the teacher's outputs are split by position too: a teacher process
+sends blocks of rows x positions, never whole rows it does not hold, and a student
+process, which holds all the cp devices of its rows, writes them into its rows, each of
+its devices then taking its positions. On-policy rows are made by the student processes
+and sent to the teacher group, which puts them back in row order (`join_batch`). Nothing
+here goes through the driver.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ import hashlib
 import numpy as np
 
 from distill.data.corpus import Corpus
+from distill.errors import DistillError
+from distill.handoff import Block, blocks
 from distill.types import Batch, TeacherOutput
 
-Piece = tuple[int, TeacherOutput]  # (first global row, host rows of a teacher output)
+# ((first global row, first position), host rows x positions of a teacher output)
+Piece = tuple[tuple[int, int], TeacherOutput]
 Owners = tuple[int, ...]  # the student process holding each row shard of a batch, in order
 Spans = list[tuple[int, int]]  # [lo, hi) blocks of a batch's rows, in order
 
@@ -64,13 +71,23 @@ def data_check(reader: BatchReader) -> str:
 
 
 def row_owners(sharding) -> Owners:
-    """For each row shard of a batch split by `sharding` (the student's batch sharding), in
-    row order, the process whose devices hold it (the lowest-numbered when several do)."""
+    """For each row shard of a batch split by `sharding` (the student's batch sharding, its
+    rows and with `cp` their positions), in row order, the process whose devices hold it
+    (the lowest-numbered when several do). A row's cp devices must be one process's
+    (`distill.mesh` checks the hosts; a TPU slice's torus could still interleave them)."""
     n = sharding.num_devices  # a multiple of the shard count: equal shards
     holder: dict[tuple[int, int], int] = {}
-    for device, index in sharding.devices_indices_map((n,)).items():
-        rows = index[0].indices(n)[:2]
-        holder[rows] = min(holder.get(rows, device.process_index), device.process_index)
+    positions: dict[tuple[int, int], set[int]] = {}  # row shard -> processes of its positions
+    for device, index in sharding.devices_indices_map((n, n)).items():
+        rows, p = index[0].indices(n)[:2], device.process_index
+        holder[rows] = min(holder.get(rows, p), p)
+        if index[1].indices(n)[:2] != (0, n):
+            positions.setdefault(rows, set()).add(p)
+    if any(len(ps) > 1 for ps in positions.values()):
+        raise DistillError(
+            "mesh.student.cp: the training mesh splits a row's positions over several "
+            "processes; in pipeline.mode ray a row's cp devices must be one process's"
+        )
     return tuple(p for _, p in sorted(holder.items()))
 
 
@@ -110,9 +127,9 @@ def global_batch(reader: BatchReader, data_state: dict, sharding) -> Batch:
         at[a, b], n = n, n + b - a
 
     def one(x):
-        def piece(index):
+        def piece(index):  # a device's rows (and with `cp` its positions of them)
             a, b = index[0].indices(shape[0])[:2]
-            return x[at[a, b] : at[a, b] + b - a]
+            return x[at[a, b] : at[a, b] + b - a][(slice(None), *index[1:])]
 
         return jax.make_array_from_callback(shape, sharding, piece)
 
@@ -157,37 +174,40 @@ def join_batch(parts: list[Batch], owners: Owners) -> Batch:
     return jax.tree.map(join, *parts)  # the teacher's rows too, on-policy across tokenizers
 
 
-def _owned_rows(arr) -> dict[tuple[int, int], np.ndarray]:
-    """{(start, stop): host rows} of the row blocks of the global array `arr` (rows split
-    over its mesh, other axes whole) whose lowest-numbered holder is this process."""
+def _owned_blocks(arr) -> dict[Block, np.ndarray]:
+    """{(rows, positions): host block} of the blocks of the global array `arr` (rows split
+    over its mesh, with `cp` their positions too, other axes whole; `distill.handoff.blocks`)
+    whose lowest-numbered holder is this process."""
     import jax
 
-    n, me = arr.shape[0], jax.process_index()
-    holder: dict[tuple[int, int], int] = {}
+    me = jax.process_index()
+    holder: dict[Block, int] = {}
     for device, index in arr.sharding.devices_indices_map(arr.shape).items():
-        rows = index[0].indices(n)[:2]
-        holder[rows] = min(holder.get(rows, device.process_index), device.process_index)
+        block = blocks(index, arr.shape)
+        holder[block] = min(holder.get(block, device.process_index), device.process_index)
     owned = {}
     for shard in arr.addressable_shards:
-        rows = shard.index[0].indices(n)[:2]
-        if holder[rows] == me and rows not in owned:
-            owned[rows] = np.asarray(shard.data)
+        block = blocks(shard.index, arr.shape)
+        if holder[block] == me and block not in owned:
+            owned[block] = np.asarray(shard.data)
     return owned
 
 
 def teacher_parts(out: TeacherOutput, owners: Owners) -> list[list[Piece]]:
     """For each student process (`owners`: `row_owners` of the student's layout), the
     pieces of its rows that this teacher process holds (possibly none): `out` is the
-    teacher's global output."""
+    teacher's global output. With the teacher's `cp` a piece is a block of rows x
+    positions, never gathered into whole rows here."""
     size = out.logprobs.shape[0] // len(owners)
-    logprobs = _owned_rows(out.logprobs)
-    ids = _owned_rows(out.ids) if out.ids is not None else None
+    logprobs = _owned_blocks(out.logprobs)
+    ids = _owned_blocks(out.ids) if out.ids is not None else None
     parts: list[list[Piece]] = [[] for _ in range(max(owners) + 1)]
-    for (a, b), lp in sorted(logprobs.items()):
-        held = TeacherOutput(lp, None if ids is None else ids[(a, b)])
+    for ((a, b), (c, d)), lp in sorted(logprobs.items()):
+        held = TeacherOutput(lp, None if ids is None else ids[(a, b), (c, d)])
         for k in range(a // size, (b - 1) // size + 1):
             lo, hi = max(a, k * size), min(b, (k + 1) * size)
-            parts[owners[k]].append((lo, TeacherOutput(*(_rows(x, lo - a, hi - a) for x in held))))
+            piece = TeacherOutput(*(_rows(x, lo - a, hi - a) for x in held))
+            parts[owners[k]].append(((lo, c), piece))
     return parts
 
 
@@ -196,29 +216,47 @@ def _rows(x, lo: int, hi: int):
 
 
 def student_rows(parts: list[list[Piece]], mine: Spans) -> tuple[TeacherOutput, int]:
-    """(this student process's rows `mine` of the teacher output, in order; bytes received)
-    from the pieces every teacher process sent it."""
-    pieces = sorted((p for part in parts for p in part), key=lambda p: p[0])
-    got = [(start, piece.logprobs.shape[0]) for start, piece in pieces]
-    covered = [(start, start + n) for start, n in got]
-    if _merged(covered) != mine or sum(n for _, n in got) != sum(b - a for a, b in mine):
-        raise RuntimeError(f"teacher rows (start, n) {got} do not cover the rows {mine}")
-    outs = [piece for _, piece in pieces]
-    joined = TeacherOutput(
-        np.concatenate([o.logprobs for o in outs]),
-        None if outs[0].ids is None else np.concatenate([o.ids for o in outs]),
-    )
-    return joined, sum(x.nbytes for o in outs for x in o if x is not None)
+    """(this student process's rows `mine` of the teacher output, in order, all their
+    positions; bytes received) from the pieces every teacher process sent it (rows x
+    positions blocks), each written once into place."""
+    pieces = [p for part in parts for p in part]
+    got = [(at, piece.logprobs.shape[:2]) for at, piece in pieces]
+    where, start = [], 0  # each piece's (index, row here, position, rows, positions)
+    for lo, hi in mine:
+        for i, ((r, c), (n, w)) in enumerate(got):
+            if lo <= r < hi:
+                if r + n > hi:
+                    raise RuntimeError(f"teacher rows (start, shape) {got} split the rows {mine}")
+                where.append((i, start + r - lo, c, n, w))
+        start += hi - lo
+    width = max((c + w for *_, c, _, w in where), default=0)
+    covered = np.zeros((start, width), np.int32)
+    for _, r, c, n, w in where:
+        covered[r : r + n, c : c + w] += 1
+    if not width or len(where) != len(pieces) or (covered != 1).any():
+        raise RuntimeError(f"teacher rows (start, shape) {got} do not cover the rows {mine}")
+
+    def joined(field: str):
+        first = getattr(pieces[0][1], field)
+        if first is None:
+            return None
+        out = np.empty((start, width, *first.shape[2:]), first.dtype)
+        for i, r, c, n, w in where:
+            out[r : r + n, c : c + w] = getattr(pieces[i][1], field)
+        return out
+
+    nbytes = sum(x.nbytes for _, piece in pieces for x in piece if x is not None)
+    return TeacherOutput(joined("logprobs"), joined("ids")), nbytes
 
 
 def local_rows(tree):
-    """This process's rows of each leaf of a tree of batch-split global arrays, as host
-    arrays (its row shards in row order; the whole arrays in a group of one process)."""
+    """This process's rows of each leaf of a tree of row-split global arrays (whole rows on
+    each device), as host arrays (its row shards in row order; the whole arrays in a group
+    of one process)."""
     import jax
 
     def one(arr):
-        blocks = sorted(_owned_rows(arr).items())
-        return np.concatenate([rows for _, rows in blocks])
+        return np.concatenate([rows for _, rows in sorted(_owned_blocks(arr).items())])
 
     return jax.tree.map(one, tree)
 
