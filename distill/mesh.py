@@ -241,9 +241,6 @@ def check_context(cfg: Config) -> None:
     _check_role_context(cfg, "student", [
         ("distill.cross_tokenizer", cfg.cross_tokenizer() and cfg.distill.cross_tokenizer
          == "byte_path", "first_byte, mapped or uld"),
-        # ray's teacher actors do not gather outputs at the student's positions yet
-        ("teacher.tokenizer", cfg.cross_tokenizer() and cfg.pipeline.mode == "ray",
-         "pipeline.mode: local (teacher.positions)"),
     ])  # fmt: skip
     _check_ray_context(cfg)
     _check_role_context(cfg, "teacher", [

@@ -44,8 +44,16 @@ def at_student_positions(mesh, out: TeacherOutput, align_bs) -> TeacherOutput:
     """`out` ([B, T, ...] on `mesh`, laid out as the teacher forward leaves it) at the
     student's positions `align_bs` [B, S] (host or device): [B, S, ...], laid out the same
     way (`teacher.sharding.out_spec`)."""
-    align = jax.device_put(align_bs, NamedSharding(mesh, out_spec(align_bs.shape[0], mesh)))
+    align = jax.device_put(align_bs, align_sharding(mesh, align_bs.shape[0]))
     return programs.cached(_program, mesh)(out, align)
+
+
+def align_sharding(mesh, rows: int) -> NamedSharding:
+    """Where the alignment [B, S] of a batch of `rows` rows lives on the inference mesh:
+    laid out as the outputs are (`teacher.sharding.out_spec`), so that each device holds
+    the student positions of the output rows it gathers. In ray mode a teacher process
+    builds it there from its own rows (`pipelines.ray.rows.global_batch`)."""
+    return NamedSharding(mesh, out_spec(rows, mesh))
 
 
 def _program(mesh):

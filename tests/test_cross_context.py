@@ -159,16 +159,16 @@ def test_cp_across_tokenizers_is_checked_in_one_line():
     assert "\n" not in str(err.value) and "mesh.student.cp" in str(err.value)
 
 
-def _cross_tree(tiny_run, corpus_dir, tmp, **mesh) -> dict:
-    """The tiny run's byte-level teacher (dense outputs) and a BPE student tokenizer
-    trained on the same corpus, on the meshes `mesh` (role -> axes)."""
+def cross_tree(teacher_dir, corpus_dir, tmp, **mesh) -> dict:
+    """A byte-level teacher (`teacher_dir`: the tiny run's; dense outputs) and a BPE
+    student tokenizer trained on the same corpus, on the meshes `mesh` (role -> axes)."""
     from distill.data.bpe import train_bpe
     from tests.conftest import tiny_config
 
     texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
     cfg = tiny_config(str(corpus_dir), str(tmp / "out"))
     cfg["teacher"].update(
-        checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0, top_k=None, tokenizer="bytes"
+        checkpoint=str(teacher_dir), pretrain_steps=0, top_k=None, tokenizer="bytes"
     )
     cfg["student"]["model"]["vocab_size"] = 320
     cfg["data"]["tokenizer"] = str(train_bpe(texts, 300, tmp / "bpe" / "tokenizer.json"))
@@ -190,7 +190,9 @@ def test_a_cross_tokenizer_run_with_cp_in_both_roles_gives_the_runs_losses(
     outs = []
     for name, cp in (("one", 1), ("cp", 2)):
         tmp = tmp_path / name
-        tree = _cross_tree(tiny_run, corpus_dir, tmp, teacher={"cp": cp}, student={"cp": cp})
+        tree = cross_tree(
+            tiny_run.out / "teacher", corpus_dir, tmp, teacher={"cp": cp}, student={"cp": cp}
+        )
         assert main(["run", write_config(tmp, tree)]) == 0
         outs.append(tmp / "out")
     want, got = (train_by_step(o) for o in outs)
@@ -205,3 +207,46 @@ def test_a_cross_tokenizer_run_with_cp_in_both_roles_gives_the_runs_losses(
     for e, w in zip(evals[1], evals[0], strict=True):
         for key in ("student_loss", "teacher_loss", "student_bpb", "teacher_bpb"):
             assert e[key] == pytest.approx(w[key], rel=0, abs=1e-6), key
+
+
+def test_a_ray_teacher_process_gathers_at_the_students_positions(corpus_dir, tmp_path):
+    """What a ray teacher process puts on its mesh across tokenizers
+    (`pipelines.ray.rows.global_batch`, reading only its devices' rows): the teacher's rows
+    and the alignment of the batch the iterator yields, the alignment laid out as the
+    outputs; the outputs on its rows then reach the student's positions as the host gather
+    puts them (`OnlineTeacher.output`'s call), on a dp x cp x tp mesh and a dp x tp one."""
+    from pipelines.preflight import cross_tokenizer_corpus
+    from pipelines.ray import rows as ray_rows
+    from teacher.sharding import batch_sharding
+
+    axes = {"teacher": {"dp": 2, "tp": 2, "cp": 2}, "student": {"cp": 2}}
+    cfg = config_from_dict(cross_tree(tmp_path / "none", corpus_dir, tmp_path, **axes))
+    assert positions.wanted(cfg)
+    corpus, _ = cross_tokenizer_corpus(cfg)
+    reader = ray_rows.BatchReader(corpus, cfg.train.batch_size, cfg.run.seed)
+    state = {"next_index": 3}
+    want = reader.rows(state)
+    for dp, tp, cp in ((2, 2, 2), (2, 4, 1)):
+        mesh = teacher_mesh(jax.devices()[: dp * tp * cp], dp, tp, cp=cp)
+        batch = ray_rows.global_batch(reader, state, batch_sharding(mesh))
+        assert batch.tokens is None and batch.mask is None  # only what the teacher reads
+        for got, field in zip(batch.teacher.rows, want.teacher.rows, strict=True):
+            assert (got is None) == (field is None)
+            if field is not None:
+                assert got.sharding == batch_sharding(mesh)
+                np.testing.assert_array_equal(np.asarray(got), field)
+        align = batch.teacher.align
+        assert align.sharding == positions.align_sharding(mesh, align.shape[0])
+        np.testing.assert_array_equal(np.asarray(align), want.teacher.align)
+        assert (want.teacher.align >= 0).mean() > 0.8
+        shape = want.teacher.rows.tokens.shape
+        rng = np.random.default_rng(dp * tp)
+        out = TeacherOutput(
+            rng.normal(size=(*shape, 3)).astype(np.float32),
+            rng.integers(0, VT, (*shape, 3)).astype(np.int32),
+        )
+        placed = jax.device_put(out, NamedSharding(mesh, out_spec(shape[0], mesh)))
+        got = positions.at_student_positions(mesh, placed, align)
+        for g, w in zip(got, positions.on_host(out, want.teacher.align), strict=True):
+            assert g.shape == (*want.tokens.shape, 3)
+            np.testing.assert_array_equal(np.asarray(g), w)

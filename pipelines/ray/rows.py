@@ -54,6 +54,7 @@ class BatchReader:
         self._corpus, self.batch_size, self.seq_len = corpus, batch_size, corpus.train.seq_len
         self._ids = corpus.train_row_ids(batch_size, seed)  # batch n's row ids
         self.train_rows = corpus.train_rows
+        self.cross = corpus.teacher is not None  # rows with the teacher's own tokens (a view)
 
     def rows(self, data_state: dict, spans: Spans | None = None) -> Batch:
         """The rows in `spans` (default: all) of the batch at `data_state`, in order."""
@@ -107,33 +108,44 @@ def take(x, spans: Spans):
 
 def global_batch(reader: BatchReader, data_state: dict, sharding) -> Batch:
     """The batch at `data_state` as global arrays on `sharding` (rows split over some of its
-    axes), this process reading only the rows its own devices hold; across tokenizers, the
-    teacher's own rows of them (what the teacher reads)."""
+    axes), this process reading only the rows its own devices hold. Across tokenizers, only
+    what the teacher reads: a Batch whose `teacher` view holds the teacher's own rows of the
+    text [B, T] on `sharding` and the alignment [B, S] where the outputs lie
+    (`teacher.positions.align_sharding`, for `OnlineTeacher.output` to gather the outputs at
+    the student's positions when the student has `cp`); its student fields are None."""
     import jax
 
-    rows = (reader.batch_size, reader.seq_len)
-    held = sorted(
-        {
-            idx[0].indices(rows[0])[:2]
-            for idx in sharding.addressable_devices_indices_map(rows).values()
-        }
-    )
-    local = reader.rows(data_state, held)
-    if local.teacher is not None:  # the teacher reads its own rows of the text [B, T]
-        local = local.teacher.rows
-    shape = (reader.batch_size, local.tokens.shape[1])
-    at, n = {}, 0  # a device's rows -> where they start in `local`
-    for a, b in held:
-        at[a, b], n = n, n + b - a
+    from teacher.positions import align_sharding
 
-    def one(x):
+    rows = reader.batch_size
+    aligned = align_sharding(sharding.mesh, rows) if reader.cross else None
+    mine = np.zeros(rows, bool)  # the rows this process's devices hold, in either layout
+    for where in (sharding, aligned) if reader.cross else (sharding,):
+        for idx in where.addressable_devices_indices_map((rows, reader.seq_len)).values():
+            mine[slice(*idx[0].indices(rows)[:2])] = True
+    local = reader.rows(data_state, _runs(mine))
+    at = np.cumsum(mine) - 1  # a held row -> where it is in `local`
+
+    def one(x, where=sharding):
         def piece(index):  # a device's rows (and with `cp` its positions of them)
-            a, b = index[0].indices(shape[0])[:2]
-            return x[at[a, b] : at[a, b] + b - a][(slice(None), *index[1:])]
+            a, b = index[0].indices(rows)[:2]
+            return x[at[a] : at[a] + b - a][(slice(None), *index[1:])]
 
-        return jax.make_array_from_callback(shape, sharding, piece)
+        return jax.make_array_from_callback((rows, *x.shape[1:]), where, piece)
 
-    return Batch(*(None if x is None else one(x) for x in local))  # None: no teacher rows
+    def placed(batch: Batch) -> Batch:
+        return Batch(*(None if x is None else one(x) for x in batch))
+
+    if local.teacher is None:
+        return placed(local)
+    view = local.teacher
+    return Batch(*[None] * 5, type(view)(placed(view.rows), one(view.align, aligned)))
+
+
+def _runs(held: np.ndarray) -> Spans:
+    """The [lo, hi) runs of True in `held`, in order."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], held.astype(np.int8), [0]])))
+    return [(int(lo), int(hi)) for lo, hi in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def _merged(blocks: Spans) -> Spans:
