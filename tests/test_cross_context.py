@@ -9,6 +9,8 @@ teacher under `first_byte` conditioned on the boundary and a top-k one under `ma
 and what cannot work is refused in one line.
 """
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -177,36 +179,60 @@ def cross_tree(teacher_dir, corpus_dir, tmp, **mesh) -> dict:
     return cfg
 
 
-@pytest.mark.slow
-def test_a_cross_tokenizer_run_with_cp_in_both_roles_gives_the_runs_losses(
-    tiny_run, corpus_dir, tmp_path
-):
-    """The byte-level teacher on tp = 2 x cp = 2 over its own rows, the BPE student on dp =
-    2 x cp = 2 reading the outputs gathered at its positions: the losses, the aligned share
-    and the evaluations (bits per byte of both models) of the run on one cp."""
+@pytest.fixture(scope="module")
+def cross_cp_1(tiny_run, corpus_dir, tmp_path_factory):
+    """The run across tokenizers (`cross_tree`: the tiny run's byte-level teacher, dense, a
+    BPE student) in local mode on cp = 1 in both roles, the reference of the cp runs: its
+    output directory and config tree."""
     from pipelines.commands.cli import main
-    from tests.conftest import read_evals, train_by_step, write_config
+    from tests.conftest import write_config
 
-    outs = []
-    for name, cp in (("one", 1), ("cp", 2)):
-        tmp = tmp_path / name
-        tree = cross_tree(
-            tiny_run.out / "teacher", corpus_dir, tmp, teacher={"cp": cp}, student={"cp": cp}
-        )
-        assert main(["run", write_config(tmp, tree)]) == 0
-        outs.append(tmp / "out")
-    want, got = (train_by_step(o) for o in outs)
+    tmp = tmp_path_factory.mktemp("cross_cp_1")
+    tree = cross_tree(tiny_run.out / "teacher", corpus_dir, tmp)
+    assert main(["run", write_config(tmp, tree)]) == 0
+    return tmp / "out", tree
+
+
+def with_cp(tree: dict, out, **sections) -> dict:
+    """`tree` writing to `out`, with cp = 2 in both roles and `sections` merged in."""
+    tree = copy.deepcopy(tree)
+    tree["run"]["output_dir"] = str(out)
+    for role in ("teacher", "student"):
+        tree["mesh"][role]["cp"] = 2
+    for section, values in sections.items():
+        tree.setdefault(section, {}).update(values)
+    return tree
+
+
+def assert_same_as_cp_1(out, cp_1) -> None:
+    """The losses, the aligned share and the evaluations (bits per byte of both models) of
+    the cp = 1 run `cp_1`, to 1e-6."""
+    from tests.conftest import read_evals, train_by_step
+
+    got, want = train_by_step(out), train_by_step(cp_1)
     assert sorted(got) == sorted(want) == [2, 4, 6]
-    keys = ("loss", "kd_loss", "ce_loss", "aligned_fraction")
+    keys = ("loss", "kd_loss", "ce_loss", "lr", "aligned_fraction")
     for step, r in want.items():
         assert 0.8 < r["aligned_fraction"] <= 1.0
         for key in keys:
             assert got[step][key] == pytest.approx(r[key], rel=0, abs=1e-6), (step, key)
-    evals = [read_evals(o) for o in outs]
+    evals = [read_evals(o) for o in (out, cp_1)]
     assert len(evals[0]) == len(evals[1]) == 3
-    for e, w in zip(evals[1], evals[0], strict=True):
+    for e, w in zip(*evals, strict=True):
         for key in ("student_loss", "teacher_loss", "student_bpb", "teacher_bpb"):
             assert e[key] == pytest.approx(w[key], rel=0, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_a_cross_tokenizer_run_with_cp_in_both_roles_gives_the_runs_losses(cross_cp_1, tmp_path):
+    """The byte-level teacher on tp = 2 x cp = 2 over its own rows, the BPE student on dp =
+    2 x cp = 2 reading the outputs gathered at its positions: the run on one cp's."""
+    from pipelines.commands.cli import main
+    from tests.conftest import write_config
+
+    cp_1, tree = cross_cp_1
+    assert main(["run", write_config(tmp_path, with_cp(tree, tmp_path / "out"))]) == 0
+    assert_same_as_cp_1(tmp_path / "out", cp_1)
 
 
 def test_a_ray_teacher_process_gathers_at_the_students_positions(corpus_dir, tmp_path):

@@ -18,6 +18,11 @@ from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
 from tests.conftest import run_with_fault, tiny_config, write_config
 from tests.conftest import train_by_step as _train
+from tests.test_cross_context import (
+    assert_same_as_cp_1,
+    cross_cp_1,  # noqa: F401 (the local run compared against)
+    with_cp,
+)
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("pipelines.ray.mode")
@@ -596,3 +601,20 @@ def test_cp_across_processes_matches_cp_1(ray_cluster, tiny_run, corpus_dir, tmp
     ids = [d["id"] for d in layout["devices"]]  # cp chunk c is process c's devices
     assert [p["local_devices"] for p in processes] == [ids[:2], ids[2:]]
     assert runs[1][6]["bytes_per_token"] == (8 * 8 if placement == "split" else 0)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_cp_across_tokenizers_in_groups(ray_cluster, cross_cp_1, tmp_path, placement):  # noqa: F811
+    """Across tokenizers, the roles' cp = 2 in groups of 2 processes (the teacher's cp
+    across them, so each teacher process gathers the outputs at its half of the student's
+    positions, the teacher's blocks passed around a ring across the processes): the
+    losses, the aligned share and the evaluations of the local cp = 1 run to 1e-6."""
+    cp_1, tree = cross_cp_1
+    out = tmp_path / "out"
+    cfg = with_cp(tree, out, pipeline={"mode": "ray"}, mesh={"placement": placement})
+    for role in ("teacher", "student"):
+        cfg["mesh"][role]["hosts"] = 2
+    assert _run(tmp_path, cfg) == 0
+    assert_same_as_cp_1(out, cp_1)

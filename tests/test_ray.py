@@ -9,9 +9,14 @@ import pytest
 from distill.errors import RUN_FAILED
 from pipelines.commands.cli import main
 from tests.conftest import kill_process as _kill
-from tests.conftest import read_evals, run_with_fault, tiny_config, write_config
 from tests.conftest import read_summary as _summary
+from tests.conftest import run_with_fault, tiny_config, write_config
 from tests.conftest import train_by_step as _train
+from tests.test_cross_context import (
+    assert_same_as_cp_1,
+    cross_cp_1,  # noqa: F401 (the local run compared against)
+    with_cp,
+)
 from tests.test_cross_tokenizer import cross_run  # noqa: F401 (the local run compared against)
 
 ray = pytest.importorskip("ray")
@@ -277,42 +282,17 @@ def test_cp_in_both_roles_matches_cp_1_and_resumes_after_a_kill(
     assert per_token == (8 * 8 if placement == "split" else 0)
 
 
-@pytest.fixture(scope="module")
-def cross_cp_1(local_run, corpus_dir, tmp_path_factory):
-    """The local run across tokenizers (`tests.test_cross_context.cross_tree`: the local
-    run's byte-level teacher, dense, a BPE student) on cp = 1 in both roles: its output."""
-    from tests.test_cross_context import cross_tree
-
-    tmp = tmp_path_factory.mktemp("cross_cp_1")
-    assert main(["run", write_config(tmp, cross_tree(local_run / "teacher", corpus_dir, tmp))]) == 0
-    return tmp / "out"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["split", "colocated"])
-def test_cp_across_tokenizers_matches_cp_1(
-    ray_cluster, local_run, cross_cp_1, corpus_dir, tmp_path, placement
-):
+def test_cp_across_tokenizers_matches_cp_1(ray_cluster, cross_cp_1, tmp_path, placement):  # noqa: F811
     """Across tokenizers with `mesh.teacher.cp` and `mesh.student.cp` = 2 in ray mode: the
     teacher actor gathers its outputs at the student's positions on its mesh before they
     leave it (by rows x positions blocks, or handed over on device when colocated); the
     losses, the aligned share and the evaluations of the cp = 1 run to 1e-6."""
-    from tests.test_cross_context import cross_tree
-
-    tree = cross_tree(local_run / "teacher", corpus_dir, tmp_path, **CP_MESH)
-    tree["mesh"]["placement"], tree["pipeline"] = placement, {"mode": "ray"}
-    assert _run(tmp_path, tree) == 0
+    cp_1, tree = cross_cp_1
     out = tmp_path / "out"
-    got, want = _train(out), _train(cross_cp_1)
-    assert sorted(got) == sorted(want) == [2, 4, 6]
-    for step, r in want.items():
-        assert 0.8 < r["aligned_fraction"] <= 1.0
-        for key in (*KEYS, "aligned_fraction"):
-            assert got[step][key] == pytest.approx(r[key], rel=0, abs=1e-6), (step, key)
-    evals = [read_evals(o) for o in (out, cross_cp_1)]
-    assert len(evals[0]) == len(evals[1]) == 3
-    for e, w in zip(*evals, strict=True):
-        for key in ("student_loss", "teacher_loss", "student_bpb", "teacher_bpb"):
-            assert e[key] == pytest.approx(w[key], rel=0, abs=1e-6), key
-    per_token = got[6]["bytes_per_token"]  # the dense outputs at the student's positions
+    cfg = with_cp(tree, out, pipeline={"mode": "ray"}, mesh={"placement": placement})
+    assert _run(tmp_path, cfg) == 0
+    assert_same_as_cp_1(out, cp_1)
+    per_token = _train(out)[6]["bytes_per_token"]  # dense, at the student's positions
     assert per_token == (4 * 260 if placement == "split" else 0)
