@@ -108,9 +108,8 @@ class StudentMesh(Section):
         "each row's sequence split over cp devices in 2 x cp load-balanced chunks, attention "
         "passing key/value blocks around the cp ring (ring attention), activations per "
         "device about 1/cp. train.seq_len must divide by 2 x cp. Local and ray mode (a row's "
-        "cp devices in one process: mesh.student.hosts dividing dp x fsdp; in ray mode with "
-        "the student's own tokenizer); not yet with on-policy, distill.cross_tokenizer "
-        "byte_path or mesh.placement auto.",
+        "cp devices in one process: mesh.student.hosts dividing dp x fsdp), across tokenizers "
+        "too; not yet with on-policy, distill.cross_tokenizer byte_path or mesh.placement auto.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(
