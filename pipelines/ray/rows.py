@@ -17,7 +17,9 @@ blocks). Every helper here follows those owners, so any layout works. A student 
 reads only its rows (`spans`), and every teacher process sends it only those of its rows
 which the teacher process holds (`teacher_parts`), each row by exactly one teacher process
 (the lowest-numbered holder when the teacher's output is replicated over some devices). A
-teacher process reads the rows its devices hold (`global_batch`). A student process joins
+teacher process reads the rows its devices hold (`global_batch`; across tokenizers the
+teacher's own rows and the alignment, so that for a student with `cp` its outputs leave
+already at the student's positions, `teacher.positions`). A student process joins
 what it receives (`student_rows`) and assembles global arrays from every process's rows
 (`global_arrays`: a process's rows concatenated in row order, as
 `jax.make_array_from_process_local_data` maps them). With context parallelism
