@@ -70,6 +70,11 @@ def check_mode(cfg: Config) -> None:
             f"for it ({cfg.run.output_dir})"
         )
     if cfg.pipeline.mode == "ray":
+        if cfg.teacher.source == "cache":
+            raise DistillError(
+                "teacher.source: cache is read in pipeline.mode local; in pipeline.mode ray "
+                "the teacher actors run the teacher online (set teacher.source: online)"
+            )
         for role in ("teacher", "student"):
             if getattr(cfg.mesh, role).devices is not None:
                 raise DistillError(

@@ -78,6 +78,7 @@ CASES = [  # (--set overrides, text the one-line message must contain)
     (["distill.alpha=2"], "distill.alpha"),
     (["pipeline.mode=bogus"], "pipeline.mode"),
     (["pipeline.mode=ray", "mesh.teacher.devices=[0, 1]"], "mesh.teacher.devices: not used in"),
+    (["pipeline.mode=ray", "teacher.source=cache"], "teacher.source: cache is read in pipeline"),
     (
         ["teacher.format=hf", "teacher.checkpoint=gs://bucket/llama"],
         "teacher.checkpoint: gs://bucket/llama: a Hugging Face teacher is read from a local",
