@@ -61,6 +61,7 @@ def make_forward(
     capacity_factor: float | None = None,
     expert_load: bool = False,
     sequence_parallel: bool = True,
+    windows: int = 1,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
     (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages and `cp` before `tp` for
@@ -82,7 +83,9 @@ def make_forward(
 
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
-    mode "logits": raw logits z [B,S,V] (evaluation)
+    mode "logits": raw logits z [B,S,V] (evaluation); with `windows` w > 1 a tuple of w
+        position windows [B,S/w,V], window j positions j, j + w, ... of every row
+        (`pipelines.evaluation.eval_windows`: no array of the whole rows is made)
     mode "target_logprobs": log softmax(z/T) [B,S] at each batch target (`distill score`,
         on-policy scoring): formed a chunk of positions at a time, never the [B,S,V] ones
     each with its rows split over the whole mesh (`teacher.sharding.out_spec`).
@@ -91,6 +94,8 @@ def make_forward(
         raise ValueError("mode='topk' needs top_k")
     if expert_load and not cfg.n_experts:
         raise ValueError("expert_load needs a mixture of experts")
+    if windows > 1 and mode != "logits":
+        raise ValueError("windows are for mode='logits' (the others are never [B,S,V])")
 
     moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
     stages = mesh.shape.get(PP, 1)
@@ -113,10 +118,17 @@ def make_forward(
         return out, jax.tree.map(lambda n: jnp.sum(n, axis=0), stats[0])  # over layers
 
     def rows_outputs(x, targets, head):
-        """`mode`'s outputs of hidden states x [b, S, D] a chunk of positions at a time."""
+        """`mode`'s outputs of hidden states x [b, S, D] a chunk of positions at a time, in
+        `windows` strided windows of the positions (each device's, in its layout: the
+        load-balanced chunks under cp hold whole runs of w positions)."""
         chunk = default_chunk(head.shape[-1], x.shape[0])
         out = partial(head_outputs, cfg, mode, temperature, top_k, vocab_limit)
-        return by_positions(lambda c: out(*c, head), (x, targets), chunk)
+        if windows == 1:
+            return by_positions(lambda c: out(*c, head), (x, targets), chunk)
+        return tuple(
+            by_positions(lambda c: out(*c, head), (x[:, j::windows], targets[:, j::windows]), chunk)
+            for j in range(windows)
+        )
 
     def forward(params, batch: Batch, *, split_rows: bool):
         if context:  # each device's two load-balanced chunks of its rows
@@ -137,6 +149,8 @@ def make_forward(
     def run(params, batch: Batch):
         spec = out_spec(batch.tokens.shape[0], mesh)
         out_specs = _mode_specs(mode, spec)
+        if windows > 1:
+            out_specs = (out_specs,) * windows
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(

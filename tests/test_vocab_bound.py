@@ -29,7 +29,7 @@ from pipelines import plan
 from pipelines.commands import score
 from pipelines.evaluation import eval_rows
 from pipelines.plan import memory as plan_memory
-from student import train
+from student import eval_programs, train
 from teacher import sharding
 from teacher.forward import forward_for
 
@@ -137,7 +137,7 @@ def test_evaluation_and_scoring_programs_hold_the_bound():
     params = train.abstract_state(scfg, tx, meshes.student).params
     batch = plan_memory.abstract_batch(cfg, split, rows)
     logits = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, v), jnp.float32, sharding=split)
-    metrics = train.eval_fn_for(scfg, meshes.student, cfg.student.dtype, None)
+    metrics = eval_programs.eval_fn_for(scfg, meshes.student, cfg.student.dtype, None)
     _check(metrics.lower(params, batch, logits).compile(), v, "student eval")
 
     one = teacher_mesh(jax.devices()[:1], 1, 1)
