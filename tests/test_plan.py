@@ -67,6 +67,27 @@ def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     assert p["student"]["params"] == pytest.approx(1.236e9, rel=1e-3)
 
 
+@pytest.mark.slow  # about a minute on 2 cores: both real-size programs at 32k compiled
+def test_the_8b_to_1b_32k_pipeline_fits_8_gpus_planned_on_cpu(capsys):
+    """The shipped long-context pipeline (32,768-token rows, the student's rows split over
+    cp=4), planned from shapes alone: with no recompute (auto on CPU devices) the student's
+    compiled peak fits an 80 GB GPU with room for `remat: auto` to choose `none` there
+    (under 90%), the weights and optimizer state split over cp, and the ring's bytes are
+    counted. (Its evaluation's programs: tests/test_vocab_bound.py.)"""
+    path = "pipelines/llama3-8b-to-1b-32k.yaml"
+    cfg = load_config(path)
+    assert (cfg.train.seq_len, cfg.mesh.student.cp, cfg.train.remat) == (32768, 4, "auto")
+    p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
+    assert p["student"]["remat"] == "none"
+    assert p["student"]["peak_bytes_per_device"] < 0.9 * 80e9
+    assert p["teacher"]["peak_bytes_per_device"] < 80e9
+    assert p["layout"]["teacher"]["shape"] == {"dp": 4, "ep": 1, "tp": 1}
+    assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 1, "cp": 4}
+    state = p["student"]["weight_bytes_per_device"] + p["student"]["optimizer_bytes_per_device"]
+    assert state < 1.236e9 * 12 / 4 * 1.01  # float32 weights + AdamW, a quarter a device
+    assert p["student"]["ring_bytes_per_step"] > 0
+
+
 @pytest.mark.slow  # about 40 s on 2 cores: the 405B forward and the 8B step compiled
 def test_the_405b_to_8b_pipeline_fits_80_gb_planned_on_cpu():
     """The shipped 405B teacher in 2 stages of tp=8 (two 8-GPU hosts of one Ray group) and
