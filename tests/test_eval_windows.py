@@ -6,8 +6,9 @@ compares each with the same positions of its own, combined token-weighted.
 Against the whole rows at small shapes with the windows forced: the teacher's windows are
 its whole logits' positions (dp x tp with microbatches, cp = 2 beside tp, a windowed
 soft-capped family), the student's metrics from windows are its metrics from the whole
-logits (one device, dp x fsdp, cp = 2 on packed rows), and how many windows the shipped
-layouts need at 32,768 tokens. `distill eval` end to end in windows:
+logits (one device, dp x fsdp, cp = 2 on packed rows; and across tokenizers, the teacher
+on rows of its own length), and how many windows the shipped layouts need at 32,768
+tokens. `distill eval` end to end in windows:
 tests/test_cli.py::test_eval_in_position_windows_gives_the_same_metrics; the compiled
 programs at 32k hold the bound: tests/test_vocab_bound.py.
 """
@@ -94,3 +95,25 @@ def test_how_many_windows_long_rows_take(monkeypatch):
     cp = _long("mesh.student.cp=4", "mesh.student.fsdp=1")
     with pytest.raises(DistillError, match=r"^train.seq_len: 32768 tokens x 128256 .*2\^31.* 8 "):
         eval_windows(cp)  # windows of 8 positions at the least
+
+
+def test_the_cross_tokenizer_metrics_from_windows_are_its_whole_rows():
+    """The teacher's loss on its own rows (length T = 40, not the student's S) from its
+    logits in 4 windows equals the whole logits' (dp = 2)."""
+    from distill.types import Batch, TeacherView
+
+    t_len = 40
+    mesh = student_mesh(jax.devices()[:2], 2, 1)
+    rng = np.random.default_rng(4)
+    own = _batch(4, 5)
+    own = Batch(*(np.concatenate([f, f[:, :8]], axis=1) for f in own[:5]))  # [4, 40]
+    align = rng.integers(-1, t_len, (4, S)).astype(np.int32)
+    batch = _batch(4, 6)._replace(teacher=TeacherView(own, align))
+    logits = rng.normal(size=(4, t_len, V)).astype(np.float32) * 3
+    params = model.init_params(PLAIN, 0)
+    fn = eval_programs.make_cross_eval_fn(PLAIN, mesh, "float32", None)
+    want = jax.device_get(fn(params, batch, logits))
+    got = jax.device_get(fn(params, batch, tuple(logits[:, j::W] for j in range(W))))
+    assert want["teacher_tokens"] > 0 and set(got) == set(want)
+    for k in want:
+        assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-6, abs=1e-6), k
