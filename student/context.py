@@ -21,6 +21,10 @@ The step is GSPMD (`jax.jit` over `dp` x `fsdp` x `cp`); two things in it are ex
   (or gathered, `exchange`), with the causal mask from each chunk's place in the row and
   the segment ids, windows and soft-caps as the single-device kernels apply them.
 
+Evaluation (`student.eval_programs`) compares the teacher's dense logits, too large to
+lay out again, with each device's row-order slice of the student's (`slices`,
+`unbalance`).
+
 With `cp` 1 (no cp axis on the mesh) there is no Context and the step is unchanged.
 """
 
@@ -32,7 +36,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from distill.mesh import CP
-from distill.models.ring_attention import balance, ring_attention
+from distill.models.ring_attention import balance, ring_attention, unbalance
 from student import sharding
 
 
@@ -61,6 +65,21 @@ class Context:
             out_specs=self._pieces,
         )
         return jax.tree.map(run, tree)
+
+    def slices(self, tree):
+        """Every [B, S, ...] array of `tree` in row order, split as `batch_spec`, as
+        [B * cp, S / cp, ...] split as `pieces_spec`: each device's slice of positions in
+        row order a row of its own, the rows in the order `pieces` gives them. Nothing
+        moves (evaluation's teacher logits, which are vocabulary-wide)."""
+        return jax.tree.map(self._map(lambda x: x, self._batch), tree)
+
+    def unbalance(self, x):
+        """x [B * cp, S / cp, ...] as `pieces` lays it out (each device's two load-balanced
+        chunks) as `slices` does (each device's slice in row order): two `ppermute`s."""
+        return self._map(functools.partial(unbalance, axis=CP), self._pieces)(x)
+
+    def _map(self, fn, in_spec):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_spec, out_specs=self._pieces)
 
     def attend(self, q_bshd, k_bskd, v_bskd, segment_ids_bs, *, scale, window, softcap):
         """Attention of every device's pieces (q [B * cp, S / cp, H, hd], ...), as

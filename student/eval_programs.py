@@ -7,8 +7,10 @@ j, j + w, ... of every row: `pipelines.evaluation.eval_windows`). The student's 
 states are formed once per chunk; each window's metrics read the same positions of them
 (the student's logits a chunk of positions at a time, never whole) and the windows combine
 as token-weighted means: the metrics of the whole rows. With a `cp` axis the rows run as
-the step's load-balanced pieces (`student.context`): a strided window of the pieces is the
-pieces of the window, as each chunk holds whole runs of w positions.
+the step's load-balanced pieces (`student.context`); the hidden states then go back to
+each device's slice of the positions in row order, where the teacher's logits already are
+(moving D-wide hidden states, never the vocabulary-wide logits): a strided window of a
+slice is the slice of the window, as each holds whole runs of w positions.
 """
 
 from __future__ import annotations
@@ -66,12 +68,13 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
 
     def metrics(params, batch: Batch, teacher_logits):
         windows = windows_of(teacher_logits)
-        if context is not None:
-            batch, windows = context.pieces((batch, windows))
+        rows_in = batch if context is None else context.pieces(batch)
         x, head = model.apply_hidden(
-            cfg, params, batch.tokens, batch.segment_ids, batch.positions, dtype=dtype,
-            rows=pieces, moe_opts=routed.opts(batch), attend=attend,
+            cfg, params, rows_in.tokens, rows_in.segment_ids, rows_in.positions, dtype=dtype,
+            rows=pieces, moe_opts=routed.opts(rows_in), attend=attend,
         )  # fmt: skip
+        if context is not None:  # the hidden states to the logits' layout, not the reverse
+            x, batch, windows = context.unbalance(x), *context.slices((batch, windows))
         rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
         kw = {
             "vocab_limit": vocab_limit,

@@ -213,7 +213,8 @@ def test_evaluation_of_32k_rows_holds_the_bound():
     """The long-context pipeline's evaluation (`LONG`, at its own layout and batch): a row
     of 32,768 tokens x 128,256 ids is 4.2e9 elements, so the teacher makes an eval chunk's
     logits in position windows (`eval_windows`) and the student, its rows split over cp,
-    compares each with its own; no program holds an array past the bound."""
+    compares each with its own; no program holds an array past the bound, and the student's
+    does not copy the logits."""
     from pipelines.evaluation import eval_windows
     from student import eval_programs
 
@@ -238,4 +239,9 @@ def test_evaluation_of_32k_rows_holds_the_bound():
     batch = plan_memory.abstract_batch(cfg, split, rows)
     window = jax.ShapeDtypeStruct((rows, s // w, v), jnp.float32, sharding=split)
     metrics = eval_programs.eval_fn_for(scfg, meshes.student, cfg.student.dtype, None)
-    _check(metrics.lower(params, batch, (window,) * w).compile(), v, "student eval, windows")
+    compiled = metrics.lower(params, batch, (window,) * w).compile()
+    _check(compiled, v, "student eval, windows")
+    # the logits stay where they land (each device's row-order slice), never laid out again
+    # as the step's load-balanced pieces: the temporaries are under the logits' own bytes
+    logits_bytes = rows * s * v * 4 // cfg.mesh.student.cp
+    assert compiled.memory_analysis().temp_size_in_bytes < logits_bytes
