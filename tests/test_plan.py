@@ -65,6 +65,7 @@ def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     assert p["layout"]["teacher"]["shape"] == {"dp": 4, "ep": 1, "tp": 1}
     assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 4}
     assert p["student"]["params"] == pytest.approx(1.236e9, rel=1e-3)
+    assert p["eval"] == {"rows": 4, "windows": 1}  # 4,096-token rows: whole
 
 
 @pytest.mark.slow  # about a minute on 2 cores: both real-size programs at 32k compiled
@@ -86,6 +87,7 @@ def test_the_8b_to_1b_32k_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     state = p["student"]["weight_bytes_per_device"] + p["student"]["optimizer_bytes_per_device"]
     assert state < 1.236e9 * 12 / 4 * 1.01  # float32 weights + AdamW, a quarter a device
     assert p["student"]["ring_bytes_per_step"] > 0
+    assert p["eval"] == {"rows": 4, "windows": 8}  # 4 x 4,096 x 128,256 < 2^31 a window
 
 
 @pytest.mark.slow  # about 40 s on 2 cores: the 405B forward and the 8B step compiled

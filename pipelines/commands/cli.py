@@ -212,11 +212,13 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
     cfg = _config(args)
     meshes, corpus = run.validate(cfg)
-    stages = f"pp={cfg.mesh.teacher.pp} x " if cfg.mesh.teacher.pp > 1 else ""
+    t, s = cfg.mesh.teacher, cfg.mesh.student
+    stages = f"pp={t.pp} x " if t.pp > 1 else ""
+    cp = lambda n: f" x cp={n}" if n > 1 else ""  # noqa: E731
     print(
         f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
-        f"rows; teacher {stages}dp={cfg.mesh.teacher.dp} x tp={cfg.mesh.teacher.tp}, "
-        f"student dp={cfg.mesh.student.dp} x fsdp={cfg.mesh.student.fsdp}, {meshes.platform})"
+        f"rows; teacher {stages}dp={t.dp}{cp(t.cp)} x tp={t.tp}, "
+        f"student dp={s.dp} x fsdp={s.fsdp}{cp(s.cp)}, {meshes.platform})"
     )
 
 
