@@ -6,8 +6,10 @@ a real vocabulary (128k ids) a whole training batch of them would not fit on a d
 `eval_rows` rows: the largest divisor of `train.batch_size` that is a multiple of the
 student's row shards (dp x fsdp) and of the teacher's dp (each group runs its own rows),
 and keeps each student device's share of a chunk's logits under `EVAL_DEVICE_BYTES` (at
-least one row per device). Metrics are token-weighted means, so the chunking does not
-change them. Nothing here touches a device: the Ray driver uses it too.
+least one row per device). Rows whose logits would reach 2^31 elements (32,768 tokens x
+128,256 ids is 4.2e9 a row) are also made and compared in position windows
+(`eval_windows`). Metrics are token-weighted means, so neither chunking changes them.
+Nothing here touches a device: the Ray driver uses it too.
 """
 
 from __future__ import annotations
@@ -37,17 +39,32 @@ def eval_rows(cfg: Config) -> int:
     return max((r for r in divisors if r // n * row_bytes <= EVAL_DEVICE_BYTES), default=step)
 
 
+def eval_windows(cfg: Config, length: int | None = None) -> int:
+    """How many position windows each eval chunk's dense logits are made and compared in:
+    the fewest, w, that keep one window's logits [eval_rows, S / w, V] under MAX_ELEMENTS
+    (`distill.limits`: 32-bit GPU indexing), so no array ending in the vocabulary reaches
+    it at any row length. Window j holds positions j, j + w, j + 2w, ... of every row: a
+    strided window is a local slice of any contiguous split of the positions (`cp`'s row
+    order and its load-balanced chunks alike) when w divides each chunk, so S / w must
+    split into 2 x cp for each role's cp. `length`: the teacher's row length where it has
+    its own tokens (cross-tokenizer), else `train.seq_len`. 1 (one window, the whole rows)
+    wherever the rows fit; raises DistillError when no w fits."""
+    s, v, rows = length or cfg.train.seq_len, cfg.teacher.model.vocab_size, eval_rows(cfg)
+    cp = math.lcm(cfg.mesh.teacher.cp, cfg.mesh.student.cp)
+    split = 2 * cp if cp > 1 else 1
+    for w in range(1, s + 1):
+        if s % w == 0 and (s // w) % split == 0 and rows * (s // w) * v < MAX_ELEMENTS:
+            return w
+    raise DistillError(
+        f"train.seq_len: {s} tokens x {v} teacher ids: evaluation's logits of {rows} rows do "
+        f"not split into position windows under 2^31 elements (32-bit GPU indexing)"
+        + (f" that also split into 2 x cp = {split} chunks" if split > 1 else "")
+    )
+
+
 def check_eval_rows(cfg: Config) -> None:
-    """Refuse a row too long for evaluation's dense logits: a chunk holds at least one row
-    per device, and one row's [S, V] reaching MAX_ELEMENTS (`distill.limits`: 32-bit GPU
-    indexing) would be an array past it."""
-    s, v = cfg.train.seq_len, cfg.teacher.model.vocab_size
-    if s * v >= MAX_ELEMENTS:
-        raise DistillError(
-            f"train.seq_len: {s} tokens x {v} teacher ids = {s * v:,} elements, not under "
-            f"2^31 (32-bit GPU indexing): evaluation compares the dense logits of whole rows; "
-            f"at most {(MAX_ELEMENTS - 1) // v} tokens a row fit"
-        )
+    """Refuse a layout whose evaluation logits do not split into windows (`eval_windows`)."""
+    eval_windows(cfg)
 
 
 def eval_batches(cfg: Config, corpus: Corpus) -> list[Batch]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from distill.config import Config
 from distill.data.tokenizers import Tokenizer, vocab_limit
 from distill.observability.expert_load import LoadWindow
 from distill.types import Batch, TeacherOutput
+from pipelines.evaluation import eval_windows
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
 from pipelines.plan import dense_blocks
@@ -48,7 +50,7 @@ class OnlineTeacher:
             "microbatch": cfg.teacher.microbatch,
         }
         self._in_place = positions.wanted(cfg)
-        self._logits = forward_for(mcfg, mesh, mode="logits", **kw)
+        self._logits = partial(forward_for, mcfg, mesh, mode="logits", **kw)
         self._target_logprobs = forward_for(mcfg, mesh, mode="target_logprobs", **kw)
 
     def output(self, batch: Batch) -> tuple:
@@ -79,10 +81,15 @@ class OnlineTeacher:
         return TeacherOutput(tuple(o.logprobs for o, _ in made), None), load
 
     def logits(self, batch: Batch):
-        return self._logits(self.params, jax.device_put(own_rows(batch), self.put))
+        """The dense logits [B, S, V] of an eval chunk, or where those would reach 2^31
+        elements a tuple of its position windows (`pipelines.evaluation.eval_windows`)."""
+        rows = own_rows(batch)
+        forward = self._logits(windows=eval_windows(self._cfg, rows.tokens.shape[1]))
+        return forward(self.params, jax.device_put(rows, self.put))
 
     def eval_logits(self, batches: list[Batch]):
-        """Dense logits of each batch, dispatched one at a time as they are consumed."""
+        """Dense logits of each batch (`logits`), dispatched one at a time as they are
+        consumed."""
         return (self.logits(b) for b in batches)
 
     def nll(self, batch: Batch) -> tuple[jax.Array, jax.Array]:

@@ -27,6 +27,10 @@ pieces are made as the batch's, the teacher's own rows are left out of the step,
 alignment becomes, for each piece, its own position where the student's position is aligned
 (-1 where not), so the cross-tokenizer loss reads each position's teacher values in place.
 
+Evaluation (`student.eval_programs`) compares the teacher's dense logits, too large to
+lay out again, with each device's row-order slice of the student's (`slices`,
+`unbalance`).
+
 With `cp` 1 (no cp axis on the mesh) there is no Context and the step is unchanged.
 """
 
@@ -39,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distill.mesh import CP
-from distill.models.ring_attention import balance, ring_attention
+from distill.models.ring_attention import balance, ring_attention, unbalance
 from distill.types import TeacherView
 from student import sharding
 
@@ -71,6 +75,21 @@ class Context:
         )
         views = lambda f, t: jax.tree.map(f, t, is_leaf=_is_view)  # noqa: E731
         return views(_in_place, jax.tree.map(run, views(_alignment, tree)))
+
+    def slices(self, tree):
+        """Every [B, S, ...] array of `tree` in row order, split as `batch_spec`, as
+        [B * cp, S / cp, ...] split as `pieces_spec`: each device's slice of positions in
+        row order a row of its own, the rows in the order `pieces` gives them. Nothing
+        moves (evaluation's teacher logits, which are vocabulary-wide)."""
+        return jax.tree.map(self._map(lambda x: x, self._batch), tree)
+
+    def unbalance(self, x):
+        """x [B * cp, S / cp, ...] as `pieces` lays it out (each device's two load-balanced
+        chunks) as `slices` does (each device's slice in row order): two `ppermute`s."""
+        return self._map(functools.partial(unbalance, axis=CP), self._pieces)(x)
+
+    def _map(self, fn, in_spec):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_spec, out_specs=self._pieces)
 
     def attend(self, q_bshd, k_bskd, v_bskd, segment_ids_bs, *, scale, window, softcap):
         """Attention of every device's pieces (q [B * cp, S / cp, H, hd], ...), as

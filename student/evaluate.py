@@ -2,7 +2,7 @@
 
 One implementation for every pipeline mode (the local loop, `distill eval`, the Ray student
 actor): per eval batch `distill.models.losses.eval_metrics` of the student against the teacher's
-dense logits (the student's formed a chunk of positions at a time), combined as
+dense logits (whole rows or position windows: `student.eval_programs`), combined as
 token-weighted means, so the chunking of the held-out rows into batches does not change
 the result.
 """
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from distill.config import Config
-from student import train
+from student import eval_programs, train
 
 
 def token_weighted_means(per_batch: Iterable[dict[str, float]]) -> dict[str, float]:
@@ -79,7 +79,8 @@ class StudentEval:
         (`distill.data.token_bytes.byte_lengths`), to report bits per byte; with a teacher
         tokenizer of its own (`Config.cross_tokenizer`) the batches carry the teacher's rows
         and the teacher's loss is taken on them."""
-        make = train.cross_eval_fn_for if cfg.cross_tokenizer() else train.eval_fn_for
+        programs = eval_programs
+        make = programs.cross_eval_fn_for if cfg.cross_tokenizer() else programs.eval_fn_for
         self._metrics = make(cfg.student_model(), mesh, cfg.student.dtype, vocab_limit)
         self._bytes = byte_lengths
         self._split = train.batch_sharding(mesh)

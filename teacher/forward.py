@@ -61,6 +61,7 @@ def make_forward(
     capacity_factor: float | None = None,
     expert_load: bool = False,
     sequence_parallel: bool = True,
+    windows: int = 1,
 ):
     """jit(shard_map(forward)) with signature (sharded_params, batch) -> output, on `mesh`
     (axes `dp` x `ep` x `tp`, with `pp` first for pipeline stages and `cp` before `tp` for
@@ -82,7 +83,7 @@ def make_forward(
 
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
-    mode "logits": raw logits z [B,S,V] (evaluation)
+    mode "logits": raw logits z [B,S,V] (eval), or `windows` (`evaluation.eval_windows`)
     mode "target_logprobs": log softmax(z/T) [B,S] at each batch target (`distill score`,
         on-policy scoring): formed a chunk of positions at a time, never the [B,S,V] ones
     each with its rows split over the whole mesh (`teacher.sharding.out_spec`).
@@ -91,6 +92,8 @@ def make_forward(
         raise ValueError("mode='topk' needs top_k")
     if expert_load and not cfg.n_experts:
         raise ValueError("expert_load needs a mixture of experts")
+    if windows > 1 and mode != "logits":
+        raise ValueError("windows are for mode='logits', the only [B,S,V] one but 'dense'")
 
     moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
     stages = mesh.shape.get(PP, 1)
@@ -112,11 +115,8 @@ def make_forward(
             return out
         return out, jax.tree.map(lambda n: jnp.sum(n, axis=0), stats[0])  # over layers
 
-    def rows_outputs(x, targets, head):
-        """`mode`'s outputs of hidden states x [b, S, D] a chunk of positions at a time."""
-        chunk = default_chunk(head.shape[-1], x.shape[0])
-        out = partial(head_outputs, cfg, mode, temperature, top_k, vocab_limit)
-        return by_positions(lambda c: out(*c, head), (x, targets), chunk)
+    heads = partial(head_outputs, cfg, mode, temperature, top_k, vocab_limit)
+    rows_outputs = partial(_rows_outputs, heads, windows)
 
     def forward(params, batch: Batch, *, split_rows: bool):
         if context:  # each device's two load-balanced chunks of its rows
@@ -136,7 +136,7 @@ def make_forward(
 
     def run(params, batch: Batch):
         spec = out_spec(batch.tokens.shape[0], mesh)
-        out_specs = _mode_specs(mode, spec)
+        out_specs = _mode_specs(mode, spec, windows)
         if expert_load:
             out_specs = (out_specs, moe.ExpertLoad(jax.P(), jax.P()))
         sharded = jax.shard_map(
@@ -148,6 +148,20 @@ def make_forward(
         return sharded(params, batch)
 
     return jax.jit(run)
+
+
+def _rows_outputs(out: Callable, windows: int, x, targets, head):
+    """`out`'s outputs (`head_outputs` of a mode) of hidden states x [b, S, D] a chunk of
+    positions at a time, in `windows` strided windows of the positions when above 1 (each
+    device's, in its layout: the load-balanced chunks under cp hold whole runs of w
+    positions)."""
+    chunk = default_chunk(head.shape[-1], x.shape[0])
+    if windows == 1:
+        return by_positions(lambda c: out(*c, head), (x, targets), chunk)
+    return tuple(
+        by_positions(lambda c: out(*c, head), (x[:, j::windows], targets[:, j::windows]), chunk)
+        for j in range(windows)
+    )
 
 
 def _context(mesh) -> tuple[bool, Callable | None]:
@@ -222,11 +236,12 @@ def _staged(cfg, params, batch: Batch, rows_outputs, microbatch, split: bool, **
     return (out, load) if kw.get("with_stats") else out
 
 
-def _mode_specs(mode: Mode, spec):
-    """The output specs of `mode`, each array's rows laid out by `spec`."""
+def _mode_specs(mode: Mode, spec, windows: int = 1):
+    """The output specs of `mode`, each array's rows laid out by `spec` (logits in
+    `windows` arrays when above 1)."""
     if mode in ("dense", "topk"):
         return TeacherOutput(spec, spec if mode == "topk" else None)
-    return spec  # logits, target log-probs
+    return spec if windows == 1 else (spec,) * windows  # logits, target log-probs
 
 
 def by_positions(fn: Callable, xs, chunk: int):

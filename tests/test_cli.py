@@ -91,6 +91,28 @@ def test_eval_in_chunks_gives_the_same_metrics(finished_run, whole_eval, capsys,
         assert chunked[key] == pytest.approx(whole_eval[key], rel=1e-5), key
 
 
+def test_eval_in_position_windows_gives_the_same_metrics(
+    finished_run, whole_eval, capsys, monkeypatch
+):
+    """With the element bound lowered below the eval chunk's logits, the teacher makes them
+    in 4 strided position windows (what 32,768-token rows of 128,256 ids get) and the
+    student compares each with its own: the metrics of the whole rows (`whole_eval`)."""
+    from distill.config.load import load_config
+    from pipelines import evaluation
+
+    _, _, cfg_path = finished_run
+    cfg = load_config(cfg_path)
+    rows, s, v = evaluation.eval_rows(cfg), cfg.train.seq_len, cfg.teacher.model.vocab_size
+    assert evaluation.eval_windows(cfg) == 1
+    monkeypatch.setattr(evaluation, "MAX_ELEMENTS", rows * s // 4 * v + 1)
+    assert evaluation.eval_windows(cfg) == 4
+    capsys.readouterr()
+    assert main(["eval", cfg_path]) == 0
+    windowed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("teacher_loss", "student_loss", "kl", "top1_agreement"):
+        assert windowed[key] == pytest.approx(whole_eval[key], rel=1e-5), key
+
+
 def test_eval_rows_for_a_large_vocabulary():
     from distill.config.load import config_from_dict
     from pipelines.evaluation import eval_rows

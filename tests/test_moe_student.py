@@ -28,7 +28,7 @@ from distill.errors import DistillError  # noqa: E402
 from distill.mesh import CP, DP, FSDP  # noqa: E402
 from distill.models import hf, model, moe  # noqa: E402
 from pipelines.commands.cli import main  # noqa: E402
-from student import export, optim, routing, train  # noqa: E402
+from student import eval_programs, export, optim, routing, train  # noqa: E402
 from teacher.weights import student_init_params  # noqa: E402
 from tests.conftest import read_train, tiny_config  # noqa: E402
 from tests.test_families import _save as save_family  # noqa: E402
@@ -113,7 +113,9 @@ def test_sharded_evaluation_equals_one_device():
     params = jax.device_get(_step(4, 1, 1)[0])
     logits = np.random.default_rng(5).normal(size=(8, 16, 64)).astype(np.float32)
     got = [
-        jax.device_get(train.make_eval_fn(_moe_cfg(4), _mesh(dp, fsdp))(params, _batch(8), logits))
+        jax.device_get(
+            eval_programs.make_eval_fn(_moe_cfg(4), _mesh(dp, fsdp))(params, _batch(8), logits)
+        )
         for dp, fsdp in ((1, 1), (2, 2))
     ]
     for k in got[0]:

@@ -221,6 +221,32 @@ def test_teacher_parts_send_each_row_once(owners, layout):
                 ray_rows.student_rows([part[1:]], mine)
 
 
+@pytest.mark.parametrize("owners", [(0, 1, 2, 3), (1, 0, 3, 2)])
+def test_eval_windows_reach_each_student_process_once(owners):
+    """Eval logits in position windows (`eval_windows`, a tuple) go to the student processes
+    window by window, each its rows of every window in order, as the whole logits' rows
+    would (`StudentMember.evaluate` tells them apart by `is_windowed`)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pipelines.ray import rows as ray_rows
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("dp", "tp"))
+    values = np.arange(8 * 6 * 2, dtype=np.float32).reshape(8, 6, 2)
+    windows = tuple(jax.device_put(values[:, j::3], NamedSharding(mesh, P("dp"))) for j in range(3))
+    parts = ray_rows.window_parts(windows, owners)
+    assert len(parts) == 4 and ray_rows.is_windowed((parts[0],))
+    assert not ray_rows.is_windowed(([],)) and not ray_rows.is_windowed((tuple(windows),))
+    for p, part in enumerate(parts):
+        mine = ray_rows.spans(owners, p, 8)
+        got, nbytes = ray_rows.student_window_rows([part], mine)
+        for j, window in enumerate(got):
+            assert (window == ray_rows.take(values, mine)[:, j::3]).all()
+        assert nbytes == sum(b - a for a, b in mine) * 6 * 2 * 4
+
+
 def _corpus(corpus_dir):
     from distill.config.load import config_from_dict
     from distill.data.pipeline import load_corpus

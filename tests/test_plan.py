@@ -18,7 +18,7 @@ from pipelines import plan
 from pipelines.commands.cli import main
 from pipelines.plan import flops as plan_flops
 from pipelines.plan import memory as plan_memory
-from pipelines.plan.memory import check_fits
+from pipelines.plan.memory import check_fits, cp_that_fits
 from tests.conftest import cli_env, tiny_config
 
 
@@ -65,6 +65,29 @@ def test_the_8b_to_1b_pipeline_fits_8_gpus_planned_on_cpu(capsys):
     assert p["layout"]["teacher"]["shape"] == {"dp": 4, "ep": 1, "tp": 1}
     assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 4}
     assert p["student"]["params"] == pytest.approx(1.236e9, rel=1e-3)
+    assert p["eval"] == {"rows": 4, "windows": 1}  # 4,096-token rows: whole
+
+
+@pytest.mark.slow  # about a minute on 2 cores: both real-size programs at 32k compiled
+def test_the_8b_to_1b_32k_pipeline_fits_8_gpus_planned_on_cpu(capsys):
+    """The shipped long-context pipeline (32,768-token rows, the student's rows split over
+    cp=4), planned from shapes alone: with no recompute (auto on CPU devices) the student's
+    compiled peak fits an 80 GB GPU with room for `remat: auto` to choose `none` there
+    (under 90%), the weights and optimizer state split over cp, and the ring's bytes are
+    counted. (Its evaluation's programs: tests/test_vocab_bound.py.)"""
+    path = "pipelines/llama3-8b-to-1b-32k.yaml"
+    cfg = load_config(path)
+    assert (cfg.train.seq_len, cfg.mesh.student.cp, cfg.train.remat) == (32768, 4, "auto")
+    p = _plan(capsys, [path, "--set", "mesh.platform=cpu"])
+    assert p["student"]["remat"] == "none"
+    assert p["student"]["peak_bytes_per_device"] < 0.9 * 80e9
+    assert p["teacher"]["peak_bytes_per_device"] < 80e9
+    assert p["layout"]["teacher"]["shape"] == {"dp": 4, "ep": 1, "tp": 1}
+    assert p["layout"]["student"]["shape"] == {"dp": 1, "fsdp": 1, "cp": 4}
+    state = p["student"]["weight_bytes_per_device"] + p["student"]["optimizer_bytes_per_device"]
+    assert state < 1.236e9 * 12 / 4 * 1.01  # float32 weights + AdamW, a quarter a device
+    assert p["student"]["ring_bytes_per_step"] > 0
+    assert p["eval"] == {"rows": 4, "windows": 8}  # 4 x 4,096 x 128,256 < 2^31 a window
 
 
 @pytest.mark.slow  # about 40 s on 2 cores: the 405B forward and the 8B step compiled
@@ -111,6 +134,56 @@ def test_a_role_over_the_device_memory_is_one_line_naming_its_keys():
     on_policy = {**mem, "student": {**role, "param_history_bytes_per_device": 2**20}}
     with pytest.raises(DistillError, match="pipeline.max_staleness / distill.on_policy"):
         check_fits({**on_policy, "device_memory_bytes": 2 * 2**30})
+
+
+def test_a_row_over_the_device_memory_names_the_cp_that_fits_it():
+    """A whole 32k row a device (the long pipeline with fsdp in place of cp): 147 GiB at
+    peak, 144 of them the step's temporaries, which fall with the positions a device holds;
+    cp=2 (75 GiB) is over an 80 GB device, cp=4 (39 GiB) fits. Figures as the plan gave."""
+    cfg = load_config(
+        "pipelines/llama3-8b-to-1b-32k.yaml", ["mesh.student.cp=1", "mesh.student.fsdp=4"]
+    )
+    gib = 2**30
+    student = {"peak_bytes_per_device": 147.36 * gib, "step_temp_bytes_per_device": 143.89 * gib}
+    mem = {"teacher": {"peak_bytes_per_device": 36 * gib}, "student": student}
+    assert cp_that_fits(cfg, "student", student, 80e9) == 4
+    with pytest.raises(DistillError) as e:
+        check_fits({**mem, "device_memory_bytes": 80e9}, cfg)
+    assert "\n" not in str(e.value) and str(e.value).startswith("student: the compiled")
+    assert str(e.value).endswith("its rows would fit with mesh.student.cp=4 (each device 1/cp "
+                                 "of a row's positions: about 39.4 GiB)")  # fmt: skip
+    tiny = {**student, "step_temp_bytes_per_device": 0}  # nothing that falls with cp
+    assert cp_that_fits(cfg, "student", tiny, 80e9) is None
+    ray = load_config(
+        "pipelines/llama3-8b-to-1b-32k.yaml", ["mesh.student.cp=1", "pipeline.mode=ray"]
+    )
+    assert cp_that_fits(ray, "student", student, 80e9) is None  # cp: local mode only
+
+
+def test_validate_refuses_a_row_over_the_device_memory_naming_cp(
+    tmp_path, corpus_dir, capsys, monkeypatch
+):
+    """`distill validate` on an accelerator compiles both roles (here CPU devices told to be
+    accelerators of a set size: between the student's peak and its estimate at cp=2): exit
+    2, one line naming mesh.student.cp=2."""
+    from distill.mesh import build_meshes
+    from pipelines.commands import run
+
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    cfg = config_from_dict(tree)
+    cfg.resolve_dtypes("cpu")
+    mem = run._memory(cfg, build_meshes(cfg), None)
+    s = mem["student"]
+    at_cp2 = s["peak_bytes_per_device"] - s["step_temp_bytes_per_device"] / 2
+    limit = int(at_cp2 * 1.1)
+    assert mem["teacher"]["peak_bytes_per_device"] <= limit < s["peak_bytes_per_device"]
+    monkeypatch.setattr(plan_memory, "device_memory", lambda mesh: limit)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    capsys.readouterr()
+    assert main(["validate", str(path), "--set", f"train.remat={cfg.train.remat}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mesh.student.cp=2 (each device 1/cp" in err, err
 
 
 @pytest.mark.slow  # about a minute each on 2 cores: both real-size programs are compiled

@@ -8,7 +8,7 @@ from distill.config import DistillLossConfig, ModelConfig, OptimConfig
 from distill.mesh import teacher_mesh
 from distill.models import attention, model
 from distill.types import Batch
-from student import train
+from student import eval_programs, train
 from teacher.forward import forward_for
 from teacher.sharding import batch_sharding, shard_params
 
@@ -51,7 +51,7 @@ def test_the_least_recently_used_program_is_dropped_past_the_limit(monkeypatch):
 
 
 def test_a_runs_programs_are_shared_with_the_next_run_of_equal_settings():
-    """The builders runs use (`train.step_for`, `train.eval_fn_for`, `forward_for`) give one
+    """The builders runs use (`train.step_for`, `eval_programs.eval_fn_for`, `forward_for`) give one
     jitted function for equal settings, which then compiles once: a second call of the
     same shapes finds its executable in the function's own cache."""
     mesh = teacher_mesh(jax.devices()[:2], 1, 2)
@@ -65,7 +65,7 @@ def test_a_runs_programs_are_shared_with_the_next_run_of_equal_settings():
         CFG, OptimConfig(), 10, mesh, loss_cfg=DistillLossConfig(loss="jsd"), with_teacher=True
     )
     assert other[1] is not step
-    assert train.eval_fn_for(CFG, mesh) is train.eval_fn_for(CFG.model_copy(), mesh)
+    assert eval_programs.eval_fn_for(CFG, mesh) is eval_programs.eval_fn_for(CFG.model_copy(), mesh)
     fwd = forward_for(CFG, mesh, mode="dense")
     assert forward_for(CFG, mesh, mode="logits") is not fwd
 

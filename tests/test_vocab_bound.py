@@ -29,17 +29,18 @@ from pipelines import plan
 from pipelines.commands import score
 from pipelines.evaluation import eval_rows
 from pipelines.plan import memory as plan_memory
-from student import train
+from student import eval_programs, train
 from teacher import sharding
 from teacher.forward import forward_for
 
 PATH = "pipelines/llama3-8b-to-1b.yaml"
+LONG = "pipelines/llama3-8b-to-1b-32k.yaml"  # 32,768-token rows, cp in the student
 DOCUMENT = 32768  # tokens of the document `distill score` reads
 SHAPE = re.compile(r"\b(?:pred|bf16|[fsuc]\d+)\[([\d,]*)\]")
 SORTS = re.compile(r"\b(?:sort|topk)\(|custom_call_target=\"[^\"]*[Tt]op[Kk]")
 
 
-def _cfg(rows: int, top_k: int | None, *more: str):
+def _cfg(rows: int, top_k: int | None, *more: str, path: str = PATH):
     sets = [
         *more,
         "mesh.platform=cpu",
@@ -48,7 +49,7 @@ def _cfg(rows: int, top_k: int | None, *more: str):
         f"train.batch_size={4 * rows}",  # 4 devices a role
         f"teacher.top_k={'null' if top_k is None else top_k}",
     ]
-    cfg = load_config(PATH, sets)
+    cfg = load_config(path, sets)
     cfg.resolve_dtypes("cpu")
     return cfg
 
@@ -137,7 +138,7 @@ def test_evaluation_and_scoring_programs_hold_the_bound():
     params = train.abstract_state(scfg, tx, meshes.student).params
     batch = plan_memory.abstract_batch(cfg, split, rows)
     logits = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, v), jnp.float32, sharding=split)
-    metrics = train.eval_fn_for(scfg, meshes.student, cfg.student.dtype, None)
+    metrics = eval_programs.eval_fn_for(scfg, meshes.student, cfg.student.dtype, None)
     _check(metrics.lower(params, batch, logits).compile(), v, "student eval")
 
     one = teacher_mesh(jax.devices()[:1], 1, 1)
@@ -206,3 +207,41 @@ def test_score_of_the_student_in_chunks_is_its_whole_log_softmax(tmp_path, monke
     monkeypatch.setattr(vocab_loss, "default_chunk", lambda vocab, rows: 5)
     got = score.student_program(cfg, limit)(params, batch)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_evaluation_of_32k_rows_holds_the_bound():
+    """The long-context pipeline's evaluation (`LONG`, at its own layout and batch): a row
+    of 32,768 tokens x 128,256 ids is 4.2e9 elements, so the teacher makes an eval chunk's
+    logits in position windows (`eval_windows`) and the student, its rows split over cp,
+    compares each with its own; no program holds an array past the bound, and the student's
+    does not copy the logits."""
+    from pipelines.evaluation import eval_windows
+    from student import eval_programs
+
+    cfg = load_config(LONG, ["mesh.platform=cpu", "teacher.model.n_layers=1",
+                             "student.model.n_layers=1"])  # fmt: skip
+    cfg.resolve_dtypes("cpu")
+    s, v = cfg.train.seq_len, cfg.teacher.model.vocab_size
+    rows, w = eval_rows(cfg), eval_windows(cfg)
+    assert s == 32768 and s * v >= MAX_ELEMENTS and cfg.mesh.student.cp > 1
+    assert w > 1 and rows * (s // w) * v < MAX_ELEMENTS
+    meshes = build_meshes(cfg)
+    mcfg, tparams = cfg.teacher.model, plan_memory.teacher_params(cfg, meshes.teacher)
+    kw = {"dtype": cfg.teacher.dtype, "microbatch": cfg.teacher.microbatch, "windows": w}
+    fwd = forward_for(mcfg, meshes.teacher, mode="logits", **kw)
+    batch = plan_memory.abstract_batch(cfg, sharding.batch_sharding(meshes.teacher), rows)
+    _check(fwd.lower(tparams, batch).compile(), v, f"teacher logits, {w} windows of {rows} rows")
+
+    split = train.batch_sharding(meshes.student)
+    scfg = cfg.student_model()
+    tx, _ = train.distill_step_for(cfg, meshes.student)
+    params = train.abstract_state(scfg, tx, meshes.student).params
+    batch = plan_memory.abstract_batch(cfg, split, rows)
+    window = jax.ShapeDtypeStruct((rows, s // w, v), jnp.float32, sharding=split)
+    metrics = eval_programs.eval_fn_for(scfg, meshes.student, cfg.student.dtype, None)
+    compiled = metrics.lower(params, batch, (window,) * w).compile()
+    _check(compiled, v, "student eval, windows")
+    # the logits stay where they land (each device's row-order slice), never laid out again
+    # as the step's load-balanced pieces: the temporaries are under the logits' own bytes
+    logits_bytes = rows * s * v * 4 // cfg.mesh.student.cp
+    assert compiled.memory_analysis().temp_size_in_bytes < logits_bytes

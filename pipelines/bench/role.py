@@ -79,7 +79,7 @@ def bench_role(
         configured = outputs["topk" if cfg.teacher.top_k else "dense"]
         mem = plan_memory.student_memory(cfg, mesh, configured, limit)
     device_bytes = device_memory(mesh)
-    plan_memory.check_fits({role: mem, "device_memory_bytes": device_bytes})
+    plan_memory.check_fits({role: mem, "device_memory_bytes": device_bytes}, cfg)
     if role == "teacher":
         params = random_teacher(cfg, mesh)
         batch = jax.device_put(host_batch, teacher_sharding.batch_sharding(mesh))

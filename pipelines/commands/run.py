@@ -51,7 +51,7 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
         log.info(
             "student blocks: train.remat: %s (%s)", cfg.train.remat, mem["student"]["remat_reason"]
         )
-        plan_memory.check_fits(mem)
+        plan_memory.check_fits(mem, cfg)
         placement.check_colocated_fits(mem)
         plan_flops.check_moe(cfg, mem["teacher"])
     else:  # CPU: auto is `none`, nothing to compile (`student.remat`)

@@ -20,6 +20,7 @@ from distill.mesh import (
 )
 from distill.models import model, moe
 from distill.models.experts import dispatch
+from pipelines.evaluation import eval_rows, eval_windows
 from student import optim, sharding, train
 from teacher import pipeline
 from teacher.forward import microbatch_rows
@@ -308,6 +309,7 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
         "teacher_output": f"top-{k}" if k else _dense_layout(cfg),
         "bytes_per_token_between_meshes": teacher_output_bytes_per_token(cfg),
         "teacher_output_bytes_per_step": teacher_output_bytes_per_step(cfg),
+        "eval": {"rows": eval_rows(cfg), "windows": eval_windows(cfg)},
     }
 
 
@@ -367,6 +369,15 @@ def format_plan(p: dict) -> str:
             f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device"
             f"{_positions(p)}{micro}; "
             f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token, "
-            f"{mb(p['teacher_output_bytes_per_step'])}/step between meshes",
+            f"{mb(p['teacher_output_bytes_per_step'])}/step between meshes" + _eval(p),
         ]
     )
+
+
+def _eval(p: dict) -> str:
+    """`; evaluation in N position windows` where an eval chunk's logits need them."""
+    e = p["eval"]
+    return "" if e["windows"] == 1 else (
+        f"; evaluation {e['rows']} rows a chunk in {e['windows']} position windows "
+        "(dense logits under 2^31 elements)"
+    )  # fmt: skip

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from distill.checkpoint import abstract_like
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import TP, Meshes
+from distill.mesh import TP, Meshes, check_context
 from distill.models import model
 from distill.types import Batch, Prompts, TeacherOutput
 from pipelines.plan import dense_blocks
@@ -197,8 +197,9 @@ def abstract_teacher_output(cfg: Config, shard) -> TeacherOutput:
     return TeacherOutput(f32(b, s, k), jax.ShapeDtypeStruct((b, s, k), jnp.int32, sharding=shard))
 
 
-def check_fits(mem: dict) -> None:
-    """One DistillError line when a role's compiled peak exceeds the device's memory."""
+def check_fits(mem: dict, cfg: Config | None = None) -> None:
+    """One DistillError line when a role's compiled peak exceeds the device's memory; with
+    `cfg`, naming the role's cp that would make its rows fit (`cp_that_fits`)."""
     limit = mem["device_memory_bytes"]
     if limit is None:
         return
@@ -211,10 +212,46 @@ def check_fits(mem: dict) -> None:
             continue
         peak = mem[role]["peak_bytes_per_device"]
         if peak > limit:
+            cp = None if cfg is None else cp_that_fits(cfg, role, mem[role], limit)
+            fit = "" if cp is None else (
+                f"; its rows would fit with mesh.{role}.cp={cp} (each device 1/cp of a row's "
+                f"positions: about {gib(_at_cp(cfg, role, mem[role], cp))})"
+            )  # fmt: skip
             raise DistillError(
                 f"{role}: the compiled program needs {gib(peak)} per device but a device has "
-                f"{gib(limit)}; spread it over more devices or lower its memory ({keys})"
+                f"{gib(limit)}; spread it over more devices or lower its memory ({keys}){fit}"
             )
+
+
+TEMP_KEYS = {"teacher": "forward_temp_bytes_per_device", "student": "step_temp_bytes_per_device"}
+
+
+def _at_cp(cfg: Config, role: str, figures: dict, cp: int) -> float:
+    """A role's peak per device estimated at `cp`: its compiled temporaries (activations,
+    which grow with the positions a device holds) scaled by the configured cp / `cp`, the
+    rest (weights, optimizer state, arguments) kept: as when cp takes devices from fsdp or
+    dp, an upper bound when it adds devices."""
+    temp = figures.get(TEMP_KEYS[role], 0)
+    return figures["peak_bytes_per_device"] - temp + temp * getattr(cfg.mesh, role).cp / cp
+
+
+def cp_that_fits(cfg: Config, role: str, figures: dict, limit: int) -> int | None:
+    """The least cp above the role's (doubling) whose estimated peak (`_at_cp`) fits a
+    device of `limit` bytes and that the run could use (`distill.mesh.check_context`: the
+    rows split into 2 x cp chunks, nothing cp does not support yet), or None."""
+    cp = getattr(cfg.mesh, role).cp * 2
+    while cfg.train.seq_len % (2 * cp) == 0:
+        if _at_cp(cfg, role, figures, cp) <= limit:
+            mesh = cfg.mesh.model_copy(
+                update={role: getattr(cfg.mesh, role).model_copy(update={"cp": cp})}
+            )
+            try:
+                check_context(cfg.model_copy(update={"mesh": mesh}))
+            except DistillError:
+                return None
+            return cp
+        cp *= 2
+    return None
 
 
 def add_to_plan(p: dict, mem: dict) -> dict:

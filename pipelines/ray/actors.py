@@ -205,16 +205,20 @@ class TeacherMember(_Member):
         return (out, done) if whole else (*out, done)
 
     def eval_logits(self, owners: tuple[int, ...], batch):
-        """The dense teacher logits [B, S, V] of an eval chunk, as `forward` returns its
-        output: (host logits, busy ms) when both groups are one process, else (one list of
-        pieces per student process: the rows of its shards this process holds, busy ms).
+        """The dense teacher logits [B, S, V] of an eval chunk (or its position windows:
+        `OnlineTeacher.logits`), as `forward` returns its output: (host logits, busy ms)
+        when both groups are one process, else (one list of pieces per student process, a
+        tuple of lists with windows: the rows of its shards this process holds, busy ms).
         Nothing is gathered: each row leaves once, from a process that holds it, for the
         student process that evaluates it."""
         t0 = time.perf_counter()
-        logits = self._teacher.logits(batch)
+        logits = self._teacher.logits(batch)  # or its position windows, a tuple
         if self._n == 1 and max(owners) == 0:
             return self._send(logits, owners, True), 1e3 * (time.perf_counter() - t0)
-        parts = self._send(TeacherOutput(logits, None), owners, False)
+        if isinstance(logits, tuple):
+            parts = ray_rows.window_parts(logits, owners)
+        else:
+            parts = self._send(TeacherOutput(logits, None), owners, False)
         return (*parts, 1e3 * (time.perf_counter() - t0))
 
     def nll(self, owners: tuple[int, ...], *rows) -> tuple[float, float]:
@@ -378,8 +382,12 @@ class StudentMember(_Member):
         (`keep`: the driver hands the same logits to every evaluation)."""
         rows = batch.tokens.shape[0]
         spans = ray_rows.spans(self._owners, self._i, rows)
-        t_out, _ = self._receive(teacher_parts, spans, rows, keep)
-        logits = getattr(t_out, "logprobs", t_out)
+        if ray_rows.is_windowed(teacher_parts):  # position windows (`eval_windows`)
+            host, _ = ray_rows.student_window_rows(list(teacher_parts), spans)
+            logits = ray_rows.global_arrays(host, self._split, rows)
+        else:
+            t_out, _ = self._receive(teacher_parts, spans, rows, keep)
+            logits = getattr(t_out, "logprobs", t_out)
         if self._n == 1:
             return self._eval.one(self._state.params, batch, logits)
         mine = self._jax.tree.map(lambda x: ray_rows.take(x, spans), batch)

@@ -225,6 +225,26 @@ def teacher_parts(out: TeacherOutput, owners: Owners) -> list[list[Piece]]:
     return parts
 
 
+def window_parts(windows: tuple, owners: Owners) -> list[tuple[list[Piece], ...]]:
+    """`teacher_parts` of eval logits in position windows (`pipelines.evaluation
+    .eval_windows`): for each student process a tuple, one list of its pieces per window."""
+    per = [teacher_parts(TeacherOutput(w, None), owners) for w in windows]
+    return [tuple(p[s] for p in per) for s in range(len(per[0]))]
+
+
+def is_windowed(teacher_parts: tuple) -> bool:
+    """Whether the parts every teacher process sent are `window_parts`."""
+    first = teacher_parts[0] if teacher_parts else None
+    return isinstance(first, tuple) and bool(first) and isinstance(first[0], list)
+
+
+def student_window_rows(parts: list[tuple], mine: Spans) -> tuple[tuple, int]:
+    """(this student process's rows `mine` of each window, in order; bytes received) from
+    the `window_parts` every teacher process sent it."""
+    got = [student_rows([p[j] for p in parts], mine) for j in range(len(parts[0]))]
+    return tuple(out.logprobs for out, _ in got), sum(n for _, n in got)
+
+
 def _rows(x, lo: int, hi: int):
     return None if x is None else x[lo:hi]
 
