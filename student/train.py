@@ -245,6 +245,9 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = dict(metrics, lr=lr_schedule(state.step), grad_norm=grad_norm)
+        if teacher_out is not None:  # the divergence's weight this step was compiled with
+            on_samples = isinstance(batch, Continuations)  # their loss: the divergence alone
+            metrics["alpha"] = jnp.float32(1.0 if on_samples else loss_cfg.alpha)
         updated = TrainState(state.step + 1, params, opt_state, state.skips)
         state = _unless_nonfinite(updated, state, metrics["loss"], grad_norm)
         return state, {**metrics, **skip_metrics(state.skips)}
