@@ -394,7 +394,7 @@ def make_loss_fn(
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
         cfg_here = loss_cfg
         if isinstance(batch, Continuations):  # the student's own samples: no CE on them
-            cfg_here = loss_cfg.model_copy(update={"alpha": 1.0})
+            cfg_here = loss_cfg.model_copy(update={"alpha": 1.0, "cross_ce": "one_minus_alpha"})
         if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
             return cross_losses.cross_kd_loss_chunked(
                 x, head, teacher_out, batch.teacher.align, batch.targets, batch.mask, cfg_here,

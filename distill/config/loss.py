@@ -74,6 +74,13 @@ class DistillLossConfig(Section):
         "distill.loss over the buckets; or uld (sorted-probability L1 distance, no shared "
         "tokens needed).",
     )
+    cross_ce: Literal["full", "one_minus_alpha"] = Field(
+        "full",
+        description="Across tokenizers, the weight of the student's own cross-entropy: full "
+        "(loss = alpha * T^2 * KD + CE: the divergence reaches only a coarse-graining of the "
+        "student's distribution, its next byte or the tokens both vocabularies spell, so the "
+        "cross-entropy keeps its whole weight) or one_minus_alpha (as with one vocabulary).",
+    )
     cross_boundary: bool = Field(
         True,
         description="first_byte and byte_path: keep both next-byte distributions at a student "
