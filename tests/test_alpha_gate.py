@@ -98,6 +98,16 @@ def test_each_step_trains_with_the_alpha_the_evaluation_before_it_set(gated_run)
     assert any(r["alpha"] == 0 for r in train)
 
 
+def test_the_status_shows_the_alpha_in_effect():
+    """The gate's gauge (the next steps' alpha) over the last record's (a lagged step's)."""
+    from distill.observability.metrics import MetricsStore
+
+    store = MetricsStore("r", 10, {})
+    store.log({"step": 2, "loss": 1.0, "alpha": 0.9})
+    store.update(alpha=0.0)
+    assert store.status()["alpha"] == 0.0
+
+
 def test_a_resume_trains_with_the_checkpoints_alpha(gated_run, tmp_path):
     """Drop the last checkpoint and rerun from step 4: steps 5-8 repeat exactly, with the
     alpha the run had after its evaluation at step 4 (kept in the checkpoint: the resumed
