@@ -93,10 +93,19 @@ class Checkpointer:
         return self._mngr.latest_step()
 
     def save(
-        self, step: int, state: Any, data_state: dict, *, force: bool = False, extra: Any = None
+        self,
+        step: int,
+        state: Any,
+        data_state: dict,
+        *,
+        force: bool = False,
+        extra: Any = None,
+        notes: dict | None = None,
     ) -> bool:
         """`extra`: a pytree saved beside the state (e.g. the recent parameters an
-        on-policy run generates with), read back by `restore_extra`. A state holding a
+        on-policy run generates with), read back by `restore_extra`; `notes`: JSON of the
+        run's own state beside it (the `distill.alpha` in effect), read back by
+        `stored_notes`. A state holding a
         non-finite value is not written (False, with a warning): the newest checkpoint is
         then always a finite one, and retention (`keep`) only ever deletes older ones."""
         if not bool(_all_finite(state)):  # one scalar: the save waits for the state anyway
@@ -107,6 +116,8 @@ class Checkpointer:
             items["meta"] = ocp.args.JsonSave(self.meta)
         if extra is not None:
             items["extra"] = ocp.args.StandardSave(extra)
+        if notes is not None:
+            items["notes"] = ocp.args.JsonSave(notes)
         return self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
 
     def restore_extra(self, step: int, abstract_extra: Any) -> Any:
@@ -123,12 +134,19 @@ class Checkpointer:
     def stored_meta(self, step: int | None = None) -> dict | None:
         """The `meta` saved with `step` (default the latest); None when there is none (no
         checkpoint, one written before `meta` existed, or one whose `meta` is unreadable)."""
+        return self._stored_json("meta", step)
+
+    def stored_notes(self, step: int | None = None) -> dict | None:
+        """The `notes` saved with `step` (default the latest), or None, as `stored_meta`."""
+        return self._stored_json("notes", step)
+
+    def _stored_json(self, item: str, step: int | None) -> dict | None:
         step = self.latest_step() if step is None else step
         if step is None:
             return None
         try:
-            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-            return self._mngr.restore(step, args=args).meta
+            args = ocp.args.Composite(**{item: ocp.args.JsonRestore()})
+            return getattr(self._mngr.restore(step, args=args), item)
         except (KeyError, FileNotFoundError, ValueError):
             return None
 

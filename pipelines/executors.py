@@ -18,6 +18,7 @@ from distill import handoff
 from distill.checkpoint import Checkpointer
 from pipelines.timing import ReadyWatcher
 from student import routing, train
+from student.alpha import AlphaSteps
 from student.evaluate import StudentEval
 from student.generate import ParamHistory
 
@@ -54,8 +55,19 @@ class LocalExecutor:
         self.state = None
         self._bytes_per_token: float | None = None
 
+    @property
+    def alpha(self) -> float | None:
+        """The `distill.alpha` the next steps train with; None: a step without one."""
+        return self._step_fn.alpha if isinstance(self._step_fn, AlphaSteps) else None
+
+    def set_alpha(self, alpha: float) -> None:
+        """Train the next steps with `alpha` (a step of `student.alpha.AlphaSteps`)."""
+        self._step_fn.set(alpha)
+
     def start(self) -> tuple[int, dict | None]:
         self.state, data_state, start = self._start_fn()
+        if self.alpha is not None:  # the weight the checkpoint's run was training with
+            self._step_fn.restore(self._ckpt.stored_notes(start) if start else None)
         if self.history is not None:
             self.history.start(start, self.state.params, self._ckpt)
         return start, data_state
@@ -102,7 +114,10 @@ class LocalExecutor:
             log.warning("checkpoint step %d not written: %s", step, why)
             return False
         extra = None if self.history is None else self.history.extra(step)
-        return self._ckpt.save(step, train.saved(self.state), data_state, force=True, extra=extra)
+        notes = None if self.alpha is None else self._step_fn.note()
+        return self._ckpt.save(
+            step, train.saved(self.state), data_state, force=True, extra=extra, notes=notes
+        )
 
     def finish(self) -> None:
         if self._ckpt is not None:

@@ -20,6 +20,7 @@ from distill.mesh import Meshes
 from distill.models.cross_losses import CrossSpec
 from distill.observability.metrics import MetricsStore
 from pipelines import hooks as h
+from pipelines.alpha_gate import AlphaGate
 from pipelines.divergence import Divergence
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.executors import LocalExecutor
@@ -28,6 +29,7 @@ from pipelines.on_policy import OnPolicySource, sample_score
 from pipelines.progress import distill_record
 from pipelines.sources import CacheSource, OnlineSource, OnlineTeacher
 from student import train
+from student.alpha import alpha_steps_for
 from student.evaluate import StudentEval
 from student.generate import ParamHistory, sampler_for
 from student.state import run_checkpointer, start_student
@@ -40,7 +42,7 @@ def student_executor(cfg: Config, corpus: Corpus, mesh: Mesh) -> LocalExecutor:
     runs, the recent parameters it generates with."""
     limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     cross = cross_spec(cfg, corpus)
-    tx, step_fn = train.distill_step_for(cfg, mesh, vocab_limit=limit, cross=cross)
+    tx, step_fn = alpha_steps_for(cfg, mesh, vocab_limit=limit, cross=cross)
     ckpt = run_checkpointer(cfg)
     placed = train.param_shardings(cfg.student_model(), mesh)  # its weights read straight there
     history = None
@@ -84,14 +86,17 @@ def distill_hooks(
     cfg: Config, evaluate, store, source, extra: Sequence[h.Hook] = ()
 ) -> list[h.Hook]:
     """The hooks of a distillation run, local and ray modes alike: records, progress, the
-    divergence guard, evaluation (`evaluate`, a `pipelines.evaluation.Evaluation`),
-    checkpoints, stop requests, status, the profile if asked for, then `extra` (ray's own
-    status, tests' faults)."""
+    divergence guard, evaluation (`evaluate`, a `pipelines.evaluation.Evaluation`), the
+    divergence's weight following it (`distill.alpha_gate`), checkpoints, stop requests,
+    status, the profile if asked for, then `extra` (ray's own status, tests' faults)."""
+    evaluations = h.Evaluate(evaluate, cfg.train.eval_every)
+    gate = [AlphaGate(cfg.distill.alpha, evaluations)] if cfg.distill.alpha_gate else []
     hooks = [
         h.Records(),
         h.ProgressBar(cfg.run.name),
         Divergence(cfg.train.max_nonfinite_steps),
-        h.Evaluate(evaluate, cfg.train.eval_every),
+        evaluations,
+        *gate,
         h.Checkpoints(cfg.train.checkpoint_every),
         h.StopRequests(),
         h.Status(lambda step, _: store.update(step=step, in_flight=source.in_flight())),

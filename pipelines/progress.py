@@ -24,6 +24,7 @@ def distill_record(step: int, metrics: dict, figures: dict) -> dict:
         "phase": "distill",
         **{k: metrics[k] for k in keys},
         **{k: metrics[k] for k in ("aligned_fraction",) if k in metrics},  # cross-tokenizer
+        **{k: metrics[k] for k in ("alpha",) if k in metrics},  # the step's `distill.alpha`
         **routing.load_record(metrics),  # a mixture-of-experts student
         **figures,
         "time": time.time(),

@@ -245,6 +245,9 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = dict(metrics, lr=lr_schedule(state.step), grad_norm=grad_norm)
+        if teacher_out is not None:  # the divergence's weight this step was compiled with
+            on_samples = isinstance(batch, Continuations)  # their loss: the divergence alone
+            metrics["alpha"] = jnp.float32(1.0 if on_samples else loss_cfg.alpha)
         updated = TrainState(state.step + 1, params, opt_state, state.skips)
         state = _unless_nonfinite(updated, state, metrics["loss"], grad_norm)
         return state, {**metrics, **skip_metrics(state.skips)}
@@ -391,7 +394,7 @@ def make_loss_fn(
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
         cfg_here = loss_cfg
         if isinstance(batch, Continuations):  # the student's own samples: no CE on them
-            cfg_here = loss_cfg.model_copy(update={"alpha": 1.0})
+            cfg_here = loss_cfg.model_copy(update={"alpha": 1.0, "cross_ce": "one_minus_alpha"})
         if batch.teacher is not None:  # the teacher's own rows: compare across vocabularies
             return cross_losses.cross_kd_loss_chunked(
                 x, head, teacher_out, batch.teacher.align, batch.targets, batch.mask, cfg_here,

@@ -270,8 +270,9 @@ def test_uld_loss_and_gradient():
 @pytest.mark.parametrize("method", ["mapped", "uld", "first_byte", "byte_path"])
 def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     """`cross_kd_loss_chunked` over chunks of 3 positions equals the per-token formula on
-    the whole logits, unaligned positions out of the divergence but in the CE; first_byte
-    and byte_path read the input tokens (the teacher conditioned on the boundary)."""
+    the whole logits, unaligned positions out of the divergence but in the CE (weighed 1,
+    or 1 - alpha: `distill.cross_ce`); first_byte and byte_path read the input tokens (the
+    teacher conditioned on the boundary)."""
     b, s, t_len, d, vs, vt = 2, 7, 11, 8, 320, 259
     x = jax.random.normal(jax.random.key(6), (b, s, d))
     head = jax.random.normal(jax.random.key(7), (d, vs))
@@ -310,6 +311,12 @@ def test_chunked_cross_loss_matches_the_whole_logits(method, bpe):
     np.testing.assert_allclose(m["kd_loss"], want_kd, rtol=1e-5)
     np.testing.assert_allclose(m["ce_loss"], want_ce, rtol=1e-5)
     np.testing.assert_allclose(m["aligned_fraction"], jnp.sum(w) / jnp.sum(mask), rtol=1e-6)
+    np.testing.assert_allclose(loss, 0.7 * want_kd + want_ce, rtol=1e-5)  # distill.cross_ce: full
+    mixed = cfg.model_copy(update={"cross_ce": "one_minus_alpha"})
+    loss, _ = xl.cross_kd_loss_chunked(
+        x, head, TeacherOutput(lp_t), align, targets, mask, mixed, vmap=vmap, method=method,
+        chunk=3, inputs_bs=inputs,
+    )  # fmt: skip
     np.testing.assert_allclose(loss, 0.7 * want_kd + 0.3 * want_ce, rtol=1e-5)
 
 

@@ -1,11 +1,12 @@
-"""The config tree: its schema (`schema`, with the shared model schema in `model` and the
-data section in `data`), how a YAML file becomes a validated `Config` (`load`), and the
-generated reference (`reference`).
+"""The config tree: its schema (`schema`, with the shared model schema in `model`, the
+data section in `data` and the distill section in `loss`), how a YAML file becomes a
+validated `Config` (`load`), and the generated reference (`reference`).
 
 The schema's classes are importable from here: `from distill.config import Config`.
 """
 
 from distill.config.data import DataConfig
+from distill.config.loss import DistillLossConfig, OnPolicyConfig
 from distill.config.model import (
     DTYPE_DOC,
     RUNTIME_KEYS,
@@ -18,9 +19,7 @@ from distill.config.model import (
 )
 from distill.config.schema import (
     Config,
-    DistillLossConfig,
     MeshConfig,
-    OnPolicyConfig,
     OptimConfig,
     PipelineConfig,
     RayConfig,

@@ -332,6 +332,16 @@ def _teacher_inputs(teacher: TeacherOutput, align_bs, method, vmap, teacher_live
     return per_token, {}, True, whole
 
 
+def ce_weight(cfg: DistillLossConfig) -> float:
+    """The cross-entropy's weight across vocabularies (`distill.cross_ce`): 1, or 1 - alpha
+    as with one vocabulary. The divergence compares the two distributions only through a
+    coarse-graining (first bytes, the tokens both vocabularies spell, sorted masses), so a
+    CE weighed down by alpha leaves the rest of the student's distribution untaught: under
+    the quick start's teacher at alpha 0.9 the student stalled at the teacher's bits per
+    byte (docs/benchmarks/2026-11-27-alpha-gate.md)."""
+    return 1.0 if cfg.cross_ce == "full" else 1.0 - cfg.alpha
+
+
 def cross_kd_loss_chunked(
     x_bsd: jax.Array,
     head_dv: jax.Array,
@@ -350,8 +360,8 @@ def cross_kd_loss_chunked(
     softcap: float | None = None,
     inputs_bs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """loss = alpha * T^2 * KD + (1 - alpha) * CE with KD across vocabularies, from the
-    student's hidden states a chunk of positions at a time (`distill.models.vocab_loss`).
+    """loss = alpha * T^2 * KD + w * CE with KD across vocabularies (w: `ce_weight`), from
+    the student's hidden states a chunk of positions at a time (`distill.models.vocab_loss`).
 
     teacher: on its own rows, dense log-probs [B, T, Vt] or top-k [B, T, k] with its ids
     (`cross_topk_divergence`; k >= `teacher_live`, every id of its tokenizer, is the dense
@@ -397,7 +407,7 @@ def cross_kd_loss_chunked(
     tokens = jnp.sum(mask_bs.astype(jnp.float32))
     kd = sums["kd"] / jnp.maximum(sums["aligned"], 1.0)
     ce = sums["ce"] / jnp.maximum(tokens, 1.0)
-    loss = cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce
+    loss = cfg.alpha * cfg.temperature**2 * kd + ce_weight(cfg) * ce
     return loss, {
         "loss": loss,
         "kd_loss": kd,

@@ -425,6 +425,7 @@ _STATUS_FIGURES = (
     "kd_loss",
     "ce_loss",
     "lr",
+    "alpha",
     "tokens_per_s",
     "teacher_ms",
     "student_ms",

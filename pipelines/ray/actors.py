@@ -246,6 +246,7 @@ class StudentMember(_Member):
         from pipelines.local import cross_spec
         from pipelines.plan import memory as plan_memory
         from student import train
+        from student.alpha import alpha_steps_for
         from student.evaluate import StudentEval
         from student.state import run_checkpointer, start_student
         from teacher.weights import student_init_params
@@ -258,12 +259,14 @@ class StudentMember(_Member):
         self._spans = ray_rows.spans(self._owners, i, cfg.train.batch_size)
         cross = cross_spec(cfg, corpus)
         plan_memory.resolve_remat(cfg, self._mesh, vocab_limit=limit)  # `auto` on these devices
-        tx, self._step_fn = train.distill_step_for(cfg, self._mesh, vocab_limit=limit, cross=cross)
+        tx, self._step_fn = alpha_steps_for(cfg, self._mesh, vocab_limit=limit, cross=cross)
         self._ckpt = run_checkpointer(cfg)
         placed = train.param_shardings(cfg.student_model(), self._mesh)  # read straight there
         self._state, self._data_state, self._start = start_student(
             cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg, placed)
         )
+        if self._start:  # the weight the checkpoint's run was training with
+            self._step_fn.restore(self._ckpt.stored_notes(self._start))
         self._next = self._start + 1
         self._rows = cfg.train.batch_size
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
@@ -375,6 +378,15 @@ class StudentMember(_Member):
         m["bytes_per_token"] = nbytes / self._tokens
         return m
 
+    def alpha(self) -> float:
+        """The `distill.alpha` the next steps train with (`student.alpha.AlphaSteps`)."""
+        return self._step_fn.alpha
+
+    def set_alpha(self, alpha: float) -> float:
+        """Train the next steps with `alpha`; returns it once set."""
+        self._step_fn.set(alpha)
+        return self._step_fn.alpha
+
     def evaluate(self, batch, *teacher_parts, keep: bool = False) -> dict:
         """Held-out teacher vs student metrics of one eval chunk (with its token count), by
         the local mode's own `StudentEval`: `batch` is the whole chunk (token ids), and
@@ -415,7 +427,10 @@ class StudentMember(_Member):
             log.warning("checkpoint step %d not written: %s", step, why)
             return
         extra = None if self._history is None else self._history.extra(step)
-        self._ckpt.save(step, train.saved(self._state), data_state, force=True, extra=extra)
+        notes = self._step_fn.note()
+        self._ckpt.save(
+            step, train.saved(self._state), data_state, force=True, extra=extra, notes=notes
+        )
 
     def wait_for_checkpoints(self) -> int | None:
         """Block until every started checkpoint is written; the latest step on disk."""

@@ -175,6 +175,15 @@ class RayStudentExecutor:
         """The driver's pool of groups (hooks reach the actors through it)."""
         return self._pool
 
+    @property
+    def alpha(self) -> float:
+        """The `distill.alpha` the student group's next steps train with."""
+        return self._pool.student_result(self._pool.students.call("alpha"))
+
+    def set_alpha(self, alpha: float) -> None:
+        """Train the group's next steps with `alpha` (every process, before the next step)."""
+        self._pool.student_result(self._pool.students.call("set_alpha", alpha))
+
     def start(self) -> tuple[int, dict | None]:
         return self._resume
 

@@ -1,0 +1,60 @@
+"""`distill.alpha_gate`: the divergence's weight follows the held-out evaluation.
+
+After each evaluation (`pipelines.hooks.Evaluate`: at the start of a fresh run and every
+`train.eval_every` steps), the weight of the next steps is the configured `distill.alpha`
+while the teacher predicts the held-out text better than the student (bits per byte), and 0
+(cross-entropy alone) once the student has caught up with it (`student.alpha.gated_alpha`).
+The executor holds the weight in effect and keeps it in its checkpoints, so a resumed run
+trains with the weight the run it resumes was training with. A change is shown to the user
+and in the status (`alpha`); every training record carries the step's own `alpha`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from pipelines.hooks import Evaluate, Hook
+from student.alpha import compared, gated_alpha
+
+if TYPE_CHECKING:
+    from pipelines.loop import Loop
+
+log = logging.getLogger("distill")
+
+
+class AlphaGate(Hook):
+    """Sets the executor's `alpha` from `evaluations.last` (the run's `Evaluate` hook, which
+    runs before this one in the list) after each evaluation."""
+
+    def __init__(self, alpha: float, evaluations: Evaluate):
+        self.alpha, self.evaluations = alpha, evaluations
+        self._seen: int | None = None  # the step of the last evaluation acted on
+
+    def on_start(self, loop: Loop, step: int) -> None:
+        self._seen = None
+        if loop.store is not None:
+            loop.store.update(alpha=loop.executor.alpha)
+        self._follow(loop)  # a fresh run's evaluation at step 0
+
+    def end_of_step(self, loop: Loop, step: int) -> None:
+        self._follow(loop)
+
+    def _follow(self, loop: Loop) -> None:
+        m = self.evaluations.last
+        if m is None or m["step"] == self._seen:
+            return
+        self._seen = m["step"]
+        current = loop.executor.alpha
+        new = gated_alpha(self.alpha, current, m)
+        if new == current:
+            return
+        loop.executor.set_alpha(new)
+        if loop.store is not None:
+            loop.store.update(alpha=new)
+        s, t = compared(m)
+        why = "the teacher is better" if new else "the student has caught up with the teacher"
+        loop.note(
+            f"alpha {current:g} -> {new:g} from step {m['step'] + 1}: {why} on the held-out "
+            f"text ({s:.4f} against the teacher's {t:.4f})"
+        )

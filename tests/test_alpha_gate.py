@@ -1,0 +1,131 @@
+"""`distill.alpha_gate`: the divergence's weight follows the held-out evaluation. The rule,
+the steps it keeps, and a tiny run whose student overtakes a barely trained teacher: each
+record's alpha is the rule applied to the evaluation before it, and a resume from a
+checkpoint written with the gate closed repeats the steps exactly."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from student.alpha import AlphaSteps, compared, gated_alpha
+
+
+@pytest.mark.parametrize(
+    ("evaluation", "want"),
+    [
+        ({"student_bpb": 2.0, "teacher_bpb": 1.5}, 0.9),  # the teacher is better: alpha
+        ({"student_bpb": 1.4, "teacher_bpb": 1.98}, 0.0),  # the student passed it: CE alone
+        ({"student_bpb": 1.5, "teacher_bpb": 1.5}, 0.0),  # caught up: nothing left to teach
+        ({"student_loss": 2.0, "teacher_loss": 1.0, "kl": 0.3}, 0.9),  # one vocabulary
+        ({"student_loss": 1.0, "teacher_loss": 2.0, "kl": 0.3}, 0.0),
+        ({"student_loss": 1.0, "teacher_loss": 2.0}, 0.5),  # no comparable figures: as it is
+        ({"student_bpb": math.nan, "teacher_bpb": 1.0}, 0.5),  # not finite: as it is
+    ],
+)
+def test_the_rule(evaluation, want):
+    assert gated_alpha(0.9, 0.5, evaluation) == want
+
+
+def test_bits_per_byte_decide_over_the_losses():
+    """Across tokenizers the losses are in different tokens: bits per byte compare."""
+    m = {"student_loss": 3.0, "teacher_loss": 1.0, "student_bpb": 1.2, "teacher_bpb": 1.9}
+    assert compared(m) == (1.2, 1.9) and gated_alpha(0.7, 0.7, m) == 0.0
+
+
+def test_alpha_steps_build_each_weight_once_and_keep_it_in_the_note():
+    built = []
+
+    def build(alpha):
+        built.append(alpha)
+        return lambda *args: (alpha, args)
+
+    steps = AlphaSteps(build, 0.9)
+    assert steps(1) == (0.9, (1,)) and steps.note() == {"alpha": 0.9}
+    steps.set(0.0)
+    assert steps(2) == (0.0, (2,)) and steps.note() == {"alpha": 0.0}
+    steps.set(0.9)
+    assert built == [0.9, 0.0]  # the configured step again, not built twice
+    resumed = AlphaSteps(build, 0.9)
+    resumed.restore({"alpha": 0.0})
+    assert resumed.alpha == 0.0 and resumed(3)[0] == 0.0
+    resumed.restore(None)  # a checkpoint without the note: as it is
+    assert resumed.alpha == 0.0
+
+
+@pytest.fixture(scope="module")
+def gated_run(corpus_dir, tmp_path_factory):
+    """A tiny run under a teacher bootstrapped one step (nearly uniform), the student's
+    lr high enough to pass it within three steps: evaluations at 0, 2, 4, 6, 8; records
+    every step; checkpoints at 4 and 8. Its output dir and config tree."""
+    from pipelines.commands.cli import main
+    from tests.conftest import tiny_config, write_config
+
+    tmp = tmp_path_factory.mktemp("gated_run")
+    out = tmp / "out"
+    cfg = tiny_config(str(corpus_dir), str(out))
+    cfg["teacher"].update(checkpoint=str(tmp / "teacher"), pretrain_steps=1)
+    cfg["train"].update(steps=8, log_every=1, eval_every=2, checkpoint_every=4)
+    cfg["optim"] = {"warmup_steps": 1, "lr": 0.02}
+    cfg["distill"] = {"alpha": 0.8, "temperature": 1.0}
+    assert main(["run", write_config(tmp, cfg)]) == 0
+    return out, cfg
+
+
+def _expected_alpha(evals: list[dict], step: int, alpha: float) -> float:
+    """The rule applied to the evaluations before `step`, from the configured alpha."""
+    current = alpha
+    for e in evals:
+        if e["step"] < step:
+            current = gated_alpha(alpha, current, e)
+    return current
+
+
+def test_each_step_trains_with_the_alpha_the_evaluation_before_it_set(gated_run):
+    from tests.conftest import read_evals, read_train
+
+    out, _ = gated_run
+    train, evals = read_train(out), read_evals(out)
+    assert [e["step"] for e in evals] == [0, 2, 4, 6, 8]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    for r in train:
+        assert r["alpha"] == pytest.approx(_expected_alpha(evals, r["step"], 0.8)), r["step"]
+        if r["alpha"] == 0:  # cross-entropy alone
+            assert r["loss"] == pytest.approx(r["ce_loss"], rel=1e-6)
+    # the student passes the one-step teacher: the gate closes at least once
+    assert any(r["alpha"] == 0 for r in train)
+
+
+def test_the_status_shows_the_alpha_in_effect():
+    """The gate's gauge (the next steps' alpha) over the last record's (a lagged step's)."""
+    from distill.observability.metrics import MetricsStore
+
+    store = MetricsStore("r", 10, {})
+    store.log({"step": 2, "loss": 1.0, "alpha": 0.9})
+    store.update(alpha=0.0)
+    assert store.status()["alpha"] == 0.0
+
+
+def test_a_resume_trains_with_the_checkpoints_alpha(gated_run, tmp_path):
+    """Drop the last checkpoint and rerun from step 4: steps 5-8 repeat exactly, with the
+    alpha the run had after its evaluation at step 4 (kept in the checkpoint: the resumed
+    run does not evaluate at step 4 again)."""
+    from pipelines.commands.cli import main
+    from tests.conftest import read_train, write_config
+
+    out, cfg = gated_run
+    resumed = tmp_path / "out"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "8")
+    (resumed / "summary.json").unlink()
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(resumed)}}
+    assert main(["run", write_config(tmp_path, cfg)]) == 0
+    before = {r["step"]: r for r in read_train(out)}
+    after = read_train(resumed)[len(before) :]
+    assert [r["step"] for r in after] == [5, 6, 7, 8]
+    assert after[0]["alpha"] == 0.0  # closed at step 2's evaluation: only the checkpoint says so
+    for r in after:
+        for key in ("alpha", "loss", "kd_loss", "ce_loss", "grad_norm"):
+            assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-6), key
