@@ -1,4 +1,4 @@
-"""The matmul FLOPs of a compiled XLA program, every loop counted.
+"""The matmul FLOPs of a compiled XLA program, every loop counted by its trip count.
 
 XLA's cost analysis (`Compiled.cost_analysis()["flops"]`) counts a `while` body once,
 whatever its trip count: a model whose layers are one `jax.lax.scan` is counted as one
@@ -7,7 +7,10 @@ optimised HLO text instead: each `dot` is 2 x its result's elements x its contra
 size, and a computation's count is multiplied by the trip count XLA proved for each loop
 that runs it (`known_trip_count` in the while's backend config). Branches of a
 `conditional` count as the costliest one. Only dots (the matmuls) are counted: the
-elementwise work is small beside them and not what the checks are about.
+elementwise work is small beside them and not what the checks are about. A loop whose trip
+count XLA cannot prove (one bounded by the data, as blockwise causal attention's loop over
+the key blocks before each query block) is counted once; `dot_counts` says how much of the
+total that part is.
 """
 
 from __future__ import annotations
@@ -58,13 +61,20 @@ def _dot(line: str, shapes: dict[str, list[int]], result: list[int]) -> int:
 def dot_flops(hlo: str) -> int:
     """The dot FLOPs of an optimised HLO module (`Compiled.as_text()`), each loop's body
     times its known trip count (1 where XLA knows none)."""
-    comps, entry = _computations(hlo)
-    memo: dict[str, int] = {}
+    return dot_counts(hlo)[0]
 
-    def count(name: str) -> int:
+
+def dot_counts(hlo: str) -> tuple[int, int]:
+    """(`dot_flops`, the part of it inside loops whose trip count XLA does not know, each
+    counted once): a loop bounded by data, such as blockwise causal attention's loop over
+    the key blocks before each query block, makes the total a lower bound."""
+    comps, entry = _computations(hlo)
+    memo: dict[str, tuple[int, int]] = {}
+
+    def count(name: str) -> tuple[int, int]:
         if name in memo:
             return memo[name]
-        shapes, total = {}, 0
+        shapes, total, once = {}, 0, 0
         for line in comps.get(name, []):
             d = _DEF.match(line)
             if d:
@@ -73,12 +83,16 @@ def dot_flops(hlo: str) -> int:
                     total += _dot(line, shapes, shapes[d.group(1)])
             trips = _TRIPS.search(line)
             for kind, callee in _CALLEE.findall(line):
-                total += count(callee) * (int(trips.group(1)) if kind == "body" and trips else 1)
+                n = int(trips.group(1)) if kind == "body" and trips else 1
+                sub, sub_once = count(callee)
+                total += sub * n
+                once += sub if kind == "body" and not trips else sub_once * n
             for listed, true, false in _BRANCHES.findall(line):
                 names = re.findall(r"%([\w.\-]+)", listed) if listed else [true, false]
-                total += max(count(n) for n in names)
-        memo[name] = total
-        return total
+                total_once = max(count(n) for n in names)
+                total, once = total + total_once[0], once + total_once[1]
+        memo[name] = total, once
+        return total, once
 
     return count(entry)
 
@@ -86,3 +100,8 @@ def dot_flops(hlo: str) -> int:
 def compiled_dot_flops(compiled) -> int:
     """`dot_flops` of a `jax.stages.Compiled`."""
     return dot_flops(compiled.as_text())
+
+
+def compiled_dot_counts(compiled) -> tuple[int, int]:
+    """`dot_counts` of a `jax.stages.Compiled`."""
+    return dot_counts(compiled.as_text())

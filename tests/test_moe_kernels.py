@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distill.compiled_flops import compiled_dot_flops, dot_flops
+from distill.compiled_flops import compiled_dot_flops, dot_counts, dot_flops
 from distill.config import ModelConfig
 from distill.models import moe
 from distill.models.experts import grouped
@@ -158,6 +158,21 @@ def test_dot_flops_count_every_loop_iteration():
     assert compiled_dot_flops(compiled) == 10 * 2 * (2 * 4 * 16 * 32)
     assert compiled.cost_analysis()["flops"] < 2 * (2 * 4 * 16 * 32) + 10 * 4 * 32 * 4
     assert dot_flops("ENTRY %e () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}") == 0
+
+
+def test_dot_counts_name_what_loops_bounded_by_data_hold():
+    """A loop whose trip count depends on the data (causal attention's key blocks) is
+    counted once, and `dot_counts` says how much of the total that is: a lower bound."""
+
+    def f(x, w, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ w) @ w.T, x)
+
+    x, w = jnp.zeros((4, 16)), jnp.zeros((16, 32))
+    one = 2 * (2 * 4 * 16 * 32)
+    compiled = jax.jit(f).trace(x, w, 3).lower().compile()
+    assert dot_counts(compiled.as_text()) == (one, one)
+    fixed = jax.jit(f, static_argnums=2).trace(x, w, 3).lower().compile()
+    assert dot_counts(fixed.as_text()) == (3 * one, 0)
 
 
 T, E, K, D, F = 4096, 128, 8, 2048, 768  # one layer of Qwen3-30B-A3B, one 4,096-token row

@@ -157,7 +157,12 @@ def test_a_row_over_the_device_memory_names_the_cp_that_fits_it():
     ray = load_config(
         "pipelines/llama3-8b-to-1b-32k.yaml", ["mesh.student.cp=1", "pipeline.mode=ray"]
     )
-    assert cp_that_fits(ray, "student", student, 80e9) is None  # cp: local mode only
+    assert cp_that_fits(ray, "student", student, 80e9) == 4  # ray mode has cp too
+    on_policy = load_config(
+        "pipelines/llama3-8b-to-1b-32k.yaml",
+        ["mesh.student.cp=1", "distill.on_policy.fraction=0.5"],
+    )
+    assert cp_that_fits(on_policy, "student", student, 80e9) is None  # cp refuses on-policy
 
 
 def test_validate_refuses_a_row_over_the_device_memory_naming_cp(
@@ -280,6 +285,11 @@ def test_plan_names_the_moe_dispatch():
         {"teacher": teacher, "student": {**role, "train_flops_per_token": 1}}
     )
     assert "(model 1.0, MoE kernel tiled, dispatch rounds)" in line
+    assert "at least" not in line
+    bound = {**role, "train_flops_per_token": 1, "compiled_flops_counted_once_per_token": 1e5}
+    line = plan_flops.format_flops({"teacher": teacher, "student": bound})
+    assert "student step at least 1.0 MFLOP/token" in line and "counted once" in line
+    assert "teacher forward 1.0" in line
 
 
 def test_moe_teacher_figures():
