@@ -59,6 +59,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
+from distill import collectives as cc
 from distill.config import AttentionBackend
 from distill.config.model import backend_problem
 from distill.models.blockwise import Scores, blockwise, prefix, round_up, window_mask
@@ -280,8 +281,19 @@ def _splash(q, k, v, seg, scale, window, softcap, block_q, block_kv, interpret):
     def one_row(q, k, v, seg):
         return kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
 
-    o = jax.vmap(one_row)(q, k, v, seg)
-    return o.transpose(0, 2, 1, 3)[:, :s]
+    # JAX 0.10's splash kernel declares its outputs without the mesh axes they vary over,
+    # which `jax.shard_map`'s check (the teacher's forward) refuses: traced without the
+    # check, its output is then marked varying as q is (each device's own rows).
+    vma = cc.varying(q)
+    with _unchecked_vma():
+        o = jax.vmap(one_row)(q, k, v, seg)
+    return cc.vary(o, vma).transpose(0, 2, 1, 3)[:, :s]
+
+
+def _unchecked_vma():
+    from jax._src import config as jax_config  # no public switch for one call's check
+
+    return jax_config._check_vma(False)
 
 
 def _splash_kernel(n_heads, seq, bq, bk, window, softcap, interpret):

@@ -1,0 +1,216 @@
+"""Every program of the quick start on one device, lowered for CUDA and TPU on this CPU.
+
+No GPU or TPU is lent to these tests, so this is the evidence, short of running, that a
+run of `pipelines/quickstart.yaml` on one GPU or one TPU chip (`mesh.placement: auto`
+resolves to colocated, every axis 1, bfloat16) builds programs the target can take: each
+program is built by the product's own builders for that platform
+(`attention.use_platform`, so `auto` attention is cuDNN flash attention on a CUDA GPU and
+the splash kernel on TPU), at the quick start's real shapes, traced and lowered to
+StableHLO for the target (`.trace(...).lower(lowering_platforms=...)`), and the text is
+checked for what would break there: a `ragged_dot` (XLA:GPU rewrites it densely), a host
+callback in a hot program, float64, a collective across devices (one device: every
+replica group holds one device; the teacher's tensor-parallel `psum`s over its tp=1 axis
+remain, as single-device all-reduces XLA drops).
+
+cuDNN: JAX checks, while tracing, the cuDNN version of the installed CUDA plugin
+(`check_cudnn_version`, "cuDNN is not detected" on a CPU-only jaxlib) and the device's
+compute capability. Those probes are stubbed (cuDNN 9.10 on a Hopper GPU); the custom
+calls `__cudnn$fmha...` then lower with JAX's own shape, layout and mask checks applied.
+
+What this does not prove: lowering is not compiling (XLA:GPU's and XLA:TPU's passes,
+cuDNN's plan for these shapes, Mosaic's compilation of the splash kernel) and not running
+(memory, numerics, speed). Those need the device (`-m gpu`, `../shared/GPU.md`).
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from distill.config.load import load_config
+from distill.data.tokenizers import build_tokenizer, vocab_limit
+from distill.mesh import DP, student_mesh, teacher_mesh
+from distill.models import attention
+from distill.models.decode import Prompts
+from pipelines.evaluation import eval_rows, eval_windows
+from pipelines.placement.costs import resolve
+from pipelines.plan.memory import abstract_batch, abstract_teacher_output, teacher_params
+from student import eval_programs, train
+from student.generate import sampler_for
+from teacher import sharding as teacher_sharding
+from teacher.forward import forward_for, make_output_forward
+
+TARGETS = {"gpu": "cuda", "tpu": "tpu"}
+KERNEL = {"gpu": r"custom_call @__cudnn\$fmha", "tpu": r"custom_call @tpu_custom_call"}
+COLLECTIVE = r'"stablehlo\.(all_reduce|all_gather|all_to_all|reduce_scatter|collective_permute)"'
+
+
+def stub_gpu_probes(mp: pytest.MonkeyPatch) -> None:
+    """A CUDA GPU for what JAX asks of the installed one while tracing (module docstring)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    mp.setattr(fa, "check_cudnn_version", lambda: 91000)
+    mp.setattr(fa, "check_compute_capability", lambda capability: True)
+    mp.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
+    mp.setattr(attention, "_is_cuda", lambda: True)
+
+
+def quickstart_on_one(platform: str):
+    """The quick start's config resolved as on one `platform` device: `mesh.placement: auto`
+    (the product's `resolve`), compute dtypes for the platform. `train.remat: auto` is
+    resolved on an accelerator from the compiled peaks (`resolve_remat`), which need the
+    device; at these sizes the first candidate, `none`, fits any, so it is set here. The
+    layers scan, as `train.layer_loop: auto` does off CPU (the bootstrap's step takes `auto`
+    from its mesh's CPU device and unrolls: the same operations, per layer)."""
+    cfg = load_config("pipelines/quickstart.yaml")
+    resolve(cfg, [SimpleNamespace(platform=platform)])
+    assert cfg.mesh.placement == "colocated" and cfg.teacher.dtype == "bfloat16"
+    cfg.train.remat, cfg.train.layer_loop = "none", "scan"
+    return cfg
+
+
+def quickstart_programs(cfg) -> dict:
+    """{name: (jitted program, abstract arguments)} for every program a quick-start run
+    makes on one device, built as the run builds them (`pipelines.bootstrap`,
+    `pipelines.local`, `pipelines.sources`, `student.evaluate`, `pipelines.on_policy`)."""
+    one = jax.devices()[:1]
+    t, s = cfg.mesh.teacher, cfg.mesh.student
+    tmesh, smesh = teacher_mesh(one, t.dp, t.tp, t.ep), student_mesh(one, s.dp, s.fsdp)
+    boot = Mesh(np.array(one), (DP,))  # `bootstrap._bootstrap_mesh`: every device, once
+    tok = build_tokenizer(cfg.data)
+    limit = vocab_limit(tok, *cfg.vocab_sizes())
+    tcfg, scfg = cfg.teacher.model, cfg.student_model()
+    rows = eval_rows(cfg)
+
+    ocfg = cfg.optim.model_copy(update={"lr": cfg.teacher.pretrain_lr})
+    btx, boot_step = train.step_for(
+        tcfg, ocfg, cfg.teacher.pretrain_steps, boot, loss_cfg=None, dtype=cfg.teacher.dtype,
+        with_teacher=False,
+    )  # fmt: skip
+    progs = {
+        "bootstrap init": (train._init_program(tcfg, btx, cfg.run.seed + 1, boot, True), (None,)),
+        "bootstrap step": (
+            boot_step,
+            (
+                train.abstract_state(tcfg, btx, boot),
+                abstract_batch(cfg, train.batch_sharding(boot)),
+            ),
+        ),
+    }
+    params = teacher_params(cfg, tmesh)
+    on_teacher = teacher_sharding.batch_sharding(tmesh)
+    kw = {"dtype": cfg.teacher.dtype, "vocab_limit": limit, "microbatch": cfg.teacher.microbatch}
+    progs["teacher top-k"] = (
+        make_output_forward(cfg, tmesh, limit),
+        (params, abstract_batch(cfg, on_teacher)),
+    )
+    eval_rows_t = (params, abstract_batch(cfg, on_teacher, rows))
+    progs["teacher eval logits"] = (
+        forward_for(tcfg, tmesh, mode="logits", windows=eval_windows(cfg), **kw),
+        eval_rows_t,
+    )
+    progs["teacher target log-probs"] = (
+        forward_for(tcfg, tmesh, mode="target_logprobs", **kw),
+        eval_rows_t,
+    )
+
+    tx, step = train.distill_step_for(cfg, smesh, limit)
+    state = train.abstract_state(scfg, tx, smesh)
+    split = train.batch_sharding(smesh)
+    out = abstract_teacher_output(cfg, split)
+    progs["student init"] = (train._init_program(scfg, tx, cfg.run.seed, smesh, True), (None,))
+    progs["student step"] = (step, (state, abstract_batch(cfg, split), out))
+    logits = jax.ShapeDtypeStruct((rows, cfg.train.seq_len, tcfg.vocab_size), jnp.float32)
+    evaluate = eval_programs.eval_fn_for(scfg, smesh, cfg.student.dtype, limit)
+    progs["student eval"] = (evaluate, (state.params, abstract_batch(cfg, split, rows), logits))
+    sampler = sampler_for(cfg, smesh, tok, limit, temperature=1.0)  # the sample metrics
+    prompt_len, _ = cfg.distill.on_policy.lengths(cfg.train.seq_len)
+    i32 = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=sampler.put)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    progs["student samples"] = (sampler._run, (state.params, Prompts(i32, i32, i32), key))
+    return progs
+
+
+_lowered: dict[str, dict[str, str]] = {}
+
+
+def lowered_quickstart(platform: str) -> dict[str, str]:
+    """{program: StableHLO text lowered for `platform`'s target}, built once per session."""
+    if platform not in _lowered:
+        with pytest.MonkeyPatch.context() as mp:
+            stub_gpu_probes(mp)
+            mp.setattr(attention, "_platform", platform)
+            progs = quickstart_programs(quickstart_on_one(platform))
+            target = (TARGETS[platform],)
+            _lowered[platform] = {
+                name: fn.trace(*args).lower(lowering_platforms=target).as_text()
+                for name, (fn, args) in progs.items()
+            }
+    return _lowered[platform]
+
+
+def cross_device(text: str) -> list[str]:
+    """The collectives of `text` whose replica groups hold more than one device."""
+    found = []
+    for line in text.splitlines():
+        if re.search(COLLECTIVE, line):
+            groups = re.search(r"replica_groups = dense<[^>]*> : tensor<(\d+)x(\d+)xi64>", line)
+            if groups is None or groups.group(2) != "1":
+                found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_the_quick_start_on_one_device_lowers(platform):
+    """Every program lowers for the target, with the platform's attention kernel wherever
+    a model attends, and none holds a ragged_dot, a host callback, float64 or a collective
+    across devices."""
+    texts = lowered_quickstart(platform)
+    assert len(texts) == 9
+    for name, text in texts.items():
+        attends = "init" not in name
+        assert bool(re.search(KERNEL[platform], text)) == attends, name
+        assert not re.search(r"(chlo|stablehlo)\.ragged_dot", text), name
+        assert "callback" not in text, name
+        assert not re.search(r"\bf64\b|xf64>", text), name
+        assert cross_device(text) == [], name
+    assert re.search(COLLECTIVE, texts["teacher top-k"])  # the check sees the tp psums
+
+
+def test_cross_device_sees_a_two_device_all_reduce():
+    """The collective check can fail: a psum over two devices is found."""
+    mesh = Mesh(np.array(jax.devices()[:2]), (DP,))
+    f = jax.shard_map(
+        lambda x: jax.lax.psum(x, DP), mesh=mesh, in_specs=jax.P(DP), out_specs=jax.P()
+    )
+    text = jax.jit(f).trace(jnp.zeros(2)).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(cross_device(text)) == 1
+
+
+def test_splash_inside_shard_map_matches_reference():
+    """The splash kernel inside `jax.shard_map` (as the teacher's forward calls it), rows
+    split over two devices, in Pallas interpret mode: JAX 0.10's kernel declares outputs
+    without the axes they vary over, which the shard_map's check refused, so the teacher
+    forward failed to trace for TPU; it equals the reference math now."""
+    b, s, h, kv, d = 2, 128, 4, 2, 32
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, s, h, d), jnp.float32)
+    k, v = (jax.random.normal(x, (b, s, kv, d), jnp.float32) for x in keys[1:])
+    seg = jnp.repeat(jnp.array([[1, 2], [1, 1]]), s // 2, axis=1).astype(jnp.int32)
+    mesh = Mesh(np.array(jax.devices()[:2]), (DP,))
+
+    def splash(q, k, v, seg):
+        return attention.attention(
+            q, k, v, seg, backend="splash", block_q=128, block_kv=128, interpret=True
+        )
+
+    rows = jax.P(DP)
+    got = jax.jit(jax.shard_map(splash, mesh=mesh, in_specs=rows, out_specs=rows))(q, k, v, seg)
+    want = attention.attention(q, k, v, seg, backend="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
