@@ -170,7 +170,8 @@ def cross_device(text: str) -> list[str]:
 def test_the_quick_start_on_one_device_lowers(platform):
     """Every program lowers for the target, with the platform's attention kernel wherever
     a model attends, and none holds a ragged_dot, a host callback, float64 or a collective
-    across devices."""
+    across devices: each is a program of one partition and one replica, so XLA's SPMD
+    partitioner has no other device to add communication with either."""
     texts = lowered_quickstart(platform)
     assert len(texts) == 9
     for name, text in texts.items():
@@ -180,6 +181,7 @@ def test_the_quick_start_on_one_device_lowers(platform):
         assert "callback" not in text, name
         assert not re.search(r"\bf64\b|xf64>", text), name
         assert cross_device(text) == [], name
+        assert "mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 " in text, name
     assert re.search(COLLECTIVE, texts["teacher top-k"])  # the check sees the tp psums
 
 
@@ -214,3 +216,53 @@ def test_splash_inside_shard_map_matches_reference():
     got = jax.jit(jax.shard_map(splash, mesh=mesh, in_specs=rows, out_specs=rows))(q, k, v, seg)
     want = attention.attention(q, k, v, seg, backend="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def shipped_8b_to_1b(remat: str) -> dict:
+    """{name: (program, abstract arguments)}: the teacher's top-64 forward and the student's
+    step of `pipelines/llama3-8b-to-1b.yaml` on its split layout (teacher dp=4 on devices
+    0-3, student fsdp=4 on 4-7), bfloat16 as on a GPU, no weights: abstract arrays only."""
+    cfg = load_config("pipelines/llama3-8b-to-1b.yaml")
+    cfg.resolve_dtypes("gpu")
+    cfg.train.remat = remat  # `auto` picks one of these from the GPU's memory
+    devices, t, s = jax.devices(), cfg.mesh.teacher, cfg.mesh.student
+    tmesh = teacher_mesh(devices[:4], t.dp, t.tp, t.ep)
+    smesh = student_mesh(devices[4:8], s.dp, s.fsdp)
+    limit = vocab_limit(build_tokenizer(cfg.data), *cfg.vocab_sizes())
+    batch = abstract_batch(cfg, teacher_sharding.batch_sharding(tmesh))
+    tx, step = train.distill_step_for(cfg, smesh, limit)
+    split = train.batch_sharding(smesh)
+    state = train.abstract_state(cfg.student_model(), tx, smesh)
+    return {
+        "teacher top-k": (
+            make_output_forward(cfg, tmesh, limit),
+            (teacher_params(cfg, tmesh), batch),
+        ),
+        "student step": (
+            step,
+            (state, abstract_batch(cfg, split), abstract_teacher_output(cfg, split)),
+        ),
+    }
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "block"])
+def test_the_shipped_8b_to_1b_lowers_for_cuda(remat, monkeypatch):
+    """At 4,096-token rows and a 128,256-id vocabulary: both programs lower for CUDA with
+    cuDNN attention, and hold no ragged_dot, host callback or float64, each a program of
+    4 devices. The student's attention is sharded over fsdp, so JAX wraps its cuDNN call in
+    `custom_partitioning` (`@CustomSPMDPartitioning`: the cuDNN call is made when XLA
+    partitions the program, at compile). The teacher's explicit collectives are each one
+    device's (tp=1); the student's come from the SPMD partitioner, at compile, unseen here."""
+    stub_gpu_probes(monkeypatch)
+    monkeypatch.setattr(attention, "_platform", "gpu")
+    for name, (fn, args) in shipped_8b_to_1b(remat).items():
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        kernel = (
+            KERNEL["gpu"] if name.startswith("teacher") else "custom_call @CustomSPMDPartitioning"
+        )
+        assert re.search(kernel, text), name
+        assert not re.search(r"(chlo|stablehlo)\.ragged_dot", text), name
+        assert "callback" not in text, name
+        assert not re.search(r"\bf64\b|xf64>", text), name
+        assert "mhlo.num_partitions = 4 " in text, name
+        assert cross_device(text) == [], name
