@@ -33,11 +33,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from distill import checkpoint
 from distill.config.load import load_config
 from distill.data.tokenizers import build_tokenizer, vocab_limit
 from distill.mesh import DP, student_mesh, teacher_mesh
 from distill.models import attention
 from distill.models.decode import Prompts
+from pipelines import sources
 from pipelines.evaluation import eval_rows, eval_windows
 from pipelines.placement.costs import resolve
 from pipelines.plan.memory import abstract_batch, abstract_teacher_output, teacher_params
@@ -78,7 +80,10 @@ def quickstart_on_one(platform: str):
 def quickstart_programs(cfg) -> dict:
     """{name: (jitted program, abstract arguments)} for every program a quick-start run
     makes on one device, built as the run builds them (`pipelines.bootstrap`,
-    `pipelines.local`, `pipelines.sources`, `student.evaluate`, `pipelines.on_policy`)."""
+    `pipelines.local`, `pipelines.sources`, `student.evaluate`, `pipelines.on_policy`,
+    `distill.checkpoint`). The list is what a 4-step run of the quick start on one CPU
+    device compiled (JAX_LOG_COMPILES=1), less JAX's own eager ops (random key seeding,
+    dtype conversions, `lax.stage`): a program added to the run must be added here."""
     one = jax.devices()[:1]
     t, s = cfg.mesh.teacher, cfg.mesh.student
     tmesh, smesh = teacher_mesh(one, t.dp, t.tp, t.ep), student_mesh(one, s.dp, s.fsdp)
@@ -134,6 +139,12 @@ def quickstart_programs(cfg) -> dict:
     i32 = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=sampler.put)
     key = jax.eval_shape(lambda: jax.random.key(0))
     progs["student samples"] = (sampler._run, (state.params, Prompts(i32, i32, i32), key))
+    f32 = jax.ShapeDtypeStruct((rows, cfg.train.seq_len), jnp.float32, sharding=on_teacher)
+    progs["teacher sample NLL"] = (
+        sources._masked_nll,
+        (f32, abstract_batch(cfg, on_teacher, rows)),
+    )
+    progs["checkpoint finite check"] = (checkpoint._all_finite, (state,))
     return progs
 
 
@@ -173,9 +184,9 @@ def test_the_quick_start_on_one_device_lowers(platform):
     across devices: each is a program of one partition and one replica, so XLA's SPMD
     partitioner has no other device to add communication with either."""
     texts = lowered_quickstart(platform)
-    assert len(texts) == 9
+    assert len(texts) == 11
     for name, text in texts.items():
-        attends = "init" not in name
+        attends = not re.search(r"init|NLL|check", name)
         assert bool(re.search(KERNEL[platform], text)) == attends, name
         assert not re.search(r"(chlo|stablehlo)\.ragged_dot", text), name
         assert "callback" not in text, name
