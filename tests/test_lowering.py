@@ -257,23 +257,56 @@ def shipped_8b_to_1b(remat: str) -> dict:
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "block"])
-def test_the_shipped_8b_to_1b_lowers_for_cuda(remat, monkeypatch):
-    """At 4,096-token rows and a 128,256-id vocabulary: both programs lower for CUDA with
-    cuDNN attention, and hold no ragged_dot, host callback or float64, each a program of
-    4 devices. The student's attention is sharded over fsdp, so JAX wraps its cuDNN call in
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_the_shipped_8b_to_1b_lowers(platform, remat, monkeypatch):
+    """At 4,096-token rows and a 128,256-id vocabulary: both programs lower for the target
+    with its attention kernel, and hold no ragged_dot, host callback or float64, each a
+    program of 4 devices. The teacher's explicit collectives are each one device's (tp=1);
+    the student's come from the SPMD partitioner, at compile, unseen here. The student's
+    attention has its rows split over fsdp: on CUDA, JAX wraps its cuDNN call in
     `custom_partitioning` (`@CustomSPMDPartitioning`: the cuDNN call is made when XLA
-    partitions the program, at compile). The teacher's explicit collectives are each one
-    device's (tp=1); the student's come from the SPMD partitioner, at compile, unseen here."""
+    partitions the program); on TPU, the splash kernel, which XLA cannot partition
+    ("Mosaic kernels cannot be automatically partitioned"), runs under a `shard_map` over
+    the rows (`attention.over_rows`; before it, the student failed to lower for TPU on
+    any mesh of more than one device)."""
     stub_gpu_probes(monkeypatch)
-    monkeypatch.setattr(attention, "_platform", "gpu")
+    monkeypatch.setattr(attention, "_platform", platform)
     for name, (fn, args) in shipped_8b_to_1b(remat).items():
-        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        kernel = (
-            KERNEL["gpu"] if name.startswith("teacher") else "custom_call @CustomSPMDPartitioning"
-        )
+        text = fn.trace(*args).lower(lowering_platforms=(TARGETS[platform],)).as_text()
+        kernel = KERNEL[platform]
+        if platform == "gpu" and name.startswith("student"):
+            kernel = "custom_call @CustomSPMDPartitioning"
         assert re.search(kernel, text), name
         assert not re.search(r"(chlo|stablehlo)\.ragged_dot", text), name
         assert "callback" not in text, name
         assert not re.search(r"\bf64\b|xf64>", text), name
         assert "mhlo.num_partitions = 4 " in text, name
         assert cross_device(text) == [], name
+
+
+def test_splash_over_sharded_rows_matches_reference():
+    """`attention.over_rows`: splash on rows split over a 2 x 2 mesh (dp x fsdp, as the
+    student's), each device its own rows under `jax.shard_map`, in Pallas interpret mode:
+    its output and its gradients equal the reference's."""
+    b, s, h, kv, d = 4, 128, 4, 2, 32
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, s, h, d), jnp.float32)
+    k, v = (jax.random.normal(x, (b, s, kv, d), jnp.float32) for x in keys[1:3])
+    probe = jax.random.normal(keys[3], (b, s, h, d))
+    seg = jnp.repeat(jnp.array([[1, 2], [1, 1], [3, 3], [1, 2]]), s // 2, axis=1)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
+    rows = jax.sharding.NamedSharding(mesh, jax.P(("dp", "fsdp")))
+    splash = attention.over_rows("splash", rows, block_q=128, block_kv=128, interpret=True)
+    assert attention.over_rows("blockwise", rows) is None
+
+    def reference(q, k, v, seg):
+        return attention.attention(q, k, v, seg, backend="reference")
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v, seg.astype(jnp.int32)) * probe)
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3))
+    got = jax.jit(grad, static_argnums=0)(splash, q, k, v)
+    want = grad(reference, q, k, v)
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-4, rtol=1e-4)

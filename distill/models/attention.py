@@ -43,7 +43,8 @@ Backends:
   With `interpret=True` the same call runs JAX's XLA implementation (tests, off GPU).
 - `splash`: the TPU Pallas splash kernel (`CausalMask`, or `LocalMask` for a window, and
   `SegmentIds`; its own soft-capping). Its masks are static: a window must be a Python int,
-  not per-layer scanned data. With
+  not per-layer scanned data. XLA cannot partition it: on rows sharded by a jitted program
+  it runs per device under `jax.shard_map` (`over_rows`). With
   `interpret=True` it runs anywhere, slowly (used by the tests on CPU).
 - `auto`: cudnn on a CUDA GPU for bf16/fp16 inputs, splash on TPU, prefix on CPU for rows
   up to `PREFIX_MAX_SEQ` tokens, blockwise elsewhere; never a backend that cannot run the
@@ -153,6 +154,29 @@ def use_platform(platform: str | None) -> None:
 def platform() -> str:
     """The platform attention chooses for (`use_platform`, else JAX's default backend)."""
     return _platform or jax.default_backend()
+
+
+def over_rows(backend: str, rows, **kw):
+    """`attend(q, k, v, segment_ids, **kw)` for `backend` on activations whose rows are
+    split as the NamedSharding `rows` says (None: unsharded), where XLA cannot split the
+    backend's kernel itself: splash, a Mosaic kernel, which XLA's SPMD partitioner refuses
+    ("Mosaic kernels cannot be automatically partitioned"), runs on each device's own rows
+    under `jax.shard_map` (attention never mixes rows). None: `attention` as it is (every
+    other backend, or one device). `kw`: more `attention` arguments (tests: interpret)."""
+    if backend != "splash" or rows is None or rows.mesh.size == 1:
+        return None
+    spec = jax.P(rows.spec[0] if len(rows.spec) else None)
+
+    def attend(q, k, v, segment_ids, **call):
+        def local(q, k, v, segment_ids):
+            return attention(q, k, v, segment_ids, backend=backend, **kw, **call)
+
+        # no collectives to check; and splash's backward, traced outside `_splash`, would
+        # meet the check its outputs fail (see `_splash`)
+        run = jax.shard_map(local, mesh=rows.mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return run(q, k, v, segment_ids)
+
+    return attend
 
 
 def resolve_backend(
