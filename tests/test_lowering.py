@@ -34,6 +34,7 @@ import pytest
 from jax.sharding import Mesh
 
 from distill import checkpoint
+from distill import mesh as mesh_layout
 from distill.config.load import load_config
 from distill.data.tokenizers import build_tokenizer, vocab_limit
 from distill.mesh import DP, student_mesh, teacher_mesh
@@ -84,10 +85,13 @@ def quickstart_programs(cfg) -> dict:
     `distill.checkpoint`). The list is what a 4-step run of the quick start on one CPU
     device compiled (JAX_LOG_COMPILES=1), less JAX's own eager ops (random key seeding,
     dtype conversions, `lax.stage`): a program added to the run must be added here."""
-    one = jax.devices()[:1]
+    devices = jax.devices()
+    ids_t, ids_s = mesh_layout._device_ids(cfg)  # `build_meshes`' devices, without its probe
     t, s = cfg.mesh.teacher, cfg.mesh.student
-    tmesh, smesh = teacher_mesh(one, t.dp, t.tp, t.ep), student_mesh(one, s.dp, s.fsdp)
-    boot = Mesh(np.array(one), (DP,))  # `bootstrap._bootstrap_mesh`: every device, once
+    tmesh = teacher_mesh([devices[i] for i in ids_t], t.dp, t.tp, t.ep)
+    smesh = student_mesh([devices[i] for i in ids_s], s.dp, s.fsdp)
+    every = [devices[i] for i in dict.fromkeys(ids_t + ids_s)]
+    boot = Mesh(np.array(every), (DP,))  # `bootstrap._bootstrap_mesh` (the batch divides it)
     tok = build_tokenizer(cfg.data)
     limit = vocab_limit(tok, *cfg.vocab_sizes())
     tcfg, scfg = cfg.teacher.model, cfg.student_model()
@@ -151,18 +155,23 @@ def quickstart_programs(cfg) -> dict:
 _lowered: dict[str, dict[str, str]] = {}
 
 
+def lowered(cfg, platform: str) -> dict[str, str]:
+    """{program: StableHLO text lowered for `platform`'s target} of `quickstart_programs(cfg)`."""
+    with pytest.MonkeyPatch.context() as mp:
+        stub_gpu_probes(mp)
+        mp.setattr(attention, "_platform", platform)
+        progs = quickstart_programs(cfg)
+        target = (TARGETS[platform],)
+        return {
+            name: fn.trace(*args).lower(lowering_platforms=target).as_text()
+            for name, (fn, args) in progs.items()
+        }
+
+
 def lowered_quickstart(platform: str) -> dict[str, str]:
-    """{program: StableHLO text lowered for `platform`'s target}, built once per session."""
+    """`lowered` for the quick start on one device, built once per session."""
     if platform not in _lowered:
-        with pytest.MonkeyPatch.context() as mp:
-            stub_gpu_probes(mp)
-            mp.setattr(attention, "_platform", platform)
-            progs = quickstart_programs(quickstart_on_one(platform))
-            target = (TARGETS[platform],)
-            _lowered[platform] = {
-                name: fn.trace(*args).lower(lowering_platforms=target).as_text()
-                for name, (fn, args) in progs.items()
-            }
+        _lowered[platform] = lowered(quickstart_on_one(platform), platform)
     return _lowered[platform]
 
 
@@ -194,6 +203,27 @@ def test_the_quick_start_on_one_device_lowers(platform):
         assert cross_device(text) == [], name
         assert "mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 " in text, name
     assert re.search(COLLECTIVE, texts["teacher top-k"])  # the check sees the tp psums
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_the_quick_start_split_over_eight_lowers(platform):
+    """The shipped layout (teacher tp=4 on devices 0-3, student dp=4 on 4-7; the bootstrap
+    over all 8): the same programs lower with the platform's attention kernel, none
+    holding a ragged_dot, a host callback or float64; the teacher's tensor-parallel
+    collectives span its 4 devices."""
+    cfg = load_config("pipelines/quickstart.yaml", ["mesh.placement=split"])
+    cfg.resolve_dtypes(platform)
+    cfg.train.remat, cfg.train.layer_loop = "none", "scan"
+    texts = lowered(cfg, platform)
+    kernel = KERNEL[platform]  # on CUDA, or JAX's partitioning of it over sharded rows
+    kernel = f"({kernel}|custom_call @CustomSPMDPartitioning)" if platform == "gpu" else kernel
+    for name, text in texts.items():
+        if not re.search(r"init|NLL|check", name):
+            assert re.search(kernel, text), name
+        assert not re.search(r"(chlo|stablehlo)\.ragged_dot", text), name
+        assert "callback" not in text, name
+        assert not re.search(r"\bf64\b|xf64>", text), name
+    assert "tensor<1x4xi64>" in " ".join(cross_device(texts["teacher top-k"]))
 
 
 def test_cross_device_sees_a_two_device_all_reduce():
