@@ -1,4 +1,4 @@
-"""Every program of the quick start on one device, lowered for CUDA and TPU on this CPU.
+"""Every program of the quick start, lowered for CUDA and TPU on this CPU.
 
 No GPU or TPU is lent to these tests, so this is the evidence, short of running, that a
 run of `pipelines/quickstart.yaml` on one GPU or one TPU chip (`mesh.placement: auto`
@@ -10,7 +10,10 @@ StableHLO for the target (`.trace(...).lower(lowering_platforms=...)`), and the 
 checked for what would break there: a `ragged_dot` (XLA:GPU rewrites it densely), a host
 callback in a hot program, float64, a collective across devices (one device: every
 replica group holds one device; the teacher's tensor-parallel `psum`s over its tp=1 axis
-remain, as single-device all-reduces XLA drops).
+remain, as single-device all-reduces XLA drops). The quick start's 8-device split layout
+and the shipped 8B-to-1B's teacher forward and student step (abstract shapes) are lowered
+the same way. Two TPU faults this found are tested here too (`attention._splash` inside
+the teacher's `shard_map`, `attention.over_rows` for the student's sharded rows).
 
 cuDNN: JAX checks, while tracing, the cuDNN version of the installed CUDA plugin
 (`check_cudnn_version`, "cuDNN is not detected" on a CPU-only jaxlib) and the device's
@@ -19,7 +22,7 @@ calls `__cudnn$fmha...` then lower with JAX's own shape, layout and mask checks 
 
 What this does not prove: lowering is not compiling (XLA:GPU's and XLA:TPU's passes,
 cuDNN's plan for these shapes, Mosaic's compilation of the splash kernel) and not running
-(memory, numerics, speed). Those need the device (`-m gpu`, `../shared/GPU.md`).
+(memory, numerics, speed). Those need the device (`-m gpu` on a GPU).
 """
 
 from __future__ import annotations
