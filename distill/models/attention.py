@@ -43,7 +43,8 @@ Backends:
   With `interpret=True` the same call runs JAX's XLA implementation (tests, off GPU).
 - `splash`: the TPU Pallas splash kernel (`CausalMask`, or `LocalMask` for a window, and
   `SegmentIds`; its own soft-capping). Its masks are static: a window must be a Python int,
-  not per-layer scanned data. With
+  not per-layer scanned data. XLA cannot partition it: on rows sharded by a jitted program
+  it runs per device under `jax.shard_map` (`over_rows`). With
   `interpret=True` it runs anywhere, slowly (used by the tests on CPU).
 - `auto`: cudnn on a CUDA GPU for bf16/fp16 inputs, splash on TPU, prefix on CPU for rows
   up to `PREFIX_MAX_SEQ` tokens, blockwise elsewhere; never a backend that cannot run the
@@ -59,6 +60,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
+from distill import collectives as cc
 from distill.config import AttentionBackend
 from distill.config.model import backend_problem
 from distill.models.blockwise import Scores, blockwise, prefix, round_up, window_mask
@@ -152,6 +154,29 @@ def use_platform(platform: str | None) -> None:
 def platform() -> str:
     """The platform attention chooses for (`use_platform`, else JAX's default backend)."""
     return _platform or jax.default_backend()
+
+
+def over_rows(backend: str, rows, **kw):
+    """`attend(q, k, v, segment_ids, **kw)` for `backend` on activations whose rows are
+    split as the NamedSharding `rows` says (None: unsharded), where XLA cannot split the
+    backend's kernel itself: splash, a Mosaic kernel, which XLA's SPMD partitioner refuses
+    ("Mosaic kernels cannot be automatically partitioned"), runs on each device's own rows
+    under `jax.shard_map` (attention never mixes rows). None: `attention` as it is (every
+    other backend, or one device). `kw`: more `attention` arguments (tests: interpret)."""
+    if backend != "splash" or rows is None or rows.mesh.size == 1:
+        return None
+    spec = jax.P(rows.spec[0] if len(rows.spec) else None)
+
+    def attend(q, k, v, segment_ids, **call):
+        def local(q, k, v, segment_ids):
+            return attention(q, k, v, segment_ids, backend=backend, **kw, **call)
+
+        # no collectives to check; and splash's backward, traced outside `_splash`, would
+        # meet the check its outputs fail (see `_splash`)
+        run = jax.shard_map(local, mesh=rows.mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return run(q, k, v, segment_ids)
+
+    return attend
 
 
 def resolve_backend(
@@ -280,8 +305,19 @@ def _splash(q, k, v, seg, scale, window, softcap, block_q, block_kv, interpret):
     def one_row(q, k, v, seg):
         return kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
 
-    o = jax.vmap(one_row)(q, k, v, seg)
-    return o.transpose(0, 2, 1, 3)[:, :s]
+    # JAX 0.10's splash kernel declares its outputs without the mesh axes they vary over,
+    # which `jax.shard_map`'s check (the teacher's forward) refuses: traced without the
+    # check, its output is then marked varying as q is (each device's own rows).
+    vma = cc.varying(q)
+    with _unchecked_vma():
+        o = jax.vmap(one_row)(q, k, v, seg)
+    return cc.vary(o, vma).transpose(0, 2, 1, 3)[:, :s]
+
+
+def _unchecked_vma():
+    from jax._src import config as jax_config  # no public switch for one call's check
+
+    return jax_config._check_vma(False)
 
 
 def _splash_kernel(n_heads, seq, bq, bk, window, softcap, interpret):

@@ -28,6 +28,7 @@ from flax import nnx
 
 from distill.config import ModelConfig
 from distill.models import model
+from distill.models.attention import over_rows
 from distill.models.topk import sort_descending
 from distill.types import Batch, Continuations, Prompts
 
@@ -53,10 +54,12 @@ def prefill(
     dt = model._dtype(dtype)
     x = _constrain(module.embed_tokens(prompts.tokens, None, dt), rows)
     backend = module.backend(cfg.attention, dt, prompts.tokens.shape[1])
+    attend = over_rows(backend, rows)
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     def run_layers(x, block, layer):
-        x, kv = block.with_kv(x, prompts.segment_ids, prompts.positions, None, backend, layer)
+        seg, pos = prompts.segment_ids, prompts.positions
+        x, kv = block.with_kv(x, seg, pos, None, backend, layer, attend)
         return _constrain(x, rows), kv
 
     x, (k, v) = run_layers(x, module.layers, model.layer_data(cfg))  # k, v [L, B, P, KV, hd]

@@ -30,7 +30,7 @@ from distill import collectives as cc
 from distill import programs
 from distill.config import ModelConfig, RopeScaling
 from distill.models import moe
-from distill.models.attention import attention, resolve_backend
+from distill.models.attention import attention, over_rows, resolve_backend
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
@@ -249,10 +249,15 @@ class Block(nnx.Module):
         )
         return x, stats
 
-    def with_kv(self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None):
+    def with_kv(
+        self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None, attend=None
+    ):  # fmt: skip
         """(the block's output, its keys and values): a prefill fills a KV cache with them.
-        `layer`: this layer's scanned data (`layer_data`), None when layers are alike."""
-        x, kv, _ = self.run(x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer)
+        `layer`: this layer's scanned data (`layer_data`), None when layers are alike.
+        `attend`: as `run`'s."""
+        x, kv, _ = self.run(
+            x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, attend=attend
+        )
         return x, kv
 
     def run(
@@ -334,6 +339,7 @@ class Transformer(nnx.Module):
         if rows is not None:
             x = jax.lax.with_sharding_constraint(x, rows)
         backend = self.backend(attention, dt, tokens_bs.shape[1])
+        attend = attend or over_rows(backend, rows)  # a kernel XLA cannot split: per device
         x, stats = self.blocks(
             x, segment_ids_bs, positions_bs, layer_data(self.cfg), tp_axis=tp_axis,
             backend=backend, remat=remat, unroll=unroll, moe_opts=moe_opts, attend=attend,
