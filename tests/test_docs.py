@@ -1,5 +1,6 @@
-"""The docs: generated references match their sources, every relative link resolves, and
-no page reads as a development log."""
+"""The docs: generated references match their sources, every relative link resolves, no
+page reads as a development log, and the install page's commands are CI's and the
+container's."""
 
 import re
 from pathlib import Path
@@ -174,3 +175,33 @@ def test_missing_features_name_the_refusal(page):
         if not any(s in SOURCES for s in spans):
             stale.append(" ".join(para.split())[:120])
     assert not stale, f"{page.relative_to(ROOT)}: a missing feature with no refusal named: {stale}"
+
+
+# -- the install page's commands are CI's and the container's ------------------------------
+
+
+def test_install_page_runs_what_ci_and_the_container_install():
+    """docs/install.md (and the README) give .ci/run's own test line; every extra its pip
+    lines name is a pyproject group; an accelerator extra pins the same jax as the
+    container's requirements for that ACCELERATOR; its `docker build` names real ones."""
+    import importlib.util
+    import tomllib
+
+    page, readme = (ROOT / "docs" / "install.md").read_text(), (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci.startswith("pip install") and ci in page and ci in readme
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    groups = project["optional-dependencies"]
+    spec = importlib.util.spec_from_file_location("ir", ROOT / "deploy" / "image_requirements.py")
+    image = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(image)
+    named = {e for m in re.findall(r"pip install[^\n]*?-e \"?\.\[([^\]]+)\]", page)
+             for e in m.split(",")}  # fmt: skip
+    assert {"cuda12", "cuda13", "tpu", "test", "hf", "ray"} <= named <= set(groups)
+    for accelerator in ("cuda12", "cuda13", "tpu"):
+        (container_jax,) = [r for r in image.requirements(project, accelerator) if "jax[" in r]
+        assert groups[accelerator] == [container_jax], accelerator
+    (build,) = re.findall(r"^docker build .*$", page, flags=re.M)
+    accelerator = re.search(r"ACCELERATOR=(\S+)", build)[1]
+    extras = re.search(r"EXTRAS=\"([^\"]*)\"", build)[1].split()
+    assert accelerator in image.ACCELERATORS and set(extras) <= set(groups)
