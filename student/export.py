@@ -143,7 +143,7 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
         write_hf,
         cfg=scfg,
         params=jax.device_get(state.params),
-        max_position_embeddings=cfg.train.seq_len,
+        max_position_embeddings=context_length(cfg),
         tokenizer=cfg.data.tokenizer,
         provenance=provenance,
         generation_from=(cfg.student.checkpoint,) if cfg.student.checkpoint else (),
@@ -154,6 +154,27 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
     with tempfile.TemporaryDirectory() as tmp:
         storage.upload_dir(write(Path(tmp)), out)
     return epath.Path(out)
+
+
+def context_length(cfg: Config) -> int:
+    """The exported config's `max_position_embeddings`: `train.seq_len`, the length the
+    student was distilled at, or the longer context of the model it started from (a
+    pretrained student's config.json, or the Hugging Face teacher it was cut from): the
+    student keeps that model's positions (RoPE and its scaling), as fine-tuning at shorter
+    rows keeps a model's context length."""
+    sources = [cfg.student.checkpoint]
+    if cfg.student.init == "from_teacher":
+        sources.append(cfg.teacher.checkpoint)
+    lengths = [cfg.train.seq_len]
+    for path in sources:
+        found = Path(path) / hf.CONFIG if path and not storage.is_remote(path) else None
+        if found is None or not found.is_file():
+            continue
+        tree = json.loads(found.read_text())
+        text = tree.get("text_config") or {}  # Gemma 3's multimodal config.json nests it
+        n = tree.get("max_position_embeddings") or text.get("max_position_embeddings")
+        lengths += [int(n)] if n else []
+    return max(lengths)
 
 
 # ----------------------------------------------------------------------------- tokenizer

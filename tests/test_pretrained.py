@@ -113,6 +113,8 @@ def test_distil_resume_and_export_as_qwen3(dirs, corpus_dir, tmp_path, capsys):
     exported = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["export"]
     got = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(got).__name__ == "Qwen3ForCausalLM"
+    source = transformers.AutoConfig.from_pretrained(str(dirs[1])).max_position_embeddings
+    assert got.config.max_position_embeddings == source > 64  # its context, not train.seq_len
     provenance = json.loads((out / "hf" / "distill.json").read_text())
     assert provenance["step"] == 4 and provenance["teacher"]
 
@@ -133,6 +135,22 @@ def test_distil_resume_and_export_as_qwen3(dirs, corpus_dir, tmp_path, capsys):
     want = torch.log_softmax(torch.tensor(ours), -1).numpy()
     theirs = torch.log_softmax(torch.tensor(_hf_logits(got, batch.tokens)), -1).numpy()
     np.testing.assert_allclose(theirs, want, atol=1e-4)
+
+
+def test_the_export_keeps_the_context_of_the_model_it_started_from(dirs, corpus_dir, tmp_path):
+    """max_position_embeddings: a pretrained student's own, a student cut from a Hugging
+    Face teacher the teacher's, a random student the rows it was distilled on."""
+    from student.export import context_length
+
+    tree = _tree(dirs, corpus_dir, tmp_path / "out")
+    seq = tree["train"]["seq_len"]
+    source = transformers.AutoConfig.from_pretrained(str(dirs[1])).max_position_embeddings
+    assert context_length(config_from_dict(tree)) == source
+    tree["student"] = {"init": "random"}
+    assert context_length(config_from_dict(tree)) == seq
+    teacher = transformers.AutoConfig.from_pretrained(str(dirs[0])).max_position_embeddings
+    tree["student"] = {"init": "from_teacher"}
+    assert context_length(config_from_dict(tree)) == max(teacher, seq)
 
 
 @pytest.mark.parametrize("role", ["teacher", "student"])
