@@ -73,8 +73,10 @@ def _assert_same_losses(out, local_out, rel=1e-5) -> None:
             want = pytest.approx(expected[key], rel=rel, abs=1e-6)
             assert ray_records[step][key] == want, (step, key)
     final, local_final = _summary(out)["final_eval"], _summary(local_out)["final_eval"]
-    for key in ("student_loss", "student_bpb", "teacher_bpb"):
-        assert final[key] == pytest.approx(local_final[key], rel=rel, abs=1e-6), key
+    assert final["student_loss"] == pytest.approx(local_final["student_loss"], rel=rel, abs=1e-6)
+    for key in ("student_bpb", "teacher_bpb"):  # the losses x tokens / bytes / ln 2 (~2.5x)
+        want = pytest.approx(local_final[key], rel=max(rel, 1e-6), abs=1e-6)
+        assert final[key] == want, key
 
 
 def test_ray_matches_local(ray_cluster, local_run, corpus_dir, tmp_path):
