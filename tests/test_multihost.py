@@ -620,7 +620,8 @@ def test_cp_across_processes_matches_cp_1(ray_cluster, tiny_run, corpus_dir, tmp
             assert runs[1][step][key] == pytest.approx(expected[key], rel=0, abs=1e-6), key
     final, want = _summary(out)["final_eval"], _summary(tiny_run.out)["final_eval"]
     for key in ("teacher_loss", "student_loss", "kl", "student_bpb", "teacher_bpb", *SAMPLE_KEYS):
-        assert final[key] == pytest.approx(want[key], rel=0, abs=1e-6), key
+        # means over every held-out token in the layout's order: 1e-6 relative at 5 to 8
+        assert final[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
     info = infos[-1]  # a colocated group's: the student's layout, the teacher's beside it
     layout, processes = info.get("teacher_layout", info["layout"]), info["processes"]
     assert layout["shape"] == {"dp": 1, "ep": 1, "cp": 2, "tp": 2}
