@@ -6,7 +6,10 @@ while the teacher predicts the held-out text better than the student (bits per b
 (cross-entropy alone) once the student has caught up with it (`student.alpha.gated_alpha`).
 The executor holds the weight in effect and keeps it in its checkpoints, so a resumed run
 trains with the weight the run it resumes was training with. A change is shown to the user
-and in the status (`alpha`); every training record carries the step's own `alpha`.
+and in the status (`alpha`); every training record carries the step's own `alpha`. While
+alpha is 0 the on-policy steps (`distill.on_policy.fraction`) are data steps: the divergence
+on the student's own samples would pull it toward a teacher no better than it, and their
+cross-entropy alone would train it on its own samples (`pipelines.on_policy.takes_on_policy`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ class AlphaGate(Hook):
 
     def on_start(self, loop: Loop, step: int) -> None:
         self._seen = None
+        alpha = loop.executor.alpha
         if loop.store is not None:
-            loop.store.update(alpha=loop.executor.alpha)
+            loop.store.update(alpha=alpha)
+        _tell_source(loop, alpha)  # a resume's: the checkpoint's
         self._follow(loop)  # a fresh run's evaluation at step 0
 
     def end_of_step(self, loop: Loop, step: int) -> None:
@@ -52,9 +57,21 @@ class AlphaGate(Hook):
         loop.executor.set_alpha(new)
         if loop.store is not None:
             loop.store.update(alpha=new)
+        on_policy = _tell_source(loop, new)
         s, t = compared(m)
         why = "the teacher is better" if new else "the student has caught up with the teacher"
+        steps = ""
+        if on_policy:
+            steps = "; on-policy steps as scheduled" if new else "; on-policy steps as data steps"
         loop.note(
             f"alpha {current:g} -> {new:g} from step {m['step'] + 1}: {why} on the held-out "
-            f"text ({s:.4f} against the teacher's {t:.4f})"
+            f"text ({s:.4f} against the teacher's {t:.4f}){steps}"
         )
+
+
+def _tell_source(loop: Loop, alpha: float) -> bool:
+    """Open or close the on-policy source's gate (`pipelines.on_policy.OnPolicySource.gate`:
+    with alpha 0 its on-policy steps are data steps); True where the run has on-policy
+    steps."""
+    gate = getattr(loop.source, "gate", None)
+    return bool(gate(alpha != 0)) if gate is not None else False

@@ -14,7 +14,9 @@ Step n, in dispatch order:
   2. top the source up to `prefetch` items in flight (Grain fetch, dispatch of the
      teacher's work), never past the last step's batch;
   3. move the next item's teacher output to the training mesh (the hop), which may wait
-     for the teacher, so it comes after step 1: the training mesh is busy meanwhile;
+     for the teacher, so it comes after step 1: the training mesh is busy meanwhile (a
+     source may remake that item before it is popped, as the on-policy source does when
+     the `distill.alpha_gate` changes: its output is then moved at step n+1);
   4. hooks' `after_dispatch`;
   5. read step n-lag's metrics, long done, on the log cadence: the loop never waits on the
      current step; hooks' `on_metrics` get them;
@@ -239,7 +241,10 @@ class Loop:
             step = start
             for step in range(start + 1, spec.steps + 1):
                 item = source.pop()
-                t_out = executor.hop(item.teacher_out) if staged is None else staged
+                if staged is None or staged[0] is not item:  # none, or the source remade it
+                    t_out = executor.hop(item.teacher_out)
+                else:
+                    t_out = staged[1]
                 self._emit("before_step", step)
                 handle = executor.step(step, item.batch, t_out)  # (1)
                 self.pending.append((step, handle))
@@ -248,7 +253,8 @@ class Loop:
                     while source.in_flight() < min(spec.prefetch, spec.steps - step):  # (2)
                         source.submit()
                     if executor.hops:
-                        staged = executor.hop(source.peek().teacher_out)  # (3)
+                        head = source.peek()
+                        staged = (head, executor.hop(head.teacher_out))  # (3)
                 self._emit("after_dispatch", step, handle)  # (4)
                 self._read_metrics(step)  # (5)
                 if self.failure:  # nothing more of this state: no evaluation, no checkpoint

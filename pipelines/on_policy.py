@@ -13,6 +13,9 @@ for: generation for a later step runs while the student trains on an earlier one
 teacher scores while the student generates or trains. Step n's sampling key is
 fold_in(key(run.seed), n): nothing to store, and a resume draws what the uninterrupted run
 drew (the parameters it draws with are in the checkpoint: `student.generate.ParamHistory`).
+While the `distill.alpha_gate` holds alpha at 0 (the teacher no better than the student on
+the held-out text) the on-policy steps are data steps, cross-entropy alone on the data's
+rows (`takes_on_policy`); an item made before the gate changed is remade when popped.
 
 `SampleScore` is the metric every evaluation reports: the student continues the held-out
 prompts (the first tokens of every evaluation row; temperature 1, fixed keys) and the
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -87,16 +91,38 @@ def is_on_policy(seed: int, step: int, fraction: float, start_step: int = 0) -> 
     return bool(np.random.default_rng([seed % 2**32, step]).random() < fraction)
 
 
-def schedule_figures(cfg: Config, steps: range) -> dict:
+def takes_on_policy(cfg: Config, step: int, gate_open: bool) -> bool:
+    """Whether step `step` trains on the student's continuations: an on-policy step of the
+    schedule (`is_on_policy`) while the `distill.alpha_gate` is open. While the gate holds
+    alpha at 0 the teacher cannot teach, and the step is a data step (cross-entropy alone)
+    on the data's rows it would have taken its prompts from: which step is which is then a
+    function of the seed, the step and the alpha the step trains with, so a resume (whose
+    checkpoint keeps that alpha) takes the same ones."""
+    op = cfg.distill.on_policy
+    return gate_open and is_on_policy(cfg.run.seed, step, op.fraction, op.start_step)
+
+
+def schedule_figures(cfg: Config, steps: range, taken: dict[int, bool] | None = None) -> dict:
     """The on-policy share of `steps` and their mean staleness (the parameters a step
-    samples with are min(max_staleness, step - 1) steps old), from the schedule: exactly
-    the logged steps', whichever batches are in flight ahead of them."""
-    op, staleness = cfg.distill.on_policy, cfg.pipeline.max_staleness
-    on = [s for s in steps if is_on_policy(cfg.run.seed, s, op.fraction, op.start_step)]
+    samples with are min(max_staleness, step - 1) steps old): from `taken` (step -> whether
+    it trained on-policy) where it has the step, else from the schedule: exactly the
+    logged steps', whichever batches are in flight ahead of them."""
+    op, staleness, taken = cfg.distill.on_policy, cfg.pipeline.max_staleness, taken or {}
+    on = [
+        s for s in steps if taken.get(s, is_on_policy(cfg.run.seed, s, op.fraction, op.start_step))
+    ]
     return {
         "on_policy": len(on) / max(len(steps), 1),
         "staleness": sum(min(staleness, s - 1) for s in on) / len(on) if on else 0.0,
     }
+
+
+class Made(NamedTuple):
+    """What an in-flight item of `OnPolicySource` was made as."""
+
+    step: int
+    data: Batch  # the data's rows of the step (its prompts; the rows of a data step)
+    tokens: jax.Array | None  # the generated-token count on device; None: a data step
 
 
 class OnPolicySource(QueueSource):
@@ -120,17 +146,19 @@ class OnPolicySource(QueueSource):
         )
         self.teacher, self._sampler, self._history = teacher, sampler, history
         self._cfg, op = cfg, cfg.distill.on_policy
-        self._fraction, self._seed, self._start_step = op.fraction, seed, op.start_step
+        self._fraction = op.fraction
         self._prompt_len, _ = op.lengths(cfg.train.seq_len)
         self._prompts = prompt_set(cfg, corpus.tokenizer)  # None: the rows' first tokens
         self._staleness = cfg.pipeline.max_staleness
         self._key = jax.random.key(seed)
         self._gen_watch = ReadyWatcher("generate")
         self._next_step = 1
-        # the generated-token count on device (None: off-policy) of the batches in flight,
-        # in order; and of the recent on-policy ones handed to the student
-        self._in_flight: deque[jax.Array | None] = deque()
+        self._open = True  # the `distill.alpha_gate` (`gate`)
+        # what the batches in flight were made as, in order; the generated-token counts of
+        # the recent on-policy ones handed to the student; whether recent steps were
+        self._in_flight: deque[Made] = deque()
         self._generated: deque[jax.Array] = deque(maxlen=256)
+        self._taken: dict[int, bool] = {}
         # across tokenizers: the teacher's rows of the samples, made on a host thread
         self._cross = None
         if corpus.teacher is not None:
@@ -142,16 +170,41 @@ class OnPolicySource(QueueSource):
         self._in_flight.clear()
         self._next_step = self._history.latest + 1  # the executor has started: its step
 
+    def gate(self, open_: bool) -> bool:
+        """The `distill.alpha_gate` for the steps not yet popped: open (the configured alpha)
+        or closed (alpha 0: their on-policy steps are data steps, `takes_on_policy`). Items
+        in flight are remade when popped, if made otherwise. True: the run has on-policy
+        steps."""
+        self._open = bool(open_)
+        return self._fraction > 0
+
     def pop(self):
-        tokens = self._in_flight.popleft()
-        if tokens is not None:
-            self._generated.append(tokens)
-        self._resolve()
+        self._settle()
+        made = self._in_flight.popleft()
+        if made.tokens is not None:
+            self._generated.append(made.tokens)
+        self._taken[made.step] = made.tokens is not None
+        for s in [s for s in self._taken if s <= made.step - 4096]:
+            del self._taken[s]
         return super().pop()
 
     def peek(self):
-        self._resolve()
+        self._settle()
         return super().peek()
+
+    def _settle(self) -> None:
+        """The oldest item as the gate now wants it (remade when it was made for the gate
+        as it stood when it was submitted), its teacher work waited for when it is still
+        being made on the host thread."""
+        made = self._in_flight[0]
+        if takes_on_policy(self._cfg, made.step, self._open) != (made.tokens is not None):
+            head = self._queue[0]
+            (batch, out, load), tokens = self._make(made.step, made.data)
+            self._in_flight[0] = made._replace(tokens=tokens)
+            if not isinstance(batch, Future):
+                self._watch.watch(out)
+            self._queue[0] = head._replace(batch=batch, teacher_out=out, tag=load)
+        self._resolve()
 
     def _resolve(self) -> None:
         """The oldest item's teacher work, when it is still being made on the host thread
@@ -171,24 +224,29 @@ class OnPolicySource(QueueSource):
 
     def _work(self, batch: Batch):
         step, self._next_step = self._next_step, self._next_step + 1
-        if not is_on_policy(self._seed, step, self._fraction, self._start_step):
-            self._in_flight.append(None)
-            return batch, *self.teacher.output(batch)
+        work, tokens = self._make(step, batch)
+        self._in_flight.append(Made(step, batch, tokens))
+        return work
+
+    def _make(self, step: int, batch: Batch) -> tuple[tuple, jax.Array | None]:
+        """((batch, teacher output, load), the generated-token count or None) of step
+        `step` from its data rows `batch`, as the gate now wants it."""
+        if not takes_on_policy(self._cfg, step, self._open):
+            return (batch, *self.teacher.output(batch)), None
         source_step = max(step - 1 - self._staleness, 0)
         params = self._history.after(source_step)
         prompts = step_prompts(self._prompts, batch, step, self._prompt_len)
         rows, stats = self._sampler(params, prompts, jax.random.fold_in(self._key, step))
         self._gen_watch.watch(stats["tokens"])
-        self._in_flight.append(stats["tokens"])
         if self._cross is not None:  # re-tokenised for the teacher off the loop's thread
-            return self._host.submit(self._score_samples, rows), None, None
-        return rows, *self.teacher.output(rows)
+            return (self._host.submit(self._score_samples, rows), None, None), stats["tokens"]
+        return (rows, *self.teacher.output(rows)), stats["tokens"]
 
     def figures(self, steps: int, since: float, step: int) -> dict:
         """The teacher's figures; the on-policy share and staleness of the logged steps
         (step - steps, step] (`schedule_figures`); and, when some of them were on-policy,
         the mean generation ms and generated tokens/s of as many recent generations."""
-        window = schedule_figures(self._cfg, range(step - steps + 1, step + 1))
+        window = schedule_figures(self._cfg, range(step - steps + 1, step + 1), self._taken)
         n = round(window["on_policy"] * steps)
         recent = list(self._generated)[-n:] if n else []
         ready = [int(c) for c in recent if c.is_ready()]

@@ -1,7 +1,8 @@
 """`distill.alpha_gate`: the divergence's weight follows the held-out evaluation. The rule,
 the steps it keeps, and a tiny run whose student overtakes a barely trained teacher: each
-record's alpha is the rule applied to the evaluation before it, and a resume from a
-checkpoint written with the gate closed repeats the steps exactly."""
+record's alpha is the rule applied to the evaluation before it, the run's on-policy steps
+are data steps while the gate is closed, and a resume from a checkpoint written with the
+gate closed repeats the steps exactly."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import shutil
 
 import pytest
 
+from pipelines.on_policy import is_on_policy
 from student.alpha import AlphaSteps, compared, gated_alpha
+
+SEED, ON_POLICY = 26, 0.5  # the schedule's on-policy steps of 1-8: 2, 3, 4, 6, 7
 
 
 @pytest.mark.parametrize(
@@ -59,7 +63,10 @@ def test_alpha_steps_build_each_weight_once_and_keep_it_in_the_note():
 def gated_run(corpus_dir, tmp_path_factory):
     """A tiny run under a teacher bootstrapped one step (nearly uniform), the student's
     lr high enough to pass it within three steps: evaluations at 0, 2, 4, 6, 8; records
-    every step; checkpoints at 4 and 8. Its output dir and config tree."""
+    every step; checkpoints at 4 and 8; half the steps on-policy (`SEED`'s schedule: step
+    2 while the gate is open, 3 and 4 in flight when it closes at step 2's evaluation, so
+    remade as data steps, 3 after its output was moved to the student). Its output dir
+    and config tree."""
     from pipelines.commands.cli import main
     from tests.conftest import tiny_config, write_config
 
@@ -69,7 +76,9 @@ def gated_run(corpus_dir, tmp_path_factory):
     cfg["teacher"].update(checkpoint=str(tmp / "teacher"), pretrain_steps=1)
     cfg["train"].update(steps=8, log_every=1, eval_every=2, checkpoint_every=4)
     cfg["optim"] = {"warmup_steps": 1, "lr": 0.02}
-    cfg["distill"] = {"alpha": 0.8, "temperature": 1.0}
+    cfg["run"]["seed"] = SEED
+    on_policy = {"fraction": ON_POLICY, "max_new_tokens": 8}
+    cfg["distill"] = {"alpha": 0.8, "temperature": 1.0, "on_policy": on_policy}
     assert main(["run", write_config(tmp, cfg)]) == 0
     return out, cfg
 
@@ -91,11 +100,19 @@ def test_each_step_trains_with_the_alpha_the_evaluation_before_it_set(gated_run)
     assert [e["step"] for e in evals] == [0, 2, 4, 6, 8]
     assert [r["step"] for r in train] == list(range(1, 9))
     for r in train:
-        assert r["alpha"] == pytest.approx(_expected_alpha(evals, r["step"], 0.8)), r["step"]
-        if r["alpha"] == 0:  # cross-entropy alone
+        alpha = _expected_alpha(evals, r["step"], 0.8)
+        scheduled = is_on_policy(SEED, r["step"], ON_POLICY)
+        if alpha == 0:  # a data step with cross-entropy alone, on-policy or not
+            assert r["alpha"] == r["on_policy"] == 0, r["step"]
             assert r["loss"] == pytest.approx(r["ce_loss"], rel=1e-6)
-    # the student passes the one-step teacher: the gate closes at least once
+        else:  # on the student's samples the divergence alone: the step's alpha is 1
+            assert r["on_policy"] == float(scheduled), r["step"]
+            assert r["alpha"] == pytest.approx(1.0 if scheduled else alpha), r["step"]
+    # the student passes the one-step teacher: the gate closes at least once, and steps
+    # the schedule makes on-policy trained on-policy with it open, on the data once closed
     assert any(r["alpha"] == 0 for r in train)
+    scheduled = [r for r in train if is_on_policy(SEED, r["step"], ON_POLICY)]
+    assert {r["on_policy"] for r in scheduled} == {0.0, 1.0}
 
 
 def test_the_status_shows_the_alpha_in_effect():
@@ -127,5 +144,5 @@ def test_a_resume_trains_with_the_checkpoints_alpha(gated_run, tmp_path):
     assert [r["step"] for r in after] == [5, 6, 7, 8]
     assert after[0]["alpha"] == 0.0  # closed at step 2's evaluation: only the checkpoint says so
     for r in after:
-        for key in ("alpha", "loss", "kd_loss", "ce_loss", "grad_norm"):
+        for key in ("alpha", "on_policy", "loss", "kd_loss", "ce_loss", "grad_norm"):
             assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-6), key

@@ -262,6 +262,7 @@ def test_run_with_hf_teacher_then_export(hf_teacher, corpus_dir, tmp_path, capsy
     tree = _cfg_tree(corpus_dir, out, hf_teacher)
     tree["train"].update(steps=2, eval_every=2, checkpoint_every=2, log_every=2)
     tree.setdefault("distill", {})["on_policy"] = {"fraction": 1.0, "max_new_tokens": 4}
+    tree["distill"]["alpha_gate"] = False  # a random teacher: the gate would close at step 0
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(tree))
     assert main(["run", str(path)]) == 0

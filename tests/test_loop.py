@@ -160,6 +160,26 @@ def test_lost_student_restarts_from_its_checkpoint():
     assert executor.trained == list(range(8)) and summary["steps"] == 8
 
 
+class Remake(h.Hook):
+    """At the end of step `at`, the source remakes its oldest item (the next step's, whose
+    output the loop has already moved), as the on-policy source does when the alpha gate
+    changes."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def end_of_step(self, loop, step):
+        if step == self.at:
+            old = loop.source.q[0]
+            loop.source.q[0] = Item(old.data_state, f"{old.batch}b", f"out{old.batch}b")
+
+
+def test_a_remade_item_is_moved_again():
+    log, _, executor, _ = _run(_cfg(prefetch=2), hooks=[Remake(3)])
+    assert executor.trained == [0, 1, 2, "3b", 4, 5, 6, 7]  # its own output (`Executor.step`)
+    assert log.index(("hop", "out3")) < log.index(("hop", "out3b")) < log.index(("step", 4, "3b"))
+
+
 class Recorder(h.Hook):
     """Every event it sees, as (event, step)."""
 

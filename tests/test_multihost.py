@@ -34,8 +34,9 @@ GROUPS = {role: {**axes, "hosts": 2} for role, axes in MESH.items()}
 TEACHER = {"microbatch": 2}  # with the checkpoint: the module's Hugging Face directory
 TRAIN = {"batch_size": 8, "grad_accum": 2, "remat": "block"}
 # half the steps on-policy: the student group samples its rows of the prompts with the
-# parameters of two steps back (kept by every process), the teacher group scores them
-ON_POLICY = {"on_policy": {"fraction": 0.5, "max_new_tokens": 8}}
+# parameters of two steps back (kept by every process), the teacher group scores them; the
+# random teacher may be no better than the student, whose gate would make them data steps
+ON_POLICY = {"on_policy": {"fraction": 0.5, "max_new_tokens": 8}, "alpha_gate": False}
 # two eval chunks: the second's teacher forward overlaps the first's evaluation, and each
 # student process receives only its rows of the teacher's logits
 DATA = {"eval_batches": 2}

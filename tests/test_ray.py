@@ -12,6 +12,7 @@ from tests.conftest import kill_process as _kill
 from tests.conftest import read_summary as _summary
 from tests.conftest import run_with_fault, tiny_config, write_config
 from tests.conftest import train_by_step as _train
+from tests.test_alpha_gate import gated_run  # noqa: F401 (the local run compared against)
 from tests.test_cross_context import (
     assert_same_as_cp_1,
     cross_cp_1,  # noqa: F401 (the local run compared against)
@@ -105,6 +106,37 @@ def test_ray_across_tokenizers_matches_local(ray_cluster, cross_run, tmp_path): 
     assert _run(tmp_path, cfg) == 0
     _assert_same_losses(out, local_out)
     assert _train(out)[6]["aligned_fraction"] == _train(local_out)[6]["aligned_fraction"]
+
+
+@pytest.mark.slow
+def test_a_student_resumed_with_the_alpha_gate_closed_matches_local(
+    ray_cluster,
+    gated_run,  # noqa: F811
+    tmp_path,
+):
+    """tests/test_alpha_gate.py's run (the gate closes at step 2's evaluation; half the
+    steps on-policy, those after it data steps) in ray mode, its student killed at step 6
+    (checkpoint 4 on disk): the student actor takes the checkpoint's alpha 0 up again, the
+    source its closed gate, and every step's record is the local run's."""
+
+    def kill_at_6(step, pool):
+        if step == 6 and not pool.resumed_from:
+            ray.get(pool.student.wait_for_checkpoints.remote())  # checkpoint 4 is on disk
+            _kill(pool.info["student"]["pid"])
+
+    local_out, cfg = gated_run
+    out = tmp_path / "out"
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(out)}}
+    cfg["pipeline"] = {**cfg.get("pipeline", {}), "mode": "ray"}
+    assert _run(tmp_path, cfg, kill_at_6) == 0
+    assert _summary(out)["student_resumed_from"] == [4]
+    ray_records, local_records = _train(out), _train(local_out)
+    assert sorted(ray_records) == sorted(local_records) == list(range(1, 9))
+    for step, expected in local_records.items():
+        for key in (*KEYS, "alpha", "on_policy"):
+            want = pytest.approx(expected[key], rel=1e-5, abs=1e-6)
+            assert ray_records[step][key] == want, (step, key)
+    assert ray_records[5]["alpha"] == 0 and ray_records[6]["on_policy"] == 0
 
 
 def test_killed_actors_recover_and_the_run_matches_local(

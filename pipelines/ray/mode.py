@@ -41,7 +41,7 @@ from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.hooks import Hook, Status
 from pipelines.local import distill_hooks, eval_byte_lengths
 from pipelines.loop import Item, Loop, LoopSpec
-from pipelines.on_policy import eval_prompts, is_on_policy, schedule_figures
+from pipelines.on_policy import eval_prompts, schedule_figures, takes_on_policy
 from pipelines.progress import distill_record
 from pipelines.ray import rows as ray_rows
 from pipelines.ray.pool import ActorPool
@@ -72,31 +72,58 @@ class RayTeacherSource:
         # (when handed on, replica, busy ms) of recent forwards, as `ReadyWatcher` keeps them
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._next_step = 1
+        self._open = True  # the `distill.alpha_gate` (`gate`)
+        self._made: deque[tuple[int, bool]] = deque()  # (step, on-policy) of those in flight
+        self._taken: dict[int, bool] = {}  # whether recent steps trained on-policy
         self.loads = LoadWindow(cfg.teacher.moe_capacity_factor is not None)
 
     def start(self, data_state: dict | None) -> None:
         """Start at `data_state` (a `Corpus.train_iterator` state; None: the first batch)."""
         self._next_index = 0 if data_state is None else int(data_state["next_index"])
         self._pool.in_flight.clear()
+        self._made.clear()
         self.loads.clear()
         self._next_step = self._pool.student_start + 1
 
+    def gate(self, open_: bool) -> bool:
+        """As `pipelines.on_policy.OnPolicySource.gate`: closed, the on-policy steps are data
+        steps; True where the run has on-policy steps."""
+        self._open = bool(open_)
+        return self._cfg.distill.on_policy.fraction > 0
+
     def submit(self) -> None:
         """The next batch's teacher work; on an on-policy step (as `pipelines.on_policy`
-        picks them) first the student group's continuations of its prompts."""
+        picks them, `takes_on_policy`) first the student group's continuations of its
+        prompts."""
         data_state = {"next_index": self._next_index}
         self._next_index += 1
         step, self._next_step = self._next_step, self._next_step + 1
-        op, staleness = self._cfg.distill.on_policy, self._cfg.pipeline.max_staleness
-        if is_on_policy(self._cfg.run.seed, step, op.fraction, op.start_step):
-            source_step = max(step - 1 - staleness, 0)
-            self._pool.submit_on_policy(data_state, step, source_step)
-        else:
-            self._pool.submit(data_state)
+        self._made.append((step, self._make(step, data_state)))
+
+    def _make(self, step: int, data_state: dict, head: bool = False) -> bool:
+        """Submit step `step`'s work as the gate now wants it (`head`: in place of the oldest
+        in flight); whether it is on-policy."""
+        if not takes_on_policy(self._cfg, step, self._open):
+            self._pool.submit(data_state, head)
+            return False
+        source_step = max(step - 1 - self._cfg.pipeline.max_staleness, 0)
+        self._pool.submit_on_policy(data_state, step, source_step, head)
+        return True
+
+    def _settle(self) -> None:
+        """The oldest batch in flight remade when the gate changed since it was submitted."""
+        step, on = self._made[0]
+        if takes_on_policy(self._cfg, step, self._open) != on:
+            self._made[0] = (step, self._make(step, self._pool.in_flight[0].data_state, True))
 
     def pop(self) -> Item:
         """Waits for the forward's busy time (small), so that a dead teacher is noticed and
         its work redone before its output is handed to the student."""
+        self._settle()
+        step, on = self._made.popleft()
+        self._taken[step] = on
+        for s in [s for s in self._taken if s <= step - 4096]:
+            del self._taken[s]
         p, busy_ms, load = self._pool.next_output()
         self._recent.append((time.perf_counter(), p.replica, busy_ms))
         if load is not None:
@@ -104,6 +131,7 @@ class RayTeacherSource:
         return Item(p.data_state, p.batch, p.out, p.replica)
 
     def peek(self) -> Item:
+        self._settle()
         p = self._pool.in_flight[0]
         return Item(p.data_state, p.batch, p.out, p.replica)
 
@@ -137,7 +165,7 @@ class RayTeacherSource:
         generation figures from the student group's that are ready (never waited for)."""
         if self._cfg.distill.on_policy.fraction == 0:
             return {}
-        window = schedule_figures(self._cfg, steps)
+        window = schedule_figures(self._cfg, steps, self._taken)
         n = round(window["on_policy"] * len(steps))
         refs = list(self._pool.generated)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs and n else ([], [])

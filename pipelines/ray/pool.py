@@ -246,24 +246,33 @@ class ActorPool:
 
     # -- teacher work ---------------------------------------------------------------------
 
-    def submit(self, data_state: dict) -> None:
+    def submit(self, data_state: dict, head: bool = False) -> None:
         """Queue a teacher forward for the batch at `data_state` on the next replica,
-        round-robin. Only the data state is sent: every process reads its own rows."""
+        round-robin. Only the data state is sent: every process reads its own rows.
+        `head`: in place of the oldest batch in flight (remade), not after the last."""
         r, self._rr = self._rr % self.replicas, self._rr + 1
-        self.in_flight.append(self._forward(data_state, data_state, r))
+        self._queue(self._forward(data_state, data_state, r), head)
 
-    def submit_on_policy(self, data_state: dict, step: int, source_step: int) -> None:
+    def submit_on_policy(
+        self, data_state: dict, step: int, source_step: int, head: bool = False
+    ) -> None:
         """Queue on-policy step `step`: every student process continues its rows of the
         step's prompts (made from the batch at `data_state`, or `data.prompt_field`) with
         the parameters after `source_step` (queued after the steps already submitted to
         it), and the next replica scores the rows so made, which go from each student
-        process to the teacher group and back as object refs."""
+        process to the teacher group and back as object refs. `head`: as `submit`'s."""
         r, self._rr = self._rr % self.replicas, self._rr + 1
         calls = [
             actor.generate.remote(step, source_step, data_state) for actor in self.students.members
         ]
         self.generated.append(calls[0][1])  # process 0's figures stand for the group's
-        self.in_flight.append(self._forward(data_state, [rows for rows, _ in calls], r))
+        self._queue(self._forward(data_state, [rows for rows, _ in calls], r), head)
+
+    def _queue(self, pending: Pending, head: bool) -> None:
+        if head:
+            self.in_flight[0] = pending
+        else:
+            self.in_flight.append(pending)
 
     def sample_eval(self, chunks: list) -> dict:
         """The evaluation's sample metrics (`pipelines.on_policy.SampleScore`) over every
