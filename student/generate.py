@@ -6,6 +6,16 @@ gathers each fully sharded weight where it is used), the continuations turned in
 training rows (`distill.models.decode.continuation_batch`) on the same devices, so an on-policy
 batch never leaves the mesh before the teacher scores it.
 
+Decoding (and a short prompt's prefill) moves activations rather than weights where that
+is cheaper: a few tokens per row are far smaller than a layer's weights, so XLA keeps a
+weight split, computes its output features split, then lays the result out by rows again.
+Where the model has fewer KV heads than `fsdp` (tiny test models; Qwen2.5-1.5B's 2 at
+fsdp=4), queries split over heads span two dimensions of their [B, 1, KV, H/KV, hd] form and
+XLA moves them by gathering them whole, printing "Involuntary full rematerialization" while
+compiling: one token's queries per layer (a short prefill's keys and scores), the size of
+the hidden states the program gathers anyway. Constraining them to rows silences it, but
+XLA then gathers wq and wo whole per layer and token instead (MBs each), so it stays.
+
 `ParamHistory` keeps the student's parameters after each of the last few steps: on-policy
 training generates step n's continuations with the parameters after step n-1-staleness,
 while the train state itself is donated step after step. The parameters it holds are saved

@@ -165,10 +165,12 @@ def test_eval_chunks_give_every_device_of_both_axes_a_row():
     assert eval_rows(config_from_dict(tree)) == 8  # 1 GB of logits per row: one per device
 
 
-def test_fsdp_gathers_weights_never_activations():
+def test_fsdp_gathers_weights_never_activations(capfd):
     """ZeRO-3 as designed: every device keeps its own rows; what moves is weights (gathered
     where used) and gradients (reduced), never activations: float tensors with the sequence
-    axis (S = 24)."""
+    axis (S = 24). With fewer KV heads (2) than fsdp devices (4), XLA's SPMD partitioner
+    reports no "Involuntary full rematerialization" (an array gathered whole to change its
+    layout) compiling the step either."""
     import re
 
     mesh, tx, s = _mesh(2, 4), _optimizer("adamw"), 24
@@ -176,7 +178,9 @@ def test_fsdp_gathers_weights_never_activations():
         CFG, tx, mesh, loss_cfg=DistillLossConfig(), lr_schedule=optim.schedule(OPT, 10)
     )
     state = train.init_state(CFG, tx, 0, mesh, _params())
+    capfd.readouterr()
     hlo = step.lower(state, _batch(8, s), _teacher(8, s)).compile().as_text()
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
     moved = re.findall(r"= (.+?) (?:all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo)
     assert moved
     activations = rf"(f32|bf16)\[[^\]]*\b{s}\b[^\]]*\]"
