@@ -60,7 +60,10 @@ class TeacherSource(Protocol):
         """Read the next batch and start its teacher work."""
 
     def pop(self) -> Item:
-        """The oldest in-flight item, once its teacher work can be handed on."""
+        """The oldest in-flight item, once its teacher work can be handed on: the object
+        `peek` gave, unless the source remade the item since (the loop, which moved the
+        peeked item's output ahead, tells the two apart by identity and moves a remade
+        one's again)."""
 
     def peek(self) -> Item:
         """The oldest in-flight item, left in flight."""
