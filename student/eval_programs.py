@@ -24,7 +24,7 @@ from distill.models import model, vocab_loss
 from distill.types import Batch
 from student import routing
 from student.context import Context
-from student.train import batch_sharding, pieces_sharding
+from student.train import batch_sharding, head_loss_kw, pieces_sharding
 
 
 def eval_fn_for(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: int | None = None):
@@ -75,13 +75,7 @@ def make_eval_fn(cfg: ModelConfig, mesh, dtype: str = "float32", vocab_limit: in
         )  # fmt: skip
         if context is not None:  # the hidden states to the logits' layout, not the reverse
             x, batch, windows = context.unbalance(x), *context.slices((batch, windows))
-        rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
-        kw = {
-            "vocab_limit": vocab_limit,
-            "chunk": vocab_loss.default_chunk(cfg.vocab_size, rows),
-            "compute_dtype": x.dtype,
-            "softcap": cfg.final_softcap,
-        }
+        kw = head_loss_kw(cfg, mesh, x, batch.tokens.shape[0], vocab_limit)
         w = len(windows)
 
         def one(j: int, t):
@@ -118,12 +112,8 @@ def make_cross_eval_fn(cfg: ModelConfig, mesh, dtype: str, vocab_limit: int | No
             cfg, params, own.tokens, own.segment_ids, own.positions, dtype=dtype,
             rows=pieces, moe_opts=routed.opts(own), attend=attend,
         )  # fmt: skip
-        rows = max(own.tokens.shape[0] // mesh.devices.size, 1)
-        _, m = vocab_loss.ce_loss_chunked(
-            x, head, own.targets, own.mask, vocab_limit=vocab_limit,
-            chunk=vocab_loss.default_chunk(cfg.vocab_size, rows), compute_dtype=x.dtype,
-            softcap=cfg.final_softcap,
-        )  # fmt: skip
+        kw = head_loss_kw(cfg, mesh, x, own.tokens.shape[0], vocab_limit)
+        _, m = vocab_loss.ce_loss_chunked(x, head, own.targets, own.mask, **kw)
         t = batch.teacher.rows
         windows = windows_of(teacher_logits)
         nll = sum(

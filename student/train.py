@@ -383,13 +383,7 @@ def make_loss_fn(
         return routed.add(*losses(x, head, batch, teacher_out), stats, batch)
 
     def losses(x, head, batch: Batch, teacher_out: TeacherOutput | None):
-        rows = max(batch.tokens.shape[0] // mesh.devices.size, 1)
-        kw = {
-            "vocab_limit": vocab_limit,
-            "chunk": vocab_loss.default_chunk(cfg.vocab_size, rows),
-            "compute_dtype": x.dtype,
-            "softcap": cfg.final_softcap,
-        }
+        kw = head_loss_kw(cfg, mesh, x, batch.tokens.shape[0], vocab_limit)
         if teacher_out is None:
             return vocab_loss.ce_loss_chunked(x, head, batch.targets, batch.mask, **kw)
         cfg_here = loss_cfg
@@ -406,6 +400,18 @@ def make_loss_fn(
         )
 
     return loss_fn
+
+
+def head_loss_kw(cfg: ModelConfig, mesh, x, rows: int, vocab_limit: int | None) -> dict:
+    """The keyword arguments of `distill.models.vocab_loss`'s chunked losses over the head
+    for hidden states `x` of `rows` rows split over `mesh` (the step's and evaluation's)."""
+    per_device = max(rows // mesh.devices.size, 1)
+    return {
+        "vocab_limit": vocab_limit,
+        "chunk": vocab_loss.default_chunk(cfg.vocab_size, per_device),
+        "compute_dtype": x.dtype,
+        "softcap": cfg.final_softcap,
+    }
 
 
 def _attend(mesh):
