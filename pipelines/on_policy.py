@@ -184,8 +184,7 @@ class OnPolicySource(QueueSource):
         if made.tokens is not None:
             self._generated.append(made.tokens)
         self._taken[made.step] = made.tokens is not None
-        for s in [s for s in self._taken if s <= made.step - 4096]:
-            del self._taken[s]
+        self._taken.pop(made.step - 4096, None)  # steps are popped one by one, in order
         return super().pop()
 
     def peek(self):

@@ -122,8 +122,7 @@ class RayTeacherSource:
         self._settle()
         step, on = self._made.popleft()
         self._taken[step] = on
-        for s in [s for s in self._taken if s <= step - 4096]:
-            del self._taken[s]
+        self._taken.pop(step - 4096, None)  # steps are popped one by one, in order
         p, busy_ms, load = self._pool.next_output()
         self._recent.append((time.perf_counter(), p.replica, busy_ms))
         if load is not None:
