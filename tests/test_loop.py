@@ -286,23 +286,28 @@ def test_busy_time_of_roles_on_the_same_devices_is_their_own(colocated):
     devices = jax.devices()[6:]  # devices no run of the session's tests uses at once
     where = (devices, devices) if colocated else (devices[:1], devices[1:])
     student, teacher = (timing.ReadyWatcher(n, devices=d) for n, d in zip("st", where, strict=True))
-    step, forward = _Result(), _Result()
-    student.watch(step)
-    teacher.watch(forward)
-    time.sleep(0.3)
-    step.ready.set()
-    time.sleep(0.1)
-    forward.ready.set()
-    deadline = time.time() + 30
-    while not teacher.recent_ms(1) and time.time() < deadline:
-        time.sleep(0.01)
-    assert student.recent_ms(1) >= 300
-    if colocated:
-        assert 100 <= teacher.recent_ms(1) < 250
-    else:
-        assert teacher.recent_ms(1) >= 400
-    assert (student._waiter is teacher._waiter) == colocated
-    student.close()
-    teacher.close()
+    try:
+        step, forward = _Result(), _Result()
+        student.watch(step)
+        teacher.watch(forward)
+        time.sleep(0.3)
+        step.ready.set()
+        time.sleep(0.1)
+        forward.ready.set()
+        deadline = time.time() + 30
+        while not teacher.recent_ms(1) and time.time() < deadline:
+            time.sleep(0.01)
+        assert student.recent_ms(1) >= 300
+        if colocated:
+            # the waiting thread sees the step's end a little after it happens on a busy
+            # machine, so the teacher's share can read a few ms under 100; the point is
+            # that it is nowhere near the 400 ms from its dispatch
+            assert 50 <= teacher.recent_ms(1) < 250
+        else:
+            assert teacher.recent_ms(1) >= 400
+        assert (student._waiter is teacher._waiter) == colocated
+    finally:
+        student.close()
+        teacher.close()
     teacher.close()  # idempotent
     assert frozenset(int(d.id) for d in devices) not in timing._WAITERS  # stopped with the last
