@@ -54,6 +54,7 @@ def write_hf(
     tokenizer: str = "bytes",
     provenance: dict | None = None,
     generation_from: tuple[str | Path, ...] = (),
+    special: dict | None = None,
 ) -> Path:
     """Write `params` as a Hugging Face directory of `cfg.family`; returns its path.
 
@@ -64,7 +65,8 @@ def write_hf(
     A vocabulary padded past the tokenizer's is trimmed to it: training masks the padded
     ids, so the trimmed model's softmax is exactly the trained one's, and a sampler can
     never draw an id the tokenizer cannot decode. `provenance` (what the student was
-    distilled from) is written as distill.json."""
+    distilled from) is written as distill.json. `special`: special ids that replace the
+    tokenizer's in config.json (`special_ids`)."""
     from safetensors.numpy import save_file
 
     tok = load_tokenizer(tokenizer)  # "bytes", or the run's tokenizer file (copied below)
@@ -76,7 +78,7 @@ def write_hf(
             params["lm_head"] = np.asarray(params["lm_head"])[:, :limit]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
+    ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id, **(special or {})}
     config = hf_config.to_hf_config(cfg, max_position_embeddings=max_position_embeddings, **ids)
     generation = _generation_config(tok, (*(Path(f).parent for f in tok.files), *generation_from))
     files = {
@@ -147,6 +149,7 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
         tokenizer=cfg.data.tokenizer,
         provenance=provenance,
         generation_from=(cfg.student.checkpoint,) if cfg.student.checkpoint else (),
+        special=special_ids(cfg),
     )
     if not storage.is_remote(out):
         return write(Path(out))
@@ -162,19 +165,51 @@ def context_length(cfg: Config) -> int:
     pretrained student's config.json, or the Hugging Face teacher it was cut from): the
     student keeps that model's positions (RoPE and its scaling), as fine-tuning at shorter
     rows keeps a model's context length."""
+    lengths = [cfg.train.seq_len]
+    for tree in _source_configs(cfg):
+        n = tree.get("max_position_embeddings")
+        lengths += [int(n)] if n else []
+    return max(lengths)
+
+
+def special_ids(cfg: Config) -> dict:
+    """The exported config's special ids (`bos_id`, `eos_id`, `pad_id`) that the model the
+    student started from names (its config.json, as `context_length` finds it), where that
+    model has the student's vocabulary; the others stay the tokenizer's. A tokenizer
+    without a BOS token (Qwen's) delimits documents with its EOS, but the model's own config
+    names the id it was trained with (Qwen3: `<|endoftext|>`, 151643), and a user of the
+    export expects that one."""
+    for tree in _source_configs(cfg):
+        if tree.get("vocab_size") != cfg.student_model().vocab_size:
+            continue
+        ids = {}
+        for key in ("bos_id", "eos_id", "pad_id"):
+            found = tree.get(f"{key[:-3]}_token_id")
+            if isinstance(found, int) or (key == "eos_id" and _ints(found)):
+                ids[key] = found  # Llama 3's instruct models stop at several
+        return ids
+    return {}
+
+
+def _ints(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(i, int) for i in x)
+
+
+def _source_configs(cfg: Config) -> list[dict]:
+    """The config.json of each model the student started from, as one flat dict (Gemma 3's
+    multimodal config nests the text model's): a pretrained student's checkpoint, or the
+    Hugging Face teacher it was cut from; local directories only."""
     sources = [cfg.student.checkpoint]
     if cfg.student.init == "from_teacher":
         sources.append(cfg.teacher.checkpoint)
-    lengths = [cfg.train.seq_len]
+    trees = []
     for path in sources:
         found = Path(path) / hf.CONFIG if path and not storage.is_remote(path) else None
         if found is None or not found.is_file():
             continue
         tree = json.loads(found.read_text())
-        text = tree.get("text_config") or {}  # Gemma 3's multimodal config.json nests it
-        n = tree.get("max_position_embeddings") or text.get("max_position_embeddings")
-        lengths += [int(n)] if n else []
-    return max(lengths)
+        trees.append({**tree, **(tree.get("text_config") or {})})
+    return trees
 
 
 # ----------------------------------------------------------------------------- tokenizer

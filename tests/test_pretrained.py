@@ -153,6 +153,31 @@ def test_the_export_keeps_the_context_of_the_model_it_started_from(dirs, corpus_
     assert context_length(config_from_dict(tree)) == max(teacher, seq)
 
 
+def test_the_export_keeps_the_special_ids_of_the_model_it_started_from(dirs, corpus_dir, tmp_path):
+    """bos/eos/pad in the exported config.json: those the pretrained student's config.json
+    names (Qwen3's names a BOS its tokenizer lacks; Llama 3 instruct several EOS ids), the
+    tokenizer's for the ids it leaves unnamed, and none of them where its vocabulary is not
+    the student's."""
+    from student.export import special_ids
+
+    named = tmp_path / "named"
+    shutil.copytree(dirs[1], named)
+    config = json.loads((named / "config.json").read_text())
+    config.update(bos_token_id=5, eos_token_id=[2, 9], pad_token_id=None)
+    (named / "config.json").write_text(json.dumps(config))
+    tree = _tree((dirs[0], named), corpus_dir, tmp_path / "out")
+    assert special_ids(config_from_dict(tree)) == {"bos_id": 5, "eos_id": [2, 9]}
+    tree["student"] = {"init": "from_teacher"}  # the Llama teacher's vocabulary: 320
+    teacher = transformers.AutoConfig.from_pretrained(str(dirs[0]))
+    cut = {**tree["student"], "model": {"vocab_size": 320}}
+    assert special_ids(config_from_dict({**tree, "student": cut})) == {
+        "bos_id": teacher.bos_token_id,
+        "eos_id": teacher.eos_token_id,
+    }
+    tree["student"] = {"init": "random"}
+    assert special_ids(config_from_dict(tree)) == {}
+
+
 @pytest.mark.parametrize("role", ["teacher", "student"])
 def test_score_matches_transformers(dirs, corpus_dir, tmp_path, capsys, role):
     """`distill score --json`: the teacher on its tp=2 mesh, the student from its pretrained
