@@ -7,9 +7,12 @@ while the teacher predicts the held-out text better than the student (bits per b
 The executor holds the weight in effect and keeps it in its checkpoints, so a resumed run
 trains with the weight the run it resumes was training with. A change is shown to the user
 and in the status (`alpha`); every training record carries the step's own `alpha`. While
-alpha is 0 the on-policy steps (`distill.on_policy.fraction`) are data steps: the divergence
-on the student's own samples would pull it toward a teacher no better than it, and their
-cross-entropy alone would train it on its own samples (`pipelines.on_policy.takes_on_policy`).
+alpha is 0 the online teacher makes no outputs (the sources' `gate`; the step is the
+cross-entropy step, its records' `kd_loss` null), and the on-policy steps
+(`distill.on_policy.fraction`) are data steps: the divergence on the student's own samples
+would pull it toward a teacher no better than it, and their cross-entropy alone would train
+it on its own samples (`pipelines.on_policy.takes_on_policy`). The evaluations still run the
+teacher, so an evaluation that finds it better again reopens the gate.
 """
 
 from __future__ import annotations
@@ -57,21 +60,22 @@ class AlphaGate(Hook):
         loop.executor.set_alpha(new)
         if loop.store is not None:
             loop.store.update(alpha=new)
-        on_policy = _tell_source(loop, new)
+        gated, on_policy = _tell_source(loop, new)
         s, t = compared(m)
         why = "the teacher is better" if new else "the student has caught up with the teacher"
-        steps = ""
+        steps = "" if new or not gated else "; the teacher's forward skipped"
         if on_policy:
-            steps = "; on-policy steps as scheduled" if new else "; on-policy steps as data steps"
+            steps += "; on-policy steps as scheduled" if new else "; on-policy steps as data steps"
         loop.note(
             f"alpha {current:g} -> {new:g} from step {m['step'] + 1}: {why} on the held-out "
             f"text ({s:.4f} against the teacher's {t:.4f}){steps}"
         )
 
 
-def _tell_source(loop: Loop, alpha: float) -> bool:
-    """Open or close the on-policy source's gate (`pipelines.on_policy.OnPolicySource.gate`:
-    with alpha 0 its on-policy steps are data steps); True where the run has on-policy
-    steps."""
+def _tell_source(loop: Loop, alpha: float) -> tuple[bool, bool]:
+    """Open or close the teacher source's gate (`pipelines.sources.OnlineSource.gate`, as
+    `OnPolicySource`'s and ray's: with alpha 0 no teacher output, and on-policy steps are
+    data steps); (whether the source has a gate: an online teacher, whether the run has
+    on-policy steps)."""
     gate = getattr(loop.source, "gate", None)
-    return bool(gate(alpha != 0)) if gate is not None else False
+    return (True, bool(gate(alpha != 0))) if gate is not None else (False, False)

@@ -15,7 +15,8 @@ fold_in(key(run.seed), n): nothing to store, and a resume draws what the uninter
 drew (the parameters it draws with are in the checkpoint: `student.generate.ParamHistory`).
 While the `distill.alpha_gate` holds alpha at 0 (the teacher no better than the student on
 the held-out text) the on-policy steps are data steps, cross-entropy alone on the data's
-rows (`takes_on_policy`); an item made before the gate changed is remade when popped.
+rows (`takes_on_policy`), and the teacher makes no output for them; an item made before
+the gate changed is remade when popped.
 
 `SampleScore` is the metric every evaluation reports: the student continues the held-out
 prompts (the first tokens of every evaluation row; temperature 1, fixed keys) and the
@@ -123,6 +124,7 @@ class Made(NamedTuple):
     step: int
     data: Batch  # the data's rows of the step (its prompts; the rows of a data step)
     tokens: jax.Array | None  # the generated-token count on device; None: a data step
+    taught: bool  # made with the teacher's output (not: a data step while the gate is closed)
 
 
 class OnPolicySource(QueueSource):
@@ -172,9 +174,9 @@ class OnPolicySource(QueueSource):
 
     def gate(self, open_: bool) -> bool:
         """The `distill.alpha_gate` for the steps not yet popped: open (the configured alpha)
-        or closed (alpha 0: their on-policy steps are data steps, `takes_on_policy`). Items
-        in flight are remade when popped, if made otherwise. True: the run has on-policy
-        steps."""
+        or closed (alpha 0: their on-policy steps are data steps, `takes_on_policy`, and no
+        step has a teacher output). Items in flight are remade when popped, if made
+        otherwise. True: the run has on-policy steps."""
         self._open = bool(open_)
         return self._fraction > 0
 
@@ -196,11 +198,12 @@ class OnPolicySource(QueueSource):
         as it stood when it was submitted), its teacher work waited for when it is still
         being made on the host thread."""
         made = self._in_flight[0]
-        if takes_on_policy(self._cfg, made.step, self._open) != (made.tokens is not None):
+        on_policy = takes_on_policy(self._cfg, made.step, self._open)
+        if on_policy != (made.tokens is not None) or made.taught != self._open:
             head = self._queue[0]
             (batch, out, load), tokens = self._make(made.step, made.data)
-            self._in_flight[0] = made._replace(tokens=tokens)
-            if not isinstance(batch, Future):
+            self._in_flight[0] = made._replace(tokens=tokens, taught=self._open)
+            if not isinstance(batch, Future) and out is not None:
                 self._watch.watch(out)
             self._queue[0] = head._replace(batch=batch, teacher_out=out, tag=load)
         self._resolve()
@@ -224,12 +227,14 @@ class OnPolicySource(QueueSource):
     def _work(self, batch: Batch):
         step, self._next_step = self._next_step, self._next_step + 1
         work, tokens = self._make(step, batch)
-        self._in_flight.append(Made(step, batch, tokens))
+        self._in_flight.append(Made(step, batch, tokens, self._open))
         return work
 
     def _make(self, step: int, batch: Batch) -> tuple[tuple, jax.Array | None]:
         """((batch, teacher output, load), the generated-token count or None) of step
         `step` from its data rows `batch`, as the gate now wants it."""
+        if not self._open:  # alpha 0: cross-entropy alone, on the data's rows
+            return (batch, None, None), None
         if not takes_on_policy(self._cfg, step, self._open):
             return (batch, *self.teacher.output(batch)), None
         source_step = max(step - 1 - self._staleness, 0)

@@ -18,11 +18,12 @@ def distill_record(step: int, metrics: dict, figures: dict) -> dict:
     """One metrics.jsonl training record: the step's losses and lr (host floats) plus the
     loop's own figures (tokens_per_s, teacher_ms, student_ms, busy fractions, ...); an MoE
     student's `moe_aux_loss` and expert load (`student.routing.load_record`)."""
-    keys = ("loss", "kd_loss", "ce_loss", "lr", "grad_norm")
+    keys = ("loss", "ce_loss", "lr", "grad_norm")
     return {
         "step": step,
         "phase": "distill",
         **{k: metrics[k] for k in keys},
+        "kd_loss": metrics.get("kd_loss"),  # None: a step without the teacher (alpha 0)
         **{k: metrics[k] for k in ("aligned_fraction",) if k in metrics},  # cross-tokenizer
         **{k: metrics[k] for k in ("alpha",) if k in metrics},  # the step's `distill.alpha`
         **routing.load_record(metrics),  # a mixture-of-experts student
@@ -53,12 +54,12 @@ class Progress:
                 loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False
             )
         else:
+            kd = record["kd_loss"]
             log.info(
-                "step %d loss %.4f kd %.4f ce %.4f lr %.2e %.0f tok/s "
-                "teacher %.0fms student %.0fms",
+                "step %d loss %.4f kd %s ce %.4f lr %.2e %.0f tok/s teacher %.0fms student %.0fms",
                 step,
                 record["loss"],
-                record["kd_loss"],
+                "-" if kd is None else f"{kd:.4f}",
                 record["ce_loss"],
                 record["lr"],
                 record["tokens_per_s"],

@@ -177,17 +177,47 @@ class QueueSource:
 
 class OnlineSource(QueueSource):
     """Batches from the corpus, each with the teacher's output dispatched on the inference
-    mesh (JAX's async dispatch: the teacher works while the student trains)."""
+    mesh (JAX's async dispatch: the teacher works while the student trains). While the
+    `distill.alpha_gate` is closed (`gate`) the batches come without one."""
 
     def __init__(self, cfg: Config, corpus, teacher: OnlineTeacher):
         bsz, seed = cfg.train.batch_size, cfg.run.seed
         super().__init__(
             lambda: corpus.train_iterator(bsz, seed),
-            lambda batch: (batch, *teacher.output(batch)),
+            self._work,
             ReadyWatcher("teacher", devices=teacher.mesh.devices.flat),
             dropping=cfg.teacher.moe_capacity_factor is not None,
         )
         self.teacher = teacher
+        self._open = True
+
+    def gate(self, open_: bool) -> bool:
+        """The `distill.alpha_gate` for the batches not yet popped: open, each with the
+        teacher's output; closed (alpha 0: the step is cross-entropy alone), none, and no
+        teacher work. A batch in flight made otherwise is remade when popped. False: no
+        on-policy steps."""
+        self._open = bool(open_)
+        return False
+
+    def _work(self, batch: Batch) -> tuple:
+        return (batch, *self.teacher.output(batch)) if self._open else (batch, None, None)
+
+    def pop(self) -> Item:
+        self._settle()
+        return super().pop()
+
+    def peek(self) -> Item:
+        self._settle()
+        return super().peek()
+
+    def _settle(self) -> None:
+        """The oldest batch as the gate now wants it: its output made now, or dropped."""
+        head = self._queue[0]
+        if (head.teacher_out is not None) != self._open:
+            _, out, load = self._work(head.batch)
+            if out is not None:
+                self._watch.watch(out)
+            self._queue[0] = head._replace(teacher_out=out, tag=load)
 
     def eval_logits(self, batches: list):
         return self.teacher.eval_logits(batches)

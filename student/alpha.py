@@ -12,7 +12,9 @@ teacher better again.
 
 `alpha` is a constant of the compiled step (the configured value gives the same program,
 to the bit, as a run without the gate): `AlphaSteps` holds one compiled step per value
-used, two at most.
+used, two at most. While alpha is 0 the teacher sources make no output (their `gate`), and
+a step given none is the cross-entropy step, which takes none: the teacher's forward is
+skipped, not computed for a loss that does not use it.
 """
 
 from __future__ import annotations
@@ -51,10 +53,15 @@ def gated_alpha(alpha: float, current: float, evaluation: dict) -> float:
 
 class AlphaSteps:
     """step(state, batch, teacher_out) with the `alpha` in effect: `build(alpha)` gives the
-    compiled step of that weight (built once per value, kept)."""
+    compiled step of that weight (built once per value, kept); a step given no teacher
+    output (None: made while alpha is 0) is `build_ce()`'s cross-entropy step(state, batch),
+    built when first needed."""
 
-    def __init__(self, build: Callable[[float], Callable], alpha: float):
-        self._build, self._steps = build, {}
+    def __init__(
+        self, build: Callable[[float], Callable], alpha: float, build_ce: Callable[[], Callable]
+    ):
+        self._build, self._build_ce, self._steps = build, build_ce, {}
+        self._ce: Callable | None = None
         self.configured = float(alpha)
         self.alpha = self.configured
         self.set(self.configured)
@@ -65,8 +72,14 @@ class AlphaSteps:
         if self.alpha not in self._steps:
             self._steps[self.alpha] = self._build(self.alpha)
 
-    def __call__(self, *args):
-        return self._steps[self.alpha](*args)
+    def __call__(self, state, batch, teacher_out):
+        if teacher_out is not None:
+            return self._steps[self.alpha](state, batch, teacher_out)
+        if self.alpha != 0:
+            raise ValueError(f"a step without a teacher output at alpha {self.alpha:g}")
+        if self._ce is None:
+            self._ce = self._build_ce()
+        return self._ce(state, batch)
 
     def note(self) -> dict:
         """What a checkpoint keeps of it, so that a resumed run trains as the run it resumes."""
@@ -81,11 +94,14 @@ class AlphaSteps:
 
 def alpha_steps_for(cfg: Config, mesh, vocab_limit: int | None = None, *, cross=None):
     """(tx, `student.alpha.AlphaSteps`): the run's distillation step for the `distill.alpha`
-    in effect, the configured one first (`distill_step_for`'s step, the same program)."""
+    in effect, the configured one first (`distill_step_for`'s step, the same program), and
+    its cross-entropy step for the steps without a teacher output."""
 
-    def build(alpha: float) -> Callable:
+    def build(alpha: float, with_teacher: bool = True) -> Callable:
         here = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"alpha": alpha})})
-        return train.distill_step_for(here, mesh, vocab_limit, cross=cross)[1]
+        return train.distill_step_for(
+            here, mesh, vocab_limit, with_teacher=with_teacher, cross=cross
+        )[1]
 
     tx, _ = train.distill_step_for(cfg, mesh, vocab_limit, cross=cross)
-    return tx, AlphaSteps(build, cfg.distill.alpha)
+    return tx, AlphaSteps(build, cfg.distill.alpha, lambda: build(0.0, with_teacher=False))

@@ -248,6 +248,8 @@ def make_train_step(
         if teacher_out is not None:  # the divergence's weight this step was compiled with
             on_samples = isinstance(batch, Continuations)  # their loss: the divergence alone
             metrics["alpha"] = jnp.float32(1.0 if on_samples else loss_cfg.alpha)
+        elif loss_cfg is not None:  # a distillation run's step without a teacher: CE alone
+            metrics["alpha"] = jnp.float32(0.0)
         updated = TrainState(state.step + 1, params, opt_state, state.skips)
         state = _unless_nonfinite(updated, state, metrics["loss"], grad_norm)
         return state, {**metrics, **skip_metrics(state.skips)}

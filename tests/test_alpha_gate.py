@@ -46,15 +46,23 @@ def test_alpha_steps_build_each_weight_once_and_keep_it_in_the_note():
         built.append(alpha)
         return lambda *args: (alpha, args)
 
-    steps = AlphaSteps(build, 0.9)
-    assert steps(1) == (0.9, (1,)) and steps.note() == {"alpha": 0.9}
+    def build_ce():
+        built.append("ce")
+        return lambda *args: ("ce", args)
+
+    steps = AlphaSteps(build, 0.9, build_ce)
+    assert steps(1, 2, 3) == (0.9, (1, 2, 3)) and steps.note() == {"alpha": 0.9}
+    with pytest.raises(ValueError, match="without a teacher output at alpha 0.9"):
+        steps(1, 2, None)
     steps.set(0.0)
-    assert steps(2) == (0.0, (2,)) and steps.note() == {"alpha": 0.0}
+    assert steps(1, 2, 3) == (0.0, (1, 2, 3)) and steps.note() == {"alpha": 0.0}
+    assert steps(1, 2, None) == ("ce", (1, 2))  # no teacher output: the step that takes none
+    steps(1, 2, None)
     steps.set(0.9)
-    assert built == [0.9, 0.0]  # the configured step again, not built twice
-    resumed = AlphaSteps(build, 0.9)
+    assert built == [0.9, 0.0, "ce"]  # each step built once
+    resumed = AlphaSteps(build, 0.9, build_ce)
     resumed.restore({"alpha": 0.0})
-    assert resumed.alpha == 0.0 and resumed(3)[0] == 0.0
+    assert resumed.alpha == 0.0 and resumed(1, 2, 3)[0] == 0.0
     resumed.restore(None)  # a checkpoint without the note: as it is
     assert resumed.alpha == 0.0
 
@@ -65,9 +73,10 @@ def gated_run(corpus_dir, tmp_path_factory):
     lr high enough to pass it within three steps: evaluations at 0, 2, 4, 6, 8; records
     every step; checkpoints at 4 and 8; half the steps on-policy (`SEED`'s schedule: step
     2 while the gate is open, 3 and 4 in flight when it closes at step 2's evaluation, so
-    remade as data steps, 3 after its output was moved to the student). Its output dir
-    and config tree."""
+    remade as data steps, 3 after its output was moved to the student). Its output dir,
+    config tree and the number of training outputs the teacher made."""
     from pipelines.commands.cli import main
+    from pipelines.sources import OnlineTeacher
     from tests.conftest import tiny_config, write_config
 
     tmp = tmp_path_factory.mktemp("gated_run")
@@ -79,8 +88,12 @@ def gated_run(corpus_dir, tmp_path_factory):
     cfg["run"]["seed"] = SEED
     on_policy = {"fraction": ON_POLICY, "max_new_tokens": 8}
     cfg["distill"] = {"alpha": 0.8, "temperature": 1.0, "on_policy": on_policy}
-    assert main(["run", write_config(tmp, cfg)]) == 0
-    return out, cfg
+    made = []
+    output = OnlineTeacher.output
+    with pytest.MonkeyPatch.context() as mp:  # the real forward, counted
+        mp.setattr(OnlineTeacher, "output", lambda self, b: made.append(1) or output(self, b))
+        assert main(["run", write_config(tmp, cfg)]) == 0
+    return out, cfg, len(made)
 
 
 def _expected_alpha(evals: list[dict], step: int, alpha: float) -> float:
@@ -95,7 +108,7 @@ def _expected_alpha(evals: list[dict], step: int, alpha: float) -> float:
 def test_each_step_trains_with_the_alpha_the_evaluation_before_it_set(gated_run):
     from tests.conftest import read_evals, read_train
 
-    out, _ = gated_run
+    out, _, made = gated_run
     train, evals = read_train(out), read_evals(out)
     assert [e["step"] for e in evals] == [0, 2, 4, 6, 8]
     assert [r["step"] for r in train] == list(range(1, 9))
@@ -105,6 +118,7 @@ def test_each_step_trains_with_the_alpha_the_evaluation_before_it_set(gated_run)
         if alpha == 0:  # a data step with cross-entropy alone, on-policy or not
             assert r["alpha"] == r["on_policy"] == 0, r["step"]
             assert r["loss"] == pytest.approx(r["ce_loss"], rel=1e-6)
+            assert r["kd_loss"] is None, r["step"]  # no teacher output to compare with
         else:  # on the student's samples the divergence alone: the step's alpha is 1
             assert r["on_policy"] == float(scheduled), r["step"]
             assert r["alpha"] == pytest.approx(1.0 if scheduled else alpha), r["step"]
@@ -113,6 +127,12 @@ def test_each_step_trains_with_the_alpha_the_evaluation_before_it_set(gated_run)
     assert any(r["alpha"] == 0 for r in train)
     scheduled = [r for r in train if is_on_policy(SEED, r["step"], ON_POLICY)]
     assert {r["on_policy"] for r in scheduled} == {0.0, 1.0}
+    # the teacher made an output for every step with the gate open, and else only for the
+    # batches in flight when it closed (at most pipeline.prefetch: 2 each time), never
+    # for the steps trained on cross-entropy alone
+    taught = [r["alpha"] != 0 for r in train]
+    closes = sum(a and not b for a, b in zip(taught, taught[1:], strict=False))
+    assert sum(taught) <= made <= sum(taught) + 2 * closes, (made, taught)
 
 
 def test_the_status_shows_the_alpha_in_effect():
@@ -132,7 +152,7 @@ def test_a_resume_trains_with_the_checkpoints_alpha(gated_run, tmp_path):
     from pipelines.commands.cli import main
     from tests.conftest import read_train, write_config
 
-    out, cfg = gated_run
+    out, cfg, _ = gated_run
     resumed = tmp_path / "out"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "8")

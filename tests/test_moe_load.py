@@ -167,6 +167,8 @@ def _run_records(
         train={"steps": 4, "batch_size": 4, "seq_len": 32, "log_every": 2, "eval_every": 4},
     )
     tree["teacher"] = {"checkpoint": str(path), "top_k": 8, **teacher}
+    # a random teacher, worse than the student: without the gate every step runs it
+    tree.setdefault("distill", {})["alpha_gate"] = False
     cfg = config_from_dict(tree)
     assert run(cfg)["completed"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -215,7 +215,8 @@ def test_a_student_is_dense_unless_it_says_experts():
         config_from_dict(tree)
     del tree["student"]["init_layers"]
     tree["student"] = {"model": {"d_model": 16}}
-    tree["distill"] = {"moe_aux_loss": 0.01}
+    # a random teacher, worse than the student: without the gate every step distils
+    tree["distill"] = {"moe_aux_loss": 0.01, "alpha_gate": False}
     with pytest.raises(DistillError, match=r"distill.moe_aux_loss: 0.01 needs a mixture"):
         config_from_dict(tree)
 
@@ -224,7 +225,8 @@ def _moe_student_tree(corpus_dir, out, teacher_dir, student_dir):
     tree = _cfg_tree(corpus_dir, out, teacher_dir)
     tree["student"] = {"checkpoint": str(student_dir)}
     tree["mesh"]["student"] = {"dp": 1, "fsdp": 2}
-    tree["distill"] = {"moe_aux_loss": 0.01}
+    # a random teacher, worse than the student: without the gate every step distils
+    tree["distill"] = {"moe_aux_loss": 0.01, "alpha_gate": False}
     tree["train"].update(steps=2, eval_every=2, checkpoint_every=2, log_every=1)
     return tree
 

@@ -50,6 +50,8 @@ def _tree(dirs, corpus_dir, out, **student):
     tree = _cfg_tree(corpus_dir, out, dirs[0])
     tree["student"] = {"checkpoint": str(dirs[1]), **student}
     tree["train"].update(steps=4, eval_every=2, checkpoint_every=2, log_every=2)
+    # a random teacher, worse than the student: without the gate every step distils
+    tree.setdefault("distill", {})["alpha_gate"] = False
     return tree
 
 

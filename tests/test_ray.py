@@ -124,7 +124,7 @@ def test_a_student_resumed_with_the_alpha_gate_closed_matches_local(
             ray.get(pool.student.wait_for_checkpoints.remote())  # checkpoint 4 is on disk
             _kill(pool.info["student"]["pid"])
 
-    local_out, cfg = gated_run
+    local_out, cfg, _ = gated_run
     out = tmp_path / "out"
     cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(out)}}
     cfg["pipeline"] = {**cfg.get("pipeline", {}), "mode": "ray"}

@@ -61,7 +61,8 @@ class DistillLossConfig(Section):
         "student: after each evaluation (at the start and every train.eval_every steps) "
         "alpha is the configured one while the teacher's held-out bits per byte are below the "
         "student's, else 0 (cross-entropy alone) until an evaluation finds the teacher better "
-        "again, and the on-policy steps (distill.on_policy) are data steps meanwhile; kept in "
+        "again (the teacher's training forward skipped meanwhile), and the on-policy steps "
+        "(distill.on_policy) are data steps; kept in "
         "checkpoints, shown in the status and each record's alpha. false: alpha throughout.",
     )
     beta: float = Field(0.5, gt=0, lt=1, description="JSD mixture weight.")

@@ -410,6 +410,8 @@ class StudentMember(_Member):
         """(the teacher output on the training mesh, the bytes received): the whole host
         output, or this process's rows from the pieces of every teacher process."""
         jax = self._jax
+        if not teacher_parts:  # a step without the teacher (`distill.alpha_gate` closed)
+            return None, 0
         if len(teacher_parts) == 1 and not isinstance(teacher_parts[0], list):
             t_in = teacher_parts[0]
             nbytes = sum(x.nbytes for x in jax.tree.leaves(t_in))

@@ -73,7 +73,8 @@ class RayTeacherSource:
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=256)
         self._next_step = 1
         self._open = True  # the `distill.alpha_gate` (`gate`)
-        self._made: deque[tuple[int, bool]] = deque()  # (step, on-policy) of those in flight
+        # (step, what it was made as: `_want`'s "policy", "teacher" or "data") of those in flight
+        self._made: deque[tuple[int, str]] = deque()
         self._taken: dict[int, bool] = {}  # whether recent steps trained on-policy
         self.loads = LoadWindow(cfg.teacher.moe_capacity_factor is not None)
 
@@ -86,8 +87,8 @@ class RayTeacherSource:
         self._next_step = self._pool.student_start + 1
 
     def gate(self, open_: bool) -> bool:
-        """As `pipelines.on_policy.OnPolicySource.gate`: closed, the on-policy steps are data
-        steps; True where the run has on-policy steps."""
+        """As `pipelines.on_policy.OnPolicySource.gate`: closed, no teacher forward, and the
+        on-policy steps are data steps; True where the run has on-policy steps."""
         self._open = bool(open_)
         return self._cfg.distill.on_policy.fraction > 0
 
@@ -100,31 +101,40 @@ class RayTeacherSource:
         step, self._next_step = self._next_step, self._next_step + 1
         self._made.append((step, self._make(step, data_state)))
 
-    def _make(self, step: int, data_state: dict, head: bool = False) -> bool:
+    def _want(self, step: int) -> str:
+        """What step `step` is made as with the gate as it stands: on-policy, a data step
+        with the teacher's output, or (closed) a data step without one."""
+        if takes_on_policy(self._cfg, step, self._open):
+            return "policy"
+        return "teacher" if self._open else "data"
+
+    def _make(self, step: int, data_state: dict, head: bool = False) -> str:
         """Submit step `step`'s work as the gate now wants it (`head`: in place of the oldest
-        in flight); whether it is on-policy."""
-        if not takes_on_policy(self._cfg, step, self._open):
-            self._pool.submit(data_state, head)
-            return False
+        in flight); what it was made as (`_want`)."""
+        want = self._want(step)
+        if want != "policy":
+            self._pool.submit(data_state, head, teacher=want == "teacher")
+            return want
         source_step = max(step - 1 - self._cfg.pipeline.max_staleness, 0)
         self._pool.submit_on_policy(data_state, step, source_step, head)
-        return True
+        return want
 
     def _settle(self) -> None:
         """The oldest batch in flight remade when the gate changed since it was submitted."""
-        step, on = self._made[0]
-        if takes_on_policy(self._cfg, step, self._open) != on:
+        step, made = self._made[0]
+        if self._want(step) != made:
             self._made[0] = (step, self._make(step, self._pool.in_flight[0].data_state, True))
 
     def pop(self) -> Item:
         """Waits for the forward's busy time (small), so that a dead teacher is noticed and
         its work redone before its output is handed to the student."""
         self._settle()
-        step, on = self._made.popleft()
-        self._taken[step] = on
+        step, made = self._made.popleft()
+        self._taken[step] = made == "policy"
         self._taken.pop(step - 4096, None)  # steps are popped one by one, in order
         p, busy_ms, load = self._pool.next_output()
-        self._recent.append((time.perf_counter(), p.replica, busy_ms))
+        if p.out is not None:
+            self._recent.append((time.perf_counter(), p.replica, busy_ms))
         if load is not None:
             self.loads.add(load)
         return Item(p.data_state, p.batch, p.out, p.replica)

@@ -45,8 +45,8 @@ class Pending(NamedTuple):
     # the data state again (every process reads its rows of that batch) or, on an on-policy
     # step, refs of the rows each student process made, one per process
     batch: dict | list
-    replica: int
-    out: list  # per student process, the refs of its rows from each teacher process
+    replica: int | None  # None: no forward (the `distill.alpha_gate` closed)
+    out: list | None  # per student process, the refs of its rows from each teacher process
     busy_ms: list  # (busy ms, routing counts) per teacher process, small; ready with `out`
 
 
@@ -246,10 +246,14 @@ class ActorPool:
 
     # -- teacher work ---------------------------------------------------------------------
 
-    def submit(self, data_state: dict, head: bool = False) -> None:
+    def submit(self, data_state: dict, head: bool = False, teacher: bool = True) -> None:
         """Queue a teacher forward for the batch at `data_state` on the next replica,
         round-robin. Only the data state is sent: every process reads its own rows.
-        `head`: in place of the oldest batch in flight (remade), not after the last."""
+        `head`: in place of the oldest batch in flight (remade), not after the last.
+        `teacher` False: the batch alone, no forward (a cross-entropy step)."""
+        if not teacher:
+            self._queue(Pending(data_state, data_state, None, None, []), head)
+            return
         r, self._rr = self._rr % self.replicas, self._rr + 1
         self._queue(self._forward(data_state, data_state, r), head)
 
@@ -328,6 +332,8 @@ class ActorPool:
         share of `in_flight` resubmitted, as often as `ray.max_teacher_restarts` allows."""
         while True:
             head = self.in_flight[0]
+            if head.out is None:  # no forward to wait for
+                return self.in_flight.popleft(), 0.0, None
             try:
                 done = get_all(head.busy_ms)  # (busy ms, counts) of each process
                 return self.in_flight.popleft(), max(ms for ms, _ in done), done[0][1]
@@ -371,9 +377,10 @@ class ActorPool:
 
     def student_step(self, step: int, batch: dict | list, teacher_out: list) -> list:
         """Student process p trains on its rows (`Pending.batch`: it reads them at the data
-        state, or takes the rows it made) and its teacher pieces."""
+        state, or takes the rows it made) and its teacher pieces (None: none, alpha 0)."""
+        parts = teacher_out or [()] * len(self.students.members)  # None: no teacher this step
         return [
-            actor.step.remote(step, batch[p] if isinstance(batch, list) else batch, *teacher_out[p])
+            actor.step.remote(step, batch[p] if isinstance(batch, list) else batch, *parts[p])
             for p, actor in enumerate(self.students.members)
         ]
 
