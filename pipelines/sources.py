@@ -161,9 +161,10 @@ class QueueSource:
         """The teacher's time figures and the expert load of the logged steps' batches."""
         if self._watch is None:
             return {"teacher_ms": 0.0, "teacher_busy": 0.0, **self.loads.figures(steps)}
-        return {
-            "teacher_ms": self._watch.recent_ms(steps),
-            "teacher_busy": self._watch.busy_fraction(since),
+        busy = self._watch.busy_fraction(since)
+        return {  # no forward finished since `since` (the alpha gate closed): 0, not the last
+            "teacher_ms": self._watch.recent_ms(steps) if busy > 0 else 0.0,
+            "teacher_busy": busy,
             **self.loads.figures(steps),
         }
 

@@ -156,8 +156,8 @@ class RayTeacherSource:
         replica (for the status rows) and over all replicas; the on-policy figures and the
         expert load of the logged steps (step - steps, step]."""
         elapsed = max(time.perf_counter() - since, 1e-9)
-        last = list(self._recent)[-steps:]
         window = [(r, ms) for t, r, ms in self._recent if t >= since]
+        last = list(self._recent)[-steps:] if window else []  # none since: the gate closed
         for r in range(self._pool.replicas):
             r_ms = sum(ms for replica, ms in window if replica == r)
             self._pool.busy[f"teacher-{r}"] = min(1.0, r_ms / 1e3 / elapsed)
