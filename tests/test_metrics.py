@@ -237,7 +237,7 @@ def test_secrets_are_redacted(tmp_path):
 
 
 def test_health_and_stall():
-    stall = 0.3  # long enough that a busy test machine does not trip the fresh checks
+    stall = 1.0  # long enough that a busy test machine does not trip the fresh checks
     s = store(stall_timeout_s=stall)
     assert s.health() == (True, "ok")
     time.sleep(stall + 0.1)
