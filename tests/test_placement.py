@@ -228,6 +228,29 @@ def test_a_cache_run_colocated_counts_no_teacher_on_the_devices(corpus_dir, tmp_
     assert placement.teacher_cost(cfg, 2.0, teacher) == RoleCost(0.0, 0)
 
 
+def test_auto_compiles_no_teacher_for_a_cache_run(corpus_dir, tmp_path, monkeypatch):
+    """`auto`'s compiled costs of a cache run: the student's programs, given the teacher
+    output's traced shapes; no teacher program compiled (it would never run)."""
+    import jax
+
+    from pipelines.placement import costs
+    from pipelines.plan import memory as plan_memory
+
+    cfg = _cfg(corpus_dir, tmp_path, placement="auto")
+    cfg.teacher.source = "cache"
+    cfg.teacher.model.attention = "reference"  # compiles fastest; not what is tested
+    cfg.resolve_dtypes("cpu")
+
+    def no_compile(*_):
+        raise AssertionError("a teacher program compiled for a cache run")
+
+    monkeypatch.setattr(plan_memory, "_teacher", no_compile)
+    layouts = [Layout("colocated", (1, 1, 2), (2, 1)), Layout("split", (1, 1, 1), (1, 1))]
+    got = costs.compiled_costs(cfg, jax.devices()[:2], layouts)
+    assert got["teacher", (1, 1, 2)] == got["teacher", (1, 1, 1)] == RoleCost(0.0, 0)
+    assert all(got["student", s].seconds > 0 for s in ((2, 1), (1, 1)))
+
+
 # -- colocated runs ------------------------------------------------------------------------
 
 

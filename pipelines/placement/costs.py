@@ -84,7 +84,8 @@ def student_cost(seconds: float, figures: dict) -> RoleCost:
 
 def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     """{(role, shape): RoleCost} for every role layout of `layouts`, each compiled once from
-    abstract shapes over the first devices (`pipelines.plan.memory`), nothing run."""
+    abstract shapes over the first devices (`pipelines.plan.memory`), nothing run. A run
+    from the teacher cache compiles no teacher: its output's shapes are traced once."""
     from distill.mesh import student_mesh, teacher_mesh
     from pipelines.plan import memory as plan_memory
 
@@ -95,9 +96,12 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     for shape in dict.fromkeys(x.teacher for x in layouts):
         dp, ep, tp = shape
         c = Layout("split", shape, (1, 1)).apply(cfg)
-        compiled, out = plan_memory._teacher(
-            c, teacher_mesh(devices[: dp * ep * tp], dp, tp, ep), None
-        )
+        mesh = teacher_mesh(devices[: dp * ep * tp], dp, tp, ep)
+        if cfg.teacher.source == "cache":  # no teacher on any device: nothing to compile
+            out = plan_memory.teacher_output_shapes(c, mesh, None) if out is None else out
+            costs["teacher", shape] = RoleCost(0.0, 0)
+            continue
+        compiled, out = plan_memory._teacher(c, mesh, None)
         figures = plan_memory._figures(compiled)
         fig = {
             "peak_bytes_per_device": figures["peak"],

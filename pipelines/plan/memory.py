@@ -63,6 +63,17 @@ def teacher_params(cfg: Config, mesh):
 def _teacher(cfg: Config, mesh, vocab_limit: int | None):
     """(the compiled teacher output forward, its abstract output for a training batch): a
     dense output in blocks (`pipelines.plan.dense_blocks`) is n forwards of a block."""
+    fwd, params, batch, out = _teacher_program(cfg, mesh, vocab_limit)
+    return fwd.lower(params, batch).compile(), out
+
+
+def teacher_output_shapes(cfg: Config, mesh, vocab_limit: int | None):
+    """The teacher's abstract output for a training batch (as `_teacher`'s), traced only:
+    nothing compiled."""
+    return _teacher_program(cfg, mesh, vocab_limit)[3]
+
+
+def _teacher_program(cfg: Config, mesh, vocab_limit: int | None):
     fwd = make_output_forward(cfg, mesh, vocab_limit)
     params = teacher_params(cfg, mesh)
     n = dense_blocks(cfg)
@@ -70,7 +81,7 @@ def _teacher(cfg: Config, mesh, vocab_limit: int | None):
     out = jax.eval_shape(fwd, params, batch)
     if n > 1:
         out = TeacherOutput((out.logprobs,) * n, None)
-    return fwd.lower(params, batch).compile(), out
+    return fwd, params, batch, out
 
 
 def _student(cfg: Config, mesh, teacher_out, vocab_limit: int | None):
