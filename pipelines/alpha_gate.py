@@ -63,7 +63,7 @@ class AlphaGate(Hook):
         gated, on_policy = _tell_source(loop, new)
         s, t = compared(m)
         why = "the teacher is better" if new else "the student has caught up with the teacher"
-        steps = "" if new or not gated else "; the teacher's forward skipped"
+        steps = "" if new or not gated else "; the steps without the teacher's outputs"
         if on_policy:
             steps += "; on-policy steps as scheduled" if new else "; on-policy steps as data steps"
         loop.note(

@@ -227,7 +227,8 @@ class OnlineSource(QueueSource):
 class CacheSource(QueueSource):
     """Offline distillation: batches and top-k teacher outputs read back from the teacher
     cache (host arrays); no teacher on any device. Evaluation uses the stored dense eval
-    logits, or is skipped when they were too large to store."""
+    logits, or is skipped when they were too large to store. While the `distill.alpha_gate`
+    is closed the batches are handed on without their outputs (the cross-entropy step)."""
 
     def __init__(self, cfg: Config):
         in_place = positions.wanted(cfg)
@@ -236,6 +237,21 @@ class CacheSource(QueueSource):
             lambda item: (*(_in_place(*item) if in_place else item), None),
         )
         self._eval = teacher_cache.eval_logits(cfg)
+        self._open = True
+
+    def gate(self, open_: bool) -> bool:
+        """As `OnlineSource.gate`: closed, the batches come without their outputs."""
+        self._open = bool(open_)
+        return False
+
+    def pop(self) -> Item:
+        return self._gated(super().pop())
+
+    def peek(self) -> Item:
+        return self._gated(super().peek())
+
+    def _gated(self, item: Item) -> Item:
+        return item if self._open else item._replace(teacher_out=None)
 
     def eval_logits(self, batches: list):
         return self._eval

@@ -65,6 +65,21 @@ def test_cache_then_train_matches_online(online, capsys):
         assert a["teacher_loss"] == pytest.approx(b["teacher_loss"], rel=1e-5)
     assert json.loads((out / "summary.json").read_text())["completed"]
 
+    # the alpha gate closed: the cached batches come without their outputs (the
+    # cross-entropy step), reopened with them
+    from distill.config.load import config_from_dict
+    from pipelines.sources import CacheSource
+
+    source = CacheSource(config_from_dict(cfg))
+    source.start(None)
+    source.submit()
+    assert source.gate(False) is False  # no on-policy steps
+    head = source.peek()
+    assert head.teacher_out is None and head.batch.tokens.shape == (4, 32)
+    source.gate(True)
+    assert source.peek().teacher_out.logprobs.shape == (4, 32, 8)
+    assert source.pop().teacher_out is not None
+
 
 def test_colocated_cache_then_train_matches_online(online):
     """`cache-teacher` and the cached run with both meshes on the same devices
