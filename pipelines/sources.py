@@ -127,6 +127,7 @@ class QueueSource:
         self._it: Iterator | None = None
         self._queue: deque[Item] = deque()
         self.loads = LoadWindow(dropping)
+        self._taught: deque[bool] = deque(maxlen=4096)  # whether recent pops had an output
 
     def start(self, data_state: dict | None) -> None:
         self._it = self._iterator_fn()
@@ -146,6 +147,7 @@ class QueueSource:
         item = self._queue.popleft()
         if item.tag is not None:
             self.loads.add(item.tag)
+        self._taught.append(item.teacher_out is not None)
         return item
 
     def peek(self) -> Item:
@@ -161,10 +163,10 @@ class QueueSource:
         """The teacher's time figures and the expert load of the logged steps' batches."""
         if self._watch is None:
             return {"teacher_ms": 0.0, "teacher_busy": 0.0, **self.loads.figures(steps)}
-        busy = self._watch.busy_fraction(since)
-        return {  # no forward finished since `since` (the alpha gate closed): 0, not the last
-            "teacher_ms": self._watch.recent_ms(steps) if busy > 0 else 0.0,
-            "teacher_busy": busy,
+        taught = taught_of(self._taught, steps)  # the steps with a forward (alpha gate)
+        return {
+            "teacher_ms": self._watch.recent_ms(taught) if taught else 0.0,
+            "teacher_busy": self._watch.busy_fraction(since),
             **self.loads.figures(steps),
         }
 
@@ -255,6 +257,12 @@ class CacheSource(QueueSource):
 
     def eval_logits(self, batches: list):
         return self._eval
+
+
+def taught_of(taught: deque[bool], steps: int) -> int:
+    """How many of the last `steps` batches handed on had a teacher output (all of them
+    unless the `distill.alpha_gate` closed): the forwards `teacher_ms` averages over."""
+    return sum(list(taught)[-steps:])
 
 
 def _in_place(batch: Batch, out: TeacherOutput) -> tuple[Batch, TeacherOutput]:

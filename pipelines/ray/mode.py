@@ -45,6 +45,7 @@ from pipelines.on_policy import eval_prompts, schedule_figures, takes_on_policy
 from pipelines.progress import distill_record
 from pipelines.ray import rows as ray_rows
 from pipelines.ray.pool import ActorPool
+from pipelines.sources import taught_of
 from student.evaluate import combine
 
 log = logging.getLogger("distill")
@@ -76,6 +77,7 @@ class RayTeacherSource:
         # (step, what it was made as: `_want`'s "policy", "teacher" or "data") of those in flight
         self._made: deque[tuple[int, str]] = deque()
         self._taken: dict[int, bool] = {}  # whether recent steps trained on-policy
+        self._taught_out: deque[bool] = deque(maxlen=4096)  # whether recent pops had an output
         self.loads = LoadWindow(cfg.teacher.moe_capacity_factor is not None)
 
     def start(self, data_state: dict | None) -> None:
@@ -133,6 +135,7 @@ class RayTeacherSource:
         self._taken[step] = made == "policy"
         self._taken.pop(step - 4096, None)  # steps are popped one by one, in order
         p, busy_ms, load = self._pool.next_output()
+        self._taught_out.append(p.out is not None)
         if p.out is not None:
             self._recent.append((time.perf_counter(), p.replica, busy_ms))
         if load is not None:
@@ -156,8 +159,9 @@ class RayTeacherSource:
         replica (for the status rows) and over all replicas; the on-policy figures and the
         expert load of the logged steps (step - steps, step]."""
         elapsed = max(time.perf_counter() - since, 1e-9)
+        taught = taught_of(self._taught_out, steps)  # the steps with a forward (alpha gate)
+        last = list(self._recent)[-taught:] if taught else []
         window = [(r, ms) for t, r, ms in self._recent if t >= since]
-        last = list(self._recent)[-steps:] if window else []  # none since: the gate closed
         for r in range(self._pool.replicas):
             r_ms = sum(ms for replica, ms in window if replica == r)
             self._pool.busy[f"teacher-{r}"] = min(1.0, r_ms / 1e3 / elapsed)
