@@ -170,6 +170,24 @@ def test_eval_batches_are_fixed_and_cycle(corpus_dir):
     np.testing.assert_array_equal(again[1].mask, batches[1].mask)
 
 
+def test_eval_rows_spread_over_the_held_out_split(corpus_dir):
+    """Fewer eval rows than held out: evenly spaced over the whole split, in order, each
+    once, the last ones from its last documents (not the split's first rows only)."""
+    from distill.data.corpus import eval_row_ids
+
+    corpus = load_corpus(DataConfig(source=str(corpus_dir), eval_fraction=0.2), seq_len=16)
+    n = corpus.eval_rows
+    assert n >= 8
+    rows = eval_row_ids(n, 4)
+    assert list(rows) == [0, n // 4, n // 2, 3 * n // 4]
+    got = corpus.eval_batches(batch_size=2, n_batches=2)
+    for batch, pair in zip(got, rows.reshape(2, 2), strict=True):
+        for row, i in zip(batch.tokens, pair, strict=True):
+            np.testing.assert_array_equal(row, corpus.eval[int(i)].tokens)
+    spread = eval_row_ids(10**6, 999)
+    assert len(set(spread)) == 999 and spread[-1] >= 10**6 - 10**6 // 999 - 1
+
+
 def test_jsonl_text_field(tmp_path):
     lines = [json.dumps({"body": f"record {i}", "id": i}) for i in range(3)]
     _write(tmp_path / "a.jsonl", "\n".join(lines[:2]) + "\n\n")

@@ -65,11 +65,23 @@ def test_cache_then_train_matches_online(online, capsys):
         assert a["teacher_loss"] == pytest.approx(b["teacher_loss"], rel=1e-5)
     assert json.loads((out / "summary.json").read_text())["completed"]
 
-    # the alpha gate closed: the cached batches come without their outputs (the
-    # cross-entropy step), reopened with them
     from distill.config.load import config_from_dict
+    from pipelines.offline import teacher_cache
     from pipelines.sources import CacheSource
 
+    # a cache written before evaluation spread its rows over the split: its eval logits
+    # are of other rows, so they are not used (training from its shards still is)
+    root = tmp / "offline" / "cache"
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["eval_rows"] == "spread"
+    assert teacher_cache.eval_logits(config_from_dict(cfg)) is not None
+    old = {k: v for k, v in manifest.items() if k != "eval_rows"}
+    (root / "manifest.json").write_text(json.dumps(old))
+    assert teacher_cache.eval_logits(config_from_dict(cfg)) is None
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+    # the alpha gate closed: the cached batches come without their outputs (the
+    # cross-entropy step), reopened with them
     source = CacheSource(config_from_dict(cfg))
     source.start(None)
     source.submit()

@@ -95,7 +95,12 @@ class DataConfig(Section):
     eval_fraction: float = Field(
         0.02, gt=0, lt=1, description="Fraction of documents held out for evaluation."
     )
-    eval_batches: int = Field(4, ge=1, description="Batches per evaluation.")
+    eval_batches: int = Field(
+        4,
+        ge=1,
+        description="Batches per evaluation: train.batch_size rows each, spread evenly over "
+        "the held-out split (every row, cycling, when the split has fewer).",
+    )
     prepared_dir: str | None = Field(
         None,
         description="Directory of the corpus tokenised and packed by `distill prepare`. Set: "

@@ -155,6 +155,16 @@ class Corpus:
         return iter(ds)
 
     def eval_batches(self, batch_size: int, n_batches: int) -> list[Batch]:
-        """The first ``n_batches * batch_size`` eval rows in order (cycling), as batches."""
-        rows = np.arange(n_batches * batch_size).reshape(n_batches, batch_size)
-        return [self.eval.gather(r % self.eval_rows) for r in rows]
+        """``n_batches * batch_size`` eval rows as batches, spread evenly over the held-out
+        split (``eval_row_ids``)."""
+        rows = eval_row_ids(self.eval_rows, n_batches * batch_size)
+        return [self.eval.gather(r) for r in rows.reshape(n_batches, batch_size)]
+
+
+def eval_row_ids(available: int, n: int) -> np.ndarray:
+    """The ``n`` held-out rows evaluation reads out of ``available``: evenly spaced over the
+    whole split in order (row floor(i * available / n)), so that every held-out document has
+    its share, not the split's first few documents; every row, cycling, when ``n`` is more."""
+    if n >= available:
+        return np.arange(n) % available
+    return np.arange(n) * available // n

@@ -106,6 +106,8 @@ def _continue_manifest(root: Path, expected: dict, steps: int) -> dict:
         stale.unlink()
     for extra in manifest["shards"][len(shards) :] if manifest else []:
         (root / extra["file"]).unlink(missing_ok=True)
+    if manifest is not None and manifest.get("eval_rows") != expected["eval_rows"]:
+        (root / EVAL_FILE).unlink(missing_ok=True)  # of other held-out rows: written again
     manifest = {**expected, "shards": shards, "steps_written": sum(s["batches"] for s in shards)}
     write_manifest(root, manifest)
     return manifest

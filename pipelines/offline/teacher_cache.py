@@ -62,6 +62,9 @@ LOGPROBS_DTYPE = np.dtype(np.float32)  # see the module docstring for float16
 WRITER_OPTIONS = "group_size:1,uncompressed"  # one batch per chunk: random access is cheap
 _MANIFEST = "manifest.json"
 EVAL_FILE = "eval.arrayrecord"
+# which held-out rows `eval.arrayrecord` holds (`distill.data.corpus.eval_row_ids`); a cache
+# without it holds the split's first rows, which evaluation no longer reads
+EVAL_ROWS = "spread"
 # manifest key -> the config key (or option) it must agree with
 _CHECKED = {
     "teacher_hash": "teacher.checkpoint",
@@ -190,6 +193,7 @@ def expected_manifest(cfg: Config, corpus, thash: str | None, batches_per_shard:
         "seed": cfg.run.seed,
         "data_hash": data_hash(corpus),
         "eval_batches": cfg.data.eval_batches,
+        "eval_rows": EVAL_ROWS,
         "batches_per_shard": batches_per_shard,
         "teacher_tokenizer": teacher_tokenizer_id(cfg, corpus),
         "teacher_len": getattr(corpus.train, "teacher_len", None) if corpus.teacher else None,
@@ -320,9 +324,18 @@ def train_iterator(cfg: Config):
 
 
 def eval_logits(cfg: Config) -> list[np.ndarray] | None:
-    """The stored dense teacher logits of the eval batches, or None if not stored."""
+    """The stored dense teacher logits of the eval batches, or None if not stored (or
+    stored for other rows than evaluation reads: a cache written before `EVAL_ROWS`)."""
     path = cache_dir(cfg) / EVAL_FILE
     if not path.is_file():
+        return None
+    if (read_manifest(cache_dir(cfg)) or {}).get("eval_rows") != EVAL_ROWS:
+        log.warning(
+            "teacher cache %s: its evaluation logits are of other held-out rows than "
+            "evaluation reads now (written by an older distill); periodic evaluation is "
+            "skipped; rerun distill cache-teacher into a new teacher.cache_dir to store them",
+            cache_dir(cfg),
+        )
         return None
     from array_record.python.array_record_module import ArrayRecordReader
 
