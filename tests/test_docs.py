@@ -3,11 +3,13 @@ page reads as a development log, and the install page's commands are CI's and th
 container's."""
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from distill.config import reference as config_ref
+from distill.models.families import reference as families_ref
 from pipelines.commands import reference as cli_ref
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,13 +19,18 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 @pytest.mark.parametrize(
     ("module", "path"),
-    [(config_ref, "docs/reference/config.md"), (cli_ref, "docs/reference/cli.md")],
-    ids=["config", "cli"],
+    [
+        (config_ref.config_reference, "docs/reference/config.md"),
+        (cli_ref.cli_reference, "docs/reference/cli.md"),
+        (families_ref.families_reference, "docs/reference/families.md"),
+    ],
+    ids=["config", "cli", "families"],
 )
 def test_generated_reference_is_current(module, path):
-    fresh = module.config_reference() if module is config_ref else module.cli_reference()
+    fresh = module()
     committed = (ROOT / path).read_text() if (ROOT / path).exists() else ""
-    assert committed == fresh, f"{path} is stale: regenerate it with `{module.COMMAND}`"
+    command = sys.modules[module.__module__].COMMAND
+    assert committed == fresh, f"{path} is stale: regenerate it with `{command}`"
 
 
 def test_the_config_reference_writer_takes_help_and_a_path(tmp_path, monkeypatch, capsys):

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from distill.models import families
+
 # The attention kernels (`distill.models.attention.BACKENDS` is read from this) and compute
 # dtypes.
 AttentionBackend = Literal["auto", "reference", "blockwise", "prefix", "cudnn", "splash"]
@@ -57,11 +59,9 @@ def backend_problem(backend: str, softcap: bool, mixed_windows: bool) -> str | N
     return None
 
 
-# Checkpoint families whose config.json and tensor names `distill.models.hf` reads.
-Family = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
-    "qwen3_moe", "olmoe",
-]  # fmt: skip
+# Checkpoint families whose config.json and tensor names `distill.models.hf` reads: one
+# record each in `distill.models.families`.
+Family = Literal[families.names()]
 LayerType = Literal["full", "sliding"]
 
 # ModelConfig keys that say how the model runs, not what its weights are: never compared
@@ -243,13 +243,11 @@ class ModelConfig(Section):
         return self.query_scale if self.query_scale is not None else 1 / math.sqrt(self.hd)
 
 
-# Keys that only a mixture of experts reads, and the dense family of each MoE family (its
-# attention and naming without the experts), for a student made dense (`student_fields`).
+# Keys that only a mixture of experts reads, for a student made dense (`student_fields`).
 MOE_KEYS = (
     "n_experts", "experts_per_token", "d_ff_expert", "norm_topk_prob", "dense_layers",
     "d_ff_shared",
 )  # fmt: skip
-DENSE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 
 
 def student_fields(teacher: ModelConfig, overrides: dict, keep_experts: bool) -> dict:
@@ -262,7 +260,7 @@ def student_fields(teacher: ModelConfig, overrides: dict, keep_experts: bool) ->
     fields = teacher.model_dump()
     if teacher.n_experts and not keep_experts and "n_experts" not in overrides:
         fields.update({k: ModelConfig.model_fields[k].default for k in MOE_KEYS})
-        fields["family"] = DENSE_FAMILY.get(teacher.family, teacher.family)
+        fields["family"] = families.get(teacher.family).dense or teacher.family
     return {**fields, **overrides}
 
 

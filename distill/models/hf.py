@@ -1,6 +1,6 @@
 """The Hugging Face format on disk: config.json <-> ModelConfig, weight names, shards, for
-Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3 text, and the mixtures of experts
-Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE and OLMoE (`MODEL_TYPES`).
+every family registered in `distill.models.families` (`MODEL_TYPES`). What the families
+share is read here; what sets one apart is in its record there.
 
 Only the format lives here, without JAX, because the config loader reads config.json before
 JAX starts. `teacher.hf` loads a checkpoint into the tensor-parallel layout,
@@ -22,22 +22,16 @@ from pydantic import ValidationError
 
 from distill.config import ModelConfig, RopeScaling
 from distill.errors import DistillError
+from distill.models import families
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # config.json model_type: what `distill.config.ModelConfig.family` records.
-MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
-    "qwen3_moe", "olmoe",
-)  # fmt: skip
-GEMMA = ("gemma2", "gemma3_text")
+MODEL_TYPES = families.names()
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
-# Every layer sliding (Mistral); sliding from max_window_layers on (Qwen); a sliding layer
-# except every n-th (Gemma 2: n = 2; Gemma 3: sliding_window_pattern, default 6).
-TIED_BY_DEFAULT = ("gemma2", "gemma3_text")
 
 # distill layer weight -> (name after `model.layers.{i}.`, stored transposed as [out, in])
 LAYER_WEIGHTS = {
@@ -66,18 +60,6 @@ QKV_BIASES = {
 QK_NORMS = {
     "q_norm": ("self_attn.q_norm.weight", False),
     "k_norm": ("self_attn.k_norm.weight", False),
-}
-# A mixture of experts' layer: the router after `model.layers.{i}.{prefix}`, each expert's
-# weights after `model.layers.{i}.{prefix}experts.{j}.` (transformers 5 fuses the experts in
-# memory but saves them one by one, as the published checkpoints are).
-MOE_PREFIX = {"mixtral": "block_sparse_moe."}  # others: "mlp."
-EXPERT_WEIGHTS = {
-    "mixtral": {"we_gate": "w1.weight", "we_up": "w3.weight", "we_down": "w2.weight"},
-    "default": {
-        "we_gate": "gate_proj.weight",
-        "we_up": "up_proj.weight",
-        "we_down": "down_proj.weight",
-    },
 }
 # Qwen2-MoE's shared expert and its sigmoid gate, after `model.layers.{i}.mlp.`
 SHARED_WEIGHTS = {
@@ -119,8 +101,8 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
         if key != "lm_head" or not cfg.tie_embeddings:
             names[name] = (key, None, transposed)
     moe_layers = cfg.moe_layers()
-    prefix = MOE_PREFIX.get(cfg.family, "mlp.")
-    experts = EXPERT_WEIGHTS.get(cfg.family, EXPERT_WEIGHTS["default"])
+    family = families.get(cfg.family)
+    prefix, experts = family.moe_prefix, family.expert_names
     for i in range(cfg.n_layers):
         for key, (name, transposed) in layer_weights(cfg).items():
             if not (moe_layers[i] and key in DENSE_FFN):
@@ -224,26 +206,28 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
 
 def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
-    """`read_model_config` of a parsed config.json; `where` names it in errors."""
+    """`read_model_config` of a parsed config.json; `where` names it in errors. The keys
+    every family shares are read here, the rest by the family's record
+    (`distill.models.families`)."""
     kind = raw.get("model_type")
-    if kind not in MODEL_TYPES:
+    if not families.known(kind):
         raise DistillError(
             f"{where}: model_type {kind!r} ({', '.join(raw.get('architectures') or [])}) is not "
             f"a supported decoder family ({', '.join(MODEL_TYPES)})"
         )
-    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
-    act_key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
+    family = families.get(kind)
+    act = raw.get(family.activation_key) or raw.get("hidden_act", "silu")
+    act_key = family.activation_key if raw.get(family.activation_key) else "hidden_act"
     unsupported = {
         act_key: act not in ACTIVATIONS,
         "attention_bias": bool(raw.get("attention_bias")),
         "mlp_bias": bool(raw.get("mlp_bias")),
         "use_bidirectional_attention": bool(raw.get("use_bidirectional_attention")),
         "clip_qkv": raw.get("clip_qkv") is not None,
-        "shared_expert_intermediate_size": kind != "qwen2_moe"
-        and bool(raw.get("shared_expert_intermediate_size")),
+        "shared_expert_intermediate_size": bool(raw.get("shared_expert_intermediate_size")),
     }
     for key, bad in unsupported.items():
-        if bad:
+        if bad and key not in family.accepts:
             raise DistillError(f"{where}: {key}={raw[key]!r} is not supported by this decoder")
     theta, scaling = _rope(raw, where)
     try:
@@ -260,9 +244,11 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             norm_eps=raw.get("rms_norm_eps", 1e-6),
-            tie_embeddings=raw.get("tie_word_embeddings", kind in TIED_BY_DEFAULT),
+            tie_embeddings=raw.get("tie_word_embeddings", family.tied_by_default),
             activation=ACTIVATIONS[act],
-            **_family_keys(raw, kind, where),
+            family=kind,
+            **_windows(raw, family, where),
+            **family.read(raw, where),
         )
     except KeyError as e:
         raise DistillError(f"{where}: required key {e.args[0]!r} is missing") from None
@@ -271,83 +257,17 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
         raise DistillError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
-def _family_keys(raw: dict, kind: str, where: Path) -> dict:
-    """The ModelConfig keys that set `kind` apart from Llama."""
-    keys: dict = {"family": kind, **_windows(raw, kind, where)}
-    if kind == "qwen2":
-        keys["qkv_bias"] = True  # Qwen2's q, k, v projections always have biases
-    if kind == "qwen2_moe":
-        keys["qkv_bias"] = bool(raw.get("qkv_bias", True))
-    if kind in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"):
-        keys["qk_norm"] = True
-    if kind in MOE_TYPES:
-        keys.update(_experts(raw, kind))
-    if kind in GEMMA:
-        scalar = raw.get("query_pre_attn_scalar", 256)
-        keys.update(
-            norm_offset=1.0,
-            post_norms=True,
-            embed_scale=True,
-            query_scale=scalar**-0.5,  # as transformers computes it
-            attn_softcap=raw.get("attn_logit_softcapping"),
-            final_softcap=raw.get("final_logit_softcapping"),
-        )
-    return keys
-
-
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # moe_intermediate_size, dense layers by index
-
-
-def _experts(raw: dict, kind: str) -> dict:
-    """The mixture-of-experts keys: Mixtral always renormalises its top-k probabilities (it
-    takes the softmax of the top-k logits); OLMoE's query/key norms span all heads; Qwen
-    keeps the layers of `mlp_only_layers`, and those off its `decoder_sparse_step`, dense;
-    Qwen2-MoE's MoE layers add a shared expert (`shared_expert_intermediate_size`)."""
-    n = raw.get("num_experts", raw.get("num_local_experts"))
-    keys = {
-        "n_experts": n,
-        "experts_per_token": raw.get("num_experts_per_tok", 2),
-        "norm_topk_prob": kind == "mixtral" or bool(raw.get("norm_topk_prob")),
-    }
-    if kind == "qwen2_moe":
-        keys["d_ff_shared"] = raw.get("shared_expert_intermediate_size") or 0
-    if kind in QWEN_MOE:
-        keys["d_ff_expert"] = raw["moe_intermediate_size"]
-        only, step = set(raw.get("mlp_only_layers") or []), raw.get("decoder_sparse_step", 1)
-        moe = [i not in only and (i + 1) % step == 0 for i in range(raw["num_hidden_layers"])]
-        keys["dense_layers"] = tuple(i for i, m in enumerate(moe) if not m)
-    if kind == "olmoe":
-        keys["qk_norm_full"] = True
-    return keys
-
-
-def _windows(raw: dict, kind: str, where: Path) -> dict:
+def _windows(raw: dict, family: families.Family, where: Path) -> dict:
     """sliding_window, layer_types and the sliding layers' RoPE base, from `layer_types` when
-    config.json has it, else from each family's own keys."""
+    config.json has it, else from the family's own keys (`Family.windows`)."""
     window, n = raw.get("sliding_window"), raw["num_hidden_layers"]
     if raw.get("layer_types") is not None:
         bad = [t for t in raw["layer_types"] if t not in LAYER_TYPES]
         if bad:
             raise DistillError(f"{where}: layer_types entry {bad[0]!r} is not supported")
         types = [LAYER_TYPES[t] for t in raw["layer_types"]]
-    elif kind in ("mistral", "mixtral"):
-        types = ["sliding" if window else "full"] * n
-    elif kind == "qwen2_moe" and raw.get("use_sliding_window"):
-        raise DistillError(  # transformers 4 and 5 place its sliding layers differently
-            f"{where}: use_sliding_window=True without layer_types is not supported by "
-            "qwen2_moe (which layers slide is not said)"
-        )
-    elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        first = raw.get("max_window_layers", n) if raw.get("use_sliding_window") else n
-        types = ["sliding" if window and i >= first else "full" for i in range(n)]
-    elif kind in GEMMA:
-        every = 2 if kind == "gemma2" else raw.get("sliding_window_pattern", 6)
-        types = ["full" if (i + 1) % every == 0 else "sliding" for i in range(n)]
-    else:  # llama and OLMoE have no sliding attention
-        if window is not None:
-            raise DistillError(f"{where}: sliding_window={window!r} is not supported by {kind}")
-        types = ["full"] * n
+    else:
+        types = family.windows(raw, n, where, family.model_type)
     if "sliding" not in types:
         return {}
     if window is None:

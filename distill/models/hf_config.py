@@ -1,32 +1,23 @@
-"""ModelConfig -> a Hugging Face config.json in the model's own family (`ModelConfig.family`,
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE included):
+"""ModelConfig -> a Hugging Face config.json in the model's own family (`ModelConfig.family`):
 the inverse of `distill.models.hf.read_model_config`, which checks every file written here.
 
-Each family's keys are written as its transformers configuration class reads them (Qwen's
-`use_sliding_window` and explicit `layer_types`, Gemma's `query_pre_attn_scalar` and
-soft-caps, Gemma 3's per-layer-type `rope_parameters`). The written file is read back by the
-loader and must give the same model: a config its family cannot express (a Llama with query
-norms, a Mistral mixing full and sliding layers) is one DistillError line naming the key.
+The keys every family shares are written here, the rest by the family's record
+(`distill.models.families`: `Family.write`), as its transformers configuration class reads
+them (Qwen's `use_sliding_window` and explicit `layer_types`, Gemma's
+`query_pre_attn_scalar` and soft-caps, Gemma 3's per-layer-type `rope_parameters`). The
+written file is read back by the loader and must give the same model: a config its family
+cannot express (a Llama with query norms, a Mistral mixing full and sliding layers) is one
+DistillError line naming the key.
 """
 
 from __future__ import annotations
 
 from distill.config import RUNTIME_KEYS, ModelConfig
 from distill.errors import DistillError
-from distill.models import hf
+from distill.models import families, hf
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
+# model_type -> the transformers class its config.json names.
+ARCHITECTURES = {name: families.get(name).architecture for name in families.names()}
 _TYPE_NAMES = {v: k for k, v in hf.LAYER_TYPES.items()}  # full -> full_attention, ...
 _ACT_NAMES = {v: k for k, v in hf.ACTIVATIONS.items()}
 
@@ -42,8 +33,9 @@ def to_hf_config(
 ) -> dict:
     """A config.json of `cfg`'s family that transformers loads as that family's model and
     that `hf.read_model_config` reads back as `cfg` (runtime keys aside)."""
+    family = families.get(cfg.family)
     raw = {
-        "architectures": [ARCHITECTURES[cfg.family]],
+        "architectures": [family.architecture],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -60,50 +52,13 @@ def to_hf_config(
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
         "torch_dtype": dtype,
-        **_rope(cfg),
-        **_windows(cfg),
+        **_rope(cfg, family),
+        **_windows(cfg, family),
+        family.activation_key: _ACT_NAMES[cfg.activation],
+        **family.write(cfg),
     }
-    act = "hidden_activation" if cfg.family in hf.GEMMA else "hidden_act"
-    raw[act] = _ACT_NAMES[cfg.activation]
-    if cfg.family == "llama":
-        raw["mlp_bias"] = False
-    if cfg.family in hf.MOE_TYPES:
-        raw.update(_experts(cfg))
-    if cfg.family in hf.GEMMA:
-        scalar = cfg.scale() ** -2
-        whole = abs(scalar - round(scalar)) < 1e-6  # written as the integer it was read from
-        raw["query_pre_attn_scalar"] = round(scalar) if whole else scalar
-        raw["final_logit_softcapping"] = cfg.final_softcap
-        if cfg.family == "gemma2":
-            raw["attn_logit_softcapping"] = cfg.attn_softcap
     _check_round_trip(cfg, raw)
     return raw
-
-
-def _experts(cfg: ModelConfig) -> dict:
-    """A mixture of experts' keys in its family's names (the inverse of `hf._experts`):
-    Mixtral's and OLMoE's intermediate_size is each expert's width, Qwen2/3-MoE's the dense
-    layers' beside moe_intermediate_size (and Qwen2-MoE's shared expert's width)."""
-    n = "num_local_experts" if cfg.family == "mixtral" else "num_experts"
-    keys = {n: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token}
-    if cfg.family == "qwen2_moe":
-        keys.update(shared_expert_intermediate_size=cfg.f_shared, qkv_bias=cfg.qkv_bias)
-    if cfg.family in hf.QWEN_MOE:
-        keys.update(
-            moe_intermediate_size=cfg.f_expert,
-            mlp_only_layers=list(cfg.dense_layers),
-            decoder_sparse_step=1,
-        )
-    else:
-        keys["intermediate_size"] = cfg.f_expert
-    if cfg.family == "olmoe" and cfg.hd * cfg.n_heads != cfg.d_model:
-        raise DistillError(
-            f"export: student.model.head_dim={cfg.hd} cannot be written as an olmoe checkpoint "
-            f"(its heads are d_model / n_heads = {cfg.d_model // cfg.n_heads} wide)"
-        )
-    if cfg.family != "mixtral":  # Mixtral always renormalises
-        keys["norm_topk_prob"] = cfg.norm_topk_prob
-    return keys
 
 
 def _scaling(cfg: ModelConfig) -> dict | None:
@@ -116,12 +71,12 @@ def _scaling(cfg: ModelConfig) -> dict | None:
     return scaling
 
 
-def _rope(cfg: ModelConfig) -> dict:
+def _rope(cfg: ModelConfig, family: families.Family) -> dict:
     """The older rope_theta/rope_scaling layout (transformers 4 reads it, 5 converts it),
-    except for Gemma 3 with its own local base: transformers 5's per-layer-type
-    `rope_parameters`."""
+    except for a family with a local base of its own (Gemma 3): transformers 5's
+    per-layer-type `rope_parameters`."""
     scaling = _scaling(cfg)
-    if cfg.family != "gemma3_text" or "full" not in cfg.types():
+    if not family.rope_per_layer_type or "full" not in cfg.types():
         return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
     full = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
     local = cfg.rope_local_theta
@@ -135,21 +90,16 @@ def _rope(cfg: ModelConfig) -> dict:
     }
 
 
-def _windows(cfg: ModelConfig) -> dict:
-    """sliding_window and the per-layer types, in the keys each family reads."""
+def _windows(cfg: ModelConfig, family: families.Family) -> dict:
+    """sliding_window and the per-layer types, in the keys the family reads."""
     types = cfg.types()
-    if "sliding" not in types:
-        keys = {"sliding_window": None}
-        if cfg.family in ("qwen2", "qwen3", "qwen2_moe"):
-            keys["use_sliding_window"] = False
-        if cfg.family not in ("llama", "mistral", "mixtral"):
-            keys["layer_types"] = [_TYPE_NAMES[t] for t in types]
-        return keys
-    keys = {"sliding_window": cfg.sliding_window}
-    if cfg.family in ("qwen2", "qwen3", "qwen2_moe"):
-        keys["use_sliding_window"] = True
-        keys["max_window_layers"] = types.index("sliding")
-    if cfg.family not in ("llama", "mistral", "mixtral"):
+    sliding = "sliding" in types
+    keys = {"sliding_window": cfg.sliding_window if sliding else None}
+    if family.sliding_flag:
+        keys["use_sliding_window"] = sliding
+        if sliding:
+            keys["max_window_layers"] = types.index("sliding")
+    if family.writes_layer_types:
         keys["layer_types"] = [_TYPE_NAMES[t] for t in types]
     return keys
 
