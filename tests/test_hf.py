@@ -325,3 +325,14 @@ def test_plan_counts_the_teacher_weights_as_held(corpus_dir, tmp_path, capsys, t
     teacher = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["teacher"]
     itemsize = 2 if held == "bfloat16" else 4
     assert teacher["weight_bytes_per_device"] == teacher["params"] * itemsize // 2  # tp=2
+
+
+def test_export_config_of_a_head_dim_equal_to_the_default_width():
+    """head_dim set to d_model / n_heads is the same model as head_dim unset: it exports
+    (its config.json says 64, read back as None) rather than failing the round trip."""
+    from distill.models import hf_config
+
+    cfg = ModelConfig(d_model=128, n_heads=2, n_kv_heads=2, head_dim=64, d_ff=256)
+    raw = hf_config.to_hf_config(cfg, max_position_embeddings=512)
+    assert raw["head_dim"] == 64
+    assert hf.model_config_from_raw(raw, "config.json").hd == 64
