@@ -19,12 +19,17 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+# Never decayed: DeepSeek's selection-only router bias, which no gradient trains.
+NO_DECAY = ("router_correction",)
+
+
 def decay_mask(params):
-    """Weight decay on matrices only: norms (vectors, or [L, D] stacked) are exempt."""
+    """Weight decay on matrices only: norms (vectors, or [L, D] stacked) are exempt, and
+    `NO_DECAY`."""
 
     def is_matrix(path, x):
         name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
-        return not name.endswith("norm") and x.ndim >= 2
+        return not name.endswith("norm") and name not in NO_DECAY and x.ndim >= 2
 
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 

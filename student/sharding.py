@@ -50,21 +50,26 @@ WEIGHT_DIMS = {
         "w_up": ("layer", "d_model", "d_ff"),
         "w_down": ("layer", "d_ff", "d_model"),
         "router": ("layer", "d_model", "experts"),
+        "router_bias": ("layer", "experts"),
+        "router_correction": ("layer", "experts"),
         "we_gate": ("layer", "experts", "d_model", "d_ff_expert"),
         "we_up": ("layer", "experts", "d_model", "d_ff_expert"),
         "we_down": ("layer", "experts", "d_ff_expert", "d_model"),
+        "be_gate": ("layer", "experts", "d_ff_expert"),  # gpt-oss' expert biases
+        "be_up": ("layer", "experts", "d_ff_expert"),
+        "be_down": ("layer", "experts", "d_model"),
         "ws_gate": ("layer", "d_model", "d_ff_shared"),  # a shared expert
         "ws_up": ("layer", "d_model", "d_ff_shared"),
         "ws_down": ("layer", "d_ff_shared", "d_model"),
         "shared_gate": ("layer", "d_model", "one"),
     },
 }
-EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
+EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
 NEVER_SPLIT = ("layer",)
 # Norms, biases and a shared expert's gate vector: a few kilobytes each.
 REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
-    "k_norm", "bq", "bk", "bv", "shared_gate",
+    "k_norm", "bq", "bk", "bv", "shared_gate", "router_bias", "router_correction",
 )  # fmt: skip
 
 
@@ -92,7 +97,7 @@ def fsdp_spec(name: str, dims: tuple[str, ...], sizes: dict[str, int], fsdp: int
     over its experts, so that each device holds whole experts and the tokens travel to them
     (`experts_split`)."""
     if name in EXPERT_WEIGHTS and fsdp > 1 and sizes["experts"] % fsdp == 0:
-        return P(None, axis, None, None)
+        return P(None, axis, *(None,) * (len(dims) - 2))
     splittable = [
         (sizes[d], i) for i, d in enumerate(dims) if d not in NEVER_SPLIT and sizes[d] % fsdp == 0
     ]

@@ -50,9 +50,14 @@ LAYER_SPECS = {
     "w_up": P(None, None, TP),
     "w_down": P(None, TP, None),  # [L, F, D]
     "router": P(None, None, None),  # [L, D, E] replicated: every device routes its tokens
+    "router_bias": P(None, None),  # [L, E] gpt-oss' logit bias
+    "router_correction": P(None, None),  # [L, E] DeepSeek's selection-only bias
     "we_gate": P(None, EP, None, TP),  # [L, E, D, F] experts over ep, columns over tp
     "we_up": P(None, EP, None, TP),
     "we_down": P(None, EP, TP, None),  # [L, E, F, D]
+    "be_gate": P(None, EP, TP),  # [L, E, F] gpt-oss' expert biases, as their experts
+    "be_up": P(None, EP, TP),
+    "be_down": P(None, EP, None),  # [L, E, D] (added on one tp shard: `moe._experts`)
     "ws_gate": P(None, None, TP),  # [L, D, Fs] a shared expert: as a dense MLP, on every ep
     "ws_up": P(None, None, TP),
     "ws_down": P(None, TP, None),  # [L, Fs, D]

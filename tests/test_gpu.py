@@ -86,7 +86,10 @@ def test_mosaic_grouped_matmul_equals_the_tiled_kernel():
         probe = jax.random.normal(keys[5], (rows, d))
 
         def loss(kernel, x, *w):
-            y = grouped.expert_rows(x, src, expert, *w, jax.nn.silu, kernel)
+            experts = grouped.Experts(*w)
+            y = grouped.expert_rows(
+                x, src, expert, experts, lambda g, u: jax.nn.silu(g) * u, kernel
+            )
             return jnp.sum(y.astype(jnp.float32) * probe), y
 
         run = jax.jit(

@@ -106,7 +106,7 @@ def test_config_reads_each_family(family):
 
 def _reference_ffn(h_td, p, cfg):
     """Each token through its k experts, one at a time: the dense per-token reference."""
-    weights, ids = moe.route(h_td, p["router"], cfg.experts_per_token, cfg.norm_topk_prob)
+    weights, ids = moe.route(h_td, p, cfg)
     out = []
     for t in range(h_td.shape[0]):
         y = 0.0
@@ -164,7 +164,7 @@ def test_capacity_drops_the_lowest_probabilities_of_a_full_expert():
     y, (load, dropped, _) = moe.moe_ffn(
         h, p, cfg, tp_axis=None, ep_axis=None, capacity_factor=factor
     )
-    weights, ids = moe.route(h[0], p["router"], 2, False)
+    weights, ids = moe.route(h[0], p, cfg)
     keep = np.zeros(ids.shape, bool)
     for e in range(4):
         where = np.argwhere(np.asarray(ids) == e)

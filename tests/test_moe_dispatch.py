@@ -76,7 +76,7 @@ def _reference(h, p):
 def _rounds_needed(h, p, ep, kind_name):
     """Rounds the schedule takes: receivers' load over their room."""
     t, k = SHAPE[0] // ep * SHAPE[1], CFG.experts_per_token
-    _, ids = moe.route(h.reshape(-1, SHAPE[2]), p["router"], k, False)
+    _, ids = moe.route(h.reshape(-1, SHAPE[2]), p, CFG)
     dest = np.asarray(ids).reshape(ep, -1) // (CFG.n_experts // ep)  # [sender, assignments]
     counts = np.stack([np.bincount(r, minlength=ep) for r in dest])  # [sender, receiver]
     c = dispatch.pair_slots(t, k, ep)

@@ -18,6 +18,8 @@ from distill.config import ModelConfig
 from distill.models import moe
 from distill.models.experts import grouped
 
+SWIGLU = moe.glu(ModelConfig())
+
 
 def _params(d, e, f, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
@@ -44,23 +46,26 @@ def test_tiled_rows_equal_ragged_dot_and_skip_rows_of_no_expert():
     x = jax.random.normal(jax.random.key(1), (5, d))
     src = jnp.array([0, 4, 2, 2, 1, 3, 0, 4, 1])
     expert = jnp.array([3, 0, 4, 3, 0, 3, 1, 4, 3])  # none to expert 2; 4 = no expert
-    w = (p["we_gate"], p["we_up"], p["we_down"])
-    rows = jax.jit(grouped.expert_rows, static_argnums=(6, 7))
-    got = rows(x, src, expert, *w, jax.nn.silu, "tiled")
-    want = rows(x, src, expert, *w, jax.nn.silu, "ragged_dot")
+    w = grouped.Experts(p["we_gate"], p["we_up"], p["we_down"])
+    rows = jax.jit(grouped.expert_rows, static_argnums=(4, 5))
+    got = rows(x, src, expert, w, SWIGLU, "tiled")
+    want = rows(x, src, expert, w, SWIGLU, "ragged_dot")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     assert not np.asarray(got)[[2, 7]].any()
 
 
 @pytest.mark.parametrize("experts_per_token", [1, 3])
 def test_tiled_layer_and_its_gradient_equal_ragged_dot(experts_per_token):
-    cfg = ModelConfig(d_model=16, n_experts=8, experts_per_token=experts_per_token, d_ff_expert=8)
+    cfg = ModelConfig(
+        d_model=16, n_experts=8, experts_per_token=experts_per_token, d_ff_expert=8,
+        activation="gelu_tanh",
+    )  # fmt: skip
     p = _params(16, 8, 8, seed=2)
     h = jax.random.normal(jax.random.key(3), (2, 12, 16))
     probe = jax.random.normal(jax.random.key(4), (2, 12, 16))
 
     def loss(h, p, kernel):
-        y, _ = moe.moe_ffn(h, p, cfg, tp_axis=None, act=jax.nn.gelu, kernel=kernel)
+        y, _ = moe.moe_ffn(h, p, cfg, tp_axis=None, kernel=kernel)
         return jnp.sum(y * probe), y
 
     def grads(kernel):
@@ -76,47 +81,55 @@ def test_tiled_layer_and_its_gradient_equal_ragged_dot(experts_per_token):
         )
 
 
-def _sorted_rows(d=64, e=4, f=128, rows=40, live=33, seed=5):
+# gpt-oss' experts: biases on gate, up and down, the clamped SwiGLU (a limit the rows reach)
+GPT_OSS = ModelConfig(activation="swiglu_clamped", swiglu_limit=1.5, expert_bias=True)
+VARIANTS = {"swiglu": (SWIGLU, False), "gpt_oss": (moe.glu(GPT_OSS), True)}
+
+
+def _sorted_rows(d=64, e=4, f=128, rows=40, live=33, seed=5, biased=False):
     """Rows sorted by expert (one expert empty), the last `rows - live` of no expert."""
-    keys = jax.random.split(jax.random.key(seed), 5)
+    keys = jax.random.split(jax.random.key(seed), 8)
     sizes = jnp.array([10, 0, 15, live - 25], jnp.int32)
     x = jax.random.normal(keys[0], (rows, d))
-    w = [
-        jax.random.normal(k, s) * 0.2
-        for k, s in zip(keys[1:4], [(e, d, f), (e, d, f), (e, f, d)], strict=True)
-    ]
-    return x, sizes, w, jax.random.normal(keys[4], (rows, d))
+    shapes = [(e, d, f), (e, d, f), (e, f, d)] + ([(e, f), (e, f), (e, d)] if biased else [])
+    w = grouped.Experts(
+        *(jax.random.normal(k, s) * 0.2 for k, s in zip(keys[1:7], shapes, strict=False))
+    )
+    return x, sizes, w, jax.random.normal(keys[7], (rows, d))
 
 
-def test_mosaic_composition_and_its_backward_equal_autodiff():
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mosaic_composition_and_its_backward_equal_autodiff(variant):
     """The `mosaic_gpu` kernel's SwiGLU and hand-written backward, run with XLA's reference
     grouped matmuls in place of the Hopper kernels: output and every gradient equal plain
-    autodiff of `ragged_dot`, and the rows of no expert are zero."""
+    autodiff of `ragged_dot`, and the rows of no expert are zero; with gpt-oss' biases
+    (added per row outside the kernels) and clamped SwiGLU too."""
     from distill.models.experts import mosaic
 
-    x, sizes, w, probe = _sorted_rows()
-    f = mosaic.grouped_swiglu(jax.nn.silu, mosaic.reference_ops())
+    glu, biased = VARIANTS[variant]
+    x, sizes, w, probe = _sorted_rows(biased=biased)
+    f = mosaic.grouped_swiglu(glu, mosaic.reference_ops())
 
-    def loss(fn, x, *w):
-        y = fn(x, sizes, *w)
+    def loss(fn, x, w):
+        y = fn(x, sizes, w)
         return jnp.sum(y * probe), y
 
-    plain = lambda x, s, *w: grouped.ragged_swiglu(x, s, *w, jax.nn.silu)  # noqa: E731
-    got = jax.jit(jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)(f, x, *w)
-    want = jax.jit(jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)(
-        plain, x, *w
-    )
+    plain = lambda x, s, w: grouped.ragged_swiglu(x, s, w, glu)  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)(f, x, w)
+    want = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)(plain, x, w)
     (g_got, y_got), (g_want, y_want) = got, want
     np.testing.assert_allclose(np.asarray(y_got), np.asarray(y_want), atol=1e-5, rtol=1e-5)
     assert not np.asarray(y_got)[33:].any()
-    for a, b in zip(g_got, g_want, strict=True):
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
-def test_mosaic_kernel_lowers_for_cuda_without_ragged_dot(monkeypatch):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mosaic_kernel_lowers_for_cuda_without_ragged_dot(monkeypatch, variant):
     """The layer and its gradient in bfloat16 lowered for CUDA on this CPU machine: Mosaic
-    GPU kernels (three forward, six backward), no `ragged_dot` for XLA to rewrite densely.
-    A float32 layer, or widths the kernels' blocks do not divide, take the tiled kernel."""
+    GPU kernels (three forward, six backward), no `ragged_dot` for XLA to rewrite densely;
+    gpt-oss' biases and clamped SwiGLU add no kernel. A float32 layer, or widths the
+    kernels' blocks do not divide, take the tiled kernel."""
     from types import SimpleNamespace
 
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as transposed
@@ -129,15 +142,16 @@ def test_mosaic_kernel_lowers_for_cuda_without_ragged_dot(monkeypatch):
         transposed, "jax", SimpleNamespace(**{**vars(jax), "devices": lambda: [gpu]})
     )
 
-    x, _, w, probe = _sorted_rows()
+    glu, biased = VARIANTS[variant]
+    x, _, w, probe = _sorted_rows(biased=biased)
     src, expert = jnp.arange(40) % 40, jnp.arange(40) % 5  # 4 = no expert
 
-    def loss(x, *w):
-        y = grouped.expert_rows(x, src, expert, *w, jax.nn.silu, "mosaic_gpu")
+    def loss(x, w):
+        y = grouped.expert_rows(x, src, expert, w, glu, "mosaic_gpu")
         return jnp.sum(y.astype(jnp.float32) * probe)
 
-    bf16 = [a.astype(jnp.bfloat16) for a in (x, *w)]
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(*bf16).lower(
+    x, w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, w))
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(x, w).lower(
         lowering_platforms=("cuda",)
     ).as_text()  # fmt: skip
     assert text.count("custom_call @mosaic_gpu") == 9  # 3 forward, 3 + 3 backward

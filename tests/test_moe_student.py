@@ -135,8 +135,9 @@ def test_balance_loss_is_transformers_on_the_same_logits():
     ).item()
     sums = [0.0, 0.0]
     for layer in logits:  # the router on identity "hidden states" gives the logits back
-        _, ids = moe.route(jnp.asarray(layer), jnp.eye(e), k, False)
-        counts, probs = moe._balance(jnp.asarray(layer), jnp.eye(e), ids, jnp.asarray(mask))
+        router, cfg = {"router": jnp.eye(e)}, ModelConfig(n_experts=e, experts_per_token=k)
+        _, ids = moe.route(jnp.asarray(layer), router, cfg)
+        counts, probs = moe._balance(jnp.asarray(layer), router, cfg, ids, jnp.asarray(mask))
         sums = [sums[0] + counts, sums[1] + probs]
     got = moe.balance_loss(tuple(sums), mask.sum(), n_layers, e)
     assert float(got) == pytest.approx(want, rel=1e-5)

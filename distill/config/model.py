@@ -101,8 +101,17 @@ class ModelConfig(Section):
         description="Gemma's four norms per block: the attention and MLP outputs are normed "
         "too, before each residual add.",
     )
-    activation: Literal["silu", "gelu_tanh"] = Field(
-        "silu", description="The gated MLP's activation: silu (SwiGLU), gelu_tanh (GeGLU)."
+    activation: Literal["silu", "gelu_tanh", "swiglu_clamped"] = Field(
+        "silu",
+        description="The gated MLPs' activation (dense and experts): silu (SwiGLU), gelu_tanh "
+        "(GeGLU), swiglu_clamped (gpt-oss: gate = min(gate, limit), up = clip(up, -limit, "
+        "limit), (up + 1) * gate * sigmoid(alpha * gate); swiglu_limit, swiglu_alpha).",
+    )
+    swiglu_limit: float = Field(
+        7.0, gt=0, description="swiglu_clamped: the clamp of gate and up (gpt-oss swiglu_limit)."
+    )
+    swiglu_alpha: float = Field(
+        1.702, gt=0, description="swiglu_clamped: the sigmoid's gain (gpt-oss swiglu_alpha)."
     )
     embed_scale: bool = Field(
         False, description="Embeddings times sqrt(d_model), in the compute dtype (Gemma)."
@@ -159,6 +168,46 @@ class ModelConfig(Section):
         "every token runs, times sigmoid of a learned gate on the token, added to the routed "
         "experts' output (Qwen2-MoE's shared_expert_intermediate_size); 0: none.",
     )
+    shared_expert_gate: bool = Field(
+        True,
+        description="The shared expert's output times sigmoid(h @ gate) (Qwen2-MoE); false: "
+        "added ungated (DeepSeek-V3, GLM-4.5's shared_experts, d_ff_shared = n_shared_experts "
+        "* moe_intermediate_size).",
+    )
+    router_score: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="The router's expert scores from its logits: softmax over the experts "
+        "(Mixtral, Qwen-MoE, OLMoE, gpt-oss), or each expert's sigmoid (DeepSeek-V3, Kimi K2, "
+        "GLM-4.5). A token's weights are its k chosen scores (renormalised per "
+        "norm_topk_prob; softmax renormalised is gpt-oss' softmax over the k chosen logits).",
+    )
+    router_bias: bool = Field(
+        False, description="A learned bias [E] added to the router logits (gpt-oss)."
+    )
+    router_correction_bias: bool = Field(
+        False,
+        description="A bias [E] added to the scores for choosing the experts only, the "
+        "weights being the unbiased scores (DeepSeek-V3's e_score_correction_bias; not "
+        "trained by the gradient, nor decayed).",
+    )
+    n_group: int = Field(
+        1,
+        ge=1,
+        description="Group-limited routing: the experts in this many equal groups, each "
+        "scored by the sum of its two best selection scores; a token's k experts come from "
+        "its topk_group best groups (DeepSeek-V3 n_group); 1: no groups.",
+    )
+    topk_group: int = Field(
+        1, ge=1, description="Group-limited routing: the groups kept per token (topk_group)."
+    )
+    routed_scale: float = Field(
+        1.0,
+        gt=0,
+        description="The routed experts' weights times this (DeepSeek-V3 routed_scaling_factor).",
+    )
+    expert_bias: bool = Field(
+        False, description="Biases on each expert's gate, up and down projections (gpt-oss)."
+    )
     dense_layers: tuple[int, ...] = Field(
         (),
         description="In an MoE model, the layers whose feed-forward is the dense one (d_ff) "
@@ -196,11 +245,28 @@ class ModelConfig(Section):
             bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
             if bad:
                 raise ValueError(f"dense_layers: layer {bad[0]} is not in 0..{self.n_layers - 1}")
+            self._check_groups()
         softcap = self.attn_softcap is not None
         problem = backend_problem(self.attention, softcap, self.mixed_layers())
         if problem:
             raise ValueError(f"attention: {problem}")
         return self
+
+    def _check_groups(self) -> None:
+        """Group-limited routing needs equal groups of two experts or more (each scored by
+        its best two), enough groups kept, and k experts in them."""
+        g, e = self.n_group, self.n_experts
+        if e % g:
+            raise ValueError(f"n_group: {g} does not divide n_experts {e}")
+        if g > 1 and e // g < 2:
+            raise ValueError(f"n_group: {g} groups of {e // g} expert; each needs two")
+        if self.topk_group > g:
+            raise ValueError(f"topk_group: {self.topk_group} exceeds n_group {g}")
+        if self.experts_per_token > self.topk_group * (e // g):
+            raise ValueError(
+                f"experts_per_token: {self.experts_per_token} exceeds the "
+                f"{self.topk_group * (e // g)} experts of topk_group {self.topk_group} groups"
+            )
 
     @property
     def hd(self) -> int:
@@ -246,7 +312,8 @@ class ModelConfig(Section):
 # Keys that only a mixture of experts reads, for a student made dense (`student_fields`).
 MOE_KEYS = (
     "n_experts", "experts_per_token", "d_ff_expert", "norm_topk_prob", "dense_layers",
-    "d_ff_shared",
+    "d_ff_shared", "shared_expert_gate", "router_score", "router_bias", "router_correction_bias",
+    "n_group", "topk_group", "routed_scale", "expert_bias",
 )  # fmt: skip
 
 

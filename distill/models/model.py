@@ -137,17 +137,10 @@ class Block(nnx.Module):
             self.w_gate = _normal(rngs, (d, f), std)
             self.w_up = _normal(rngs, (d, f), std)
             self.w_down = _normal(rngs, (f, d), out_std)
-        if cfg.n_experts:
-            e, fe = cfg.n_experts, cfg.f_expert
-            self.router = _normal(rngs, (d, e), std)
-            self.we_gate = _normal(rngs, (e, d, fe), std)
-            self.we_up = _normal(rngs, (e, d, fe), std)
-            self.we_down = _normal(rngs, (e, fe, d), out_std)
-        if cfg.f_shared:  # Qwen2-MoE's shared expert and its sigmoid gate [D, 1]
-            self.ws_gate = _normal(rngs, (d, cfg.f_shared), std)
-            self.ws_up = _normal(rngs, (d, cfg.f_shared), std)
-            self.ws_down = _normal(rngs, (cfg.f_shared, d), out_std)
-            self.shared_gate = _normal(rngs, (d, 1), std)
+        if cfg.n_experts:  # the router, the experts, a shared expert: those the config has
+            draw = lambda shape, out: _normal(rngs, shape, out_std if out else std)  # noqa: E731
+            for name, param in moe.layer_params(cfg, draw).items():
+                setattr(self, name, param)
         self.cfg = cfg
 
     def _norm(self, x, scale):
@@ -192,16 +185,12 @@ class Block(nnx.Module):
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         return rope(q, positions_bs, inv_freq), rope(k, positions_bs, inv_freq), v
 
-    def act(self, x):
-        """The gated MLP's activation."""
-        return jax.nn.silu(x) if self.cfg.activation == "silu" else jax.nn.gelu(x, approximate=True)
-
     def dense_ffn(self, h_bsd, tp_axis: str | None):
         """The gated MLP (column-parallel gate/up, row-parallel down, psum over `tp`)."""
         dt = h_bsd.dtype
-        gate = self.act(matmul(h_bsd, self.w_gate[...].astype(dt)))
-        up = matmul(h_bsd, self.w_up[...].astype(dt))
-        return cc.psum(matmul(gate * up, self.w_down[...].astype(dt)), tp_axis)
+        gate = matmul(h_bsd, self.w_gate[...].astype(dt))
+        hidden = moe.glu(self.cfg)(gate, matmul(h_bsd, self.w_up[...].astype(dt)))
+        return cc.psum(matmul(hidden, self.w_down[...].astype(dt)), tp_axis)
 
     def ffn(self, h_bsd, tp_axis, layer, moe_opts):
         """The feed-forward output and (tokens per expert [E], dropped assignments): the
@@ -216,7 +205,7 @@ class Block(nnx.Module):
 
         def routed(h):
             experts = {k: getattr(self, k) for k in moe.weight_keys(cfg)}
-            return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, act=self.act, **moe_opts)
+            return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, **moe_opts)
 
         if not cfg.n_experts:
             return self.dense_ffn(h_bsd, tp_axis), none
@@ -477,7 +466,9 @@ def param_count(cfg: ModelConfig) -> int:
 
 def active_param_count(cfg: ModelConfig) -> int:
     """Parameters a token uses: all but the experts it is not routed to."""
-    idle = (cfg.n_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.f_expert
+    per_expert = 3 * cfg.d_model * cfg.f_expert
+    per_expert += (2 * cfg.f_expert + cfg.d_model) if cfg.expert_bias else 0
+    idle = (cfg.n_experts - cfg.experts_per_token) * per_expert
     return param_count(cfg) - sum(cfg.moe_layers()) * idle
 
 

@@ -150,17 +150,17 @@ def _loop(body, init, counts, kind_name: str, slots: int):
     return jax.lax.while_loop(done, step, (jnp.zeros_like(counts), init))[1]
 
 
-def expert_outputs(h_td, token_a, local_a, count_n, experts, *, axis, act, kernel: str,
+def expert_outputs(h_td, token_a, local_a, count_n, experts, *, axis, glu, kernel: str,
                    slots: int, kind_name: str | None = None):  # fmt: skip
     """y [A, D]: row a, this device's assignment a (sorted by destination device, `count_n[j]`
-    of them for device j of `axis`), is h[token_a[a]] through the SwiGLU of expert
-    `local_a[a]` of that device (`experts`: its gate, up [E/ep, D, F], down [E/ep, F, D]);
+    of them for device j of `axis`), is h[token_a[a]] through the gated MLP (`glu`) of
+    expert `local_a[a]` of that device (`experts`: its `grouped.Experts`, [E/ep, ...]);
     partial over `tp` as the experts' columns are. `slots`: `pair_slots`."""
-    f = _exchange(axis, act, kernel, kind_name or kind(), slots)
-    return f(h_td, token_a, local_a, count_n.astype(jnp.int32), *experts)
+    f = _exchange(axis, glu, kernel, kind_name or kind(), slots)
+    return f(h_td, token_a, local_a, count_n.astype(jnp.int32), experts)
 
 
-def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
+def _exchange(axis, glu, kernel: str, kind_name: str, slots: int):
     if kind_name not in KINDS:
         raise ValueError(f"unknown dispatch {kind_name!r}; expected one of {KINDS}")
     ragged = kind_name == "ragged"
@@ -171,34 +171,37 @@ def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
         counts, me = cc.gather_shards(count, axis), jax.lax.axis_index(axis)
         return counts, me, ((h[token], None) if ragged else (h, token))
 
-    def run(h, token, local, count, *weights):
+    def vma_of(*trees):
+        return frozenset().union(*(cc.varying(a) for a in jax.tree.leaves(trees)))
+
+    def run(h, token, local, count, weights):
         counts, me, (x, rows) = setup(h, token, count)
-        n_local = weights[0].shape[0]
+        n_local = weights.n
 
         def body(r, acc):
             xr = _there(x, r, me, axis, kind_name, slots, 0, rows)
             er = _there(local, r, me, axis, kind_name, slots, n_local)
-            y = grouped.expert_rows(xr, jnp.arange(xr.shape[0]), er, *weights, act, kernel)
+            y = grouped.expert_rows(xr, jnp.arange(xr.shape[0]), er, weights, glu, kernel)
             return _back(y, acc, r, me, axis, kind_name, slots)
 
-        vma = frozenset().union(*(cc.varying(a) for a in (h, token, local, *weights)))
+        vma = vma_of(h, token, local, weights)
         init = cc.vary(jnp.zeros((token.shape[0], h.shape[1]), h.dtype), vma)
         return _loop(body, init, counts, kind_name, slots)
 
     @jax.custom_vjp
-    def f(h, token, local, count, gate, up, down):
-        return run(h, token, local, count, gate, up, down)
+    def f(h, token, local, count, weights):
+        return run(h, token, local, count, weights)
 
-    def fwd(h, token, local, count, gate, up, down):
-        return run(h, token, local, count, gate, up, down), (h, token, local, count, gate, up, down)
+    def fwd(h, token, local, count, weights):
+        return run(h, token, local, count, weights), (h, token, local, count, weights)
 
     def bwd(res, dy):
-        h, token, local, count, *weights = res
+        h, token, local, count, weights = res
         counts, me, (x, rows) = setup(h, token, count)
-        n_local = weights[0].shape[0]
-        vma = frozenset().union(*(cc.varying(a) for a in (h, token, local, dy, *weights)))
+        n_local = weights.n
+        vma = vma_of(h, token, local, dy, weights)
         # the weights varying as the rows do: no psum inside the loop (`cotangent` after)
-        ws = [cc.vary(w, vma - cc.varying(w)) for w in weights]
+        ws = jax.tree.map(lambda w: cc.vary(w, vma - cc.varying(w)), weights)
 
         def body(r, acc):
             dx, dws = acc
@@ -206,18 +209,17 @@ def _exchange(axis, act, kernel: str, kind_name: str, slots: int):
             dyr = _there(dy, r, me, axis, kind_name, slots, 0)
             er = _there(local, r, me, axis, kind_name, slots, n_local)
             rows_r = jnp.arange(xr.shape[0])
-            dxr, dws = grouped.expert_rows_grads(xr, rows_r, er, ws, dyr, dws, act, kernel)
+            dxr, dws = grouped.expert_rows_grads(xr, rows_r, er, ws, dyr, dws, glu, kernel)
             return _back(dxr, dx, r, me, axis, kind_name, slots, rows), dws
 
         # the rows' cotangents: sorted [A, D] (ragged; summed per token after), or each
         # token's [T, D] (rounds, added in as they come back)
         dx = jnp.zeros(x.shape if ragged else h.shape, h.dtype)
-        zeros = tuple(cc.vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
+        zeros = jax.tree.map(lambda w: cc.vary(jnp.zeros(w.shape, jnp.float32), vma), weights)
         dx, dws = _loop(body, (cc.vary(dx, vma), zeros), counts, kind_name, slots)
         dh = jax.ops.segment_sum(dx, token, num_segments=h.shape[0]) if ragged else dx
         dh = cc.cotangent(dh, h)  # summed over tp: each shard's columns gave a part
-        grads = (cc.cotangent(g, w) for g, w in zip(dws, weights, strict=True))
-        return (dh, None, None, None, *grads)
+        return (dh, None, None, None, jax.tree.map(cc.cotangent, dws, weights))
 
     f.defvjp(fwd, bwd)
     return f

@@ -25,6 +25,11 @@ Kernels (`kernel()` picks one per platform, as attention picks its backend):
 
 The capacity path (`teacher.moe_capacity_factor`) needs no grouping: its [E, C, D] slots
 run as batched matmuls (`batched_swiglu`).
+
+Every kernel takes the experts as `Experts` (with gpt-oss' biases, `ModelConfig.expert_bias`:
+each row adds its own expert's, inside the `tiled` kernel's tiles, by a per-row gather of
+[E, F] around the others' grouped matmuls) and the gated activation as `glu(gate, up)`
+(SwiGLU, GeGLU, gpt-oss' clamped SwiGLU: `distill.models.moe.glu`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from distill.collectives import cotangent, vary, varying
 from distill.models import attention
 from distill.models.experts import mosaic
+from distill.models.experts.weights import Experts, group_ids, row_bias
 
 KERNELS = ("ragged_dot", "mosaic_gpu", "tiled")
 MAX_TILE = 128  # rows per tile at most: enough for a GPU's tensor cores
@@ -80,24 +86,23 @@ def n_tiles(rows: int, n_experts: int, m: int) -> int:
     return max(1, (rows + min(n_experts, rows) * (m - 1)) // m)
 
 
-def expert_rows(x_nd, src_r, expert_r, gate_efd, up_efd, down_edf, act, kernel_name: str):
-    """Row r of the result [R, D]: expert `expert_r[r]`'s SwiGLU of x[src_r[r]], zeros
-    where expert_r[r] == E (an empty or dropped row). Weights gate, up [E, D, F], down
-    [E, F, D] (F may be this shard's columns: the result is then partial over `tp`)."""
-    n_experts = gate_efd.shape[0]
+def expert_rows(x_nd, src_r, expert_r, w: Experts, glu, kernel_name: str):
+    """Row r of the result [R, D]: expert `expert_r[r]`'s gated MLP (`glu(gate, up)`) of
+    x[src_r[r]], zeros where expert_r[r] == E (an empty or dropped row)."""
+    n_experts = w.n
     on_hopper = kernel_name == "mosaic_gpu" and mosaic.usable(
-        x_nd.shape[-1], gate_efd.shape[-1], x_nd.dtype
+        x_nd.shape[-1], w.gate.shape[-1], x_nd.dtype
     )
     if kernel_name == "ragged_dot" or on_hopper:  # the rows sorted by expert, as runs
         order = jnp.argsort(expert_r, stable=True)  # rows of no expert last
         sizes = jnp.bincount(expert_r, length=n_experts + 1)[:n_experts].astype(jnp.int32)
-        swiglu = mosaic.grouped_swiglu(act) if on_hopper else partial(ragged_swiglu, act=act)
-        y = swiglu(x_nd[src_r[order]], sizes, gate_efd, up_efd, down_edf)
+        swiglu = mosaic.grouped_swiglu(glu) if on_hopper else partial(ragged_swiglu, glu=glu)
+        y = swiglu(x_nd[src_r[order]], sizes, w)
         return jnp.zeros_like(y).at[order].set(y)
     if kernel_name not in KERNELS:
         raise ValueError(f"unknown MoE kernel {kernel_name!r}; expected one of {KERNELS}")
     x, src, pos, tile_e = _tiled_input(x_nd, src_r, expert_r, n_experts)
-    y = tiled_swiglu(act)(x, tile_e, gate_efd, up_efd, down_edf).reshape(src.shape[0], -1)
+    y = tiled_swiglu(glu)(x, tile_e, w).reshape(src.shape[0], -1)
     return y.at[pos].get(mode="fill", fill_value=0)
 
 
@@ -130,13 +135,16 @@ def _tile_layout(expert_r, n_experts: int, m: int, tiles: int):
     return pos.astype(jnp.int32), tile_e.astype(jnp.int32)
 
 
-def ragged_swiglu(x_md, sizes_e, gate_efd, up_efd, down_edf, act):
-    """Each expert's SwiGLU on its contiguous run of rows of x [M, D] (`sizes_e` rows per
-    expert, the rest of the rows unused) with `jax.lax.ragged_dot`."""
+def ragged_swiglu(x_md, sizes_e, w: Experts, glu):
+    """Each expert's gated MLP on its contiguous run of rows of x [M, D] (`sizes_e` rows per
+    expert, the rest of the rows unused, zeros) with `jax.lax.ragged_dot`; the biases by
+    each row's expert."""
     dt = x_md.dtype
-    gate = jax.lax.ragged_dot(x_md, gate_efd.astype(dt), sizes_e)
-    up = jax.lax.ragged_dot(x_md, up_efd.astype(dt), sizes_e)
-    return jax.lax.ragged_dot(act(gate) * up, down_edf.astype(dt), sizes_e)
+    e_m = group_ids(sizes_e, x_md.shape[0]) if w.b_gate is not None else None
+    gate = jax.lax.ragged_dot(x_md, w.gate.astype(dt), sizes_e) + row_bias(w.b_gate, e_m, dt)
+    up = jax.lax.ragged_dot(x_md, w.up.astype(dt), sizes_e) + row_bias(w.b_up, e_m, dt)
+    y = jax.lax.ragged_dot(glu(gate, up), w.down.astype(dt), sizes_e)
+    return y + row_bias(w.b_down, e_m, dt)
 
 
 def _take(w, e, dt):
@@ -149,103 +157,118 @@ def _add_at(acc, e, v):
     return jax.lax.dynamic_update_index_in_dim(acc, cur + v.astype(acc.dtype), e, 0)
 
 
-def _tile_scan(tile, x, tile_e, weights):
-    """`tile(x_t, e, *weights)` over the tiles of x [tiles, m, D] (`jax.lax.scan`), zeros
-    for a tile of expert E (past the routed rows: `jax.lax.cond` skips its matmuls)."""
-    vma = frozenset().union(*(varying(a) for a in (x, tile_e, *weights)))
-    out = jax.eval_shape(tile, x[0], tile_e[0], *weights)
+def _vma(*trees) -> frozenset:
+    """The mesh axes any leaf of `trees` varies over."""
+    return frozenset().union(*(varying(a) for a in jax.tree.leaves(trees)))
+
+
+def _tile_scan(tile, x, tile_e, w: Experts):
+    """`tile(x_t, e, w)` over the tiles of x [tiles, m, D] (`jax.lax.scan`), zeros for a
+    tile of expert E (past the routed rows: `jax.lax.cond` skips its matmuls)."""
+    vma = _vma(x, tile_e, w)
+    out = jax.eval_shape(tile, x[0], tile_e[0], w)
     skip = jax.tree.map(lambda o: vary(jnp.zeros(o.shape, o.dtype), vma), out)
 
     def body(_, xe):
-        used = xe[1] < weights[0].shape[0]
-        return None, jax.lax.cond(used, lambda: tile(*xe, *weights), lambda: skip)
+        used = xe[1] < w.n
+        return None, jax.lax.cond(used, lambda: tile(*xe, w), lambda: skip)
 
     return jax.lax.scan(body, None, (x, tile_e))[1]
 
 
-def _gate_up(x, e, gate, up):
-    return x @ _take(gate, e, x.dtype), x @ _take(up, e, x.dtype)
+def _bias(b, e, dt):
+    return 0 if b is None else _take(b, e, dt)
 
 
-def _tiles_grads(act, x, tile_e, weights, g, u, dy, acc):
+def _gate_up(x, e, w: Experts):
+    dt = x.dtype
+    g = x @ _take(w.gate, e, dt) + _bias(w.b_gate, e, dt)
+    return g, x @ _take(w.up, e, dt) + _bias(w.b_up, e, dt)
+
+
+def _tiles_grads(glu, x, tile_e, w: Experts, g, u, dy, acc: Experts):
     """The tiled backward: (dx [tiles, m, D], acc + the weights' gradients), from each
     tile's input x, gate and up activations g, u and output cotangent dy; `acc` float32
-    like the weights, each tile's gradients added into its expert's slot in place."""
-    gate, up, down = weights
+    like the weights, each tile's gradients added into its expert's slot in place (a
+    padding row's cotangent is zero: it adds nothing to the biases' either)."""
 
     def step(acc, xs):
         x_t, e, g_t, u_t, dy_t = xs
-        a, act_vjp = jax.vjp(act, g_t)
-        dh = dy_t @ _take(down, e, dy_t.dtype).T
-        (dg,) = act_vjp(dh * u_t)
-        du = dh * a
-        d_gate = _add_at(acc[0], e, x_t.T @ dg)
-        d_up = _add_at(acc[1], e, x_t.T @ du)
-        d_down = _add_at(acc[2], e, (a * u_t).T @ dy_t)
-        dx = dg @ _take(gate, e, dg.dtype).T + du @ _take(up, e, du.dtype).T
-        return (d_gate, d_up, d_down), dx
+        a, glu_vjp = jax.vjp(glu, g_t, u_t)
+        dg, du = glu_vjp(dy_t @ _take(w.down, e, dy_t.dtype).T)
+        grads = Experts(x_t.T @ dg, x_t.T @ du, a.T @ dy_t)
+        if w.b_gate is not None:
+            grads = grads._replace(b_gate=dg.sum(0), b_up=du.sum(0), b_down=dy_t.sum(0))
+        acc = jax.tree.map(lambda a, v: _add_at(a, e, v), acc, grads)
+        dx = dg @ _take(w.gate, e, dg.dtype).T + du @ _take(w.up, e, du.dtype).T
+        return acc, dx
 
-    vma = frozenset().union(*(varying(a) for a in (x, tile_e, dy, *weights)))
-    none = vary(jnp.zeros(x.shape[1:], x.dtype), vma)
+    none = vary(jnp.zeros(x.shape[1:], x.dtype), _vma(x, tile_e, dy, w))
 
     def body(acc, xs):
-        used = xs[1] < gate.shape[0]
+        used = xs[1] < w.n
         return jax.lax.cond(used, lambda: step(acc, xs), lambda: (acc, none))
 
     acc, dx = jax.lax.scan(body, acc, (x, tile_e, g, u, dy))
     return dx, acc
 
 
-def tiled_swiglu(act):
-    """f(x [tiles, m, D], tile_e [tiles], gate, up, down) -> [tiles, m, D]: each tile
-    through its expert's SwiGLU (activation `act`), with the tiled backward. A tile of
-    expert E (past the routed rows) is skipped (`jax.lax.cond`): zeros, no matmul."""
+def _zeros(w: Experts, vma) -> Experts:
+    """float32 zeros like each weight, varying over `vma`: a gradient accumulator."""
+    return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), vma), w)
 
-    def tile(x, e, gate, up, down):
-        g, u = _gate_up(x, e, gate, up)
-        return (act(g) * u) @ _take(down, e, x.dtype), (g, u)
+
+def tiled_swiglu(glu):
+    """f(x [tiles, m, D], tile_e [tiles], w: Experts) -> [tiles, m, D]: each tile through
+    its expert's gated MLP (`glu(gate, up)`), with the tiled backward. A tile of expert E
+    (past the routed rows) is skipped (`jax.lax.cond`): zeros, no matmul."""
+
+    def tile(x, e, w):
+        g, u = _gate_up(x, e, w)
+        return glu(g, u) @ _take(w.down, e, x.dtype) + _bias(w.b_down, e, x.dtype), (g, u)
 
     @jax.custom_vjp
-    def f(x, tile_e, gate, up, down):
-        return _tile_scan(tile, x, tile_e, (gate, up, down))[0]  # (g, u) unused, dropped
+    def f(x, tile_e, w):
+        return _tile_scan(tile, x, tile_e, w)[0]  # (g, u) unused, dropped
 
-    def fwd(x, tile_e, gate, up, down):
-        y, gu = _tile_scan(tile, x, tile_e, (gate, up, down))
-        return y, (x, tile_e, gate, up, down, gu)
+    def fwd(x, tile_e, w):
+        y, gu = _tile_scan(tile, x, tile_e, w)
+        return y, (x, tile_e, w, gu)
 
     def bwd(res, dy):
-        x, tile_e, gate, up, down, (g, u) = res
-        weights = (gate, up, down)
-        vma = frozenset().union(*(varying(a) for a in (x, tile_e, dy, *weights)))
-        zeros = tuple(vary(jnp.zeros(w.shape, jnp.float32), vma) for w in weights)
-        dx, grads = _tiles_grads(act, x, tile_e, weights, g, u, dy, zeros)
-        return (dx, None, *(cotangent(gw, w) for gw, w in zip(grads, weights, strict=True)))
+        x, tile_e, w, (g, u) = res
+        dx, grads = _tiles_grads(glu, x, tile_e, w, g, u, dy, _zeros(w, _vma(x, tile_e, dy, w)))
+        return dx, None, jax.tree.map(cotangent, grads, w)
 
     f.defvjp(fwd, bwd)
     return f
 
 
-def expert_rows_grads(x_nd, src_r, expert_r, weights, dy_rd, acc, act, kernel_name: str):
+def expert_rows_grads(x_nd, src_r, expert_r, w: Experts, dy_rd, acc: Experts, glu, kernel_name):
     """The transpose of `expert_rows` at its output cotangent dy [R, D]: (dx [N, D], acc +
-    the weights' gradients), `acc` float32 like the weights (gate, up, down) and varying
-    as the rows do: no sum over mesh axes here. The tiled kernel recomputes gate and up
-    (not down) and adds each tile's gradients into `acc` in place (an accumulator over
-    calls, such as the dispatch's rounds, holds one copy of the gradients)."""
+    the weights' gradients), `acc` float32 like the weights and varying as the rows do: no
+    sum over mesh axes here. The tiled kernel recomputes gate and up (not down) and adds
+    each tile's gradients into `acc` in place (an accumulator over calls, such as the
+    dispatch's rounds, holds one copy of the gradients)."""
     if kernel_name != "tiled":
-        fn = lambda x, *w: expert_rows(x, src_r, expert_r, *w, act, kernel_name)  # noqa: E731
-        dx, *dw = jax.vjp(fn, x_nd, *weights)[1](dy_rd)
-        return dx, tuple(a + g.astype(a.dtype) for a, g in zip(acc, dw, strict=True))
-    x, src, pos, tile_e = _tiled_input(x_nd, src_r, expert_r, weights[0].shape[0])
+        fn = lambda x, w: expert_rows(x, src_r, expert_r, w, glu, kernel_name)  # noqa: E731
+        dx, dw = jax.vjp(fn, x_nd, w)[1](dy_rd)
+        return dx, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, dw)
+    x, src, pos, tile_e = _tiled_input(x_nd, src_r, expert_r, w.n)
     dy = jnp.zeros((src.shape[0], dy_rd.shape[1]), dy_rd.dtype).at[pos].set(dy_rd, mode="drop")
-    g, u = _tile_scan(_gate_up, x, tile_e, weights[:2])
-    dx, acc = _tiles_grads(act, x, tile_e, weights, g, u, dy.reshape(x.shape), acc)
+    g, u = _tile_scan(_gate_up, x, tile_e, w)
+    dx, acc = _tiles_grads(glu, x, tile_e, w, g, u, dy.reshape(x.shape), acc)
     dx = jnp.zeros_like(x_nd).at[src].add(dx.reshape(src.shape[0], -1), mode="drop")
     return dx, acc
 
 
-def batched_swiglu(x_ecd, gate_efd, up_efd, down_edf, act):
-    """Each expert's SwiGLU on its own slots [E, C, D] -> [E, C, D]: batched matmuls."""
+def batched_swiglu(x_ecd, w: Experts, glu):
+    """Each expert's gated MLP on its own slots [E, C, D] -> [E, C, D]: batched matmuls."""
     dt = x_ecd.dtype
-    g = jnp.einsum("ecd,edf->ecf", x_ecd, gate_efd.astype(dt))
-    u = jnp.einsum("ecd,edf->ecf", x_ecd, up_efd.astype(dt))
-    return jnp.einsum("ecf,efd->ecd", act(g) * u, down_edf.astype(dt))
+
+    def bias(b):  # [E, F] -> [E, 1, F], one per expert's slots
+        return 0 if b is None else b.astype(dt)[:, None, :]
+
+    g = jnp.einsum("ecd,edf->ecf", x_ecd, w.gate.astype(dt)) + bias(w.b_gate)
+    u = jnp.einsum("ecd,edf->ecf", x_ecd, w.up.astype(dt)) + bias(w.b_up)
+    return jnp.einsum("ecf,efd->ecd", glu(g, u), w.down.astype(dt)) + bias(w.b_down)

@@ -8,8 +8,11 @@ Three grouped matmuls make the forward and its backward (`Ops`): `dot` (rows [M,
 group's [K, N]), `dot_t` (by their group's [N, K], transposed) and `outer` (each group's
 rows of a [R, M] and a [R, N]: the group's [M, N], a weight gradient). The SwiGLU's
 forward is two `dot`s (gate, up) and one (down); its backward (`jax.custom_vjp`) three
-`dot_t`s and three `outer`s. The kernels leave the rows past the groups unwritten, so those
-rows (rows of no expert: dropped or empty) are zeroed here. The same composition runs with
+`dot_t`s and three `outer`s. Experts' biases (gpt-oss) are not in the kernels: each row
+adds its expert's outside them (a gather of [E, F] by the row's group), and their
+gradients are the rows' cotangents summed per group (`segment_sum`). The kernels leave
+the rows past the groups unwritten, so those rows (rows of no expert: dropped or empty)
+are zeroed here. The same composition runs with
 XLA's reference ops (`reference_ops`), which tests compare with plain autodiff on any
 platform; the Mosaic kernels themselves run on a Hopper GPU only (tests marked `gpu`).
 
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distill.collectives import cotangent
+from distill.models.experts.weights import group_ids, row_bias
 
 BLOCK = 64  # the kernels' k (and m) block: widths must be multiples of it
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -97,39 +101,41 @@ def _rows_of_groups(y, sizes):
     return jnp.where(live[:, None], y, jnp.zeros((), y.dtype))
 
 
-def grouped_swiglu(act, ops: Ops | None = None):
-    """f(x [M, D], sizes [E], gate, up [E, D, F], down [E, F, D]) -> [M, D]: expert e's
-    SwiGLU (activation `act`) of its run of `sizes[e]` rows of x, in expert order; zeros
-    for the rows past them. Weights are cast to x's dtype; their gradients are summed over
-    the mesh axes the rows vary over and they do not, as `grouped.tiled_swiglu`'s."""
+def grouped_swiglu(glu, ops: Ops | None = None):
+    """f(x [M, D], sizes [E], w: `grouped.Experts`) -> [M, D]: expert e's gated MLP
+    (`glu(gate, up)`, with its biases if any) of its run of `sizes[e]` rows of x, in expert
+    order; zeros for the rows past them. Weights are cast to x's dtype; their gradients are
+    summed over the mesh axes the rows vary over and they do not, as
+    `grouped.tiled_swiglu`'s."""
 
-    def glu(g, u):
-        return act(g) * u
-
-    def forward(x, sizes, gate, up, down):
-        dt = x.dtype
+    def forward(x, sizes, w):
+        dt, n = x.dtype, x.shape[0]
         o = ops or mosaic_ops()
-        g = _rows_of_groups(o.dot(x, gate.astype(dt), sizes), sizes)
-        u = _rows_of_groups(o.dot(x, up.astype(dt), sizes), sizes)
-        y = _rows_of_groups(o.dot(glu(g, u), down.astype(dt), sizes), sizes)
-        return y, (x, sizes, gate, up, down, g, u)
+        e_m = group_ids(sizes, n) if w.b_gate is not None else None
+        g = _rows_of_groups(o.dot(x, w.gate.astype(dt), sizes) + row_bias(w.b_gate, e_m, dt), sizes)
+        u = _rows_of_groups(o.dot(x, w.up.astype(dt), sizes) + row_bias(w.b_up, e_m, dt), sizes)
+        y = o.dot(glu(g, u), w.down.astype(dt), sizes) + row_bias(w.b_down, e_m, dt)
+        return _rows_of_groups(y, sizes), (x, sizes, w, g, u)
 
     def backward(res, dy):
-        x, sizes, gate, up, down, g, u = res
+        x, sizes, w, g, u = res
         dt, o = x.dtype, ops or mosaic_ops()
         h, pull = jax.vjp(glu, g, u)
-        dh = _rows_of_groups(o.dot_t(dy.astype(dt), down.astype(dt), sizes), sizes)
-        d_down = o.outer(h, dy.astype(dt), sizes)
+        dy = _rows_of_groups(dy.astype(dt), sizes)
+        dh = _rows_of_groups(o.dot_t(dy, w.down.astype(dt), sizes), sizes)
         dg, du = pull(dh)
-        dx = o.dot_t(dg, gate.astype(dt), sizes) + o.dot_t(du, up.astype(dt), sizes)
-        d_gate, d_up = o.outer(x, dg, sizes), o.outer(x, du, sizes)
-        grads = [cotangent(d, w) for d, w in ((d_gate, gate), (d_up, up), (d_down, down))]
+        dx = o.dot_t(dg, w.gate.astype(dt), sizes) + o.dot_t(du, w.up.astype(dt), sizes)
+        grads = type(w)(o.outer(x, dg, sizes), o.outer(x, du, sizes), o.outer(h, dy, sizes))
+        if w.b_gate is not None:  # each row's cotangent to its group's bias
+            e_m, n = group_ids(sizes, x.shape[0]), w.gate.shape[0]
+            sums = [jax.ops.segment_sum(c, e_m, num_segments=n) for c in (dg, du, dy)]
+            grads = grads._replace(b_gate=sums[0], b_up=sums[1], b_down=sums[2])
         zero_sizes = np.zeros(sizes.shape, jax.dtypes.float0)
-        return (_rows_of_groups(dx, sizes), zero_sizes, *grads)
+        return (_rows_of_groups(dx, sizes), zero_sizes, jax.tree.map(cotangent, grads, w))
 
     @jax.custom_vjp
-    def f(x, sizes, gate, up, down):
-        return forward(x, sizes, gate, up, down)[0]
+    def f(x, sizes, w):
+        return forward(x, sizes, w)[0]
 
     f.defvjp(forward, backward)
     return f

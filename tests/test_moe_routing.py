@@ -1,0 +1,353 @@
+"""The routing and expert variants of the DeepSeek-V3 (Kimi K2), GLM-4.5 and gpt-oss
+mixtures, as `ModelConfig` data in distill's one MoE layer, against transformers' own
+modules (`DeepseekV3MoE`, `Glm4MoeMoE`, `GptOssMLP`) on tiny random configs, every weight
+randomised (the correction and router biases too, so that they matter), float32: the
+teacher's layout at ep x tp = 1x1 (both XLA kernels), 2x1 and 2x2, the capacity path, the
+expert loads; group-limited selection where it differs from the plain top-k; the
+student's per-device layout (experts split over fsdp) and its gradients against
+`jax.grad` of a dense reference; the parameters, sharding specs and validation each
+variant asks for."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from distill.config import ModelConfig  # noqa: E402
+from distill.mesh import EP, FSDP, TP  # noqa: E402
+from distill.models import model, moe  # noqa: E402
+from student import optim  # noqa: E402
+from student import sharding as student_sharding  # noqa: E402
+from teacher import sharding as teacher_sharding  # noqa: E402
+
+D, E, K, F = 32, 8, 3, 16  # d_model, routed experts, experts a token, each expert's width
+SHAPE = (4, 6, D)  # rows (split over ep), tokens a row, d_model
+
+# name: (transformers config class and keys, the module's class, distill's config)
+VARIANTS = {
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            moe_intermediate_size=F,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+        "deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE",
+        dict(
+            router_score="sigmoid",
+            router_correction_bias=True,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scale=2.5,
+            d_ff_shared=2 * F,
+            shared_expert_gate=False,
+        ),
+    ),
+    "glm4_moe": (  # its own defaults: one group (n_group = topk_group = 1), one shared expert
+        "Glm4MoeConfig",
+        dict(
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            moe_intermediate_size=F,
+            routed_scaling_factor=1.5,
+        ),
+        "glm4_moe.modeling_glm4_moe.Glm4MoeMoE",
+        dict(
+            router_score="sigmoid",
+            router_correction_bias=True,
+            norm_topk_prob=True,
+            routed_scale=1.5,
+            d_ff_shared=F,
+            shared_expert_gate=False,
+        ),
+    ),
+    "gpt_oss": (  # a clamp of 1 that the gate and up activations reach
+        "GptOssConfig",
+        dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=F, swiglu_limit=1.0),
+        "gpt_oss.modeling_gpt_oss.GptOssMLP",
+        dict(
+            router_bias=True,
+            norm_topk_prob=True,
+            expert_bias=True,
+            activation="swiglu_clamped",
+            swiglu_limit=1.0,
+            swiglu_alpha=1.702,
+        ),
+    ),
+}
+
+
+def _cfg(name: str, **over) -> ModelConfig:
+    keys = VARIANTS[name][3]
+    return ModelConfig(
+        d_model=D, n_heads=4, n_kv_heads=2, n_experts=E, experts_per_token=K, d_ff_expert=F,
+        **{**keys, **over},
+    )  # fmt: skip
+
+
+def _hf_module(name: str, seed: int = 0):
+    """transformers' MoE module of `name`, every parameter and buffer random."""
+    cls_name, keys, module, _ = VARIANTS[name]
+    config = getattr(transformers, cls_name)(hidden_size=D, hidden_act="silu", **keys)
+    config._experts_implementation = "eager"  # the modules' own per-expert loop
+    path, cls = module.rsplit(".", 1)
+    mod = getattr(
+        __import__(f"transformers.models.{path}", fromlist=[cls]), cls
+    )(config)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in [*mod.parameters(), *mod.buffers()]:
+            tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.3)
+    return mod.eval()
+
+
+def _t(x) -> jnp.ndarray:
+    return jnp.asarray(x.detach().numpy())
+
+
+def _distill_params(name: str, mod) -> dict:
+    """The module's weights in distill's layout (the registry's job for a checkpoint)."""
+    if name == "gpt_oss":
+        r, x = mod.router, mod.experts
+        gu, gub = _t(x.gate_up_proj), _t(x.gate_up_proj_bias)  # gate and up interleaved
+        return {
+            "router": _t(r.weight).T, "router_bias": _t(r.bias),
+            "we_gate": gu[..., ::2], "we_up": gu[..., 1::2], "we_down": _t(x.down_proj),
+            "be_gate": gub[:, ::2], "be_up": gub[:, 1::2], "be_down": _t(x.down_proj_bias),
+        }  # fmt: skip
+    gu = _t(mod.experts.gate_up_proj)  # [E, 2F, D]: gate's F outputs, then up's
+    shared = mod.shared_experts
+    return {
+        "router": _t(mod.gate.weight).T,
+        "router_correction": _t(mod.gate.e_score_correction_bias),
+        "we_gate": jnp.swapaxes(gu[:, :F], 1, 2),
+        "we_up": jnp.swapaxes(gu[:, F:], 1, 2),
+        "we_down": jnp.swapaxes(_t(mod.experts.down_proj), 1, 2),
+        "ws_gate": _t(shared.gate_proj.weight).T,
+        "ws_up": _t(shared.up_proj.weight).T,
+        "ws_down": _t(shared.down_proj.weight).T,
+    }
+
+
+def _hf_forward(name: str, mod, h):
+    """(transformers' output [B, S, D], its chosen experts [T, k])."""
+    x = torch.tensor(np.asarray(h))
+    with torch.no_grad():
+        if name == "gpt_oss":
+            out = mod(x)[0]
+            ids = mod.router(x.reshape(-1, D))[2]
+        else:
+            out = mod(x)
+            ids = mod.gate(x)[2]
+    return out.numpy(), ids.numpy()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request):
+    """(name, distill's config, its weights, h [B, S, D], transformers' output, its ids)."""
+    name = request.param
+    mod = _hf_module(name)
+    h = jax.random.normal(jax.random.key(1), SHAPE)
+    want, ids = _hf_forward(name, mod, h)
+    return name, _cfg(name), _distill_params(name, mod), h, want, ids
+
+
+def _teacher_layer(cfg, p, ep, tp, **opts):
+    """The layer in the teacher's layout (its table's specs, the layer axis dropped) on an
+    ep x tp mesh, rows split over ep: (output, tokens per expert [E], dropped)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: ep * tp]).reshape(ep, tp), (EP, TP))
+    specs = {k: P(*teacher_sharding.LAYER_SPECS[k][1:]) for k in p}
+
+    def f(h, p):
+        y, load = moe.moe_ffn(h, p, cfg, tp_axis=TP, ep_axis=EP, **opts)
+        return y, jax.lax.psum(load.tokens, EP), jax.lax.psum(load.dropped, EP)
+
+    run = jax.shard_map(
+        f, mesh=mesh, in_specs=(P(EP), specs), out_specs=(P(EP), P(), P())
+    )  # fmt: skip
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize(
+    "ep, tp, kernel", [(1, 1, "tiled"), (1, 1, "ragged_dot"), (2, 1, None), (2, 2, None)]
+)
+def test_the_teacher_layer_equals_transformers(variant, ep, tp, kernel):
+    """Output to 1e-5, and the loads count transformers' own choice of experts."""
+    name, cfg, p, h, want, ids = variant
+    y, load, dropped = _teacher_layer(cfg, p, ep, tp, kernel=kernel)(h, p)
+    np.testing.assert_allclose(np.asarray(y), want, atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(load), np.bincount(ids.reshape(-1), minlength=E))
+    assert int(dropped) == 0
+
+
+def test_the_capacity_path_equals_transformers(variant):
+    """A capacity factor with room for every assignment (ep x tp = 2 x 2): the biases and
+    the clamped activation ride the batched matmuls too."""
+    name, cfg, p, h, want, _ = variant
+    y, load, dropped = _teacher_layer(cfg, p, 2, 2, capacity_factor=float(E))(h, p)
+    np.testing.assert_allclose(np.asarray(y), want, atol=1e-5, rtol=1e-5, err_msg=name)
+    assert int(dropped) == 0 and int(load.sum()) == SHAPE[0] * SHAPE[1] * K
+
+
+def _sets(ids):
+    return [frozenset(map(int, row)) for row in np.asarray(ids)]
+
+
+def test_group_limited_selection_is_transformers_and_differs_from_plain_top_k():
+    """DeepSeek's router: the chosen experts are transformers' (as sets: it leaves them
+    unsorted), the weights its unbiased, renormalised, scaled scores; on this input the
+    groups change the choice of some tokens, and so does the correction bias (the
+    weights staying the unbiased sigmoid scores, renormalised and scaled)."""
+    mod = _hf_module("deepseek_v3", seed=3)
+    cfg, p = _cfg("deepseek_v3"), _distill_params("deepseek_v3", mod)
+    h = jax.random.normal(jax.random.key(4), (64, D))
+    with torch.no_grad():
+        _, hf_weights, hf_ids = mod.gate(torch.tensor(np.asarray(h)))
+    weights, ids = moe.route(h, p, cfg)
+    assert _sets(ids) == _sets(hf_ids.numpy())
+    order = np.argsort(np.asarray(ids), axis=-1)
+    hf_order = np.argsort(hf_ids.numpy(), axis=-1)
+    np.testing.assert_allclose(
+        np.take_along_axis(np.asarray(weights), order, -1),
+        np.take_along_axis(hf_weights.numpy(), hf_order, -1), atol=1e-6, rtol=1e-6,
+    )  # fmt: skip
+    plain = _cfg("deepseek_v3", n_group=1, topk_group=1)
+    _, plain_ids = moe.route(h, p, plain)
+    changed = sum(a != b for a, b in zip(_sets(ids), _sets(plain_ids), strict=True))
+    assert 0 < changed < len(h)
+    # every chosen expert inside the two best groups of four, which the plain top-k leaves
+    groups = np.asarray(ids) // (E // 4)
+    assert all(len(set(row)) <= 2 for row in groups)
+    assert any(len(set(row)) > 2 for row in np.asarray(plain_ids) // (E // 4))
+    unbiased = {k: v for k, v in p.items() if k != "router_correction"}
+    no_bias = _cfg("deepseek_v3", router_correction_bias=False)
+    _, unbiased_ids = moe.route(h, unbiased, no_bias)
+    assert _sets(unbiased_ids) != _sets(ids)
+    s = jax.nn.sigmoid(h @ p["router"])
+    chosen = np.take_along_axis(np.asarray(s), np.asarray(ids), -1)
+    np.testing.assert_allclose(
+        np.asarray(weights), 2.5 * chosen / chosen.sum(-1, keepdims=True), rtol=1e-6
+    )
+
+
+def _dense_reference(h_bsd, p, cfg):
+    """Every token through every expert (no grouping, no dispatch), combined by the
+    router's weights; plus the shared expert: the layer's plain-JAX reference."""
+    glu = moe.glu(cfg)
+    h = h_bsd.reshape(-1, D)
+    weights, ids = moe.route(h, p, cfg)
+    combine = jnp.zeros((h.shape[0], E)).at[jnp.arange(h.shape[0])[:, None], ids].add(weights)
+    g = jnp.einsum("td,edf->tef", h, p["we_gate"]) + p.get("be_gate", 0)
+    u = jnp.einsum("td,edf->tef", h, p["we_up"]) + p.get("be_up", 0)
+    y = jnp.einsum("tef,efd->ted", glu(g, u), p["we_down"]) + p.get("be_down", 0)
+    out = jnp.einsum("ted,te->td", y, combine)
+    if "ws_gate" in p:
+        out = out + glu(h @ p["ws_gate"], h @ p["ws_up"]) @ p["ws_down"]
+    return out.reshape(h_bsd.shape)
+
+
+def _probe(y):  # a cotangent that is not all ones
+    return jnp.sum(y * jnp.sin(jnp.arange(y.size).reshape(y.shape)))
+
+
+def test_the_reference_is_transformers(variant):
+    """The dense reference of the gradient test below is itself transformers' layer."""
+    name, cfg, p, h, want, _ = variant
+    np.testing.assert_allclose(np.asarray(_dense_reference(h, p, cfg)), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("fsdp", [1, 4])
+def test_the_student_layer_and_its_gradients_equal_a_reference(variant, fsdp):
+    """The student's per-device layer (`moe.Layout`; at fsdp = 4 the experts split over
+    it, tokens dispatched to them) and its gradients with respect to the input and every
+    weight: finite and those of `jax.grad` of the dense reference. The correction bias
+    gets none (it only chooses)."""
+    name, cfg, p, h, _, _ = variant
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:fsdp]), (FSDP,))
+    layout = moe.Layout(mesh, (FSDP,), FSDP if fsdp > 1 else None)
+
+    def layer(h, p):
+        return moe.moe_ffn(h, p, cfg, tp_axis=None, layout=layout)[0]
+
+    def run(h, p):
+        return layer(h, p), jax.grad(lambda h, p: _probe(layer(h, p)), (0, 1))(h, p)
+
+    got, (dh, dp) = jax.jit(run)(h, p)
+    want = _dense_reference(h, p, cfg)
+    want_dh, want_dp = jax.grad(lambda h, p: _probe(_dense_reference(h, p, cfg)), (0, 1))(h, p)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(dh), np.asarray(want_dh), atol=1e-4, rtol=1e-4)
+    for k in p:
+        assert np.isfinite(np.asarray(dp[k])).all(), k
+        np.testing.assert_allclose(
+            np.asarray(dp[k]), np.asarray(want_dp[k]), atol=1e-4, rtol=1e-4, err_msg=k
+        )
+    if "router_correction" in p:
+        assert not np.asarray(dp["router_correction"]).any()
+    assert np.asarray(dp["router"]).any()
+
+
+def test_parameters_exist_where_the_config_asks_and_every_table_places_them():
+    """Each variant's layer weights, no more; the teacher's and the student's tables have
+    a spec for each (experts and their biases over ep, over fsdp when it divides E), and
+    the selection-only bias is never decayed."""
+    names = {
+        "deepseek_v3": {"router_correction", "ws_gate", "ws_up", "ws_down"},
+        "glm4_moe": {"router_correction", "ws_gate", "ws_up", "ws_down"},
+        "gpt_oss": {"router_bias", "be_gate", "be_up", "be_down"},
+    }
+    base = {"router", "we_gate", "we_up", "we_down"}
+    for name, extra in names.items():
+        cfg = _cfg(name, n_layers=2)
+        layers = model.abstract_params(cfg)["layers"]
+        moe_keys = set(moe.weight_keys(cfg))
+        assert moe_keys == base | extra, name
+        assert moe_keys <= set(layers) and "shared_gate" not in layers
+        teacher = teacher_sharding.param_specs(cfg)["layers"]
+        student = student_sharding.param_specs(cfg, 4)["layers"]
+        for k in extra & {"be_gate", "be_up", "be_down"}:
+            assert teacher[k][1] == EP and student[k] == P(None, FSDP, None), k
+        assert teacher["we_gate"] == P(None, EP, None, TP)
+        mask = optim.decay_mask(model.init_params(cfg, 0))["layers"]
+        assert mask["we_gate"] and mask.get("router_correction", False) is False
+    qwen = ModelConfig(d_model=D, n_experts=E, d_ff_expert=F, d_ff_shared=F)
+    assert "shared_gate" in moe.weight_keys(qwen) and "router_bias" not in moe.weight_keys(qwen)
+
+
+def test_the_down_bias_is_added_once_over_tp():
+    """At tp = 2 each shard's rows are partial sums: the down projection's bias is added on
+    one shard only, so the sum holds it once (the 2x2 comparison above sees it; here the
+    experts are zero and only the biases remain)."""
+    cfg = _cfg("gpt_oss")
+    p = _distill_params("gpt_oss", _hf_module("gpt_oss"))
+    p = {k: (jnp.zeros_like(v) if k in moe.EXPERTS else v) for k, v in p.items()}
+    h = jax.random.normal(jax.random.key(2), SHAPE)
+    y1 = _teacher_layer(cfg, p, 1, 1)(h, p)[0]
+    y2 = _teacher_layer(cfg, p, 1, 2)(h, p)[0]
+    assert np.abs(np.asarray(y1)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(n_group=3), "n_group: 3 does not divide n_experts 8"),
+        (dict(n_group=8), "n_group: 8 groups of 1 expert; each needs two"),
+        (dict(n_group=4, topk_group=5), "topk_group: 5 exceeds n_group 4"),
+        (dict(n_group=4, topk_group=1), "experts_per_token: 3 exceeds the 2 experts"),
+    ],
+)
+def test_group_limited_routing_is_validated(keys, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg("deepseek_v3", **keys)
