@@ -71,7 +71,8 @@ def _hf_model(q_lora_rank=12, interleave=True):
     return m
 
 
-# distill layer weight -> (transformers name after `model.layers.{i}.`, stored [out, in])
+# distill layer weight -> (transformers name after `model.layers.{i}.`, stored [out, in]):
+# the test's own map, independent of distill's loader
 NAMES = {
     "attn_norm": ("input_layernorm.weight", False),
     "wq": ("self_attn.q_proj.weight", True),
@@ -81,6 +82,13 @@ NAMES = {
     "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", True),
     "kv_a_norm": ("self_attn.kv_a_layernorm.weight", False),
     "wkv_b": ("self_attn.kv_b_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
     "wo": ("self_attn.o_proj.weight", True),
     "mlp_norm": ("post_attention_layernorm.weight", False),
     "w_gate": ("mlp.gate_proj.weight", True),
@@ -253,11 +261,8 @@ def test_attention_is_deepseek_v3_attention(q_lora_rank, backend):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 12])
-def test_decoder_logits_are_deepseek_v3_s(q_lora_rank):
-    """The whole tiny decoder, document by document of packed rows."""
-    hf = _hf_model(q_lora_rank)
-    cfg = _cfg(q_lora_rank)
+def _assert_decoder_is(hf, cfg: ModelConfig):
+    """distill's logits of packed rows equal transformers' on each document alone."""
     params, batch = _params(hf, cfg), _batch()
     ours = np.asarray(model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions))
     for row in range(2):
@@ -273,6 +278,67 @@ def test_decoder_logits_are_deepseek_v3_s(q_lora_rank):
                     .numpy()
                 )
             np.testing.assert_allclose(ours[row][at], want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_decoder_logits_are_deepseek_v3_s(q_lora_rank):
+    _assert_decoder_is(_hf_model(q_lora_rank), _cfg(q_lora_rank))
+
+
+GPT_OSS_YARN = dict(
+    rope_type="yarn", factor=8.0, rope_theta=1e4, original_max_position_embeddings=4096,
+    beta_fast=32.0, beta_slow=1.0, truncate=False,
+)  # fmt: skip
+# grouped-query families with the new RoPE variants: (transformers config class, model
+# class, its config keys, distill's)
+GQA_FAMILIES = {
+    "glm4_moe_dense_partial_rotary_biases_qk_norm": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            first_k_dense_replace=2,
+            n_routed_experts=4,
+            moe_intermediate_size=16,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            },
+        ),  # fmt: skip
+        dict(partial_rotary_factor=0.5, qkv_bias=True, qk_norm=True),
+    ),
+    "llama_yarn_untruncated": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_parameters=dict(GPT_OSS_YARN)),
+        dict(rope_scaling=_scaling(GPT_OSS_YARN)),
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(GQA_FAMILIES))
+def test_grouped_query_decoders_with_new_rope_are_transformers(family):
+    config_class, model_class, hf_keys, keys = GQA_FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, **hf_keys,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    hf = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.3)
+    cfg = ModelConfig(
+        vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
+        norm_eps=1e-6, rope_theta=1e4, attention="reference", **keys,
+    )  # fmt: skip
+    assert cfg.rope_dim == 16 * keys.get("partial_rotary_factor", 1.0)
+    _assert_decoder_is(hf, cfg)
 
 
 # --- sharded against one device -------------------------------------------------------------
