@@ -22,7 +22,7 @@ from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm  # noqa: E4
 
 from distill.config import ModelConfig, RopeScaling  # noqa: E402
 from distill.mesh import DP, FSDP, teacher_mesh  # noqa: E402
-from distill.models import attention, decode, mla, model, rope  # noqa: E402
+from distill.models import attention, decode, mla, model, ring_attention, rope  # noqa: E402
 from distill.types import Batch, Prompts  # noqa: E402
 from student import sharding as student_sharding  # noqa: E402
 from student import train  # noqa: E402
@@ -359,6 +359,22 @@ def test_tensor_parallel_teacher_is_one_device(tp, q_lora_rank):
     assert layers["wkv_b"].addressable_shards[0].data.shape[-1] == 4 // tp * (8 + 6)
     out = make_forward(cfg, mesh, mode="logits")(sharded, batch)
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pp,cp", [(2, 1), (1, 2)])
+def test_teacher_with_stages_or_a_ring_is_one_device(pp, cp, monkeypatch):
+    """tp = 2 with pipeline stages, or with context parallelism (ring attention, its
+    key/value blocks passed around the ring rather than gathered)."""
+    monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
+    cfg = _cfg(12, attention="blockwise")
+    params, batch = model.init_params(cfg, 1), _batch()
+    ref = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions)
+    mesh = teacher_mesh(jax.devices()[: 2 * pp * cp], 1, 2, 1, pp, cp)
+    sharded = teacher_sharding.shard_params(params, cfg, mesh)
+    put = jax.device_put(batch, teacher_sharding.batch_sharding(mesh))
+    out = make_forward(cfg, mesh, mode="dense", microbatch=1)(sharded, put)
+    want = np.asarray(jax.nn.log_softmax(ref))
+    np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=2e-5, rtol=1e-5)
 
 
 def _ce(cfg, params, batch):

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from distill import collectives as cc
 from distill.config import ModelConfig
 from distill.models.rope import Rope, apply_rope
 
@@ -58,6 +60,40 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["kv_a_norm"] = (r,)
     shapes["wkv_b"] = (r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
     return shapes
+
+
+def qkv(
+    w: dict, n_bsd: jax.Array, positions_bs: jax.Array, rope: Rope, cfg: ModelConfig,
+    tp_axis: str | None, rms_norm, matmul,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """(q, k [B, S, H, nope + rope], v [B, S, H, v]) of this shard's heads from the block's
+    normed input n [B, S, D] (under sequence parallelism S / tp of its positions) and its
+    weights `w` (`weight_shapes`' names, this shard's slices). With `q_lora_rank` the
+    replicated down projections run on this shard's positions and their narrow outputs
+    are gathered (DeepSeek-V3: 1,536 + 512 + 64 numbers a position, not 7,168), so no
+    shard repeats another's; a plain `wq` takes the gathered input as grouped-query
+    attention does. `rms_norm(x, scale, eps, offset)` and `matmul(x, w)` are the model's."""
+    dt, r = n_bsd.dtype, cfg.kv_lora_rank
+
+    def latent_norm(x, scale):
+        return rms_norm(x, scale, LATENT_NORM_EPS, cfg.norm_offset)
+
+    def down(x, key):
+        return matmul(x, w[key].astype(dt))
+
+    if cfg.q_lora_rank is None:
+        h = cc.gather_positions(n_bsd, tp_axis)
+        q, kv_a = down(h, "wq"), down(h, "wkv_a")
+        latent, k_pe = latent_norm(kv_a[..., :r], w["kv_a_norm"]), kv_a[..., r:]
+    else:
+        q_latent = latent_norm(down(n_bsd, "wq_a"), w["q_a_norm"])
+        kv_a = down(n_bsd, "wkv_a")
+        local = [q_latent, latent_norm(kv_a[..., :r], w["kv_a_norm"]), kv_a[..., r:]]
+        sizes = np.cumsum([x.shape[-1] for x in local])[:-1]
+        whole = cc.gather_positions(jnp.concatenate(local, axis=-1), tp_axis)
+        q_latent, latent, k_pe = jnp.split(whole, sizes, axis=-1)
+        q = down(q_latent, "wq_b")
+    return heads(q, down(latent, "wkv_b"), k_pe, positions_bs, rope, cfg)
 
 
 def heads(

@@ -159,10 +159,11 @@ class Block(nnx.Module):
     def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None):
         """Queries [B, S, H, hd] and keys [B, S, KV, hd], values [B, S, KV, v_dim] (local
         heads), RoPE applied."""
-        bias = self.cfg.qkv_bias
-        h = cc.gather_positions(self._norm(x_bsd, self.attn_norm), tp_axis)
+        bias, normed = self.cfg.qkv_bias, self._norm(x_bsd, self.attn_norm)
         if self.cfg.mla:
-            return self._latent_qkv(h, positions_bs, rope)
+            w = {k: getattr(self, k)[...] for k in mla.weight_shapes(self.cfg)}
+            return mla.qkv(w, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
+        h = cc.gather_positions(normed, tp_axis)
         q = self._project(h, self.wq, self.bq if bias else None)
         k = self._project(h, self.wk, self.bk if bias else None)
         v = self._project(h, self.wv, self.bv if bias else None)
@@ -173,24 +174,6 @@ class Block(nnx.Module):
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         inter = self.cfg.rope_interleave
         return apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter), v
-
-    def _latent_qkv(self, h_bsd, positions_bs, rope: Rope):
-        """Latent attention's q, k [B, S, H, nope + rope] and v [B, S, H, v] of this shard's
-        heads (`distill.models.mla`): the down projections and their norms on every shard."""
-        cfg, dt = self.cfg, h_bsd.dtype
-
-        def latent_norm(x, scale):
-            return rms_norm(x, scale[...], mla.LATENT_NORM_EPS, cfg.norm_offset)
-
-        if cfg.q_lora_rank is None:
-            q = matmul(h_bsd, self.wq[...].astype(dt))
-        else:
-            q_latent = latent_norm(matmul(h_bsd, self.wq_a[...].astype(dt)), self.q_a_norm)
-            q = matmul(q_latent, self.wq_b[...].astype(dt))
-        kv_a = matmul(h_bsd, self.wkv_a[...].astype(dt))
-        latent, k_pe = kv_a[..., : cfg.kv_lora_rank], kv_a[..., cfg.kv_lora_rank :]
-        kv = matmul(latent_norm(latent, self.kv_a_norm), self.wkv_b[...].astype(dt))
-        return mla.heads(q, kv, k_pe, positions_bs, rope, cfg)
 
     def act(self, x):
         """The gated MLP's activation."""
