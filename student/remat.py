@@ -116,7 +116,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> fl
     Checked against XLA's cost analysis of loop-free steps in tests/test_remat.py."""
     if policy == "none":
         return 0.0
-    attention = 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.hd
+    attention = model.attention_flops_per_token(cfg, seq_len)
     if policy == "dots":
         return attention
     layers = model.flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.d_model

@@ -37,12 +37,18 @@ WEIGHT_DIMS = {
         "wq": ("layer", "d_model", "q_dim"),  # q_dim = n_heads * head_dim
         "wk": ("layer", "d_model", "kv_dim"),  # kv_dim = n_kv_heads * head_dim
         "wv": ("layer", "d_model", "kv_dim"),
-        "wo": ("layer", "q_dim", "d_model"),
+        "wo": ("layer", "o_dim", "d_model"),  # o_dim = n_heads * v_dim
         "mlp_norm": ("layer", "d_model"),
         "post_attn_norm": ("layer", "d_model"),
         "post_mlp_norm": ("layer", "d_model"),
         "q_norm": ("layer", "head_dim"),
         "k_norm": ("layer", "head_dim"),
+        "wq_a": ("layer", "d_model", "q_lora"),  # latent attention (distill.models.mla)
+        "q_a_norm": ("layer", "q_lora"),
+        "wq_b": ("layer", "q_lora", "q_dim"),
+        "wkv_a": ("layer", "d_model", "kv_latent"),  # kv_latent = kv_lora + qk_rope_head_dim
+        "kv_a_norm": ("layer", "kv_lora"),
+        "wkv_b": ("layer", "kv_lora", "kv_b_dim"),  # kv_b_dim = n_heads * (nope + v)
         "bq": ("layer", "q_dim"),
         "bk": ("layer", "kv_dim"),
         "bv": ("layer", "kv_dim"),
@@ -70,6 +76,7 @@ NEVER_SPLIT = ("layer",)
 REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
     "k_norm", "bq", "bk", "bv", "shared_gate", "router_bias", "router_correction",
+    "q_a_norm", "kv_a_norm",
 )  # fmt: skip
 
 
@@ -81,6 +88,11 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "d_model": cfg.d_model,
         "q_dim": cfg.n_heads * cfg.hd,
         "kv_dim": cfg.n_kv_heads * cfg.hd,
+        "o_dim": cfg.n_heads * cfg.v_dim,
+        "q_lora": cfg.q_lora_rank or 0,
+        "kv_lora": cfg.kv_lora_rank or 0,
+        "kv_latent": (cfg.kv_lora_rank or 0) + (cfg.qk_rope_head_dim or 0),
+        "kv_b_dim": cfg.n_heads * ((cfg.qk_nope_head_dim or 0) + cfg.v_dim),
         "d_ff": cfg.d_ff,
         "head_dim": cfg.hd,
         "experts": cfg.n_experts,

@@ -45,7 +45,15 @@ LAYER_SPECS = {
     "wq": P(None, None, TP),  # [L, D, H*hd] column-parallel
     "wk": P(None, None, TP),  # [L, D, KV*hd]
     "wv": P(None, None, TP),
-    "wo": P(None, TP, None),  # [L, H*hd, D] row-parallel
+    "wo": P(None, TP, None),  # [L, H*v_dim, D] row-parallel
+    # latent attention (distill.models.mla): the up projections column-parallel by heads,
+    # the down projections and their norms replicated
+    "wq_a": P(None, None, None),  # [L, D, q_lora]
+    "q_a_norm": P(None, None),  # [L, q_lora]
+    "wq_b": P(None, None, TP),  # [L, q_lora, H*(nope+rope)]
+    "wkv_a": P(None, None, None),  # [L, D, kv_lora+rope]
+    "kv_a_norm": P(None, None),  # [L, kv_lora]
+    "wkv_b": P(None, None, TP),  # [L, kv_lora, H*(nope+v)]
     "w_gate": P(None, None, TP),  # [L, D, F]
     "w_up": P(None, None, TP),
     "w_down": P(None, TP, None),  # [L, F, D]

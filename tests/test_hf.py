@@ -21,7 +21,7 @@ from distill.config.load import config_from_dict  # noqa: E402
 from distill.data.tokenizers import ByteTokenizer  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
 from distill.mesh import teacher_mesh  # noqa: E402
-from distill.models import hf, model  # noqa: E402
+from distill.models import hf, model, rope  # noqa: E402
 from distill.types import Batch  # noqa: E402
 from pipelines.commands.cli import main  # noqa: E402
 from pipelines.preflight import check_shapes  # noqa: E402
@@ -124,7 +124,7 @@ def test_teacher_from_hf_matches_transformers(tmp_path, name):
     assert {str(x.dtype) for x in jax.tree.leaves(params)} == {str(stored).split(".")[1]}
     if cfg.rope_scaling is not None:
         inv_freq = ref_model.model.rotary_emb.inv_freq.numpy()
-        ours = model.rope_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling)
+        ours = rope.rope_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling)
         np.testing.assert_allclose(ours, inv_freq, rtol=1e-6)
 
     batch = _batch(cfg.vocab_size)

@@ -30,19 +30,67 @@ class Section(BaseModel):
 
 
 class RopeScaling(Section):
-    """RoPE frequency scaling of long-context checkpoints (Hugging Face `rope_scaling`)."""
+    """RoPE frequency scaling of long-context checkpoints (Hugging Face `rope_scaling`, or
+    transformers 5's `rope_parameters`; each field is the key of the same name there, `type`
+    its `rope_type`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)  # hashable: a static model attribute
 
-    type: Literal["linear", "llama3"] = Field(
-        ..., description="linear: every frequency / factor; llama3: Llama 3.1's band-wise scaling."
+    type: Literal["linear", "llama3", "yarn"] = Field(
+        ...,
+        description="linear: every frequency / factor; llama3: Llama 3.1's band-wise scaling; "
+        "yarn: YaRN's ramp between interpolated and original frequencies, cos and sin scaled "
+        "by its attention factor (DeepSeek-V3, Qwen3, gpt-oss).",
     )
     factor: float = Field(..., gt=0, description="Context extension factor.")
     low_freq_factor: float = Field(1.0, gt=0, description="llama3: low-frequency band edge.")
     high_freq_factor: float = Field(4.0, gt=0, description="llama3: high-frequency band edge.")
     original_max_position_embeddings: int = Field(
-        8192, ge=1, description="llama3: the context length before extension."
+        8192, ge=1, description="llama3, yarn: the context length before extension."
     )
+    beta_fast: float = Field(
+        32.0, gt=0, description="yarn: rotations per context above which a dim is not scaled."
+    )
+    beta_slow: float = Field(
+        1.0, gt=0, description="yarn: rotations per context below which a dim is fully scaled."
+    )
+    mscale: float | None = Field(
+        None,
+        description="yarn: the attention factor's numerator coefficient (with mscale_all_dim).",
+    )
+    mscale_all_dim: float | None = Field(
+        None,
+        description="yarn: the attention factor's denominator coefficient; with latent "
+        "attention (kv_lora_rank) the softmax scale is also multiplied by "
+        "(0.1 * mscale_all_dim * ln(factor) + 1)^2, as DeepSeek-V3 does.",
+    )
+    attention_factor: float | None = Field(
+        None,
+        gt=0,
+        description="yarn: cos and sin are multiplied by this; None: from factor, mscale and "
+        "mscale_all_dim (transformers' formula).",
+    )
+    truncate: bool = Field(
+        True, description="yarn: round the ramp's ends to whole dims (gpt-oss: false)."
+    )
+
+    def yarn_attention_factor(self) -> float:
+        """The scale of cos and sin (transformers' `_compute_yarn_parameters`): 1 for the
+        other types."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, coefficient: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * coefficient * ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * coefficient * math.log(factor) + 1.0
 
 
 def backend_problem(backend: str, softcap: bool, mixed_windows: bool) -> str | None:
@@ -80,7 +128,10 @@ class ModelConfig(Section):
     n_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
     n_heads: int = Field(8, ge=1, description="Query heads.")
     n_kv_heads: int = Field(4, ge=1, description="Key/value heads (GQA); divides n_heads.")
-    head_dim: int | None = Field(None, description="Per-head width; default d_model/n_heads.")
+    head_dim: int | None = Field(
+        None,
+        description="Per-head width; default d_model/n_heads (not read under latent attention).",
+    )
     d_ff: int = Field(704, ge=1, description="Gated MLP hidden width.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling; None: plain RoPE.")
@@ -213,6 +264,46 @@ class ModelConfig(Section):
         description="In an MoE model, the layers whose feed-forward is the dense one (d_ff) "
         "(Qwen's mlp_only_layers and decoder_sparse_step).",
     )
+    partial_rotary_factor: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="The share of each head's dims that RoPE rotates: the first "
+        "int(head_dim * factor), rotate-half among themselves, the rest pass unrotated "
+        "(GLM-4.5: 0.5; config.json's partial_rotary_factor).",
+    )
+    rope_interleave: bool = Field(
+        False,
+        description="RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... and returns them "
+        "de-interleaved, as transformers' DeepSeek-V3 (its rope_interleave, default true "
+        "there); false: rotate-half pairs (x_i, x_i+R/2).",
+    )
+    kv_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Multi-head latent attention (DeepSeek-V3, Kimi K2) when set: keys and "
+        "values come from one shared latent of this width (kv_a_proj_with_mqa, "
+        "kv_a_layernorm, kv_b_proj), and head_dim, qkv_bias and qk_norm are not used; "
+        "None: grouped-query attention.",
+    )
+    q_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Latent attention: queries through a low-rank latent of this width "
+        "(q_a_proj, q_a_layernorm, q_b_proj); None: one q_proj.",
+    )
+    qk_nope_head_dim: int | None = Field(
+        None, ge=1, description="Latent attention: each query/key head's dims without RoPE."
+    )
+    qk_rope_head_dim: int | None = Field(
+        None,
+        ge=2,
+        description="Latent attention: each query/key head's RoPE dims (after the others); the "
+        "key's are one head shared by every head.",
+    )
+    v_head_dim: int | None = Field(
+        None, ge=1, description="Latent attention: each value head's width."
+    )
     attention: AttentionBackend = Field(
         "auto",
         description="Attention kernel. auto: cuDNN flash on GPU (bfloat16, no soft-cap), splash "
@@ -227,7 +318,8 @@ class ModelConfig(Section):
             raise ValueError(
                 f"n_kv_heads: {self.n_kv_heads} does not divide n_heads {self.n_heads}"
             )
-        if self.head_dim is None and self.d_model % self.n_heads:
+        self._check_rope_and_mla()
+        if not self.mla and self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"n_heads: {self.n_heads} does not divide d_model {self.d_model}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.n_layers:
@@ -268,9 +360,57 @@ class ModelConfig(Section):
                 f"{self.topk_group * (e // g)} experts of topk_group {self.topk_group} groups"
             )
 
+    def _check_rope_and_mla(self) -> None:
+        mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.mla:
+            unused = [k for k in mla_keys if getattr(self, k) is not None]
+            if unused:
+                raise ValueError(f"{unused[0]}: set only with latent attention (kv_lora_rank)")
+        else:
+            missing = [k for k in mla_keys[1:] if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"{missing[0]}: latent attention (kv_lora_rank) needs it")
+            if self.n_kv_heads != self.n_heads:
+                raise ValueError(
+                    f"n_kv_heads: latent attention has a key and a value per query head "
+                    f"({self.n_heads}), not {self.n_kv_heads}"
+                )
+            for key in ("qkv_bias", "qk_norm"):
+                if getattr(self, key):
+                    raise ValueError(f"{key}: not with latent attention (kv_lora_rank)")
+            if self.partial_rotary_factor != 1:
+                raise ValueError(
+                    "partial_rotary_factor: latent attention rotates qk_rope_head_dim dims"
+                )
+        if self.rope_dim % 2 or self.rope_dim == 0:
+            raise ValueError(
+                f"RoPE rotates {self.rope_dim} dims of each head; it needs an even number"
+            )
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (`kv_lora_rank` set)."""
+        return self.kv_lora_rank is not None
+
     @property
     def hd(self) -> int:
+        """Each query and key head's width (latent attention: nope + rope dims)."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def v_dim(self) -> int:
+        """Each value head's width: `hd` but under latent attention."""
+        return self.v_head_dim if self.mla else self.hd
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each query and key head that RoPE rotates (the first ones, or under
+        latent attention the last qk_rope_head_dim)."""
+        if self.mla:
+            return self.qk_rope_head_dim
+        return int(self.hd * self.partial_rotary_factor)
 
     def types(self) -> tuple[str, ...]:
         """Every layer's attention type, full or sliding."""
@@ -305,8 +445,16 @@ class ModelConfig(Section):
         return len(set(self.moe_layers())) > 1
 
     def scale(self) -> float:
-        """The attention score scale."""
-        return self.query_scale if self.query_scale is not None else 1 / math.sqrt(self.hd)
+        """The attention score scale: `query_scale`, else 1/sqrt(hd), under latent attention
+        with YaRN's mscale_all_dim times its mscale squared (transformers' DeepSeek-V3
+        `yarn_apply_mscale`)."""
+        if self.query_scale is not None:
+            return self.query_scale
+        scale = 1 / math.sqrt(self.hd)
+        rope = self.rope_scaling
+        if self.mla and rope is not None and rope.type == "yarn" and rope.mscale_all_dim:
+            scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        return scale
 
 
 # Keys that only a mixture of experts reads, for a student made dense (`student_fields`).

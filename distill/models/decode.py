@@ -36,8 +36,11 @@ _NEG = jnp.finfo(jnp.float32).min
 
 
 class Cache(NamedTuple):
+    """Every layer's keys and values; under latent attention each head's expanded k and v
+    (H of them, v narrower than k), not the compressed latent (`distill.models.mla`)."""
+
     k: jax.Array  # [L, B, T, KV, hd] in the compute dtype
-    v: jax.Array
+    v: jax.Array  # [L, B, T, KV, v_dim]
     valid: jax.Array  # [B, T] bool: entries a decode step may attend to
 
 
@@ -75,7 +78,7 @@ def prefill(
 def cached_attention(
     q_b1hd, k_btkd, v_btkd, valid_bt, *, scale=None, softcap=None, window=None, index=None
 ) -> jax.Array:
-    """One query per row against the cache: [B, 1, H, hd], float32 scores and softmax.
+    """One query per row against the cache: [B, 1, H, v_dim], float32 scores and softmax.
     `scale` (default 1/sqrt(hd)) and `softcap` as `distill.models.attention`; with a
     `window`, only the entries after cache position `index` - window are seen."""
     b, s, h, d = q_b1hd.shape
@@ -88,7 +91,7 @@ def cached_attention(
         valid_bt = valid_bt & (jnp.arange(valid_bt.shape[1]) > index - window)[None, :]
     scores = jnp.where(valid_bt[:, None, None, None, :], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v_btkd).reshape(b, s, h, d)
+    return jnp.einsum("bkgst,btkd->bskgd", probs, v_btkd).reshape(b, s, h, -1)
 
 
 def decode_step(
@@ -106,12 +109,12 @@ def decode_step(
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))
     def run_layers(x, block, k_l, v_l, layer):
-        window, inv_freq = block.layer(layer)
-        q, k, v = block.qkv(x, positions_b[:, None], inv_freq)
+        window, rope = block.layer(layer)
+        q, k, v = block.qkv(x, positions_b[:, None], rope)
         k_l = jax.lax.dynamic_update_slice_in_dim(k_l, k.astype(k_l.dtype), index, axis=1)
         v_l = jax.lax.dynamic_update_slice_in_dim(v_l, v.astype(v_l.dtype), index, axis=1)
         o = cached_attention(
-            q, k_l, v_l, valid, scale=cfg.query_scale, softcap=cfg.attn_softcap, window=window,
+            q, k_l, v_l, valid, scale=cfg.scale(), softcap=cfg.attn_softcap, window=window,
             index=index,
         )  # fmt: skip
         x, _ = block.finish(x, o, None, layer)

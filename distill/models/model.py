@@ -1,7 +1,9 @@
-"""One decoder for both roles and every family: RoPE, grouped-query attention, a gated MLP,
-RMSNorm. What Mistral, Qwen2/3 and Gemma 2/3 change (biases, query/key norms, norm offset and
-placement, activation, embedding scale, soft-caps, sliding windows, RoPE per layer type) is
-data in `ModelConfig`; a parameter exists only where its family has it.
+"""One decoder for both roles and every family: RoPE, grouped-query or latent attention
+(`distill.models.mla`), a gated MLP, RMSNorm. What Mistral, Qwen2/3, Gemma 2/3 and
+DeepSeek-V3 change (biases, query/key norms, norm offset and placement, activation,
+embedding scale, soft-caps, sliding windows, RoPE per layer type, partial or interleaved
+RoPE, latent attention) is data in `ModelConfig`; a parameter exists only where its family
+has it.
 
 Parallelism enters as an argument, not a copy: `tp_axis=None` is the plain single-device
 model (the student, and the reference in tests); `tp_axis="tp"` runs the same code inside
@@ -28,9 +30,10 @@ from flax import nnx
 
 from distill import collectives as cc
 from distill import programs
-from distill.config import ModelConfig, RopeScaling
-from distill.models import moe
+from distill.config import ModelConfig
+from distill.models import mla, moe
 from distill.models.attention import attention, over_rows, resolve_backend
+from distill.models.rope import Rope, apply_rope, rope_table
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
@@ -71,36 +74,6 @@ def softcap(z: jax.Array, cap: float | None) -> jax.Array:
     return z if cap is None else cap * jnp.tanh(z / cap)
 
 
-def rope_frequencies(hd: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
-    """Inverse frequencies [hd/2], with Hugging Face's `linear` or `llama3` scaling."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    if scaling is None:
-        return inv_freq
-    if scaling.type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: short wavelengths kept, long ones divided by factor, a smooth blend in between
-    old_len = scaling.original_max_position_embeddings
-    lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = jnp.where(wavelen > old_len / lo, inv_freq / scaling.factor, blended)
-    return jnp.where(wavelen < old_len / hi, inv_freq, scaled)
-
-
-def rope(x_bshd: jax.Array, positions_bs: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding with inverse frequencies [hd/2] (`rope_frequencies`), rotate-half
-    convention (as Hugging Face Llama)."""
-    hd = x_bshd.shape[-1]
-    angles = positions_bs[..., None].astype(jnp.float32) * inv_freq  # [B, S, hd/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x32 = x_bshd.astype(jnp.float32)
-    x1, x2 = x32[..., : hd // 2], x32[..., hd // 2 :]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x_bshd.dtype)
-
-
 def matmul(x_bsd: jax.Array, w_df: jax.Array) -> jax.Array:
     """x @ w [B, S, F], computed on the [B * S, D] rows (a free reshape): a dot with one
     contracting dimension, whose weight gradient XLA:CPU forms without first copying the
@@ -118,9 +91,14 @@ class Block(nnx.Module):
             return nnx.Param(jnp.full((width,), 1.0 - cfg.norm_offset, jnp.float32))
 
         self.attn_norm = norm(d)
-        self.wq = _normal(rngs, (d, cfg.n_heads * hd), std)
-        self.wk = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
-        self.wv = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
+        if cfg.mla:
+            for name, shape in mla.weight_shapes(cfg).items():
+                w = norm(shape[0]) if name in mla.NORMS else _normal(rngs, shape, std)
+                setattr(self, name, w)
+        else:
+            self.wq = _normal(rngs, (d, cfg.n_heads * hd), std)
+            self.wk = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
+            self.wv = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
         if cfg.qkv_bias:
             self.bq = nnx.Param(jnp.zeros((cfg.n_heads * hd,), jnp.float32))
             self.bk = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
@@ -129,7 +107,7 @@ class Block(nnx.Module):
             full = cfg.qk_norm_full
             self.q_norm = norm(cfg.n_heads * hd if full else hd)
             self.k_norm = norm(cfg.n_kv_heads * hd if full else hd)
-        self.wo = _normal(rngs, (cfg.n_heads * hd, d), out_std)
+        self.wo = _normal(rngs, (cfg.n_heads * cfg.v_dim, d), out_std)
         if cfg.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
         self.mlp_norm = norm(d)
@@ -154,11 +132,11 @@ class Block(nnx.Module):
             y = y + b[...].astype(dt)
         return y.reshape(*h.shape[:2], -1, self.cfg.hd)
 
-    def layer(self, layer: dict | None):
-        """(window, inverse RoPE frequencies) of this layer: `layer`, its scanned data, when
-        layers differ; else static, from the config."""
+    def layer(self, layer: dict | None) -> tuple:
+        """(window, `Rope`) of this layer: `layer`, its scanned data, when layers differ;
+        else static, from the config."""
         if layer is not None and "window" in layer:
-            return layer["window"], layer["inv_freq"]
+            return layer["window"], Rope(layer["inv_freq"], layer["rope_factor"])
         kind = self.cfg.types()[0]
         return window_of(self.cfg, kind), rope_table(self.cfg, kind)
 
@@ -171,10 +149,14 @@ class Block(nnx.Module):
         y = y32 * jax.lax.rsqrt(ss / width + self.cfg.norm_eps)
         return (y * scale[...].astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
 
-    def qkv(self, x_bsd, positions_bs, inv_freq, tp_axis=None):
-        """Queries [B, S, H, hd] and keys, values [B, S, KV, hd] (local heads), RoPE applied."""
-        bias = self.cfg.qkv_bias
-        h = cc.gather_positions(self._norm(x_bsd, self.attn_norm), tp_axis)
+    def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None):
+        """Queries [B, S, H, hd] and keys [B, S, KV, hd], values [B, S, KV, v_dim] (local
+        heads), RoPE applied."""
+        bias, normed = self.cfg.qkv_bias, self._norm(x_bsd, self.attn_norm)
+        if self.cfg.mla:
+            w = {k: getattr(self, k)[...] for k in mla.weight_shapes(self.cfg)}
+            return mla.qkv(w, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
+        h = cc.gather_positions(normed, tp_axis)
         q = self._project(h, self.wq, self.bq if bias else None)
         k = self._project(h, self.wk, self.bk if bias else None)
         v = self._project(h, self.wv, self.bv if bias else None)
@@ -183,7 +165,8 @@ class Block(nnx.Module):
             k = self._full_norm(k, self.k_norm, tp_axis)
         elif self.cfg.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
-        return rope(q, positions_bs, inv_freq), rope(k, positions_bs, inv_freq), v
+        inter = self.cfg.rope_interleave
+        return apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter), v
 
     def dense_ffn(self, h_bsd, tp_axis: str | None):
         """The gated MLP (column-parallel gate/up, row-parallel down, psum over `tp`)."""
@@ -255,11 +238,11 @@ class Block(nnx.Module):
     ):  # fmt: skip
         """(the block's output, its keys and values, its expert stats). `attend`: attention in
         place of `attention` with `backend` (`Transformer.hidden`)."""
-        window, inv_freq = self.layer(layer)
-        q, k, v = self.qkv(x_bsd, positions_bs, inv_freq, tp_axis)
+        window, rope = self.layer(layer)
+        q, k, v = self.qkv(x_bsd, positions_bs, rope, tp_axis)
         attend = attend or functools.partial(attention, backend=backend)
-        o = attend(
-            q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
+        o = mla.attend_uneven(
+            attend, q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
             softcap=self.cfg.attn_softcap,
         )  # fmt: skip
         x, stats = self.finish(x_bsd, o, tp_axis, layer, moe_opts)
@@ -271,17 +254,10 @@ def window_of(cfg: ModelConfig, kind: str) -> int | None:
     return cfg.sliding_window if kind == "sliding" else None
 
 
-def rope_table(cfg: ModelConfig, kind: str) -> jax.Array:
-    """Inverse RoPE frequencies [hd/2] of a layer of type `kind`: sliding layers use
-    `rope_local_theta`, unscaled, when it is set."""
-    if kind == "sliding" and cfg.rope_local_theta is not None:
-        return rope_frequencies(cfg.hd, cfg.rope_local_theta, None)
-    return rope_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling)
-
-
 def layer_data(cfg: ModelConfig) -> dict | None:
     """What the layer scan feeds each block when layers differ: when windows or RoPE differ,
-    window int32 [L] (`NO_WINDOW` for full layers) and inv_freq float32 [L, hd/2]; when
+    window int32 [L] (`NO_WINDOW` for full layers), inv_freq float32 [L, R/2] and
+    rope_factor float32 [L] (`distill.models.rope.Rope`); when
     dense and MoE feed-forwards mix, moe bool [L]; None when layers are alike."""
     data = {}
     if cfg.mixed_layers():
@@ -289,7 +265,8 @@ def layer_data(cfg: ModelConfig) -> dict | None:
         windows = [window_of(cfg, t) or NO_WINDOW for t in types]
         tables = {t: rope_table(cfg, t) for t in set(types)}
         data["window"] = jnp.asarray(windows, jnp.int32)
-        data["inv_freq"] = jnp.stack([tables[t] for t in types])
+        data["inv_freq"] = jnp.stack([tables[t].inv_freq for t in types])
+        data["rope_factor"] = jnp.asarray([tables[t].factor for t in types], jnp.float32)
     if cfg.mixed_ffn():
         data["moe"] = jnp.asarray(cfg.moe_layers())
     return data or None
@@ -473,16 +450,23 @@ def active_param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token (PaLM appendix B): 2 * matmul params + 4 * L * S * H * hd,
-    counting only the experts a token is routed to (and not the router, a vector-sized
-    matmul). Training (forward + backward) is 3x this.
+    """Forward FLOPs per token (PaLM appendix B): 2 * matmul params + attention's
+    (`attention_flops_per_token`), counting only the experts a token is routed to (and not
+    the router, a vector-sized matmul). Training (forward + backward) is 3x this.
     """
     embed = cfg.vocab_size * cfg.d_model
     matmul_params = active_param_count(cfg) - embed * (1 if cfg.tie_embeddings else 2) + embed
     norms = (4 if cfg.post_norms else 2) * cfg.d_model + (2 * cfg.hd if cfg.qk_norm else 0)
     if cfg.qk_norm_full:
         norms += (cfg.n_heads + cfg.n_kv_heads) * cfg.hd - 2 * cfg.hd
+    if cfg.mla:  # the latents' norms
+        norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
     biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
     matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
-    attn = 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.hd  # QK^T and PV, not halved
-    return 2.0 * matmul_params + attn
+    return 2.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Attention's FLOPs per token over the whole causal square (not halved): QK^T,
+    2 * L * S * H * hd, and PV, 2 * L * S * H * v_dim."""
+    return 2.0 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.hd + cfg.v_dim)
