@@ -46,6 +46,7 @@ LAYER_SPECS = {
     "wk": P(None, None, TP),  # [L, D, KV*hd]
     "wv": P(None, None, TP),
     "wo": P(None, TP, None),  # [L, H*hd, D] row-parallel
+    "sinks": P(None, TP),  # [L, H] attention sinks, split with the query heads
     "w_gate": P(None, None, TP),  # [L, D, F]
     "w_up": P(None, None, TP),
     "w_down": P(None, TP, None),  # [L, F, D]

@@ -287,8 +287,12 @@ def _cudnn(q, k, v, seg, scale, window, sinks, interpret):
     if window is not None:  # a traced per-layer window: part of the mask, not a static size
         pos = jnp.arange(s)
         same_doc = same_doc & (pos[:, None] - pos[None, :] < window)
+    lead = 0 if sinks is None else 1  # the sink: one more position, first
     if sinks is not None:
         q, k, v, same_doc = _sink_as_key(q, k, v, same_doc, sinks, scale)
+    if q.shape[1] % 2:  # cuDNN's backward under a mask wants an even length: one more last
+        q, k, v = (jnp.pad(x, [(0, 0), (0, 1), (0, 0), (0, 0)]) for x in (q, k, v))
+        same_doc = jnp.pad(same_doc, [(0, 0), (0, 0), (0, 1), (0, 1)]).at[..., -1, -1].set(True)
     # JAX wants values as wide as keys: zero features widen the narrower (and round the width
     # up to cuDNN's multiple of 8) without changing a score or an output feature
     width = round_up(max(q.shape[-1], dv), 8)
@@ -302,7 +306,7 @@ def _cudnn(q, k, v, seg, scale, window, sinks, interpret):
         is_causal=True,
         implementation="xla" if interpret else "cudnn",
     )
-    return o[:, -s:, :, :dv]
+    return o[:, lead : lead + s, :, :dv]
 
 
 def _sink_as_key(q, k, v, mask, sinks, scale):
