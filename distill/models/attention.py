@@ -146,7 +146,7 @@ def attention(
     bq = default if block_q is None else block_q
     bk = default if block_kv is None else block_kv
     if backend == "blockwise":
-        return blockwise(*qkv, Scores(scale, softcap), window, bq, bk, sinks)
+        return blockwise(*qkv, Scores(scale, softcap), window, bq, bk, sinks=sinks)
     return _splash(*qkv, scale, static_window, softcap, sinks, bq, bk, interpret)
 
 
