@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distill.config import DistillLossConfig, ModelConfig, OptimConfig
 from distill.mesh import student_mesh, teacher_mesh
 from distill.models import attention as attention_module
 from distill.models import decode, model
-from distill.models.attention import _is_cuda, attention
+from distill.models.attention import _is_cuda, attention, over_rows
 from distill.models.ring_attention import from_cp_layout, ring_attention, to_cp_layout
 from distill.types import Batch, Prompts, TeacherOutput
 from student import optim, sharding, train
@@ -134,6 +134,15 @@ def test_backend_matches_reference(backend, case):
     attend = functools.partial(attention, softcap=softcap, **BACKENDS[backend])
     got = _value_and_grads(attend, dtype, hd_v, window, with_sinks)
     _assert_close(got, want, TOL[dtype], f"{backend} {case}")
+
+
+def test_splash_per_device_rows_sums_the_sinks_gradient():
+    """`over_rows`: splash on each device's own rows (3 devices, a row each) under an
+    unchecked `shard_map`, the sinks on every device and their gradient summed over them."""
+    rows = NamedSharding(Mesh(np.array(jax.devices()[:B]), ("dp",)), P("dp"))
+    attend = over_rows("splash", rows, interpret=True, block_q=128, block_kv=128)
+    want = _reference(jnp.float32, 8, 11, None, True)
+    _assert_close(_value_and_grads(attend, jnp.float32, 8, 11), want, 1e-5, "over_rows")
 
 
 def test_reference_is_transformers_gpt_oss():

@@ -46,11 +46,17 @@ Backends:
   under grouped-query), so it is not used. In a backward pass JAX 0.10.2 also has cuDNN
   compute the bias's gradient (`should_export_dbias` is always true), which is dropped:
   a cost for the student's step to measure against blockwise on a GPU. No soft-capping.
+  JAX's call has no sinks and wants values as wide as keys: a sink goes in as one more key,
+  first in the row, that each query head scores at its sink logit (`_sink_as_key`; in
+  bfloat16 to about 16 bits),
+  and zero features widen the narrower of q/k and v; the row is padded to an even length
+  (cuDNN's backward under a mask wants one). cuDNN itself handles both (JAX 0.10.2's
+  private call accepts a value width of its own on Hopper), the public call does not.
   With `interpret=True` the same call runs JAX's XLA implementation (tests, off GPU).
 - `splash`: the TPU Pallas splash kernel (`CausalMask`, or `LocalMask` for a window, and
-  `SegmentIds`; its own soft-capping). Its masks are static: a window must be a Python int,
-  not per-layer scanned data. XLA cannot partition it: on rows sharded by a jitted program
-  it runs per device under `jax.shard_map` (`over_rows`). With
+  `SegmentIds`; its own soft-capping, sinks and value width). Its masks are static: a
+  window must be a Python int, not per-layer scanned data. XLA cannot partition it: on rows
+  sharded by a jitted program it runs per device under `jax.shard_map` (`over_rows`). With
   `interpret=True` it runs anywhere, slowly (used by the tests on CPU).
 - `auto`: cudnn on a CUDA GPU for bf16/fp16 inputs, splash on TPU, prefix on CPU for rows
   up to `PREFIX_MAX_SEQ` tokens, blockwise elsewhere; never a backend that cannot run the
