@@ -91,27 +91,27 @@ class Context:
     def _map(self, fn, in_spec):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_spec, out_specs=self._pieces)
 
-    def attend(self, q_bshd, k_bskd, v_bskd, segment_ids_bs, *, scale, window, softcap):
+    def attend(
+        self, q_bshd, k_bskd, v_bskd, segment_ids_bs, *, scale, window, softcap, sinks=None
+    ):  # fmt: skip
         """Attention of every device's pieces (q [B * cp, S / cp, H, hd], ...), as
         `distill.models.attention.attention` on the whole rows. `window`: a Python int,
-        None, or a traced int32 scalar (a layer's, under the layer scan)."""
+        None, or a traced int32 scalar (a layer's, under the layer scan). `sinks`: float32
+        [H] (on every device; its gradient summed over the ring) or None."""
         rows = self._pieces
         kw = dict(axis=CP, scale=scale, softcap=softcap, exchange=self.exchange)
+        # arrays (a traced window, the sinks) go in replicated; None and a Python int as they are
+        arrays = {} if sinks is None else {"sinks": sinks}
         if window is None or isinstance(window, int):
-            run = jax.shard_map(
-                lambda q, k, v, s: ring_attention(q, k, v, s, window=window, **kw),
-                mesh=self.mesh,
-                in_specs=(rows,) * 4,
-                out_specs=rows,
-            )
-            return run(q_bshd, k_bskd, v_bskd, segment_ids_bs)
-        run = jax.shard_map(
-            lambda q, k, v, s, w: ring_attention(q, k, v, s, window=w, **kw),
-            mesh=self.mesh,
-            in_specs=(rows,) * 4 + (P(),),
-            out_specs=rows,
-        )
-        return run(q_bshd, k_bskd, v_bskd, segment_ids_bs, window)
+            kw["window"] = window
+        else:
+            arrays["window"] = window
+
+        def local(q, k, v, s, arrays):
+            return ring_attention(q, k, v, s, **arrays, **kw)
+
+        run = jax.shard_map(local, mesh=self.mesh, in_specs=(rows,) * 4 + (P(),), out_specs=rows)
+        return run(q_bshd, k_bskd, v_bskd, segment_ids_bs, arrays)
 
 
 def _is_view(x) -> bool:

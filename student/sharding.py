@@ -38,6 +38,7 @@ WEIGHT_DIMS = {
         "wk": ("layer", "d_model", "kv_dim"),  # kv_dim = n_kv_heads * head_dim
         "wv": ("layer", "d_model", "kv_dim"),
         "wo": ("layer", "o_dim", "d_model"),  # o_dim = n_heads * v_dim
+        "sinks": ("layer", "heads"),  # attention sinks, one per query head
         "mlp_norm": ("layer", "d_model"),
         "post_attn_norm": ("layer", "d_model"),
         "post_mlp_norm": ("layer", "d_model"),
@@ -72,11 +73,11 @@ WEIGHT_DIMS = {
 }
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
 NEVER_SPLIT = ("layer",)
-# Norms, biases and a shared expert's gate vector: a few kilobytes each.
+# Norms, biases, a shared expert's gate vector and attention sinks: a few kilobytes each.
 REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
     "k_norm", "bq", "bk", "bv", "shared_gate", "router_bias", "router_correction",
-    "q_a_norm", "kv_a_norm",
+    "q_a_norm", "kv_a_norm", "sinks",
 )  # fmt: skip
 
 
@@ -95,6 +96,7 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "kv_b_dim": cfg.n_heads * ((cfg.qk_nope_head_dim or 0) + cfg.v_dim),
         "d_ff": cfg.d_ff,
         "head_dim": cfg.hd,
+        "heads": cfg.n_heads,
         "experts": cfg.n_experts,
         "d_ff_expert": cfg.f_expert,
         "d_ff_shared": cfg.f_shared,

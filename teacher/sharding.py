@@ -54,6 +54,7 @@ LAYER_SPECS = {
     "wkv_a": P(None, None, None),  # [L, D, kv_lora+rope]
     "kv_a_norm": P(None, None),  # [L, kv_lora]
     "wkv_b": P(None, None, TP),  # [L, kv_lora, H*(nope+v)]
+    "sinks": P(None, TP),  # [L, H] attention sinks, split with the query heads
     "w_gate": P(None, None, TP),  # [L, D, F]
     "w_up": P(None, None, TP),
     "w_down": P(None, TP, None),  # [L, F, D]

@@ -174,7 +174,7 @@ def test_the_meshes_platform_decides_not_the_default_backend(monkeypatch):
     assert resolve_backend("auto", jnp.bfloat16, 64) == "blockwise"
     assert resolve_backend("auto", jnp.bfloat16, 64, S) == "prefix"
     seen = []
-    monkeypatch.setattr(attn, "blockwise", lambda *args: seen.append(args[-2:]))
+    monkeypatch.setattr(attn, "blockwise", lambda *args, **kw: seen.append(args[-2:]))
     q, k, v, _, seg = _inputs(jnp.float32)
     attention(q, k, v, seg, backend="blockwise")
     assert seen == [(attn.CPU_BLOCK, attn.CPU_BLOCK)]

@@ -173,6 +173,11 @@ class ModelConfig(Section):
     attn_softcap: float | None = Field(
         None, gt=0, description="Attention scores -> cap * tanh(scores / cap) (Gemma 2)."
     )
+    attn_sinks: bool = Field(
+        False,
+        description="A learned logit per query head that joins each query's softmax "
+        "denominator and adds no value (gpt-oss's attention sinks, `sinks` [n_heads] per layer).",
+    )
     final_softcap: float | None = Field(
         None, gt=0, description="Logits -> cap * tanh(logits / cap) (Gemma 2)."
     )

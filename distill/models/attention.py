@@ -10,6 +10,12 @@ all-masked (no NaN). Heads are grouped-query: query head h reads key/value head 
 (G = H / KV), the order of `q.reshape(B, S, KV, G, hd)`. Sizes are read off the arrays, so under
 tensor parallelism the heads are this shard's local heads.
 
+Every backend also takes `sinks` (gpt-oss): a float32 logit per query head [H] that joins
+each query's softmax denominator and contributes no value (as transformers' gpt_oss
+concatenates it to the scores and drops its column after the softmax; it is not
+soft-capped), and values of another width than queries and keys (DeepSeek-V3's MLA:
+v [B, S, KV, hd_v], output [B, S, H, hd_v]).
+
 Backends:
 
 - `reference`: the plain math (float32 [B, KV, G, S, S] scores, softmax): the test oracle.
@@ -40,11 +46,17 @@ Backends:
   under grouped-query), so it is not used. In a backward pass JAX 0.10.2 also has cuDNN
   compute the bias's gradient (`should_export_dbias` is always true), which is dropped:
   a cost for the student's step to measure against blockwise on a GPU. No soft-capping.
+  JAX's call has no sinks and wants values as wide as keys: a sink goes in as one more key,
+  first in the row, that each query head scores at its sink logit (`_sink_as_key`; in
+  bfloat16 to about 16 bits),
+  and zero features widen the narrower of q/k and v; the row is padded to an even length
+  (cuDNN's backward under a mask wants one). cuDNN itself handles both (JAX 0.10.2's
+  private call accepts a value width of its own on Hopper), the public call does not.
   With `interpret=True` the same call runs JAX's XLA implementation (tests, off GPU).
 - `splash`: the TPU Pallas splash kernel (`CausalMask`, or `LocalMask` for a window, and
-  `SegmentIds`; its own soft-capping). Its masks are static: a window must be a Python int,
-  not per-layer scanned data. XLA cannot partition it: on rows sharded by a jitted program
-  it runs per device under `jax.shard_map` (`over_rows`). With
+  `SegmentIds`; its own soft-capping, sinks and value width). Its masks are static: a
+  window must be a Python int, not per-layer scanned data. XLA cannot partition it: on rows
+  sharded by a jitted program it runs per device under `jax.shard_map` (`over_rows`). With
   `interpret=True` it runs anywhere, slowly (used by the tests on CPU).
 - `auto`: cudnn on a CUDA GPU for bf16/fp16 inputs, splash on TPU, prefix on CPU for rows
   up to `PREFIX_MAX_SEQ` tokens, blockwise elsewhere; never a backend that cannot run the
@@ -90,16 +102,18 @@ def attention(
     scale: float | None = None,
     window: int | jax.Array | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Attention output [B, S, H, hd] in the dtype of `q_bshd`.
+    """Attention output [B, S, H, hd_v] in the dtype of `q_bshd`.
 
-    q_bshd [B, S, H, hd] (RoPE applied), k_bskd / v_bskd [B, S, KV, hd] with H % KV == 0,
-    segment_ids_bs [B, S] int. `scale` defaults to 1 / sqrt(hd). `window`: keys a query sees
-    (itself included), a Python int or a traced int32 scalar (a layer's, under the layer
-    scan); None: the whole causal prefix. `softcap`: cap of the scaled scores, or None.
+    q_bshd [B, S, H, hd] (RoPE applied), k_bskd [B, S, KV, hd], v_bskd [B, S, KV, hd_v] with
+    H % KV == 0, segment_ids_bs [B, S] int. `scale` defaults to 1 / sqrt(hd). `window`: keys
+    a query sees (itself included), a Python int or a traced int32 scalar (a layer's, under
+    the layer scan); None: the whole causal prefix. `softcap`: cap of the scaled scores, or
+    None. `sinks`: float32 [H] sink logits (this shard's query heads under tp), or None.
     `block_q` / `block_kv` are the blockwise and splash tile sizes (clipped to S; S is padded
     up to a multiple of them; default `DEFAULT_BLOCK`, or `CPU_BLOCK` for blockwise on CPU);
     `block_q` is also prefix's queries per block (default `PREFIX_BLOCK`). `interpret` runs
@@ -107,7 +121,7 @@ def attention(
     XLA implementation instead of cuDNN's (so our mask, scale and head layout are tested off
     GPU).
     """
-    _check_shapes(q_bshd, k_bskd, v_bskd, segment_ids_bs)
+    _check_shapes(q_bshd, k_bskd, v_bskd, segment_ids_bs, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(q_bshd.shape[-1])
     scale = float(scale)
@@ -123,21 +137,23 @@ def attention(
     static_window = window if isinstance(window, int) else None  # splash's masks are static
     if window is not None:
         window = jnp.asarray(window, jnp.int32)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)
     qkv = (q_bshd, k_bskd, v_bskd, segment_ids_bs)
     if backend == "reference":
-        return _reference(*qkv, scale, window, softcap)
+        return _reference(*qkv, scale, window, softcap, sinks)
     if backend == "prefix":
         block = PREFIX_BLOCK if block_q is None else block_q
-        return prefix(*qkv, Scores(scale, softcap), window, block)
+        return prefix(*qkv, Scores(scale, softcap), window, block, sinks)
     if backend == "cudnn":
-        return _cudnn(*qkv, scale, window, interpret)
+        return _cudnn(*qkv, scale, window, sinks, interpret)
     cpu_tiles = backend == "blockwise" and platform() == "cpu"
     default = CPU_BLOCK if cpu_tiles else DEFAULT_BLOCK
     bq = default if block_q is None else block_q
     bk = default if block_kv is None else block_kv
     if backend == "blockwise":
-        return blockwise(*qkv, Scores(scale, softcap), window, bq, bk)
-    return _splash(*qkv, scale, static_window, softcap, bq, bk, interpret)
+        return blockwise(*qkv, Scores(scale, softcap), window, bq, bk, sinks=sinks)
+    return _splash(*qkv, scale, static_window, softcap, sinks, bq, bk, interpret)
 
 
 _platform: str | None = None  # set by `use_platform`; None: JAX's default backend
@@ -168,14 +184,16 @@ def over_rows(backend: str, rows, **kw):
         return None
     spec = jax.P(rows.spec[0] if len(rows.spec) else None)
 
-    def attend(q, k, v, segment_ids, **call):
-        def local(q, k, v, segment_ids):
-            return attention(q, k, v, segment_ids, backend=backend, **kw, **call)
+    def attend(q, k, v, segment_ids, sinks=None, **call):
+        def local(q, k, v, segment_ids, sinks):
+            return attention(q, k, v, segment_ids, backend=backend, sinks=sinks, **kw, **call)
 
         # no collectives to check; and splash's backward, traced outside `_splash`, would
-        # meet the check its outputs fail (see `_splash`)
-        run = jax.shard_map(local, mesh=rows.mesh, in_specs=spec, out_specs=spec, check_vma=False)
-        return run(q, k, v, segment_ids)
+        # meet the check its outputs fail (see `_splash`). The sinks, one per head, are on
+        # every device (unchecked, shard_map sums their gradient over the devices).
+        specs = (spec,) * 4 + (jax.P(),)
+        run = jax.shard_map(local, mesh=rows.mesh, in_specs=specs, out_specs=spec, check_vma=False)
+        return run(q, k, v, segment_ids, sinks)
 
     return attend
 
@@ -213,11 +231,11 @@ def _is_cuda() -> bool:
     return "cuda" in jax.devices("gpu")[0].client.platform_version.lower()
 
 
-def _check_shapes(q, k, v, seg) -> None:
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+def _check_shapes(q, k, v, seg, sinks=None) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"attention wants q [B,S,H,hd], k and v [B,S,KV,hd]; got {q.shape}, {k.shape}, "
-            f"{v.shape}"
+            f"attention wants q [B,S,H,hd], k [B,S,KV,hd] and v [B,S,KV,hd_v]; got {q.shape}, "
+            f"{k.shape}, {v.shape}"
         )
     b, s, h, d = q.shape
     if k.shape[:2] != (b, s) or k.shape[3] != d or h % k.shape[2]:
@@ -227,13 +245,17 @@ def _check_shapes(q, k, v, seg) -> None:
         )
     if seg.shape != (b, s):
         raise ValueError(f"segment ids {seg.shape} should be [B, S] = {(b, s)}")
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"sinks {sinks.shape} should be one per query head: {(h,)}")
 
 
 # --- reference ---------------------------------------------------------------------------
 
 
-def _reference(q, k, v, seg, scale, window, softcap):
-    """The plain math: [B, KV, G, S, S] float32 scores under a [B, 1, 1, S, S] mask."""
+def _reference(q, k, v, seg, scale, window, softcap, sinks=None):
+    """The plain math: [B, KV, G, S, S] float32 scores under a [B, 1, 1, S, S] mask; sinks
+    as transformers' gpt_oss has them: a column joined to the scores, dropped after the
+    softmax."""
     b, s, h, d = q.shape
     n_kv = k.shape[2]
     pos = jnp.arange(s)
@@ -243,14 +265,19 @@ def _reference(q, k, v, seg, scale, window, softcap):
     q = q.reshape(b, s, n_kv, h // n_kv, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask, Scores(scale, softcap)(scores), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, h, d)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.reshape(1, n_kv, -1, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(q.dtype), v)
+    return out.reshape(b, s, h, v.shape[-1])
 
 
 # --- cuDNN -------------------------------------------------------------------------------
 
 
-def _cudnn(q, k, v, seg, scale, window, interpret):
+def _cudnn(q, k, v, seg, scale, window, sinks, interpret):
     if not interpret and not _is_cuda():
         raise ValueError(
             f"attention backend 'cudnn' needs a CUDA GPU; this process runs on "
@@ -261,11 +288,22 @@ def _cudnn(q, k, v, seg, scale, window, interpret):
             f"attention backend 'cudnn' needs bfloat16 or float16 inputs, got {q.dtype} "
             "(set model dtype to bfloat16, or use 'auto' / 'blockwise')"
         )
+    s, dv = q.shape[1], v.shape[-1]
     same_doc = seg[:, None, :, None] == seg[:, None, None, :]  # [B, 1, S, S], heads broadcast
     if window is not None:  # a traced per-layer window: part of the mask, not a static size
-        pos = jnp.arange(q.shape[1])
+        pos = jnp.arange(s)
         same_doc = same_doc & (pos[:, None] - pos[None, :] < window)
-    return jax.nn.dot_product_attention(
+    lead = 0 if sinks is None else 1  # the sink: one more position, first
+    if sinks is not None:
+        q, k, v, same_doc = _sink_as_key(q, k, v, same_doc, sinks, scale)
+    if q.shape[1] % 2:  # cuDNN's backward under a mask wants an even length: one more last
+        q, k, v = (jnp.pad(x, [(0, 0), (0, 1), (0, 0), (0, 0)]) for x in (q, k, v))
+        same_doc = jnp.pad(same_doc, [(0, 0), (0, 0), (0, 1), (0, 1)]).at[..., -1, -1].set(True)
+    # JAX wants values as wide as keys: zero features widen the narrower (and round the width
+    # up to cuDNN's multiple of 8) without changing a score or an output feature
+    width = round_up(max(q.shape[-1], dv), 8)
+    q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])]) for x in (q, k, v))
+    o = jax.nn.dot_product_attention(
         q,
         k,
         v,
@@ -274,12 +312,40 @@ def _cudnn(q, k, v, seg, scale, window, interpret):
         is_causal=True,
         implementation="xla" if interpret else "cudnn",
     )
+    return o[:, lead : lead + s, :, :dv]
+
+
+def _sink_as_key(q, k, v, mask, sinks, scale):
+    """Sinks for a kernel without them, exactly: one more key first in every row, which
+    each query head scores at its own sink logit, with a zero value. Each head's features
+    gain 2G columns (G query heads a key/value head) holding a one-hot of its place g in
+    its group, twice; the sink key of a key/value head holds its group's logits / scale
+    there, once rounded to q's dtype and once the remainder (so that bfloat16 keeps them to
+    about 16 bits), the real keys zeros. A leading query of zeros, dropped after, keeps the
+    causal diagonal aligned; the mask lets every query see the sink, and the gradient of
+    the sinks flows back through the sink key. Returns q [B, S+1, H, hd+2G], k likewise,
+    v [B, S+1, KV, hd_v] and the mask [B, 1, S+1, S+1]."""
+    b, s, h, d = q.shape
+    n_kv, dt = k.shape[2], q.dtype
+    g = h // n_kv
+    logit = sinks.reshape(n_kv, g) / scale
+    hi = logit.astype(dt)
+    lo = (logit - hi.astype(jnp.float32)).astype(dt)
+    place = jnp.tile(jnp.eye(g, dtype=dt), (n_kv, 1))  # [H, G]: head kv * G + g -> e_g
+    q = jnp.concatenate([q, jnp.broadcast_to(jnp.tile(place, 2), (b, s, h, 2 * g))], axis=-1)
+    k = jnp.concatenate([k, jnp.zeros((b, s, n_kv, 2 * g), dt)], axis=-1)
+    sink_k = jnp.concatenate([jnp.zeros((n_kv, d), dt), hi, lo], axis=-1)
+    q = jnp.concatenate([jnp.zeros((b, 1, h, d + 2 * g), dt), q], axis=1)
+    k = jnp.concatenate([jnp.broadcast_to(sink_k, (b, 1, n_kv, d + 2 * g)), k], axis=1)
+    v = jnp.concatenate([jnp.zeros((b, 1, n_kv, v.shape[-1]), v.dtype), v], axis=1)
+    mask = jnp.pad(mask, [(0, 0), (0, 0), (1, 0), (1, 0)]).at[:, :, :, 0].set(True)
+    return q, k, v, mask
 
 
 # --- splash (TPU Pallas) -----------------------------------------------------------------
 
 
-def _splash(q, k, v, seg, scale, window, softcap, block_q, block_kv, interpret):
+def _splash(q, k, v, seg, scale, window, softcap, sinks, block_q, block_kv, interpret):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -303,15 +369,15 @@ def _splash(q, k, v, seg, scale, window, softcap, block_q, block_kv, interpret):
     q, k, v = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, heads, S, d]
     seg = jnp.pad(seg, [(0, 0), (0, sp - s)])
 
-    def one_row(q, k, v, seg):
-        return kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg))
+    def one_row(q, k, v, seg, sinks):  # the kernel's own sinks, and values of their width
+        return kernel(q, k, v, segment_ids=splash.SegmentIds(q=seg, kv=seg), sinks=sinks)
 
     # JAX 0.10's splash kernel declares its outputs without the mesh axes they vary over,
     # which `jax.shard_map`'s check (the teacher's forward) refuses: traced without the
     # check, its output is then marked varying as q is (each device's own rows).
     vma = cc.varying(q)
     with _unchecked_vma():
-        o = jax.vmap(one_row)(q, k, v, seg)
+        o = jax.vmap(one_row, in_axes=(0, 0, 0, 0, None))(q, k, v, seg, sinks)
     return cc.vary(o, vma).transpose(0, 2, 1, 3)[:, :s]
 
 

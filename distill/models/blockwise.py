@@ -12,6 +12,15 @@ The block-major kernel is public for context parallelism (`distill.models.ring_a
 `flash_state` / `flash_update` / `flash_result` run one online softmax over key spans cut
 from other parts of the row (each at a position `offset`), and `flash_backward` takes the
 whole output's logsumexp, so each span's share of the gradient comes from one call.
+
+Attention sinks (gpt-oss): an optional learned logit per query head, `sinks` [KV, G] in the
+kernels' head layout (`sink_heads`), joins every query's softmax denominator and adds no
+value: p_j = exp(s_j) / (exp(sink) + sum_t exp(s_t)). The online softmax starts from it
+(running max the sink, normaliser 1), so it counts once per query however many key spans
+follow, and the logsumexp the backward reads includes it; its own gradient is
+d sink = -sum over queries of p_sink * (dO . O), p_sink = exp(sink - logsumexp).
+Values may be narrower or wider than queries and keys (DeepSeek-V3's MLA: v [.., hd_v]);
+outputs have v's width.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from distill.collectives import cotangent
 
 # Finite, so an all-masked block gives exp(0) (then zeroed) rather than exp(-inf + inf) = NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -51,6 +62,22 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def sink_heads(sinks_h, n_kv: int):
+    """Per-head sink logits [H] -> float32 [KV, G] (query head h = kv * G + g, as
+    `query_blocks` groups them); None stays None."""
+    return None if sinks_h is None else sinks_h.astype(jnp.float32).reshape(n_kv, -1)
+
+
+def sink_grad(sinks_kg, lse, delta, axes):
+    """d sink [KV, G] = -sum of p_sink * (dO . O) over the query `axes` of `lse` / `delta`
+    (p_sink = exp(sink - lse)); summed over the mesh axes the queries vary over and the sinks
+    do not (`collectives.cotangent`). None without sinks."""
+    if sinks_kg is None:
+        return None
+    d = -jnp.sum(jnp.exp(sinks_kg[:, :, None] - lse) * delta, axis=axes)
+    return cotangent(d, sinks_kg)
+
+
 def window_mask(q_pos, k_pos, window):
     """Causal, and inside the window when there is one."""
     mask = q_pos >= k_pos
@@ -60,8 +87,9 @@ def window_mask(q_pos, k_pos, window):
 # --- blockwise ---------------------------------------------------------------------------
 
 
-def blockwise(q, k, v, seg, scores: Scores, window, block_q: int, block_kv: int):
-    """Pad S to whole blocks, lay the arrays out block-major, run the flash kernel."""
+def blockwise(q, k, v, seg, scores: Scores, window, block_q: int, block_kv: int, sinks=None):
+    """Pad S to whole blocks, lay the arrays out block-major, run the flash kernel. `sinks`:
+    float32 [H] sink logits, or None."""
     if block_q < 1 or block_kv < 1:
         raise ValueError(f"block sizes must be positive, got {block_q}, {block_kv}")
     b, s, h, d = q.shape
@@ -75,7 +103,7 @@ def blockwise(q, k, v, seg, scores: Scores, window, block_q: int, block_kv: int)
     seg = jnp.pad(seg, [(0, 0), (0, sp - s)])
     qb, seg_q = query_blocks(q, n_kv, bq), seg_blocks(seg, bq)
     kb, vb, seg_k = kv_blocks(k, bk), kv_blocks(v, bk), seg_blocks(seg, bk)
-    ob = _flash(qb, kb, vb, seg_q, seg_k, window, scores)
+    ob = _flash(qb, kb, vb, seg_q, seg_k, window, sink_heads(sinks, n_kv), scores)
     return from_query_blocks(ob)[:, :s]
 
 
@@ -137,21 +165,23 @@ def _query_span(j, window, bq: int, bk: int, nq: int, offset=0):
     return first, jnp.minimum(((j + 1) * bk + window - 2 - offset) // bq, nq - 1) + 1
 
 
-def flash_forward(qb, kb, vb, seg_q, seg_k, window, scores: Scores):
-    """Blocked output [nq, B, KV, G, bq, d] (q's dtype) and its logsumexp [nq, B, KV, G, bq]
-    (float32), from block-major q [nq, B, KV, G, bq, d], k and v [nk, B, KV, bk, d] and
-    segment ids [nq, B, bq] / [nk, B, bk] of one span of a row."""
-    return _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores, 0, None)
+def flash_forward(qb, kb, vb, seg_q, seg_k, window, sinks, scores: Scores):
+    """Blocked output [nq, B, KV, G, bq, dv] (q's dtype) and its logsumexp [nq, B, KV, G, bq]
+    (float32), from block-major q [nq, B, KV, G, bq, d], k [nk, B, KV, bk, d], v [nk, B, KV,
+    bk, dv] and segment ids [nq, B, bq] / [nk, B, bk] of one span of a row; `sinks` [KV, G]
+    or None."""
+    return _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores, 0, None, sinks)
 
 
-def flash_state(qb):
+def flash_state(qb, dv: int, sinks=None):
     """The online softmax's state before any key: running max, normaliser [nq, B, KV, G, bq]
-    and unnormalised output [nq, B, KV, G, bq, d], float32 (see `flash_update`)."""
-    return (
-        jnp.full_like(qb[..., 0], MASK_VALUE, jnp.float32),
-        jnp.zeros_like(qb[..., 0], jnp.float32),
-        jnp.zeros_like(qb, jnp.float32),
-    )
+    and unnormalised output [nq, B, KV, G, bq, dv], float32 (see `flash_update`). With
+    `sinks` [KV, G] the state has seen each head's sink: max the sink, normaliser 1."""
+    zeros = jnp.zeros_like(qb[..., 0], jnp.float32)  # varying over the mesh axes q does
+    acc = jnp.broadcast_to(zeros[..., None], (*zeros.shape, dv))
+    if sinks is None:
+        return zeros + MASK_VALUE, zeros, acc
+    return zeros + sinks[:, :, None], zeros + 1.0, acc
 
 
 def flash_update(state, qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset):
@@ -173,10 +203,10 @@ def flash_result(state, dtype):
     return (acc / denom[..., None]).astype(dtype), jnp.where(seen, m + jnp.log(denom), MASK_VALUE)
 
 
-def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state):
+def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state, sinks=None):
     """Per query block, the online softmax over the key blocks it sees. With `state` None
-    each block starts afresh and ends with (output, logsumexp); else it continues `state`
-    and returns the new state."""
+    each block starts afresh (from `sinks`, if any) and ends with (output, logsumexp); else
+    it continues `state` and returns the new state."""
     nq, b, n_kv, g, bq, d = qb.shape
     nk, bk = kb.shape[0], kb.shape[3]
 
@@ -203,7 +233,7 @@ def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state)
             i, q_i, seg_q_i = xs
             # carries made from q_i, so that under `shard_map` they vary over the same mesh
             # axes as q (a fresh constant would not, and fori_loop needs equal carry types)
-            carry = query_block(i, q_i, seg_q_i, flash_state(q_i))
+            carry = query_block(i, q_i, seg_q_i, flash_state(q_i, vb.shape[-1], sinks))
             return None, flash_result(carry, qb.dtype)
 
         return lax.scan(fresh, None, (jnp.arange(nq), qb, seg_q))[1]
@@ -216,27 +246,28 @@ def _flash_scan(qb, kb, vb, seg_q, seg_k, window, scores: Scores, offset, state)
 
 
 def saving_lse(forward, backward):
-    """A `jax.custom_vjp` of `forward(qb, kb, vb, seg_q, seg_k, window, static) -> (out,
-    lse)` returning out: it saves the inputs, out and lse, and differentiates with
-    `backward(static, (qb, kb, vb, seg_q, seg_k, window, out, lse), d_out)`."""
+    """A `jax.custom_vjp` of `forward(qb, kb, vb, seg_q, seg_k, window, sinks, static) ->
+    (out, lse)` returning out: it saves the inputs, out and lse, and differentiates with
+    `backward(static, (qb, kb, vb, seg_q, seg_k, window, sinks, out, lse), d_out)`."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-    def attend(qb, kb, vb, seg_q, seg_k, window, static):
-        return forward(qb, kb, vb, seg_q, seg_k, window, static)[0]
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+    def attend(qb, kb, vb, seg_q, seg_k, window, sinks, static):
+        return forward(qb, kb, vb, seg_q, seg_k, window, sinks, static)[0]
 
     def attend_fwd(*args):
         out, lse = forward(*args)
-        return out, (*args[:6], out, lse)
+        return out, (*args[:7], out, lse)
 
     attend.defvjp(attend_fwd, backward)
     return attend
 
 
 def _flash_bwd(scores: Scores, res, do_b):
-    qb, kb, vb, seg_q, seg_k, window, ob, lse = res
+    qb, kb, vb, seg_q, seg_k, window, sinks, ob, lse = res
     delta = jnp.sum(do_b.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
     dq, dkb, dvb = flash_backward(qb, kb, vb, seg_q, seg_k, window, lse, delta, do_b, scores)
-    return dq.astype(qb.dtype), dkb, dvb, None, None, None
+    dsinks = sink_grad(sinks, lse, delta, (0, 1, 4))  # [nq, B, KV, G, bq] -> [KV, G]
+    return dq.astype(qb.dtype), dkb, dvb, None, None, None, dsinks
 
 
 def flash_backward(
@@ -279,8 +310,9 @@ def flash_backward(
 
         def fresh(dq, xs):
             j, k_j, v_j, seg_k_j = xs
-            zeros = jnp.zeros_like(k_j, jnp.float32)  # varying like k_j under shard_map
-            dq, dk_j, dv_j = key_block(j, k_j, v_j, seg_k_j, (dq, zeros, zeros))
+            # zeros varying like k_j, v_j under shard_map
+            zeros = (jnp.zeros_like(k_j, jnp.float32), jnp.zeros_like(v_j, jnp.float32))
+            dq, dk_j, dv_j = key_block(j, k_j, v_j, seg_k_j, (dq, *zeros))
             return dq, (dk_j.astype(kb.dtype), dv_j.astype(vb.dtype))
 
         dq0 = jnp.zeros_like(qb, jnp.float32)
@@ -301,16 +333,18 @@ _flash = saving_lse(flash_forward, _flash_bwd)
 # --- prefix ------------------------------------------------------------------------------
 
 
-def prefix(q, k, v, seg, scores: Scores, window, block: int):
-    """Head-major copies [B, KV, G, S, d] and [B, KV, S, d], the blocks, and back."""
+def prefix(q, k, v, seg, scores: Scores, window, block: int, sinks=None):
+    """Head-major copies [B, KV, G, S, d] and [B, KV, S, d], the blocks, and back. `sinks`:
+    float32 [H] sink logits, or None."""
     if block < 1:
         raise ValueError(f"block size must be positive, got {block}")
     b, s, h, d = q.shape
     n_kv = k.shape[2]
     qh = q.reshape(b, s, n_kv, h // n_kv, d).transpose(0, 2, 3, 1, 4)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    o = _prefix_blocks(qh, kh, vh, seg, window, scores, min(block, s))
-    return o.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
+    sinks = sink_heads(sinks, n_kv)
+    o = _prefix_blocks(qh, kh, vh, seg, window, sinks, scores, min(block, s))
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, s, h, v.shape[-1])
 
 
 def _prefix_spans(s: int, block: int) -> list[tuple[int, int]]:
@@ -331,15 +365,19 @@ def _prefix_dots(qh, kh, seg, window, start: int, end: int):
     return dots, (same_doc & window_mask(q_pos, k_pos, window))[:, None, None]
 
 
-def _prefix_forward(qh, kh, vh, seg, window, scores: Scores, block):
-    """Output [B, KV, G, S, d] and its logsumexp [B, KV, G, S] (float32)."""
+def _prefix_forward(qh, kh, vh, seg, window, sinks, scores: Scores, block):
+    """Output [B, KV, G, S, dv] and its logsumexp [B, KV, G, S] (float32), with `sinks`
+    [KV, G] (or None) in each query's denominator."""
     outs, lses = [], []
+    sink = None if sinks is None else sinks[:, :, None, None]  # [KV, G, 1, 1]
     for start, end in _prefix_spans(qh.shape[3], block):
         dots, mask = _prefix_dots(qh, kh, seg, window, start, end)
         s = jnp.where(mask, scores(dots), MASK_VALUE)
         m = s.max(axis=-1, keepdims=True)
+        m = m if sink is None else jnp.maximum(m, sink)
         p = jnp.exp(s - m)  # masked entries underflow to 0: each row sees itself
         denom = p.sum(axis=-1, keepdims=True)
+        denom = denom if sink is None else denom + jnp.exp(sink - m)
         pv = jnp.einsum(
             "bkgqt,bktd->bkgqd", p.astype(vh.dtype), vh[:, :, :end],
             preferred_element_type=jnp.float32,
@@ -349,20 +387,20 @@ def _prefix_forward(qh, kh, vh, seg, window, scores: Scores, block):
     return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _prefix_blocks(qh, kh, vh, seg, window, scores, block):
-    return _prefix_forward(qh, kh, vh, seg, window, scores, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _prefix_blocks(qh, kh, vh, seg, window, sinks, scores, block):
+    return _prefix_forward(qh, kh, vh, seg, window, sinks, scores, block)[0]
 
 
-def _prefix_fwd(qh, kh, vh, seg, window, scores, block):
-    o, lse = _prefix_forward(qh, kh, vh, seg, window, scores, block)
-    return o, (qh, kh, vh, seg, window, o, lse)
+def _prefix_fwd(qh, kh, vh, seg, window, sinks, scores, block):
+    o, lse = _prefix_forward(qh, kh, vh, seg, window, sinks, scores, block)
+    return o, (qh, kh, vh, seg, window, sinks, o, lse)
 
 
 def _prefix_bwd(scores: Scores, block, res, do):
     """Per query block: p from the saved logsumexp, then dq for the block and its share of
     dk, dv for the keys it saw (added into the whole)."""
-    qh, kh, vh, seg, window, o, lse = res
+    qh, kh, vh, seg, window, sinks, o, lse = res
     s_len = qh.shape[3]
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     dqs, dk, dv = [], 0.0, 0.0
@@ -379,7 +417,8 @@ def _prefix_bwd(scores: Scores, block, res, do):
         pad = [(0, 0), (0, 0), (0, s_len - end), (0, 0)]
         dk, dv = dk + jnp.pad(dk_i, pad), dv + jnp.pad(dv_i, pad)
     dq = jnp.concatenate(dqs, axis=3)
-    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None, None
+    dsinks = sink_grad(sinks, lse, delta, (0, 3))  # [B, KV, G, S] -> [KV, G]
+    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None, None, dsinks
 
 
 _prefix_blocks.defvjp(_prefix_fwd, _prefix_bwd)

@@ -40,7 +40,7 @@ class Cache(NamedTuple):
     (H of them, v narrower than k), not the compressed latent (`distill.models.mla`)."""
 
     k: jax.Array  # [L, B, T, KV, hd] in the compute dtype
-    v: jax.Array  # [L, B, T, KV, v_dim]
+    v: jax.Array  # [L, B, T, KV, v_dim]: values may be narrower than keys (MLA)
     valid: jax.Array  # [B, T] bool: entries a decode step may attend to
 
 
@@ -65,7 +65,7 @@ def prefill(
         x, kv = block.with_kv(x, seg, pos, None, backend, layer, attend)
         return _constrain(x, rows), kv
 
-    x, (k, v) = run_layers(x, module.layers, model.layer_data(cfg))  # k, v [L, B, P, KV, hd]
+    x, (k, v) = run_layers(x, module.layers, model.layer_data(cfg))  # k, v [L, B, P, KV, hd(_v)]
     logits = model.logits(module.final(x[:, -1:]), module.head(), cfg.final_softcap)[:, 0]
     p = prompts.tokens.shape[1]
     pad = ((0, 0), (0, 0), (0, total - p), (0, 0), (0, 0))
@@ -76,11 +76,13 @@ def prefill(
 
 
 def cached_attention(
-    q_b1hd, k_btkd, v_btkd, valid_bt, *, scale=None, softcap=None, window=None, index=None
-) -> jax.Array:
-    """One query per row against the cache: [B, 1, H, v_dim], float32 scores and softmax.
-    `scale` (default 1/sqrt(hd)) and `softcap` as `distill.models.attention`; with a
-    `window`, only the entries after cache position `index` - window are seen."""
+    q_b1hd, k_btkd, v_btkd, valid_bt, *, scale=None, softcap=None, window=None, index=None,
+    sinks=None,
+) -> jax.Array:  # fmt: skip
+    """One query per row against the cache: [B, 1, H, hd_v] (v_btkd [B, T, KV, hd_v]),
+    float32 scores and softmax. `scale` (default 1/sqrt(hd)), `softcap` and `sinks` (float32
+    [H], joining each head's denominator) as `distill.models.attention`; with a `window`,
+    only the entries after cache position `index` - window are seen."""
     b, s, h, d = q_b1hd.shape
     n_kv = k_btkd.shape[2]
     q = q_b1hd.reshape(b, s, n_kv, h // n_kv, d)
@@ -90,8 +92,15 @@ def cached_attention(
     if window is not None:
         valid_bt = valid_bt & (jnp.arange(valid_bt.shape[1]) > index - window)[None, :]
     scores = jnp.where(valid_bt[:, None, None, None, :], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v_btkd).reshape(b, s, h, -1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink's column joins the softmax and is dropped (transformers' gpt_oss)
+        sink = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, n_kv, -1, 1, 1), (*scores.shape[:-1], 1)
+        )
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(q.dtype), v_btkd)
+    return out.reshape(b, s, h, v_btkd.shape[-1])
 
 
 def decode_step(
@@ -115,7 +124,7 @@ def decode_step(
         v_l = jax.lax.dynamic_update_slice_in_dim(v_l, v.astype(v_l.dtype), index, axis=1)
         o = cached_attention(
             q, k_l, v_l, valid, scale=cfg.scale(), softcap=cfg.attn_softcap, window=window,
-            index=index,
+            index=index, sinks=block.sinks[...] if cfg.attn_sinks else None,
         )  # fmt: skip
         x, _ = block.finish(x, o, None, layer)
         return _constrain(x, rows), (k_l, v_l)

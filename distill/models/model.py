@@ -108,6 +108,8 @@ class Block(nnx.Module):
             self.q_norm = norm(cfg.n_heads * hd if full else hd)
             self.k_norm = norm(cfg.n_kv_heads * hd if full else hd)
         self.wo = _normal(rngs, (cfg.n_heads * cfg.v_dim, d), out_std)
+        if cfg.attn_sinks:  # gpt-oss: a logit per query head in its softmax denominator
+            self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), jnp.float32))
         if cfg.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
         self.mlp_norm = norm(d)
@@ -241,9 +243,9 @@ class Block(nnx.Module):
         window, rope = self.layer(layer)
         q, k, v = self.qkv(x_bsd, positions_bs, rope, tp_axis)
         attend = attend or functools.partial(attention, backend=backend)
-        o = mla.attend_uneven(
-            attend, q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
-            softcap=self.cfg.attn_softcap,
+        o = attend(
+            q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
+            softcap=self.cfg.attn_softcap, sinks=self.sinks[...] if self.cfg.attn_sinks else None,
         )  # fmt: skip
         x, stats = self.finish(x_bsd, o, tp_axis, layer, moe_opts)
         return x, (k, v), stats
@@ -298,7 +300,7 @@ class Transformer(nnx.Module):
         `unroll`: each layer its own code rather than one block looped over the stacked
         layers (`student.train.unrolls`). `moe_opts`: `distill.models.moe.moe_ffn`'s
         ep_axis and capacity_factor. `attend(q, k, v, segment_ids, *, scale, window,
-        softcap)`: attention in place of the `attention` backend (the student's context
+        softcap, sinks)`: attention in place of the `attention` backend (the student's context
         parallelism, `student.context`)."""
         dt = _dtype(dtype)
         x = self.embed_tokens(tokens_bs, tp_axis, dt)

@@ -81,6 +81,8 @@ from distill.models.blockwise import (
     round_up,
     saving_lse,
     seg_blocks,
+    sink_grad,
+    sink_heads,
 )
 
 EXCHANGES = ("auto", "ring", "gather")
@@ -189,21 +191,27 @@ def ring_attention(
     scale: float | None = None,
     window: int | jax.Array | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     exchange: str = "auto",
     block_q: int | None = None,
     block_kv: int | None = None,
 ) -> jax.Array:
-    """This device's attention output [B, 2L, H, hd] (q's dtype), in the cp layout.
+    """This device's attention output [B, 2L, H, hd_v] (q's dtype), in the cp layout.
 
-    q_bshd [B, 2L, H, hd], k_bskd / v_bskd [B, 2L, KV, hd] and segment_ids_bs [B, 2L] (ids
-    >= 0) are this device's two chunks (`to_cp_layout`) of rows split over mesh axis `axis`;
-    `scale`, `window` and `softcap` as in `attention`. `exchange`: ring, gather or auto (see
-    the module docstring). `block_q` / `block_kv`: the kernel's tiles (default as
-    blockwise's), clipped to L; a chunk is padded up to whole tiles.
+    q_bshd [B, 2L, H, hd], k_bskd [B, 2L, KV, hd], v_bskd [B, 2L, KV, hd_v] and
+    segment_ids_bs [B, 2L] (ids >= 0) are this device's two chunks (`to_cp_layout`) of rows
+    split over mesh axis `axis`; `scale`, `window`, `softcap` and `sinks` (float32 [H], the
+    same on every device of `axis`) as in `attention`: each query's online softmax starts
+    from its head's sink, so the sink counts once, not once a ring step. `exchange`: ring,
+    gather or auto (see the module docstring). `block_q` / `block_kv`: the kernel's tiles
+    (default as blockwise's), clipped to L; a chunk is padded up to whole tiles.
     """
     if exchange not in EXCHANGES:
         raise ValueError(f"unknown kv exchange {exchange!r}; expected one of {EXCHANGES}")
-    kw = dict(scale=scale, window=window, softcap=softcap, block_q=block_q, block_kv=block_kv)
+    kw = dict(
+        scale=scale, window=window, softcap=softcap, sinks=sinks, block_q=block_q,
+        block_kv=block_kv,
+    )  # fmt: skip
     if axis is None:
         return attention(q_bshd, k_bskd, v_bskd, segment_ids_bs, backend="blockwise", **kw)
     b, s2, h, d = q_bshd.shape
@@ -235,7 +243,8 @@ def ring_attention(
     seg_q = blocks(segment_ids_bs, seg_blocks, bq, _PAD_QUERY)
     seg_k = blocks(segment_ids_bs, seg_blocks, bk, _PAD_KEY)
     ring = _Ring(axis, cp, exchange == "gather", scores, chunk)
-    ob = _cp_flash(qb, kb, vb, seg_q, seg_k, window, ring)
+    sinks = sink_heads(sinks, n_kv)
+    ob = _cp_flash(qb, kb, vb, seg_q, seg_k, window, sinks, ring)
     return jnp.concatenate([from_query_blocks(o)[:, :chunk] for o in ob], axis=1)
 
 
@@ -293,7 +302,7 @@ def _ring_loop(ring: _Ring, kv, carry, body):
     return body(i, (i + 1) % ring.cp, kv, carry)
 
 
-def _cp_forward(qb, kb, vb, seg_q, seg_k, window, ring: _Ring):
+def _cp_forward(qb, kb, vb, seg_q, seg_k, window, sinks, ring: _Ring):
     """Output (q's dtype) and its logsumexp (float32), each a pair of halves: blocks
     [nc, B, KV, G, bq, d] and [nc, B, KV, G, bq]. One online-softmax state per query half
     runs through every visiting chunk."""
@@ -307,7 +316,7 @@ def _cp_forward(qb, kb, vb, seg_q, seg_k, window, ring: _Ring):
             )
         return tuple(state)
 
-    init = tuple(flash_state(x) for x in qb)
+    init = tuple(flash_state(x, vb[0].shape[-1], sinks) for x in qb)
     state = _ring_loop(ring, (kb, vb, seg_k), init, visit)
     results = [flash_result(st, x.dtype) for st, x in zip(state, qb, strict=True)]
     return tuple(o for o, _ in results), tuple(lse for _, lse in results)
@@ -317,7 +326,7 @@ def _cp_bwd(ring: _Ring, res, do_b):
     """The ring again: each visiting k/v block gets this device's share of its gradient,
     in float32 accumulators that travel with it (ring) or fill a whole-row buffer that is
     reduce-scattered at the end (gather)."""
-    qb, kb, vb, seg_q, seg_k, window, ob, lse = res
+    qb, kb, vb, seg_q, seg_k, window, sinks, ob, lse = res
     f32 = jnp.float32
     delta = [jnp.sum(g.astype(f32) * o.astype(f32), axis=-1) for g, o in zip(do_b, ob, strict=True)]
     zeros = tuple(tuple(jnp.zeros_like(x, f32) for x in halves) for halves in (kb, vb))
@@ -348,7 +357,9 @@ def _cp_bwd(ring: _Ring, res, do_b):
         tuple(g.astype(x.dtype) for g, x in zip(gs, xs, strict=True))
         for gs, xs in ((dq, qb), (dk, kb), (dv, vb))
     )
-    return dq, dk, dv, None, None, None
+    # the sinks' gradient from this device's queries, summed over the ring
+    dsinks = sink_grad(sinks, jnp.concatenate(lse), jnp.concatenate(delta), (0, 1, 4))
+    return dq, dk, dv, None, None, None, dsinks
 
 
 _cp_flash = saving_lse(_cp_forward, _cp_bwd)
