@@ -53,6 +53,7 @@ WEIGHT_DIMS = {
         "bq": ("layer", "q_dim"),
         "bk": ("layer", "kv_dim"),
         "bv": ("layer", "kv_dim"),
+        "bo": ("layer", "d_model"),
         "w_gate": ("layer", "d_model", "d_ff"),
         "w_up": ("layer", "d_model", "d_ff"),
         "w_down": ("layer", "d_ff", "d_model"),
@@ -76,7 +77,7 @@ NEVER_SPLIT = ("layer",)
 # Norms, biases, a shared expert's gate vector and attention sinks: a few kilobytes each.
 REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
-    "k_norm", "bq", "bk", "bv", "shared_gate", "router_bias", "router_correction",
+    "k_norm", "bq", "bk", "bv", "bo", "shared_gate", "router_bias", "router_correction",
     "q_a_norm", "kv_a_norm", "sinks",
 )  # fmt: skip
 

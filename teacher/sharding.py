@@ -42,6 +42,7 @@ LAYER_SPECS = {
     "bq": P(None, TP),  # [L, H*hd] split as wq's columns
     "bk": P(None, TP),  # [L, KV*hd]
     "bv": P(None, TP),
+    "bo": P(None, None),  # [L, D] added after the psum: replicated
     "wq": P(None, None, TP),  # [L, D, H*hd] column-parallel
     "wk": P(None, None, TP),  # [L, D, KV*hd]
     "wv": P(None, None, TP),

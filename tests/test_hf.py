@@ -190,8 +190,8 @@ def _edit_config(src, dst, **changes):
         (dict(model_type="phi3"), "model_type 'phi3'"),
         (dict(attention_bias=True), "attention_bias=True is not supported"),
         (
-            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-            "RoPE type 'yarn'",
+            dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
+            "RoPE type 'longrope'",
         ),
     ],
 )

@@ -141,6 +141,7 @@ class ModelConfig(Section):
         "llama", description="The checkpoint family (tensor names on load and export)."
     )
     qkv_bias: bool = Field(False, description="Biases on the q, k, v projections (Qwen2).")
+    o_bias: bool = Field(False, description="A bias on the attention output projection (gpt-oss).")
     qk_norm: bool = Field(
         False, description="RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3)."
     )

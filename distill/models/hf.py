@@ -29,7 +29,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # config.json model_type: what `distill.config.ModelConfig.family` records.
 MODEL_TYPES = families.names()
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -61,12 +61,17 @@ QK_NORMS = {
     "q_norm": ("self_attn.q_norm.weight", False),
     "k_norm": ("self_attn.k_norm.weight", False),
 }
-# Qwen2-MoE's shared expert and its sigmoid gate, after `model.layers.{i}.mlp.`
-SHARED_WEIGHTS = {
-    "ws_gate": "shared_expert.gate_proj.weight",
-    "ws_up": "shared_expert.up_proj.weight",
-    "ws_down": "shared_expert.down_proj.weight",
-    "shared_gate": "shared_expert_gate.weight",
+# Multi-head latent attention (DeepSeek-V3): replaces q_proj (unless queries are full rank),
+# k_proj and v_proj.
+MLA_WEIGHTS = {
+    "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", True),
+    "kv_a_norm": ("self_attn.kv_a_layernorm.weight", False),
+    "wkv_b": ("self_attn.kv_b_proj.weight", True),
+}
+LOW_RANK_Q = {
+    "wq_a": ("self_attn.q_a_proj.weight", True),
+    "q_a_norm": ("self_attn.q_a_layernorm.weight", False),
+    "wq_b": ("self_attn.q_b_proj.weight", True),
 }
 DENSE_FFN = ("w_gate", "w_up", "w_down")
 # distill top-level weight -> (name, stored transposed)
@@ -85,12 +90,32 @@ def layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     """distill layer weight -> (Hugging Face name after `model.layers.{i}.`, transposed), for
     the weights `cfg`'s model has."""
     names = dict(LAYER_WEIGHTS)
+    if cfg.mla:
+        for key in ("wk", "wv", *(("wq",) if cfg.q_lora_rank else ())):
+            del names[key]
+        names.update(MLA_WEIGHTS, **(LOW_RANK_Q if cfg.q_lora_rank else {}))
     if cfg.post_norms:
         names.update(GEMMA_NORMS)
     if cfg.qkv_bias:
         names.update(QKV_BIASES)
+    if cfg.o_bias:
+        names["bo"] = ("self_attn.o_proj.bias", False)
     if cfg.qk_norm:
         names.update(QK_NORMS)
+    if cfg.attn_sinks:
+        names["sinks"] = ("self_attn.sinks", False)
+    return names
+
+
+def router_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """The router's tensors after `model.layers.{i}.{moe_prefix}`: its weight, and its
+    logit bias (gpt-oss) or selection-only correction bias (DeepSeek-V3) where it has one."""
+    name = families.get(cfg.family).router_name
+    names = {"router": (f"{name}.weight", True)}
+    if cfg.router_bias:
+        names["router_bias"] = (f"{name}.bias", False)
+    if cfg.router_correction_bias:
+        names["router_correction"] = (f"{name}.e_score_correction_bias", False)
     return names
 
 
@@ -109,9 +134,11 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
                 names[f"model.layers.{i}.{name}"] = (key, i, transposed)
         if not moe_layers[i]:
             continue
-        names[f"model.layers.{i}.{prefix}gate.weight"] = ("router", i, True)
-        for key, name in SHARED_WEIGHTS.items() if cfg.f_shared else ():
-            names[f"model.layers.{i}.{prefix}{name}"] = (key, i, True)
+        for key, (name, transposed) in router_weights(cfg).items():
+            names[f"model.layers.{i}.{prefix}{name}"] = (key, i, transposed)
+        for key, name in family.shared_names.items() if cfg.f_shared else ():
+            if key != "shared_gate" or cfg.shared_expert_gate:
+                names[f"model.layers.{i}.{prefix}{name}"] = (key, i, True)
         for j in range(cfg.n_experts):  # an expert's weight: its layer and expert, (i, j)
             for key, name in experts.items():
                 names[f"model.layers.{i}.{prefix}experts.{j}.{name}"] = (key, (i, j), True)
@@ -139,11 +166,21 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "wq": (q, d),
         "wk": (kv, d),
         "wv": (kv, d),
-        "wo": (d, q),
+        "wo": (d, cfg.n_heads * cfg.v_dim),
+        "bo": (d,),
+        "sinks": (cfg.n_heads,),
+        "wq_a": (cfg.q_lora_rank, d),
+        "q_a_norm": (cfg.q_lora_rank,),
+        "wq_b": (q, cfg.q_lora_rank),
+        "wkv_a": ((cfg.kv_lora_rank or 0) + (cfg.qk_rope_head_dim or 0), d),
+        "kv_a_norm": (cfg.kv_lora_rank,),
+        "wkv_b": (cfg.n_heads * ((cfg.qk_nope_head_dim or 0) + cfg.v_dim), cfg.kv_lora_rank),
         "w_gate": (f, d),
         "w_up": (f, d),
         "w_down": (d, f),
         "router": (cfg.n_experts, d),
+        "router_bias": (cfg.n_experts,),
+        "router_correction": (cfg.n_experts,),
         "we_gate": (fe, d),
         "we_up": (fe, d),
         "we_down": (d, fe),
@@ -157,10 +194,10 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------- config.json
 
 
-def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from either layout: transformers 5 `rope_parameters` (the full
-    layers' when it has one per layer type), or the older top-level `rope_theta` with an
-    optional `rope_scaling`."""
+def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None, float]:
+    """(theta, scaling, partial rotary factor) from either layout: transformers 5
+    `rope_parameters` (the full layers' when it has one per layer type), or the older
+    top-level `rope_theta` with an optional `rope_scaling`."""
     params = raw.get("rope_parameters")
     if params is not None and "full_attention" in params:
         params = params["full_attention"]
@@ -171,22 +208,32 @@ def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None]:
         raise DistillError(
             f"{where}: RoPE type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise DistillError(f"{where}: partial_rotary_factor != 1 is not supported")
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     theta = float(params.get("rope_theta", 10000.0))
     if kind == "default":
-        return theta, None
+        return theta, None, partial
+    original = params.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
     scaling = {"type": kind, "factor": params.get("factor")}
     if kind == "llama3":
         scaling.update(
             low_freq_factor=params.get("low_freq_factor"),
             high_freq_factor=params.get("high_freq_factor"),
-            original_max_position_embeddings=params.get(
-                "original_max_position_embeddings", raw.get("max_position_embeddings")
-            ),
+            original_max_position_embeddings=original,
+        )
+    if kind == "yarn":  # transformers' _compute_yarn_parameters, its defaults included
+        if scaling["factor"] is None:
+            scaling["factor"] = raw["max_position_embeddings"] / original
+        scaling.update(
+            original_max_position_embeddings=original,
+            beta_fast=params.get("beta_fast") or 32.0,
+            beta_slow=params.get("beta_slow") or 1.0,
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            attention_factor=params.get("attention_factor"),
+            truncate=params.get("truncate", True),
         )
     try:
-        return theta, RopeScaling(**scaling)
+        return theta, RopeScaling(**scaling), partial
     except ValidationError as e:
         err = e.errors()[0]
         raise DistillError(f"{where}: rope scaling {err['loc'][0]}: {err['msg']}") from None
@@ -229,11 +276,11 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
     for key, bad in unsupported.items():
         if bad and key not in family.accepts:
             raise DistillError(f"{where}: {key}={raw[key]!r} is not supported by this decoder")
-    theta, scaling = _rope(raw, where)
+    theta, scaling, partial = _rope(raw, where)
     try:
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim")
-        return ModelConfig(
+        keys = dict(
             vocab_size=raw["vocab_size"],
             d_model=raw["hidden_size"],
             n_layers=raw["num_hidden_layers"],
@@ -243,13 +290,14 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
             d_ff=raw["intermediate_size"],
             rope_theta=theta,
             rope_scaling=scaling,
+            partial_rotary_factor=partial,
             norm_eps=raw.get("rms_norm_eps", 1e-6),
             tie_embeddings=raw.get("tie_word_embeddings", family.tied_by_default),
             activation=ACTIVATIONS[act],
             family=kind,
             **_windows(raw, family, where),
-            **family.read(raw, where),
         )
+        return ModelConfig(**{**keys, **family.read(raw, where)})  # the family's own win
     except KeyError as e:
         raise DistillError(f"{where}: required key {e.args[0]!r} is missing") from None
     except ValidationError as e:

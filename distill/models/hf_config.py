@@ -61,14 +61,22 @@ def to_hf_config(
     return raw
 
 
+# Each scaling type's keys, as transformers reads them.
+_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"),
+}  # fmt: skip
+
+
 def _scaling(cfg: ModelConfig) -> dict | None:
     if cfg.rope_scaling is None:
         return None
-    scaling = cfg.rope_scaling.model_dump()
-    scaling["rope_type"] = scaling.pop("type")
-    if scaling["rope_type"] == "linear":
-        scaling = {"rope_type": "linear", "factor": scaling["factor"]}
-    return scaling
+    kind = cfg.rope_scaling.type
+    keys = {k: getattr(cfg.rope_scaling, k) for k in _SCALING_KEYS[kind]}
+    return {"rope_type": kind, **{k: v for k, v in keys.items() if v is not None}}
 
 
 def _rope(cfg: ModelConfig, family: families.Family) -> dict:
@@ -76,6 +84,10 @@ def _rope(cfg: ModelConfig, family: families.Family) -> dict:
     except for a family with a local base of its own (Gemma 3): transformers 5's
     per-layer-type `rope_parameters`."""
     scaling = _scaling(cfg)
+    if cfg.partial_rotary_factor != 1:  # only transformers 5's layout says it (GLM-4.5)
+        partial = {"partial_rotary_factor": cfg.partial_rotary_factor}
+        return {"rope_parameters": {"rope_type": "default", **(scaling or {}),
+                                    "rope_theta": cfg.rope_theta, **partial}}  # fmt: skip
     if not family.rope_per_layer_type or "full" not in cfg.types():
         return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
     full = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}

@@ -114,21 +114,3 @@ def heads(
     q = jnp.concatenate([q[..., :nope], q_pe], axis=-1)
     k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (b, s, n, r))], axis=-1)
     return q, k, kv[..., nope:]
-
-
-def attend_uneven(attend, q_bshd, k_bskd, v_bskd, segment_ids_bs, **kw) -> jax.Array:
-    """`attend(q, k, v, segment_ids, **kw)` [B, S, H, v] for values of another width than
-    the queries and keys, through kernels that take one width: the narrower side padded
-    with zeros, exactly (zero value dims give zero output dims, sliced off; zero query and
-    key dims add nothing to a score). `kw` must carry the scale (the padded width is not the
-    scores' width)."""
-    dq, dv = q_bshd.shape[-1], v_bskd.shape[-1]
-    if dq == dv:
-        return attend(q_bshd, k_bskd, v_bskd, segment_ids_bs, **kw)
-
-    def widen(x, width):
-        return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
-
-    width = max(dq, dv)
-    q, k, v = widen(q_bshd, width), widen(k_bskd, width), widen(v_bskd, width)
-    return attend(q, k, v, segment_ids_bs, **kw)[..., :dv]

@@ -110,6 +110,8 @@ class Block(nnx.Module):
         self.wo = _normal(rngs, (cfg.n_heads * cfg.v_dim, d), out_std)
         if cfg.attn_sinks:  # gpt-oss: a logit per query head in its softmax denominator
             self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), jnp.float32))
+        if cfg.o_bias:  # added once, after the sum over tp shards
+            self.bo = nnx.Param(jnp.zeros((d,), jnp.float32))
         if cfg.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
         self.mlp_norm = norm(d)
@@ -208,6 +210,8 @@ class Block(nnx.Module):
         dt = x_bsd.dtype
         b, s = o_bshd.shape[:2]  # x holds S/tp of them under sequence parallelism
         o = cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)
+        if self.cfg.o_bias:
+            o = o + self.bo[...].astype(dt)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
         h = cc.gather_positions(self._norm(x_bsd, self.mlp_norm), tp_axis)
         y, stats = self.ffn(h, tp_axis, layer, moe_opts or {})
@@ -464,6 +468,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.mla:  # the latents' norms
         norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
     biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
+    biases += cfg.d_model if cfg.o_bias else 0
     matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
     return 2.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
 

@@ -21,6 +21,15 @@ from types import MappingProxyType
 
 from distill.errors import DistillError
 
+# Qwen2-MoE's shared expert and its sigmoid gate, after `model.layers.{i}.mlp.`
+SHARED_NAMES = MappingProxyType(
+    {
+        "ws_gate": "shared_expert.gate_proj.weight",
+        "ws_up": "shared_expert.up_proj.weight",
+        "ws_down": "shared_expert.down_proj.weight",
+        "shared_gate": "shared_expert_gate.weight",
+    }
+)
 # Each routed expert's weights after `model.layers.{i}.{moe_prefix}experts.{j}.`, as most
 # families save them one by one (transformers 5 fuses them in memory only).
 EXPERT_NAMES = MappingProxyType(
@@ -87,7 +96,17 @@ class Family:
     accepts: frozenset[str] = frozenset()
     # A mixture of experts' router and experts after `model.layers.{i}.{moe_prefix}`.
     moe_prefix: str = "mlp."
+    router_name: str = "gate"  # `{moe_prefix}{router_name}.weight` (gpt-oss: router)
     expert_names: Mapping[str, str] = field(default_factory=lambda: EXPERT_NAMES)
+    shared_names: Mapping[str, str] = field(default_factory=lambda: SHARED_NAMES)
+    # The experts stored fused, one tensor per layer with a leading expert axis
+    # (`experts.gate_up_proj` [E, D, 2F], gate and up interleaved, `experts.down_proj`
+    # [E, F, D], and their biases), rather than one tensor per expert.
+    fused_experts: bool = False
+    # config.json's count of extra layers stored past num_hidden_layers that the decoder
+    # does not run (DeepSeek-V3's multi-token prediction), skipped on load.
+    extra_layers_key: str | None = None
+    exports_as: str | None = None  # the model_type written on export, when another's
     dense: str | None = None  # the family a dense student of it becomes (Mixtral: mistral)
     chat: str = ""  # what its chat template does that a renderer must respect
 
