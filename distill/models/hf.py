@@ -16,6 +16,7 @@ untied `lm_head.weight` [V, D] is distill's `lm_head` [D, V].
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -24,6 +25,7 @@ from distill.config import ModelConfig, RopeScaling
 from distill.errors import DistillError
 from distill.models import families
 
+log = logging.getLogger("distill")
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -369,6 +371,29 @@ def weight_files(path: str | Path) -> dict[str, str]:
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
 
 
+def extra_layers(files: dict[str, str], cfg: ModelConfig) -> list[int]:
+    """The stored layers past the decoder's `n_layers` (DeepSeek-V3's multi-token
+    prediction layer), which are not read."""
+    found = set()
+    for name in files:
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            if i >= cfg.n_layers:
+                found.add(i)
+    return sorted(found)
+
+
+def _note_extra_layers(files: dict[str, str], cfg: ModelConfig, path: Path) -> None:
+    extra = extra_layers(files, cfg)
+    if extra:
+        log.info(
+            "%s: skipping stored layer(s) %s past num_hidden_layers=%d (%s: "
+            "multi-token prediction, not part of the decoder)",
+            path, ", ".join(map(str, extra)), cfg.n_layers,
+            families.get(cfg.family).extra_layers_key or "not in config.json",
+        )  # fmt: skip
+
+
 def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
     """Everything a load needs, from headers only: the shape divides over `tp`, and every
     tensor is present with its expected shape. DistillError names the file at fault."""
@@ -391,6 +416,7 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
             f"mesh.teacher.tp={tp}"
         )
     files, needed = weight_files(path), weight_names(cfg)
+    _note_extra_layers(files, cfg, Path(path))
     by_file: dict[str, list[str]] = {}
     for name in needed:
         if name not in files:

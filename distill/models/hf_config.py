@@ -36,7 +36,7 @@ def to_hf_config(
     family = families.get(cfg.family)
     raw = {
         "architectures": [family.architecture],
-        "model_type": cfg.family,
+        "model_type": family.exports_as or cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -139,6 +139,7 @@ def _check_round_trip(cfg: ModelConfig, raw: dict) -> None:
     """The loader reads `raw` back as `cfg`, else one line naming the first key lost."""
     where = f"export ({cfg.family} config.json)"
     back = _comparable(hf.model_config_from_raw(raw, where))
+    back["family"] = cfg.family if families.get(cfg.family).exports_as else back["family"]
     want = _comparable(cfg)
     for key, value in want.items():
         if back[key] != value:
