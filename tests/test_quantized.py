@@ -1,0 +1,383 @@
+"""Released quantized checkpoints (teacher/quantized.py): block float8 (DeepSeek-V3, Kimi K2)
+and MXFP4 (gpt-oss) tensors quantized here in exactly the released layout, read slice by
+slice, equal bit for bit to transformers' own dequantization of the whole tensor; a tiny
+Llama whose Linear weights are stored as block float8 loads through teacher/hf.py into the
+tp=2 layout exactly as its dequantized bf16 checkpoint does; unsupported layouts fail in
+one DistillError line; a slice's read allocates about the slice, not the tensor."""
+
+import json
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers.integrations.finegrained_fp8 import (  # noqa: E402
+    Fp8Dequantize,
+    _dequantize_fp8_weight,
+)
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
+
+from distill.errors import DistillError  # noqa: E402
+from distill.mesh import EP, TP, student_mesh, teacher_mesh  # noqa: E402
+from distill.models import hf  # noqa: E402
+from teacher import quantized  # noqa: E402
+from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
+
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}  # DeepSeek-V3's config.json, as released
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}  # fmt: skip  (gpt-oss-20b's)
+E4M3_MAX = 448.0
+
+
+def quantize_fp8(w: np.ndarray, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 weight_scale_inv) of a float32 [..., out, in] `w`, as
+    DeepSeek's released files hold them: one scale per block (partial at the edges) mapping
+    the block's largest magnitude to e4m3's 448."""
+    *lead, rows, cols = w.shape
+    bm, bn = block
+    scale_inv = np.ones((*lead, -(-rows // bm), -(-cols // bn)), np.float32)
+    for i in range(scale_inv.shape[-2]):
+        for j in range(scale_inv.shape[-1]):
+            part = np.abs(w[..., i * bm : (i + 1) * bm, j * bn : (j + 1) * bn])
+            amax = part.max(axis=(-2, -1))
+            scale_inv[..., i, j] = np.where(amax > 0, amax / E4M3_MAX, 1.0)
+    expanded = np.repeat(np.repeat(scale_inv, bm, -2), bn, -1)[..., :rows, :cols]
+    q = torch.from_numpy(np.clip(w / expanded, -E4M3_MAX, E4M3_MAX)).to(torch.float8_e4m3fn)
+    return q, torch.from_numpy(scale_inv)
+
+
+def _random_blocks(rng, shape, block=128) -> np.ndarray:
+    """Normal values with a different magnitude per block, so every scale matters."""
+    w = rng.standard_normal(shape).astype(np.float32)
+    *lead, rows, cols = shape
+    mags = 2.0 ** rng.integers(-12, 4, (*lead, -(-rows // block), -(-cols // block)))
+    return w * np.repeat(np.repeat(mags, block, -2), block, -1)[..., :rows, :cols]
+
+
+def _bits(x) -> np.ndarray:
+    """The bit patterns of a float array (NaN and inf compared exactly too)."""
+    x = np.asarray(x)
+    return x.view({2: np.int16, 4: np.int32}[x.dtype.itemsize])
+
+
+def _torch_bits(t: torch.Tensor) -> np.ndarray:
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)).numpy()
+
+
+def _write(path, tensors: dict, config: dict | None, files: int = 1) -> None:
+    """`tensors` saved as safetensors (in `files` shards with an index), and a config.json
+    holding `config` as its quantization_config."""
+    path.mkdir(parents=True, exist_ok=True)
+    raw = {"model_type": "llama"} | ({"quantization_config": config} if config else {})
+    (path / "config.json").write_text(json.dumps(raw))
+    if files == 1:
+        save_file(tensors, str(path / "model.safetensors"))
+        return
+    names, weight_map = sorted(tensors), {}
+    for k in range(files):
+        file = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[k::files]}
+        save_file(part, str(path / file))
+        weight_map |= dict.fromkeys(part, file)
+    (path / hf.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+
+
+SLICES = [
+    (slice(None), slice(None)),
+    (slice(0, 150), slice(None)),  # tp=2 over rows: the cut inside block row 1
+    (slice(150, 300), slice(None)),
+    (slice(None), slice(100, 200)),  # tp=2 over columns: a partial last block column
+    (slice(127, 129), slice(127, 130)),  # across block corners
+    (slice(256, 300), slice(128, 200)),  # the partial corner block alone
+    (slice(5, 290, 3), slice(1, 200, 7)),  # strided
+    (slice(10, 10), slice(None)),  # empty
+]
+
+
+def test_fp8_slices_equal_transformers_dequantized_whole(tmp_path):
+    """[300, 200] (partial edge blocks) and a [2, 300, 200] expert stack: every slice read,
+    in float32 and in bfloat16, equals transformers' `_dequantize_fp8_weight` of the whole
+    tensor (cast to bfloat16 after), bit for bit."""
+    rng = np.random.default_rng(0)
+    q2, s2 = quantize_fp8(_random_blocks(rng, (300, 200)))
+    q3, s3 = quantize_fp8(_random_blocks(rng, (2, 300, 200)))
+    tensors = {"a.weight": q2, "a.weight_scale_inv": s2, "b.weight": q3}
+    tensors["b.weight_scale_inv"] = s3
+    tensors["norm.weight"] = torch.randn(200).to(torch.bfloat16)
+    _write(tmp_path, tensors, FP8_CONFIG)
+    ckpt = quantized.Checkpoint(tmp_path)
+    assert ckpt.quantized == {"a.weight": (300, 200), "b.weight": (2, 300, 200)}
+    for name, lead in (("a.weight", ()), ("b.weight", (slice(1, 2),))):
+        q, s = tensors[name], tensors[name + "_scale_inv"]
+        ref = _dequantize_fp8_weight(q, s, [128, 128], torch.float32)
+        assert ckpt.slice(name).get_shape() == list(q.shape)
+        for index in SLICES:
+            at = (*lead, *index)
+            got = ckpt.slice(name, np.float32)[at]
+            np.testing.assert_array_equal(_bits(got), _torch_bits(ref[at].contiguous()))
+            got16 = ckpt.slice(name)[at]  # dtype None: bfloat16
+            assert got16.dtype == ml_dtypes.bfloat16
+            want16 = ref[at].contiguous().to(torch.bfloat16)
+            np.testing.assert_array_equal(_bits(got16), _torch_bits(want16))
+    norm = ckpt.slice("norm.weight")[(slice(3, 9),)]  # unquantized: as stored
+    np.testing.assert_array_equal(_bits(norm), _torch_bits(tensors["norm.weight"][3:9]))
+
+
+def test_fp8_whole_blocks_equal_transformers_loading_op(tmp_path):
+    """On whole blocks, what transformers' loader itself runs (`Fp8Dequantize`, which
+    derives the block from the scale grid, so it needs whole blocks) gives the same bits in
+    bfloat16."""
+    q, s = quantize_fp8(_random_blocks(np.random.default_rng(1), (256, 384)))
+    _write(tmp_path, {"x.weight": q, "x.weight_scale_inv": s}, FP8_CONFIG)
+    want = Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=torch.bfloat16)
+    got = quantized.Checkpoint(tmp_path).slice("x.weight", ml_dtypes.bfloat16)[:, :]
+    np.testing.assert_array_equal(_bits(got), _torch_bits(want))
+
+
+def pack_mxfp4(rng, experts, rows, cols) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random gpt-oss `X_blocks` uint8 [E, rows, cols/32, 16] (two e2m1 codes a byte, every
+    code) and `X_scales` uint8 [E, rows, cols/32] (every finite e8m0 exponent, 0..254)."""
+    blocks = rng.integers(0, 256, (experts, rows, cols // 32, 16), dtype=np.uint8)
+    scales = rng.integers(0, 255, (experts, rows, cols // 32), dtype=np.uint8)
+    scales[..., 0] = rng.integers(120, 134, scales[..., 0].shape)  # and some usual ones
+    return torch.from_numpy(blocks), torch.from_numpy(scales)
+
+
+def test_mxfp4_slices_equal_transformers_convert_moe_packed_tensors(tmp_path):
+    """gpt-oss's fused experts (E=3, D=96, F=64: gate_up_proj [E, D, 2F] stored as
+    [E, 2F, D/32, 16] blocks, down_proj [E, F, D] as [E, D, F/32, 16]): every slice of the
+    logical [E, in, out] tensor, the de-interleaved gate (even columns) and up (odd)
+    included, equals transformers' `convert_moe_packed_tensors` of the whole, in float32
+    and bfloat16, bit for bit."""
+    rng = np.random.default_rng(2)
+    e, f, d = 3, 64, 96
+    gu_b, gu_s = pack_mxfp4(rng, e, 2 * f, d)
+    dn_b, dn_s = pack_mxfp4(rng, e, d, f)
+    prefix = "model.layers.0.mlp.experts."
+    tensors = {
+        prefix + "gate_up_proj_blocks": gu_b,
+        prefix + "gate_up_proj_scales": gu_s,
+        prefix + "gate_up_proj_bias": torch.randn(e, 2 * f).to(torch.bfloat16),
+        prefix + "down_proj_blocks": dn_b,
+        prefix + "down_proj_scales": dn_s,
+    }
+    _write(tmp_path, tensors, MXFP4_CONFIG, files=2)
+    ckpt = quantized.Checkpoint(tmp_path)
+    assert quantized.quantized_shapes(tmp_path) == {
+        prefix + "gate_up_proj": (e, d, 2 * f),
+        prefix + "down_proj": (e, f, d),
+    }
+    for name, (b, s) in {"gate_up_proj": (gu_b, gu_s), "down_proj": (dn_b, dn_s)}.items():
+        with np.errstate(over="ignore"):
+            ref = convert_moe_packed_tensors(b, s, dtype=torch.float32)
+            ref16 = convert_moe_packed_tensors(b, s, dtype=torch.bfloat16)
+        sl = ckpt.slice(prefix + name, np.float32)
+        assert sl.get_shape() == list(ref.shape)
+        n_in, n_out = ref.shape[1:]
+        for index in [
+            (slice(None),) * 3,
+            (slice(1, 2), slice(None), slice(0, n_out // 2)),  # one expert, tp=2 over out
+            (slice(None), slice(n_in // 2, n_in), slice(None)),  # tp=2 over in
+            (slice(0, 3, 2), slice(5, 70), slice(3, 40)),  # groups cut at both ends
+            (slice(None), slice(None), slice(0, n_out, 2)),  # gate (gate_up_proj)
+            (slice(None), slice(None), slice(1, n_out, 2)),  # up
+        ]:
+            np.testing.assert_array_equal(_bits(sl[index]), _torch_bits(ref[index].contiguous()))
+            got16 = ckpt.slice(prefix + name)[index]
+            np.testing.assert_array_equal(_bits(got16), _torch_bits(ref16[index].contiguous()))
+    bias = tensors[prefix + "gate_up_proj_bias"]  # bf16, read as stored
+    got = ckpt.slice(prefix + "gate_up_proj_bias")[(slice(None), slice(0, 2 * f, 2))]
+    np.testing.assert_array_equal(_bits(got), _torch_bits(bias[:, ::2].contiguous()))
+
+
+def test_mxfp4_fused_arrays_load_sharded_over_ep_and_tp(tmp_path):
+    """The fused gate_up_proj [E, D, 2F] read device slice by device slice into an ep=2 x
+    tp=2 layout (experts over ep, columns over tp), and its gate and up halves (transformers'
+    even and odd columns) likewise: equal to the dequantized whole."""
+    rng = np.random.default_rng(3)
+    b, s = pack_mxfp4(rng, 4, 48, 64)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    _write(tmp_path, {name + "_blocks": b, name + "_scales": s}, MXFP4_CONFIG)
+    sl = quantized.Checkpoint(tmp_path).slice(name, ml_dtypes.bfloat16)
+    with np.errstate(over="ignore"):
+        ref = convert_moe_packed_tensors(b, s, dtype=torch.bfloat16)
+    mesh = teacher_mesh(jax.devices()[:4], 1, 2, ep=2)
+    where = NamedSharding(mesh, P(EP, None, TP))
+    shapes = []
+
+    def read(index, start=0, step=1):
+        """A device's slice of the fused array (step 1) or of its even or odd columns."""
+        e, i, o = index
+        lo, hi, _ = o.indices(ref.shape[2] // step)
+        x = sl[(e, i, slice(start + lo * step, start + hi * step, step))]
+        shapes.append(x.shape)
+        return x
+
+    fused = jax.make_array_from_callback(tuple(ref.shape), where, read)
+    assert shapes == [(2, 64, 24)] * 4  # each device read only its own slice
+    np.testing.assert_array_equal(_bits(np.asarray(fused)), _torch_bits(ref))
+    half = (4, 64, 24)
+    for start, want in ((0, ref[..., ::2]), (1, ref[..., 1::2])):
+        got = jax.make_array_from_callback(half, where, lambda i, a=start: read(i, a, 2))
+        np.testing.assert_array_equal(_bits(np.asarray(got)), _torch_bits(want.contiguous()))
+
+
+LLAMA = dict(
+    vocab_size=64,
+    hidden_size=192,
+    intermediate_size=320,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=48,
+    tie_word_embeddings=False,
+)  # fmt: skip  (192 and 320: partial 128-blocks; tp=2 cuts q rows at 96, inside a block)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """(block-float8 checkpoint, its dequantized bfloat16 twin, its float32 twin): a tiny
+    random Llama whose attention and MLP Linear weights are stored as DeepSeek stores them,
+    everything else bf16, in 3 shards."""
+    root = tmp_path_factory.mktemp("fp8_llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**LLAMA)
+    m = transformers.LlamaForCausalLM(config)
+    rng = np.random.default_rng(4)
+    fp8, bf16, f32 = {}, {}, {}
+    for name, p in m.state_dict().items():
+        if any(f".{x}." in name for x in LINEARS):
+            q, s = quantize_fp8(_random_blocks(rng, tuple(p.shape)))
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            whole = _dequantize_fp8_weight(q, s, [128, 128], torch.float32)
+            f32[name], bf16[name] = whole, whole.to(torch.bfloat16)
+        else:
+            fp8[name] = bf16[name] = p.detach().normal_(1.0, 0.1).to(torch.bfloat16)
+            f32[name] = fp8[name].float()
+    dirs = []
+    for sub, tensors, q in (("fp8", fp8, FP8_CONFIG), ("bf16", bf16, None), ("f32", f32, None)):
+        _write(root / sub, tensors, q, files=3)
+        config.to_json_file(str(root / sub / "config.json"))
+        if q:
+            raw = json.loads((root / sub / "config.json").read_text())
+            raw["quantization_config"] = q
+            (root / sub / "config.json").write_text(json.dumps(raw))
+        dirs.append(root / sub)
+    return dirs
+
+
+@pytest.mark.parametrize("dtype", [jax.numpy.bfloat16, np.float32])
+def test_fp8_llama_loads_as_its_dequantized_checkpoint(llama_dirs, dtype):
+    """load_hf_teacher onto a dp=2 x tp=2 mesh: the float8 checkpoint gives the parameters
+    (values, dtype, sharding) of its dequantized twin in the held dtype, bit for bit."""
+    fp8_dir, bf16_dir, f32_dir = llama_dirs
+    cfg = hf.read_model_config(fp8_dir)
+    mesh = teacher_mesh(jax.devices()[:4], 2, 2)
+    got = load_hf_teacher(fp8_dir, cfg, mesh, dtype=dtype)
+    want = load_hf_teacher(bf16_dir if dtype != np.float32 else f32_dir, cfg, mesh, dtype=dtype)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == w.dtype == dtype and g.sharding == w.sharding
+        np.testing.assert_array_equal(_bits(np.asarray(g)), _bits(np.asarray(w)))
+
+
+def test_fp8_llama_layers_read_as_its_dequantized_checkpoint(llama_dirs):
+    """read_hf_layers (a student from the teacher's layers) on a dp=2 x fsdp=4 mesh: the
+    float8 checkpoint's kept layer equals the float32 twin's."""
+    from student import train
+
+    fp8_dir, _, f32_dir = llama_dirs
+    cfg = hf.read_model_config(fp8_dir)
+    scfg = cfg.model_copy(update={"n_layers": 1})
+    where = train.param_shardings(scfg, student_mesh(jax.devices(), 2, 4))
+    got = read_hf_layers(fp8_dir, cfg, [1], where)
+    want = read_hf_layers(f32_dir, cfg, [1], where)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.sharding == w.sharding
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+        (FP8_CONFIG | {"weight_block_size": None}, "only block-scaled fp8"),
+        (FP8_CONFIG | {"fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
+        (FP8_CONFIG | {"expert_dtype": "fp4"}, "expert_dtype 'fp4' is not supported"),
+        (FP8_CONFIG | {"weight_block_size": [64, 64]}, r"needs \(3, 3\)"),
+    ],
+)
+def test_unsupported_layouts_fail_in_one_line(tmp_path, config, match):
+    q, s = quantize_fp8(_random_blocks(np.random.default_rng(5), (150, 150)))
+    _write(tmp_path, {"x.weight": q, "x.weight_scale_inv": s}, config)
+    with pytest.raises(DistillError, match=match) as err:
+        quantized.Checkpoint(tmp_path)
+    assert "\n" not in str(err.value) and "config.json" in str(err.value)
+
+
+def test_missing_scales_fail_naming_the_tensor(tmp_path):
+    q, _ = quantize_fp8(_random_blocks(np.random.default_rng(6), (150, 150)))
+    _write(tmp_path / "a", {"x.weight": q}, FP8_CONFIG)
+    with pytest.raises(DistillError, match="x.weight is float8 without its x.weight_scale_inv"):
+        quantized.quantized_shapes(tmp_path / "a")
+    b, _ = pack_mxfp4(np.random.default_rng(6), 2, 4, 32)
+    _write(tmp_path / "b", {"e.gate_up_proj_blocks": b}, MXFP4_CONFIG)
+    with pytest.raises(DistillError, match="e.gate_up_proj_blocks without its e.gate_up_proj_"):
+        quantized.quantized_shapes(tmp_path / "b")
+
+
+def test_a_slice_read_allocates_the_slice_not_the_tensor(tmp_path, monkeypatch):
+    """A tp=4 row slice of a [4096, 4096] float8 weight (16 MiB stored, 32 MiB as bf16):
+    the stored bytes read are the slice's rows and their scales only, and the read
+    allocates (tracemalloc) the bf16 output slice plus one 128-row block of it in float8 and
+    float32, never the tensor."""
+    rng = np.random.default_rng(7)
+    q, s = quantize_fp8(rng.standard_normal((4096, 4096), dtype=np.float32))
+    _write(tmp_path, {"x.weight": q, "x.weight_scale_inv": s}, FP8_CONFIG)
+    del q, s
+    sl = quantized.Checkpoint(tmp_path).slice("x.weight", ml_dtypes.bfloat16)
+    read_bytes, real = [], quantized.Stored.read
+
+    def counted(self, index):
+        x = real(self, index)
+        read_bytes.append(x.nbytes)
+        return x
+
+    monkeypatch.setattr(quantized.Stored, "read", counted)
+    tracemalloc.start()
+    try:
+        x = sl[(slice(1024, 2048), slice(None))]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    whole_bf16, out = 4096 * 4096 * 2, x.nbytes  # 32 MiB, 8 MiB
+    block_row = 128 * 4096 * (1 + 4)  # float8 and float32
+    scales = 8 * 32 * 4  # the slice's 8 block rows of 32 scales
+    print(
+        f"read {sum(read_bytes) / 2**20:.2f} MiB stored, peak {peak / 2**20:.2f} MiB "
+        f"allocated, for an {out / 2**20:.0f} MiB slice of a {whole_bf16 / 2**20:.0f} MiB tensor"
+    )
+    assert sum(read_bytes) == 1024 * 4096 + scales  # the slice's float8 rows, its scales
+    assert max(read_bytes) <= 128 * 4096  # one block row at a time
+    assert out <= peak <= out + block_row + 64 * 1024
