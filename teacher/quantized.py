@@ -36,10 +36,8 @@ import ml_dtypes
 import numpy as np
 
 from distill.errors import DistillError
+from distill.models import hf
 
-CONFIG = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 METHODS = ("fp8", "mxfp4")
 FP8_BLOCK = 128
 MX_BLOCK = 32  # values per e8m0 scale: 16 bytes of two e2m1 nibbles
@@ -103,7 +101,7 @@ def scheme_of(raw: dict, where: Path | str) -> Scheme | None:
 
 def read_scheme(path: str | Path) -> Scheme | None:
     """`scheme_of` a checkpoint directory's config.json (None without one)."""
-    where = Path(path) / CONFIG
+    where = hf.config_file(path)
     if not where.is_file():
         return None
     return scheme_of(json.loads(where.read_text()), where)
@@ -152,9 +150,9 @@ class Checkpoint:
         self.root = Path(path)
         self.scheme = read_scheme(path) if scheme is None else scheme
         self.stored: dict[str, Stored] = {}
-        for file in sorted(set(_weight_files(self.root).values())):
+        for file in sorted(set(hf.weight_files(self.root).values())):
             if not (self.root / file).is_file():
-                raise DistillError(f"{self.root / file}: listed in {INDEX_FILE} but missing")
+                raise DistillError(f"{self.root / file}: listed in {hf.INDEX_FILE} but missing")
             self.stored.update(read_header(self.root / file))
         self.quantized: dict[str, tuple[int, ...]] = {}  # logical name -> logical shape
         for name, t in self.stored.items():
@@ -231,17 +229,6 @@ def quantized_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     if read_scheme(path) is None:
         return {}
     return dict(Checkpoint(path).quantized)
-
-
-def _weight_files(root: Path) -> dict[str, str]:
-    if (root / INDEX_FILE).is_file():
-        try:
-            return dict(json.loads((root / INDEX_FILE).read_text())["weight_map"])
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise DistillError(f"{root / INDEX_FILE}: not a safetensors index: {e}") from None
-    if (root / SINGLE_FILE).is_file():
-        return {"": SINGLE_FILE}
-    raise DistillError(f"{root}: has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 def _scale_name(name: str) -> str:

@@ -154,6 +154,19 @@ def test_fp8_whole_blocks_equal_transformers_loading_op(tmp_path):
     np.testing.assert_array_equal(_bits(got), _torch_bits(want))
 
 
+def test_fp8_power_of_two_scales_stored_as_e8m0(tmp_path):
+    """`scale_fmt: ue8m0` (DeepSeek-V3.1): the scales are powers of two, stored as float32 or
+    as float8_e8m0fnu bytes; both read as transformers dequantizes the float32 ones."""
+    q, s = quantize_fp8(_random_blocks(np.random.default_rng(8), (300, 200)))
+    s = torch.exp2(torch.ceil(torch.log2(s)))  # as transformers rounds them for ue8m0
+    want = _dequantize_fp8_weight(q, s, [128, 128], torch.float32)
+    for scale in (s, s.to(torch.float8_e8m0fnu)):
+        tensors = {"x.weight": q, "x.weight_scale_inv": scale}
+        _write(tmp_path, tensors, FP8_CONFIG | {"scale_fmt": "ue8m0"})
+        got = quantized.Checkpoint(tmp_path).slice("x.weight", np.float32)[10:290, 50:]
+        np.testing.assert_array_equal(_bits(got), _torch_bits(want[10:290, 50:].contiguous()))
+
+
 def pack_mxfp4(rng, experts, rows, cols) -> tuple[torch.Tensor, torch.Tensor]:
     """Random gpt-oss `X_blocks` uint8 [E, rows, cols/32, 16] (two e2m1 codes a byte, every
     code) and `X_scales` uint8 [E, rows, cols/32] (every finite e8m0 exponent, 0..254)."""
@@ -287,13 +300,14 @@ def llama_dirs(tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("dtype", [jax.numpy.bfloat16, np.float32])
-def test_fp8_llama_loads_as_its_dequantized_checkpoint(llama_dirs, dtype):
-    """load_hf_teacher onto a dp=2 x tp=2 mesh: the float8 checkpoint gives the parameters
-    (values, dtype, sharding) of its dequantized twin in the held dtype, bit for bit."""
+@pytest.mark.parametrize("dtype, dp, tp", [(jax.numpy.bfloat16, 2, 2), (np.float32, 1, 4)])
+def test_fp8_llama_loads_as_its_dequantized_checkpoint(llama_dirs, dtype, dp, tp):
+    """load_hf_teacher onto a dp x tp mesh (tp=4: the 2 KV heads each read by 2 shards): the
+    float8 checkpoint gives the parameters (values, dtype, sharding) of its dequantized twin
+    in the held dtype, bit for bit."""
     fp8_dir, bf16_dir, f32_dir = llama_dirs
     cfg = hf.read_model_config(fp8_dir)
-    mesh = teacher_mesh(jax.devices()[:4], 2, 2)
+    mesh = teacher_mesh(jax.devices()[: dp * tp], dp, tp)
     got = load_hf_teacher(fp8_dir, cfg, mesh, dtype=dtype)
     want = load_hf_teacher(bf16_dir if dtype != np.float32 else f32_dir, cfg, mesh, dtype=dtype)
     assert jax.tree.structure(got) == jax.tree.structure(want)
