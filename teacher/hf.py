@@ -244,11 +244,14 @@ def _stored_shape(cfg: ModelConfig, key: str, reps: int) -> tuple[int, ...]:
 def _as_stored(target: NamedSharding, transposed: bool, lead: int = 1) -> NamedSharding:
     """The sharding of one stored tensor, with `lead` leading axes of size 1 (its layer, its
     expert), in the stored [out, in] layout whose transpose has `target`'s layout. The
-    size-1 axes are unsplit (one expert is not split over `ep`)."""
-    *_, a, b = target.spec  # every stacked weight's spec names both matrix axes
-    if len(target.spec) == lead + 1:  # a vector (norm, bias)
-        return NamedSharding(target.mesh, P(*(None,) * lead, b))
-    return NamedSharding(target.mesh, P(*(None,) * lead, *((b, a) if transposed else (a, b))))
+    size-1 axes are unsplit (one expert is not split over `ep`); the axes between them and
+    the last keep `target`'s split: a layer's fused experts, read whole ([E, in, out], as
+    gpt-oss stores them) into slot `(layer,)` of a [L, E, ...] parameter, stay split over
+    `ep`."""
+    inner = tuple(target.spec)[lead:]  # the table's specs name every axis
+    if transposed and len(inner) >= 2:
+        inner = (*inner[:-2], inner[-1], inner[-2])
+    return NamedSharding(target.mesh, P(*(None,) * lead, *inner))
 
 
 def _reader(sl, reps: int, hd: int, dtype) -> Callable[[Index], np.ndarray]:

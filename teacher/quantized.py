@@ -321,3 +321,27 @@ class _Mxfp4:
                 values = np.ldexp(values, exp[..., None]).reshape(len(outs), -1)
             out[i] = values[:, cols].T.astype(self.dtype)
         return out
+
+
+class Strided:
+    """Every `step`-th entry from `start` along `axis` of a slice object (`get_shape()`,
+    `[index]`), as a slice object of its own: gpt-oss's gate (`start` 0) and up (1) halves
+    of the interleaved columns of `mlp.experts.gate_up_proj` [E, D, 2F], each read on its
+    own and split over `tp` like any [E, D, F] weight."""
+
+    def __init__(self, sl, axis: int, start: int, step: int):
+        self.sl, self.start, self.step = sl, start, step
+        shape = list(sl.get_shape())
+        self.axis = axis % len(shape)
+        self.shape = [*shape[: self.axis], len(range(start, shape[self.axis], step))]
+        self.shape += shape[self.axis + 1 :]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        ranges = _ranges(index, tuple(self.shape))
+        r = ranges[self.axis]
+        lo, step = self.start + r.start * self.step, r.step * self.step
+        ranges[self.axis] = range(lo, lo + len(r) * step, step)
+        return self.sl[tuple(map(_basic, ranges))]

@@ -16,8 +16,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers.integrations.finegrained_fp8 import (  # noqa: E402
     Fp8Dequantize,
@@ -25,10 +23,12 @@ from transformers.integrations.finegrained_fp8 import (  # noqa: E402
 )
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
 
+from distill.config import ModelConfig  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
-from distill.mesh import EP, TP, student_mesh, teacher_mesh  # noqa: E402
+from distill.mesh import student_mesh, teacher_mesh  # noqa: E402
 from distill.models import hf  # noqa: E402
-from teacher import quantized  # noqa: E402
+from teacher import hf as teacher_hf  # noqa: E402
+from teacher import quantized, sharding  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
 
 FP8_CONFIG = {
@@ -223,36 +223,64 @@ def test_mxfp4_slices_equal_transformers_convert_moe_packed_tensors(tmp_path):
     np.testing.assert_array_equal(_bits(got), _torch_bits(bias[:, ::2].contiguous()))
 
 
-def test_mxfp4_fused_arrays_load_sharded_over_ep_and_tp(tmp_path):
-    """The fused gate_up_proj [E, D, 2F] read device slice by device slice into an ep=2 x
-    tp=2 layout (experts over ep, columns over tp), and its gate and up halves (transformers'
-    even and odd columns) likewise: equal to the dequantized whole."""
+def test_mxfp4_fused_experts_load_into_the_ep_tp_layout(tmp_path):
+    """gpt-oss's fused experts of 2 layers (E=4, D=64, F=32) loaded through teacher/hf.py's
+    layer path into the teacher's [L, E, D, F] / [L, E, F, D] parameters on an ep=2 x tp=2
+    mesh, each layer's whole [E, ...] tensor into slot (layer,): the gate (even columns of
+    gate_up_proj) and up (odd) halves as `we_gate` and `we_up`, down_proj as `we_down`,
+    equal to transformers' dequantized arrays so split; each device read only its slice."""
     rng = np.random.default_rng(3)
-    b, s = pack_mxfp4(rng, 4, 48, 64)
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    _write(tmp_path, {name + "_blocks": b, name + "_scales": s}, MXFP4_CONFIG)
-    sl = quantized.Checkpoint(tmp_path).slice(name, ml_dtypes.bfloat16)
-    with np.errstate(over="ignore"):
-        ref = convert_moe_packed_tensors(b, s, dtype=torch.bfloat16)
+    n_layers, e, d, f = 2, 4, 64, 32
+    prefix = "model.layers.{}.mlp.experts."
+    tensors, want = {}, {"we_gate": [], "we_up": [], "we_down": []}
+    for i in range(n_layers):
+        for proj, rows, cols in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+            b, sc = pack_mxfp4(rng, e, rows, cols)
+            tensors[prefix.format(i) + proj + "_blocks"] = b
+            tensors[prefix.format(i) + proj + "_scales"] = sc
+            with np.errstate(over="ignore"):
+                ref = convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16)
+            if proj == "gate_up_proj":
+                want["we_gate"].append(ref[..., ::2])
+                want["we_up"].append(ref[..., 1::2])
+            else:
+                want["we_down"].append(ref)
+    _write(tmp_path, tensors, MXFP4_CONFIG)
+    ckpt = quantized.Checkpoint(tmp_path)
+    cfg = ModelConfig(
+        vocab_size=64, d_model=d, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=48,
+        n_experts=e, d_ff_expert=f,
+    )  # fmt: skip
     mesh = teacher_mesh(jax.devices()[:4], 1, 2, ep=2)
-    where = NamedSharding(mesh, P(EP, None, TP))
+    targets = sharding.shardings(cfg, mesh)["layers"]
     shapes = []
 
-    def read(index, start=0, step=1):
-        """A device's slice of the fused array (step 1) or of its even or odd columns."""
-        e, i, o = index
-        lo, hi, _ = o.indices(ref.shape[2] // step)
-        x = sl[(e, i, slice(start + lo * step, start + hi * step, step))]
-        shapes.append(x.shape)
-        return x
+    def watched(sl):
+        def read(index):
+            x = sl[index]
+            shapes.append(x.shape)
+            return x
 
-    fused = jax.make_array_from_callback(tuple(ref.shape), where, read)
-    assert shapes == [(2, 64, 24)] * 4  # each device read only its own slice
-    np.testing.assert_array_equal(_bits(np.asarray(fused)), _torch_bits(ref))
-    half = (4, 64, 24)
-    for start, want in ((0, ref[..., ::2]), (1, ref[..., 1::2])):
-        got = jax.make_array_from_callback(half, where, lambda i, a=start: read(i, a, 2))
-        np.testing.assert_array_equal(_bits(np.asarray(got)), _torch_bits(want.contiguous()))
+        return read
+
+    for key in want:
+        stacked = None
+        for i in range(n_layers):
+            if key == "we_down":
+                sl = ckpt.slice(prefix.format(i) + "down_proj")
+            else:
+                fused = ckpt.slice(prefix.format(i) + "gate_up_proj")
+                sl = quantized.Strided(fused, -1, int(key == "we_up"), 2)
+            shape = tuple(sl.get_shape())
+            stacked = teacher_hf._load_layer(
+                cfg, targets[key], stacked, watched(sl), shape, (i,), False
+            )
+        assert stacked.sharding == targets[key] and stacked.dtype == ml_dtypes.bfloat16
+        ref = torch.stack(want[key]).contiguous()
+        np.testing.assert_array_equal(_bits(np.asarray(stacked)), _torch_bits(ref))
+        local = targets[key].shard_shape(stacked.shape)[1:]  # a device's [E/ep, ...] of a layer
+        assert set(shapes) == {local}
+        shapes.clear()
 
 
 LLAMA = dict(
