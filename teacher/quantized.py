@@ -295,7 +295,8 @@ class _Fp8:
 
 class _Mxfp4:
     """An mxfp4 expert projection, logical [E, in, out] from blocks [E, out, in/32, 16]: each
-    expert's rows read, unpacked and scaled in float32, transposed into the output."""
+    expert's rows read, unpacked and scaled in float32, transposed into the output (the
+    host holds the output slice and one expert's slice in float32 beside it)."""
 
     def __init__(self, blocks: Stored, scales: Stored, shape: tuple[int, ...], dtype):
         self.b, self.s, self.shape, self.dtype = blocks, scales, shape, dtype
@@ -309,7 +310,8 @@ class _Mxfp4:
         if out.size == 0:
             return out
         g0, g1 = ins[0] // MX_BLOCK, ins[-1] // MX_BLOCK + 1  # the 32-value groups touched
-        cols = np.asarray(ins) - g0 * MX_BLOCK
+        skip = g0 * MX_BLOCK
+        cols = _basic(range(ins.start - skip, ins.stop - skip, ins.step))  # within the groups
         for i, e in enumerate(experts):
             at = (slice(e, e + 1), _basic(outs), slice(g0, g1))
             packed = self.b.read(at)[0]  # [R', G', 16]
@@ -318,8 +320,9 @@ class _Mxfp4:
             values[..., 0::2] = FP4_VALUES[packed & 0x0F]  # low nibble first
             values[..., 1::2] = FP4_VALUES[packed >> 4]
             with np.errstate(over="ignore"):  # exponents near 255 give inf, as in transformers
-                values = np.ldexp(values, exp[..., None]).reshape(len(outs), -1)
-            out[i] = values[:, cols].T.astype(self.dtype)
+                np.ldexp(values, exp[..., None], out=values)
+            out[i] = values.reshape(len(outs), -1)[:, cols].T  # one rounding to dtype
+            del values  # before the next expert's is made
         return out
 
 

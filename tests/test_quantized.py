@@ -423,3 +423,35 @@ def test_a_slice_read_allocates_the_slice_not_the_tensor(tmp_path, monkeypatch):
     assert sum(read_bytes) == 1024 * 4096 + scales  # the slice's float8 rows, its scales
     assert max(read_bytes) <= 128 * 4096  # one block row at a time
     assert out <= peak <= out + block_row + 64 * 1024
+
+
+def test_an_mxfp4_slice_read_allocates_one_expert_at_a_time(tmp_path, monkeypatch):
+    """An ep=2 x tp=2 slice (2 of 4 experts, half the columns) of a fused [4, 1024, 1024]
+    gate_up_proj (2 MiB of blocks; 8 MiB as bf16): only the slice's rows of blocks and
+    scales are read, and the read allocates the bf16 output plus one expert's slice in
+    float32 (with a half-size lookup and its packed bytes) at a time."""
+    b, sc = pack_mxfp4(np.random.default_rng(9), 4, 1024, 1024)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    _write(tmp_path, {name + "_blocks": b, name + "_scales": sc}, MXFP4_CONFIG)
+    sl = quantized.Checkpoint(tmp_path).slice(name, ml_dtypes.bfloat16)
+    read_bytes, real = [], quantized.Stored.read
+
+    def counted(self, index):
+        x = real(self, index)
+        read_bytes.append(x.nbytes)
+        return x
+
+    monkeypatch.setattr(quantized.Stored, "read", counted)
+    tracemalloc.start()
+    try:
+        x = sl[(slice(2, 4), slice(None), slice(512, 1024))]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    whole_bf16, out, expert_f32 = 4 * 1024 * 1024 * 2, x.nbytes, 1024 * 512 * 4
+    print(
+        f"read {sum(read_bytes) / 2**20:.2f} MiB stored, peak {peak / 2**20:.2f} MiB "
+        f"allocated, for a {out / 2**20:.0f} MiB slice of an {whole_bf16 / 2**20:.0f} MiB tensor"
+    )
+    assert sum(read_bytes) == 2 * 512 * 32 * (16 + 1)  # the slice's rows of blocks and scales
+    assert out <= peak <= out + 2 * expert_f32  # its float32, a lookup, its packed bytes
