@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -62,6 +64,11 @@ DTYPES = {
     "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
 }  # fmt: skip
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
+# Block rows (fp8) or experts (mxfp4) of one slice are dequantized on this many threads
+# (numpy releases the GIL in its lookups, products and casts): on a many-core host the
+# dequantization keeps up with the disk. Each holds one block row or expert at a time.
+THREADS = min(8, len(os.sched_getaffinity(0)))
+_pools: dict[int, ThreadPoolExecutor] = {}  # by THREADS, made on first use
 
 Index = tuple[slice, ...]
 
@@ -237,6 +244,20 @@ def quantized_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return dict(Checkpoint(path).quantized)
 
 
+def _each(fn, items) -> None:
+    """fn(*item) for every item, on `THREADS` threads (in order, here, with one); an error
+    in any is raised."""
+    items = list(items)
+    if THREADS == 1 or len(items) == 1:
+        for item in items:
+            fn(*item)
+        return
+    if THREADS not in _pools:
+        _pools[THREADS] = ThreadPoolExecutor(THREADS, thread_name_prefix="dequantize")
+    for _ in _pools[THREADS].map(lambda item: fn(*item), items):
+        pass
+
+
 def _scale_name(name: str) -> str:
     """`X.weight` -> `X.weight_scale_inv`, as transformers' Fp8Quantize names it."""
     return name + "_scale_inv"
@@ -267,8 +288,8 @@ class _Plain:
 
 class _Fp8:
     """A block-scaled float8 weight [..., out, in] as `weight * scale_inv` per block, read one
-    block row at a time: beyond the output slice the host holds the slice's scales and one
-    block row of the slice, in float8 and in float32."""
+    block row at a time on each thread: beyond the output slice the host holds the slice's
+    scales and, per thread, one block row of the slice in float8 and in float32."""
 
     def __init__(self, weight: Stored, scale: Stored, block: tuple[int, int], dtype):
         self.w, self.s, self.block, self.dtype = weight, scale, block, dtype
@@ -291,18 +312,20 @@ class _Fp8:
         row_block = np.asarray(rows) // bm - rb
         # rows of one block are contiguous in the output, whatever the slice's step
         starts = np.flatnonzero(np.diff(row_block, prepend=-1))
-        for a, b in zip(starts, [*starts[1:], len(rows)], strict=True):
+
+        def block_row(a: int, b: int) -> None:
             part = E4M3_VALUES[self.w.read((*lead_at, _basic(rows[a:b]), cols_at)).view(np.uint8)]
             part *= s[..., row_block[a], col_block][..., None, :]
             out[..., a:b, :] = part  # one rounding, float32 -> dtype
-            del part  # before the next block row's is made
+
+        _each(block_row, zip(starts, [*starts[1:], len(rows)], strict=True))
         return out
 
 
 class _Mxfp4:
     """An mxfp4 expert projection, logical [E, in, out] from blocks [E, out, in/32, 16]: each
     expert's rows read, unpacked and scaled in float32, transposed into the output (the
-    host holds the output slice and one expert's slice in float32 beside it)."""
+    host holds the output slice and, per thread, one expert's slice in float32)."""
 
     def __init__(self, blocks: Stored, scales: Stored, shape: tuple[int, ...], dtype):
         self.b, self.s, self.shape, self.dtype = blocks, scales, shape, dtype
@@ -318,7 +341,8 @@ class _Mxfp4:
         g0, g1 = ins[0] // MX_BLOCK, ins[-1] // MX_BLOCK + 1  # the 32-value groups touched
         skip = g0 * MX_BLOCK
         cols = _basic(range(ins.start - skip, ins.stop - skip, ins.step))  # within the groups
-        for i, e in enumerate(experts):
+
+        def expert(i: int, e: int) -> None:
             at = (slice(e, e + 1), _basic(outs), slice(g0, g1))
             packed = self.b.read(at)[0]  # [R', G', 16]
             exp = self.s.read(at)[0].astype(np.int32) - 127  # [R', G']
@@ -328,7 +352,8 @@ class _Mxfp4:
             with np.errstate(over="ignore"):  # exponents near 255 give inf, as in transformers
                 np.ldexp(values, exp[..., None], out=values)
             out[i] = values.reshape(len(outs), -1)[:, cols].T  # one rounding to dtype
-            del values  # before the next expert's is made
+
+        _each(expert, enumerate(experts))
         return out
 
 

@@ -389,16 +389,19 @@ def test_missing_scales_fail_naming_the_tensor(tmp_path):
         quantized.quantized_shapes(tmp_path / "b")
 
 
-def test_a_slice_read_allocates_the_slice_not_the_tensor(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_slice_read_allocates_the_slice_not_the_tensor(tmp_path, monkeypatch, threads):
     """A tp=4 row slice of a [4096, 4096] float8 weight (16 MiB stored, 32 MiB as bf16):
     the stored bytes read are the slice's rows and their scales only, and the read
-    allocates (tracemalloc) the bf16 output slice plus one 128-row block of it in float8 and
-    float32, never the tensor."""
+    allocates (tracemalloc) the bf16 output slice plus, per dequantizing thread, one 128-row
+    block of it in float8 and float32, never the tensor."""
     rng = np.random.default_rng(7)
     q, s = quantize_fp8(rng.standard_normal((4096, 4096), dtype=np.float32))
     _write(tmp_path, {"x.weight": q, "x.weight_scale_inv": s}, FP8_CONFIG)
     del q, s
     sl = quantized.Checkpoint(tmp_path).slice("x.weight", ml_dtypes.bfloat16)
+    want = sl[(slice(1024, 2048), slice(None))]
+    monkeypatch.setattr(quantized, "THREADS", threads)
     read_bytes, real = [], quantized.Stored.read
 
     def counted(self, index):
@@ -420,20 +423,25 @@ def test_a_slice_read_allocates_the_slice_not_the_tensor(tmp_path, monkeypatch):
         f"read {sum(read_bytes) / 2**20:.2f} MiB stored, peak {peak / 2**20:.2f} MiB "
         f"allocated, for an {out / 2**20:.0f} MiB slice of a {whole_bf16 / 2**20:.0f} MiB tensor"
     )
+    np.testing.assert_array_equal(_bits(x), _bits(want))  # the same on any threads
     assert sum(read_bytes) == 1024 * 4096 + scales  # the slice's float8 rows, its scales
     assert max(read_bytes) <= 128 * 4096  # one block row at a time
-    assert out <= peak <= out + block_row + 2**20  # and numpy's index buffers
+    # one block row per dequantizing thread, and numpy's index buffers
+    assert out <= peak <= out + threads * block_row + 2**20
 
 
-def test_an_mxfp4_slice_read_allocates_one_expert_at_a_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 4])
+def test_an_mxfp4_slice_read_allocates_one_expert_at_a_time(tmp_path, monkeypatch, threads):
     """An ep=2 x tp=2 slice (2 of 4 experts, half the columns) of a fused [4, 1024, 1024]
     gate_up_proj (2 MiB of blocks; 8 MiB as bf16): only the slice's rows of blocks and
-    scales are read, and the read allocates the bf16 output plus one expert's slice in
-    float32 (with a half-size lookup and its packed bytes) at a time."""
+    scales are read, and the read allocates the bf16 output plus, per dequantizing thread,
+    one expert's slice in float32 (with a half-size lookup and its packed bytes)."""
     b, sc = pack_mxfp4(np.random.default_rng(9), 4, 1024, 1024)
     name = "model.layers.0.mlp.experts.gate_up_proj"
     _write(tmp_path, {name + "_blocks": b, name + "_scales": sc}, MXFP4_CONFIG)
     sl = quantized.Checkpoint(tmp_path).slice(name, ml_dtypes.bfloat16)
+    want = sl[(slice(2, 4), slice(None), slice(512, 1024))]
+    monkeypatch.setattr(quantized, "THREADS", threads)
     read_bytes, real = [], quantized.Stored.read
 
     def counted(self, index):
@@ -453,5 +461,7 @@ def test_an_mxfp4_slice_read_allocates_one_expert_at_a_time(tmp_path, monkeypatc
         f"read {sum(read_bytes) / 2**20:.2f} MiB stored, peak {peak / 2**20:.2f} MiB "
         f"allocated, for a {out / 2**20:.0f} MiB slice of an {whole_bf16 / 2**20:.0f} MiB tensor"
     )
+    np.testing.assert_array_equal(_bits(x), _bits(want))  # the same on any threads
     assert sum(read_bytes) == 2 * 512 * 32 * (16 + 1)  # the slice's rows of blocks and scales
-    assert out <= peak <= out + 2 * expert_f32  # its float32, a lookup, its packed bytes
+    # per thread an expert's float32, a lookup, its packed bytes
+    assert out <= peak <= out + threads * 2 * expert_f32
