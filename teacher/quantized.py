@@ -47,7 +47,6 @@ from distill.errors import DistillError
 from distill.models import hf
 
 METHODS = ("fp8", "mxfp4")
-FP8_BLOCK = 128
 MX_BLOCK = 32  # values per e8m0 scale: 16 bytes of two e2m1 nibbles
 # e2m1 (FP4) code -> value: transformers' FP4_VALUES (sign bit 3, then 2 exponent bits, 1
 # mantissa bit).
@@ -67,7 +66,8 @@ SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
 # Block rows (fp8) or experts (mxfp4) of one slice are dequantized on this many threads
 # (numpy releases the GIL in its lookups, products and casts): on a many-core host the
 # dequantization keeps up with the disk. Each holds one block row or expert at a time.
-THREADS = min(8, len(os.sched_getaffinity(0)))
+_CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+THREADS = min(8, len(_CPUS))
 _pools: dict[int, ThreadPoolExecutor] = {}  # by THREADS, made on first use
 
 Index = tuple[slice, ...]
@@ -119,7 +119,11 @@ def read_scheme(path: str | Path) -> Scheme | None:
     where = hf.config_file(path)
     if not where.is_file():
         return None
-    return scheme_of(json.loads(where.read_text()), where)
+    try:
+        raw = json.loads(where.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DistillError(f"{where}: not readable JSON: {e}") from None
+    return scheme_of(raw, where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,9 +240,10 @@ class Checkpoint:
 
 def quantized_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Logical name -> logical shape of every quantized tensor of a checkpoint directory,
-    from its headers (for `distill.models.hf.check_checkpoint`: an fp8 `X.weight` keeps its
-    stored shape; an mxfp4 `X` is [E, in, out] from `X_blocks`). Empty when the checkpoint
-    is not quantized; a DistillError for a layout that cannot be read."""
+    from its headers, for the checkpoint checks: an fp8 `X.weight` keeps its stored shape;
+    an mxfp4 `X` is [E, in, out] from `X_blocks`. Empty when the checkpoint is not
+    quantized; a DistillError for a layout that cannot be read. (distill/ may not import
+    teacher/: its callers in teacher/ and pipelines/ hand the result to the check.)"""
     if read_scheme(path) is None:
         return {}
     return dict(Checkpoint(path).quantized)

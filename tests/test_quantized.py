@@ -126,7 +126,8 @@ def test_fp8_slices_equal_transformers_dequantized_whole(tmp_path):
     tensors["norm.weight"] = torch.randn(200).to(torch.bfloat16)
     _write(tmp_path, tensors, FP8_CONFIG)
     ckpt = quantized.Checkpoint(tmp_path)
-    assert ckpt.quantized == {"a.weight": (300, 200), "b.weight": (2, 300, 200)}
+    want_shapes = {"a.weight": (300, 200), "b.weight": (2, 300, 200)}  # norm.weight: not
+    assert ckpt.quantized == quantized.quantized_shapes(tmp_path) == want_shapes
     for name, lead in (("a.weight", ()), ("b.weight", (slice(1, 2),))):
         q, s = tensors[name], tensors[name + "_scale_inv"]
         ref = _dequantize_fp8_weight(q, s, [128, 128], torch.float32)
@@ -334,6 +335,8 @@ def test_fp8_llama_loads_as_its_dequantized_checkpoint(llama_dirs, dtype, dp, tp
     float8 checkpoint gives the parameters (values, dtype, sharding) of its dequantized twin
     in the held dtype, bit for bit."""
     fp8_dir, bf16_dir, f32_dir = llama_dirs
+    assert len(quantized.quantized_shapes(fp8_dir)) == 2 * 7  # the Linear weights of 2 layers
+    assert quantized.quantized_shapes(bf16_dir) == {}
     cfg = hf.read_model_config(fp8_dir)
     mesh = teacher_mesh(jax.devices()[: dp * tp], dp, tp)
     got = load_hf_teacher(fp8_dir, cfg, mesh, dtype=dtype)
