@@ -6,6 +6,7 @@ tp=2 layout exactly as its dequantized bf16 checkpoint does; unsupported layouts
 one DistillError line; a slice's read allocates about the slice, not the tensor."""
 
 import json
+import shutil
 import tracemalloc
 
 import ml_dtypes
@@ -345,6 +346,18 @@ def test_fp8_llama_loads_as_its_dequantized_checkpoint(llama_dirs, dtype, dp, tp
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert g.dtype == w.dtype == dtype and g.sharding == w.sharding
         np.testing.assert_array_equal(_bits(np.asarray(g)), _bits(np.asarray(w)))
+
+
+def test_an_unsupported_quantization_fails_the_load_in_one_line(llama_dirs, tmp_path):
+    """The float8 Llama with its config.json claiming another quant_method: load_hf_teacher
+    refuses it naming config.json, before reading any tensor."""
+    shutil.copytree(llama_dirs[0], tmp_path / "ckpt")
+    raw = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(raw))
+    cfg = hf.read_model_config(tmp_path / "ckpt")
+    with pytest.raises(DistillError, match=r"config.json: quantization_config.quant_method 'awq'"):
+        load_hf_teacher(tmp_path / "ckpt", cfg, teacher_mesh(jax.devices()[:2], 1, 2))
 
 
 def test_fp8_llama_layers_read_as_its_dequantized_checkpoint(llama_dirs):
