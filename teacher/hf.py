@@ -22,10 +22,15 @@ the same slice get the same host array (`_once_per_index`): read once, copied dp
 With pipeline stages (`pp`) a layer's tensor is read only by the devices of the stage that
 holds the layer (`_load_layer`): in a teacher group of processes, one per stage, each reads
 only its own layers (and the embedding, norm and head that every stage holds).
+
+A released quantized checkpoint (config.json's `quantization_config`: DeepSeek's block fp8,
+gpt-oss's mxfp4) is read the same way through `teacher.quantized`, whose slices dequantize
+just the stored blocks a device's slice covers, straight into the held dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -42,7 +47,7 @@ from safetensors import safe_open
 from distill.config import ModelConfig
 from distill.mesh import PP, TP
 from distill.models import hf
-from teacher import sharding
+from teacher import quantized, sharding
 
 Index = tuple[slice, ...]
 
@@ -57,18 +62,19 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
     hf.check_checkpoint(path, cfg, tp)
     reps = max(1, tp // cfg.n_kv_heads)  # copies of each KV head, one per shard using it
     targets = sharding.shardings(cfg, mesh)
-    files, needed = hf.weight_files(path), hf.weight_names(cfg)
+    needed, stored = hf.weight_names(cfg), _quantized(path)
+    files = hf.weight_files(path) if stored is None else {n: stored.file_of(n) for n in needed}
     by_file: dict[str, list[str]] = {}
     for name in needed:
         by_file.setdefault(files[name], []).append(name)
 
     params: dict = {"layers": {}}
     for file in sorted(by_file):
-        with safe_open(Path(path) / file, framework="numpy") as f:
+        with _slices(Path(path) / file, stored, dtype) as get_slice:
             for name in by_file[file]:
                 key, layer, transposed = needed[name]
                 key_reps = reps if key in sharding.kv_keys(cfg) else 1
-                read = _reader(f.get_slice(name), key_reps, cfg.hd, dtype)
+                read = _reader(get_slice(name), key_reps, cfg.hd, dtype)
                 shape = _stored_shape(cfg, key, key_reps)
                 if layer is None:  # transposed on the host, one device's slice at a time
                     layout = shape[::-1] if transposed else shape
@@ -83,6 +89,23 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
                 stacked = _load_layer(cfg, target, stacked, read, shape, slot, transposed)
                 params["layers"][key] = stacked.block_until_ready()
     return params
+
+
+def _quantized(path: str | Path) -> quantized.Checkpoint | None:
+    """The checkpoint's logical tensors when config.json says it is quantized (fp8 blocks,
+    mxfp4), read dequantized through `teacher.quantized`; None: read as stored."""
+    return None if quantized.read_scheme(path) is None else quantized.Checkpoint(path)
+
+
+@contextlib.contextmanager
+def _slices(file: Path, stored: quantized.Checkpoint | None, dtype):
+    """name -> a slice object of that tensor of `file` (`get_shape()`, `[index]`):
+    safetensors' own, or for a quantized checkpoint the dequantizing one, in `dtype`."""
+    if stored is not None:
+        yield functools.partial(stored.slice, dtype=dtype)
+        return
+    with safe_open(file, framework="numpy") as f:
+        yield f.get_slice
 
 
 def _load_layer(cfg: ModelConfig, target, stacked, read, shape, slot, transposed: bool):
@@ -139,7 +162,8 @@ def read_hf_layers(
     holds one device's slice of one parameter and one layer's stored slice, never a whole
     tensor converted, nor the model (tests/test_host_copies.py)."""
     hf.check_checkpoint(path, cfg, 1)
-    files, needed = hf.weight_files(path), hf.weight_names(cfg)
+    needed, stored = hf.weight_names(cfg), _quantized(path)
+    files = hf.weight_files(path) if stored is None else {n: stored.file_of(n) for n in needed}
     slot = {layer: i for i, layer in enumerate(layers)}
     parts: dict[str, dict[tuple, tuple[str, str, bool]]] = {}  # key -> {(slot[, expert]): ...}
     for name, (key, layer, transposed) in needed.items():
@@ -159,7 +183,8 @@ def read_hf_layers(
         where = (
             host if shardings is None else (shardings if lead == 0 else shardings["layers"])[key]
         )
-        tree[key] = _placed(shape, where, _kept_slices(Path(path), kept, shape, lead, dtype))
+        read = _kept_slices(Path(path), kept, shape, lead, dtype, stored)
+        tree[key] = _placed(shape, where, read)
     return params
 
 
@@ -178,26 +203,32 @@ def _placed(shape: tuple[int, ...], where, read: Callable[[Index], np.ndarray]) 
 
 
 def _kept_slices(
-    root: Path, kept: dict[tuple, tuple[str, str, bool]], shape: tuple[int, ...], lead: int, dtype
+    root: Path,
+    kept: dict[tuple, tuple[str, str, bool]],
+    shape: tuple[int, ...],
+    lead: int,
+    dtype,
+    stored: quantized.Checkpoint | None = None,
 ) -> Callable[[Index], np.ndarray]:
     """index in distill's layout (`shape`: `lead` axes of slots, then [in, out]) -> that
     slice of the parameter stacked from the `kept` tensors ({(slot[, expert]): (file, name,
     transposed)}): each layer's slice read at the mirrored index of its stored [out, in]
     tensor and written, converted, into the one output array. A slot without a tensor (the
-    dense feed-forward of a mixture-of-experts layer) stays zero."""
+    dense feed-forward of a mixture-of-experts layer) stays zero. A quantized checkpoint's
+    tensors (`stored`) are read dequantized."""
     transposed = next(iter(kept.values()))[2]
 
     def read(index: Index) -> np.ndarray:
         ranges = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
         out = np.zeros(tuple(map(len, ranges)), dtype)
         inner = tuple(index[lead:])
-        stored = inner[::-1] if transposed else inner
+        at_stored = inner[::-1] if transposed else inner
         for at in itertools.product(*(enumerate(r) for r in ranges[:lead])):
             part = kept.get(tuple(i for _, i in at))
             if part is None:
                 continue
-            with safe_open(root / part[0], framework="numpy") as f:
-                x = f.get_slice(part[1])[stored]  # only this slice's bytes are touched
+            with _slices(root / part[0], stored, dtype) as get_slice:
+                x = get_slice(part[1])[at_stored]  # only this slice's bytes are touched
             out[tuple(j for j, _ in at)] = x.T if transposed else x
         return out
 
@@ -213,11 +244,14 @@ def _stored_shape(cfg: ModelConfig, key: str, reps: int) -> tuple[int, ...]:
 def _as_stored(target: NamedSharding, transposed: bool, lead: int = 1) -> NamedSharding:
     """The sharding of one stored tensor, with `lead` leading axes of size 1 (its layer, its
     expert), in the stored [out, in] layout whose transpose has `target`'s layout. The
-    size-1 axes are unsplit (one expert is not split over `ep`)."""
-    *_, a, b = target.spec  # every stacked weight's spec names both matrix axes
-    if len(target.spec) == lead + 1:  # a vector (norm, bias)
-        return NamedSharding(target.mesh, P(*(None,) * lead, b))
-    return NamedSharding(target.mesh, P(*(None,) * lead, *((b, a) if transposed else (a, b))))
+    size-1 axes are unsplit (one expert is not split over `ep`); the axes between them and
+    the last keep `target`'s split: a layer's fused experts, read whole ([E, in, out], as
+    gpt-oss stores them) into slot `(layer,)` of a [L, E, ...] parameter, stay split over
+    `ep`."""
+    inner = tuple(target.spec)[lead:]  # the table's specs name every axis
+    if transposed and len(inner) >= 2:
+        inner = (*inner[:-2], inner[-1], inner[-2])
+    return NamedSharding(target.mesh, P(*(None,) * lead, *inner))
 
 
 def _reader(sl, reps: int, hd: int, dtype) -> Callable[[Index], np.ndarray]:
