@@ -34,6 +34,7 @@ from pipelines.on_policy import check_on_policy
 from pipelines.placement import resolve
 from pipelines.plan import check_dense_elements, check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
+from teacher import quantized
 from teacher.pipeline import check_stages
 from teacher.sharding import check_divisible
 
@@ -42,7 +43,9 @@ def check_shapes(cfg: Config) -> None:
     t, s = cfg.teacher.model, cfg.student_model()
     tp = cfg.mesh.teacher.tp
     if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
-        hf.check_checkpoint(cfg.teacher.checkpoint, t, tp)
+        hf.check_checkpoint(
+            cfg.teacher.checkpoint, t, tp, quantized.quantized_shapes(cfg.teacher.checkpoint)
+        )
     check_divisible(t, tp, ep=cfg.mesh.teacher.ep)
     check_batch_split(cfg)
     check_teacher_split(cfg)

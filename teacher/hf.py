@@ -59,11 +59,11 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
     weights to the compute dtype where it uses them); a dtype converts while reading.
     """
     tp = mesh.shape[TP]
-    hf.check_checkpoint(path, cfg, tp)
+    hf.check_checkpoint(path, cfg, tp, quantized.quantized_shapes(path))
     reps = max(1, tp // cfg.n_kv_heads)  # copies of each KV head, one per shard using it
     targets = sharding.shardings(cfg, mesh)
     needed, stored = hf.weight_names(cfg), _quantized(path)
-    files = hf.weight_files(path) if stored is None else {n: stored.file_of(n) for n in needed}
+    files = _files(path, needed, stored)
     by_file: dict[str, list[str]] = {}
     for name in needed:
         by_file.setdefault(files[name], []).append(name)
@@ -74,7 +74,7 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
             for name in by_file[file]:
                 key, layer, transposed = needed[name]
                 key_reps = reps if key in sharding.kv_keys(cfg) else 1
-                read = _reader(get_slice(name), key_reps, cfg.hd, dtype)
+                read = _reader(_tensor(get_slice, name), key_reps, cfg.hd, dtype)
                 shape = _stored_shape(cfg, key, key_reps)
                 if layer is None:  # transposed on the host, one device's slice at a time
                     layout = shape[::-1] if transposed else shape
@@ -89,6 +89,22 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
                 stacked = _load_layer(cfg, target, stacked, read, shape, slot, transposed)
                 params["layers"][key] = stacked.block_until_ready()
     return params
+
+
+def _files(path, needed: dict, stored: quantized.Checkpoint | None) -> dict[str, str]:
+    """`weight_names` name -> the file holding its stored tensor."""
+    if stored is None:
+        files = hf.weight_files(path)
+        return {n: files[hf.stored(n)[0]] for n in needed}
+    return {n: stored.file_of(hf.stored(n)[0]) for n in needed}
+
+
+def _tensor(get_slice, name: str):
+    """The slice object of a `weight_names` name: its stored tensor's, or every other
+    column of it (`hf.VIEW`: gpt-oss's interleaved gate and up)."""
+    base, view = hf.stored(name)
+    sl = get_slice(base)
+    return sl if view is None else quantized.Strided(sl, -1, view, 2)
 
 
 def _quantized(path: str | Path) -> quantized.Checkpoint | None:
@@ -161,9 +177,9 @@ def read_hf_layers(
     placed, and dropped before the next device's: beyond the arrays themselves the host
     holds one device's slice of one parameter and one layer's stored slice, never a whole
     tensor converted, nor the model (tests/test_host_copies.py)."""
-    hf.check_checkpoint(path, cfg, 1)
+    hf.check_checkpoint(path, cfg, 1, quantized.quantized_shapes(path))
     needed, stored = hf.weight_names(cfg), _quantized(path)
-    files = hf.weight_files(path) if stored is None else {n: stored.file_of(n) for n in needed}
+    files = _files(path, needed, stored)
     slot = {layer: i for i, layer in enumerate(layers)}
     parts: dict[str, dict[tuple, tuple[str, str, bool]]] = {}  # key -> {(slot[, expert]): ...}
     for name, (key, layer, transposed) in needed.items():
@@ -228,7 +244,7 @@ def _kept_slices(
             if part is None:
                 continue
             with _slices(root / part[0], stored, dtype) as get_slice:
-                x = get_slice(part[1])[at_stored]  # only this slice's bytes are touched
+                x = _tensor(get_slice, part[1])[at_stored]  # only this slice's bytes are read
             out[tuple(j for j, _ in at)] = x.T if transposed else x
         return out
 

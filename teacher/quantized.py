@@ -382,5 +382,5 @@ class Strided:
         ranges = _ranges(index, tuple(self.shape))
         r = ranges[self.axis]
         lo, step = self.start + r.start * self.step, r.step * self.step
-        ranges[self.axis] = range(lo, lo + len(r) * step, step)
+        ranges[self.axis] = range(lo, lo + (len(r) - 1) * step + 1 if len(r) else lo, step)
         return self.sl[tuple(map(_basic, ranges))]

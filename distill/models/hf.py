@@ -141,15 +141,51 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
         for key, name in family.shared_names.items() if cfg.f_shared else ():
             if key != "shared_gate" or cfg.shared_expert_gate:
                 names[f"model.layers.{i}.{prefix}{name}"] = (key, i, True)
+        if family.fused_experts:  # one [E, ...] tensor a layer, already [in, out]
+            for key, name in fused_expert_names(cfg).items():
+                names[f"model.layers.{i}.{prefix}experts.{name}"] = (key, i, False)
+            continue
         for j in range(cfg.n_experts):  # an expert's weight: its layer and expert, (i, j)
             for key, name in experts.items():
                 names[f"model.layers.{i}.{prefix}experts.{j}.{name}"] = (key, (i, j), True)
     return names
 
 
+# A name `stored{VIEW}k` in `weight_names` is every other column of the stored tensor from
+# column k: gpt-oss interleaves its experts' gate (k = 0) and up (k = 1) projections.
+VIEW = "#"
+FUSED_EXPERTS = {
+    "we_gate": f"gate_up_proj{VIEW}0",
+    "we_up": f"gate_up_proj{VIEW}1",
+    "we_down": "down_proj",
+}
+FUSED_BIASES = {
+    "be_gate": f"gate_up_proj_bias{VIEW}0",
+    "be_up": f"gate_up_proj_bias{VIEW}1",
+    "be_down": "down_proj_bias",
+}
+
+
+def fused_expert_names(cfg: ModelConfig) -> dict[str, str]:
+    """distill expert weight -> its fused tensor's name after `experts.` (gpt-oss)."""
+    return {**FUSED_EXPERTS, **(FUSED_BIASES if cfg.expert_bias else {})}
+
+
+def stored(name: str) -> tuple[str, int | None]:
+    """(the stored tensor's name, the first of every other column it takes, or None: the
+    whole tensor) of a `weight_names` name."""
+    base, _, start = name.partition(VIEW)
+    return base, (int(start) if start else None)
+
+
 def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
-    """The Hugging Face shape of one layer's (or a top-level) weight."""
+    """The Hugging Face shape of one layer's (or a top-level) weight: an expert's, or with
+    fused experts a layer's [E, in, out] (a view's: its columns)."""
     d, v, f, fe, fs = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.f_expert, cfg.f_shared
+    e = cfg.n_experts
+    if families.get(cfg.family).fused_experts and key in {**FUSED_EXPERTS, **FUSED_BIASES}:
+        fused = {"we_gate": (e, d, fe), "we_up": (e, d, fe), "we_down": (e, fe, d)}
+        return {**fused, "be_gate": (e, fe), "be_up": (e, fe), "be_down": (e, d)}[key]
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
     full = cfg.qk_norm_full
     return {
@@ -394,9 +430,13 @@ def _note_extra_layers(files: dict[str, str], cfg: ModelConfig, path: Path) -> N
         )  # fmt: skip
 
 
-def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
+def check_checkpoint(
+    path: str | Path, cfg: ModelConfig, tp: int, logical: dict[str, tuple] | None = None
+) -> None:
     """Everything a load needs, from headers only: the shape divides over `tp`, and every
-    tensor is present with its expected shape. DistillError names the file at fault."""
+    tensor is present with its expected shape. `logical`: the quantized tensors' names and
+    shapes once dequantized (`teacher.quantized.quantized_shapes`), present in their
+    stored form. DistillError names the file at fault."""
     from safetensors import safe_open
 
     where = config_file(path)
@@ -417,11 +457,16 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
         )
     files, needed = weight_files(path), weight_names(cfg)
     _note_extra_layers(files, cfg, Path(path))
+    logical = logical or {}
     by_file: dict[str, list[str]] = {}
     for name in needed:
-        if name not in files:
-            raise DistillError(f"{Path(path)}: tensor {name} is missing from the checkpoint")
-        by_file.setdefault(files[name], []).append(name)
+        base, view = stored(name)
+        if base in logical:  # quantized: its stored tensors were checked with the scheme
+            _check_shape(Path(path), name, _view_shape(logical[base], view), cfg, needed)
+            continue
+        if base not in files:
+            raise DistillError(f"{Path(path)}: tensor {base} is missing from the checkpoint")
+        by_file.setdefault(files[base], []).append(name)
     for file, names in sorted(by_file.items()):
         full = Path(path) / file
         if not full.is_file():
@@ -429,9 +474,23 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig, tp: int) -> None:
         with safe_open(full, framework="numpy") as f:
             present = set(f.keys())
             for name in names:
-                if name not in present:
-                    raise DistillError(f"{full}: tensor {name} is missing")
-                want = hf_shape(cfg, needed[name][0])
-                got = tuple(f.get_slice(name).get_shape())
-                if got != want:
-                    raise DistillError(f"{full}: {name} has shape {got}, config.json says {want}")
+                base, view = stored(name)
+                if base not in present:
+                    raise DistillError(f"{full}: tensor {base} is missing")
+                got = _view_shape(tuple(f.get_slice(base).get_shape()), view)
+                _check_shape(full, name, got, cfg, needed)
+
+
+def _view_shape(shape: tuple[int, ...], view: int | None) -> tuple[int, ...]:
+    """The shape of every other last-axis column of `shape` from `view` (None: all)."""
+    if view is None:
+        return tuple(shape)
+    return (*shape[:-1], len(range(view, shape[-1], 2)))
+
+
+def _check_shape(where: Path, name: str, got: tuple, cfg: ModelConfig, needed: dict) -> None:
+    want = hf_shape(cfg, needed[name][0])
+    if tuple(got) != want:
+        base, view = stored(name)
+        part = "" if view is None else f" (its {'even' if view == 0 else 'odd'} columns)"
+        raise DistillError(f"{where}: {base}{part} has shape {tuple(got)}, config.json says {want}")
