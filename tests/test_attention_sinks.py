@@ -401,3 +401,12 @@ def test_cudnn_with_sinks_matches_reference_on_gpu(hd_v):
     want = _reference(jnp.bfloat16, hd_v, 11, None, True)
     got = _value_and_grads(functools.partial(attention, backend="cudnn"), jnp.bfloat16, hd_v, 11)
     _assert_close(got, want, TOL[jnp.bfloat16], "cudnn on the GPU")
+
+
+def test_sinks_are_parameters_but_not_matmuls():
+    """attn_sinks adds [n_layers, n_heads] parameters (none without it) and no matmul FLOPs."""
+    plain = GPT_OSS_LIKE.model_copy(update={"attn_sinks": False})
+    assert "sinks" not in model.init_params(plain, 0)["layers"]
+    assert model.init_params(GPT_OSS_LIKE, 0)["layers"]["sinks"].shape == (2, 4)
+    assert model.param_count(GPT_OSS_LIKE) == model.param_count(plain) + 2 * 4
+    assert model.flops_per_token(GPT_OSS_LIKE, 16) == model.flops_per_token(plain, 16)

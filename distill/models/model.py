@@ -494,6 +494,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.qk_norm_full:
         norms += (cfg.n_heads + cfg.n_kv_heads) * cfg.hd - 2 * cfg.hd
     biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
+    biases += cfg.n_heads if cfg.attn_sinks else 0  # nor are the sinks
     matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
     attn = 4 * cfg.n_layers * seq_len * cfg.n_heads * cfg.hd  # QK^T and PV, not halved
     return 2.0 * matmul_params + attn
