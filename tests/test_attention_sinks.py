@@ -145,6 +145,25 @@ def test_splash_per_device_rows_sums_the_sinks_gradient():
     _assert_close(_value_and_grads(attend, jnp.float32, 8, 11), want, 1e-5, "over_rows")
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_backend_on_tensor_parallel_heads(backend):
+    """Inside the teacher's checked `shard_map`, heads split over tp = 2 (each shard its
+    query heads' sinks): the forward equals the reference on all heads."""
+    q, k, v, _, sinks, seg = _inputs(jnp.float32, 8)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    heads = P(None, None, "tp")
+
+    def local(q, k, v, seg, sinks):
+        return attention(q, k, v, seg, window=11, sinks=sinks, **BACKENDS[backend])
+
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(heads,) * 3 + (P(), P("tp")), out_specs=heads
+    )  # fmt: skip
+    got = jax.jit(run)(q, k, v, seg, sinks)
+    want = attention(q, k, v, seg, backend="reference", window=11, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
 def test_reference_is_transformers_gpt_oss():
     """The reference's output is transformers' gpt_oss eager attention on the same numbers,
     under the same mask (causal, same document, a 11-token window) written as its additive
