@@ -330,16 +330,19 @@ def test_decode_with_sinks_matches_the_full_forward():
 # --- whole models on meshes --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dp, tp, cp", [(1, 2, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2)])
-def test_teacher_with_sinks_matches_one_device(dp, tp, cp):
+@pytest.mark.parametrize(
+    "dp, tp, pp, cp", [(1, 2, 1, 1), (1, 4, 1, 1), (1, 2, 1, 2), (2, 1, 1, 2), (1, 2, 2, 1)]
+)
+def test_teacher_with_sinks_matches_one_device(dp, tp, pp, cp):
     """The sinks split over tp with their query heads (tp = 4: more shards than KV heads,
-    which are repeated; the sinks are not), and over the cp ring (blockwise kernel)."""
+    which are repeated; the sinks are not), over pipeline stages with their layers, and
+    through the cp ring (blockwise kernel)."""
     cfg, params = GPT_OSS_LIKE, _params()
     batch = _packed()
     want = np.asarray(model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions))
-    mesh = teacher_mesh(jax.devices()[: dp * tp * cp], dp, tp, 1, 1, cp)
+    mesh = teacher_mesh(jax.devices()[: dp * tp * pp * cp], dp, tp, 1, pp, cp)
     sharded = shard_params(params, cfg, mesh)
-    assert sharded["layers"]["sinks"].sharding.spec == P(None, "tp")
+    assert sharded["layers"]["sinks"].sharding.spec == P("pp" if pp > 1 else None, "tp")
     got = make_forward(cfg, mesh, mode="logits")(
         sharded, jax.device_put(batch, batch_sharding(mesh))
     )
