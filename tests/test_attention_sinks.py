@@ -145,6 +145,25 @@ def test_splash_per_device_rows_sums_the_sinks_gradient():
     _assert_close(_value_and_grads(attend, jnp.float32, 8, 11), want, 1e-5, "over_rows")
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_backend_on_tensor_parallel_heads(backend):
+    """Inside the teacher's checked `shard_map`, heads split over tp = 2 (each shard its
+    query heads' sinks): the forward equals the reference on all heads."""
+    q, k, v, _, sinks, seg = _inputs(jnp.float32, 8)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    heads = P(None, None, "tp")
+
+    def local(q, k, v, seg, sinks):
+        return attention(q, k, v, seg, window=11, sinks=sinks, **BACKENDS[backend])
+
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(heads,) * 3 + (P(), P("tp")), out_specs=heads
+    )  # fmt: skip
+    got = jax.jit(run)(q, k, v, seg, sinks)
+    want = attention(q, k, v, seg, backend="reference", window=11, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
 def test_reference_is_transformers_gpt_oss():
     """The reference's output is transformers' gpt_oss eager attention on the same numbers,
     under the same mask (causal, same document, a 11-token window) written as its additive
@@ -311,16 +330,19 @@ def test_decode_with_sinks_matches_the_full_forward():
 # --- whole models on meshes --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dp, tp, cp", [(1, 2, 1), (1, 4, 1), (1, 2, 2), (2, 1, 2)])
-def test_teacher_with_sinks_matches_one_device(dp, tp, cp):
+@pytest.mark.parametrize(
+    "dp, tp, pp, cp", [(1, 2, 1, 1), (1, 4, 1, 1), (1, 2, 1, 2), (2, 1, 1, 2), (1, 2, 2, 1)]
+)
+def test_teacher_with_sinks_matches_one_device(dp, tp, pp, cp):
     """The sinks split over tp with their query heads (tp = 4: more shards than KV heads,
-    which are repeated; the sinks are not), and over the cp ring (blockwise kernel)."""
+    which are repeated; the sinks are not), over pipeline stages with their layers, and
+    through the cp ring (blockwise kernel)."""
     cfg, params = GPT_OSS_LIKE, _params()
     batch = _packed()
     want = np.asarray(model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions))
-    mesh = teacher_mesh(jax.devices()[: dp * tp * cp], dp, tp, 1, 1, cp)
+    mesh = teacher_mesh(jax.devices()[: dp * tp * pp * cp], dp, tp, 1, pp, cp)
     sharded = shard_params(params, cfg, mesh)
-    assert sharded["layers"]["sinks"].sharding.spec == P(None, "tp")
+    assert sharded["layers"]["sinks"].sharding.spec == P("pp" if pp > 1 else None, "tp")
     got = make_forward(cfg, mesh, mode="logits")(
         sharded, jax.device_put(batch, batch_sharding(mesh))
     )
@@ -401,3 +423,12 @@ def test_cudnn_with_sinks_matches_reference_on_gpu(hd_v):
     want = _reference(jnp.bfloat16, hd_v, 11, None, True)
     got = _value_and_grads(functools.partial(attention, backend="cudnn"), jnp.bfloat16, hd_v, 11)
     _assert_close(got, want, TOL[jnp.bfloat16], "cudnn on the GPU")
+
+
+def test_sinks_are_parameters_but_not_matmuls():
+    """attn_sinks adds [n_layers, n_heads] parameters (none without it) and no matmul FLOPs."""
+    plain = GPT_OSS_LIKE.model_copy(update={"attn_sinks": False})
+    assert "sinks" not in model.init_params(plain, 0)["layers"]
+    assert model.init_params(GPT_OSS_LIKE, 0)["layers"]["sinks"].shape == (2, 4)
+    assert model.param_count(GPT_OSS_LIKE) == model.param_count(plain) + 2 * 4
+    assert model.flops_per_token(GPT_OSS_LIKE, 16) == model.flops_per_token(plain, 16)

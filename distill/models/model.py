@@ -469,6 +469,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
     biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
     biases += cfg.d_model if cfg.o_bias else 0
+    biases += cfg.n_heads if cfg.attn_sinks else 0  # nor are the sinks
     matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
     return 2.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
 

@@ -14,14 +14,15 @@ from them) and masks are laid out once, and per-token outputs come back in the s
 **Attention** (`ring_attention`, under `jax.shard_map` over the `cp` axis) gives each
 device's queries exactly what `distill.models.attention.attention` gives them on the whole
 row: causal, same segment id, inside the sliding `window`, soft-capped, grouped-query
-heads. The masks come from each token's global index in the row (not its local slot): a
-key/value block arriving from device j covers chunks j and 2cp-1-j, so its positions are
-known from j and nothing but k, v and segment ids moves. Each query chunk keeps one
-online-softmax state (`distill.models.blockwise.flash_state`), carried through every
-visiting key chunk by the blockwise flash kernel (`flash_update`, with the pair's position
-offset) and normalised once at the end. Of the four pairs a step could form, the early
-query chunk never sees another device's late key chunk (never formed), the late query
-chunk sees all of the early key chunk, and one of (early, early) or (late, late) is
+heads, attention sinks (once per query: its online softmax starts from the sink) and
+values of their own width. The masks come from each token's global index in the row (not
+its local slot): a key/value block arriving from device j covers chunks j and 2cp-1-j, so
+its positions are known from j and nothing but k, v and segment ids moves. Each query
+chunk keeps one online-softmax state (`distill.models.blockwise.flash_state`), carried
+through every visiting key chunk by the blockwise flash kernel (`flash_update`, with the
+pair's position offset) and normalised once at the end. Of the four pairs a step could
+form, the early query chunk never sees another device's late key chunk (never formed), the
+late query chunk sees all of the early key chunk, and one of (early, early) or (late, late) is
 visible (both on the device's own block): the other is formed too, its negative offset
 making the kernel visit none of its key blocks. So each device does two chunk pairs of
 work a step, as every other device. Within a pair the kernel never visits key blocks after
