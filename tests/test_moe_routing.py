@@ -447,3 +447,36 @@ def test_the_layer_compiles_to_its_active_flops(name):
     assert compiled_dot_flops(compiled) <= 1.3 * 3 * (2 * t * k * d * f * 3)
     cuda = jax.jit(f_bwd).trace(h, p).lower(lowering_platforms=("cuda",)).as_text()
     assert not re.search(r"ragged_dot", cuda)
+
+
+def test_the_ragged_dispatch_carries_the_variants(variant, monkeypatch):
+    """The GPU/TPU transport (`ragged_all_to_all`, emulated here as in
+    tests/test_moe_dispatch.py) at ep x tp = 2 x 2: transformers' output, and the input's
+    and every weight's gradients those of the dense reference (the biases' included)."""
+    from distill import collectives as cc
+    from distill.models import attention
+    from distill.models.experts import dispatch
+    from tests.test_moe_dispatch import _emulated_ragged
+
+    monkeypatch.setattr(attention, "_platform", "gpu")
+    monkeypatch.setattr(cc, "ragged_all_to_all", _emulated_ragged)
+    assert dispatch.kind() == "ragged"
+    name, cfg, p, h, want, _ = variant
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (EP, TP))
+    specs = {k: P(*teacher_sharding.LAYER_SPECS[k][1:]) for k in p}
+    layer = jax.shard_map(
+        lambda h, p: moe.moe_ffn(h, p, cfg, tp_axis=TP, ep_axis=EP, kernel="tiled")[0],
+        mesh=mesh, in_specs=(P(EP), specs), out_specs=P(EP),
+    )  # fmt: skip
+
+    def run(h, p):
+        return layer(h, p), jax.grad(lambda h, p: _probe(layer(h, p)), (0, 1))(h, p)
+
+    got, (dh, dp) = jax.jit(run)(h, p)
+    want_dh, want_dp = jax.grad(lambda h, p: _probe(_dense_reference(h, p, cfg)), (0, 1))(h, p)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(dh), np.asarray(want_dh), atol=1e-4, rtol=1e-4)
+    for k in p:
+        np.testing.assert_allclose(
+            np.asarray(dp[k]), np.asarray(want_dp[k]), atol=1e-4, rtol=1e-4, err_msg=k
+        )
