@@ -480,3 +480,26 @@ def test_the_ragged_dispatch_carries_the_variants(variant, monkeypatch):
         np.testing.assert_allclose(
             np.asarray(dp[k]), np.asarray(want_dp[k]), atol=1e-4, rtol=1e-4, err_msg=k
         )
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_the_plan_passes_the_variants_moe_flops_check(name):
+    """`distill plan`'s compiled-FLOPs check (the `teacher.moe_allow_ungrouped` refusal)
+    on a tiny teacher of the variant at ep = 1: its compiled forward within the bound of
+    the model's FLOPs per token, so the check passes without being told to."""
+    from distill.mesh import teacher_mesh
+    from pipelines.plan import flops as plan_flops
+    from pipelines.plan import memory as plan_memory
+    from tests.test_plan import _moe_config
+
+    cfg = _moe_config()
+    cfg.mesh.teacher.ep = 1
+    variant = dict(VARIANTS[name][3])
+    if name == "deepseek_v3":  # 4 experts here: two groups of two, one kept
+        variant.update(n_group=2, topk_group=1)
+    cfg.teacher.model = ModelConfig(**{**cfg.teacher.model.model_dump(), **variant})
+    mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:1], 1, 1, 1), None)
+    want = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
+    assert 0.8 * want <= mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
+    assert not cfg.teacher.moe_allow_ungrouped
+    plan_flops.check_moe(cfg, mem)
