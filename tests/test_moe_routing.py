@@ -90,10 +90,8 @@ VARIANTS = {
 
 def _cfg(name: str, **over) -> ModelConfig:
     keys = VARIANTS[name][3]
-    return ModelConfig(
-        d_model=D, n_heads=4, n_kv_heads=2, n_experts=E, experts_per_token=K, d_ff_expert=F,
-        **{**keys, **over},
-    )  # fmt: skip
+    shape = dict(d_model=D, n_heads=4, n_kv_heads=2, n_experts=E, experts_per_token=K)
+    return ModelConfig(**{**shape, "d_ff_expert": F, **keys, **over})
 
 
 def _hf_module(name: str, seed: int = 0):
@@ -351,3 +349,157 @@ def test_the_down_bias_is_added_once_over_tp():
 def test_group_limited_routing_is_validated(keys, message):
     with pytest.raises(ValueError, match=message):
         _cfg("deepseek_v3", **keys)
+
+
+def _random_params(cfg, seed=0):
+    """`model.init_params`, every weight moved off its init (the zero biases included)."""
+    params = model.init_params(cfg, seed)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noise = [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(tree, noise)
+
+
+def _model_cfg(name):
+    """A 3-layer model of the variant, its first layer dense (first_k_dense_replace = 1)."""
+    return _cfg(name, vocab_size=64, n_layers=3, d_ff=48, dense_layers=(0,))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_sharded_teacher_forward_equals_one_device(name):
+    """The whole model through the teacher's forward at ep x tp = 2 x 2, its weights placed
+    by the teacher's table: the single device's log-probabilities."""
+    from distill.mesh import teacher_mesh
+    from teacher.forward import make_forward
+    from tests.test_hf import _batch
+
+    cfg = _model_cfg(name)
+    params = _random_params(cfg)
+    batch = _batch(64, b=4, s=12)
+    want = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions)
+    mesh = teacher_mesh(jax.devices()[:4], 1, 2, 2)
+    got = make_forward(cfg, mesh, mode="logits")(
+        teacher_sharding.shard_params(params, cfg, mesh), batch
+    )
+    np.testing.assert_allclose(
+        np.asarray(jax.nn.log_softmax(got)), np.asarray(jax.nn.log_softmax(want)),
+        atol=1e-4, rtol=1e-4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_a_student_step_equals_one_device(name):
+    """One SGD step of a student of the variant on dp x fsdp = 1 x 4 (the experts and
+    their biases split over fsdp, tokens dispatched to them) with the load-balancing loss
+    on (a sigmoid router's normalised scores): the single device's metrics and weights."""
+    import optax
+
+    from distill.config import DistillLossConfig, OptimConfig
+    from student import train
+    from tests.test_fsdp import _batch, _mesh, _teacher
+
+    cfg, tx = _model_cfg(name), optax.sgd(0.5)
+    params = jax.device_get(_random_params(cfg))
+
+    def step(fsdp):
+        mesh = _mesh(1, fsdp)
+        run = train.make_train_step(
+            cfg, tx, mesh, loss_cfg=DistillLossConfig(alpha=0.7, moe_aux_loss=0.1),
+            lr_schedule=optim.schedule(OptimConfig(), 10),
+        )  # fmt: skip
+        state, metrics = run(train.init_state(cfg, tx, 0, mesh, params), _batch(8), _teacher(8))
+        return state.params, jax.device_get(metrics)
+
+    (want_params, want), (got_params, got) = step(1), step(4)
+    assert (
+        got_params["layers"]["be_down" if name == "gpt_oss" else "we_up"].sharding.spec[1] == FSDP
+    )
+    assert np.isfinite(want["moe_aux_loss"]) and want["moe_aux_loss"] > 0
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=k)
+    flat = zip(jax.tree.leaves(want_params), jax.tree.leaves(got_params), strict=True)
+    for a, b in flat:
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_the_layer_compiles_to_its_active_flops(name):
+    """Forward and backward of a wider layer of the variant (abstract inputs, the tiled
+    kernel): no matmul over every expert (within 1.3x of the active experts' FLOPs, as
+    `teacher.moe_allow_ungrouped` guards), and no ragged_dot lowered for CUDA."""
+    import re
+
+    from distill.compiled_flops import compiled_dot_flops
+
+    t, d, e, k, f = 2048, 256, 32, 4, 128
+    cfg = _cfg(name, d_model=d, n_experts=e, experts_per_token=k, d_ff_expert=f, d_ff_shared=0)
+    p = {
+        key: jax.ShapeDtypeStruct(param.shape, jnp.float32)
+        for key, param in moe.layer_params(cfg, lambda shape, out: jnp.zeros(shape)).items()
+    }
+    h = jax.ShapeDtypeStruct((1, t, d), jnp.float32)
+
+    def loss(h, p):
+        return jnp.sum(moe.moe_ffn(h, p, cfg, tp_axis=None, kernel="tiled")[0])
+
+    f_bwd = jax.grad(loss, argnums=(0, 1))
+    compiled = jax.jit(f_bwd).trace(h, p).lower().compile()
+    assert compiled_dot_flops(compiled) <= 1.3 * 3 * (2 * t * k * d * f * 3)
+    cuda = jax.jit(f_bwd).trace(h, p).lower(lowering_platforms=("cuda",)).as_text()
+    assert not re.search(r"ragged_dot", cuda)
+
+
+def test_the_ragged_dispatch_carries_the_variants(variant, monkeypatch):
+    """The GPU/TPU transport (`ragged_all_to_all`, emulated here as in
+    tests/test_moe_dispatch.py) at ep x tp = 2 x 2: transformers' output, and the input's
+    and every weight's gradients those of the dense reference (the biases' included)."""
+    from distill import collectives as cc
+    from distill.models import attention
+    from distill.models.experts import dispatch
+    from tests.test_moe_dispatch import _emulated_ragged
+
+    monkeypatch.setattr(attention, "_platform", "gpu")
+    monkeypatch.setattr(cc, "ragged_all_to_all", _emulated_ragged)
+    assert dispatch.kind() == "ragged"
+    name, cfg, p, h, want, _ = variant
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (EP, TP))
+    specs = {k: P(*teacher_sharding.LAYER_SPECS[k][1:]) for k in p}
+    layer = jax.shard_map(
+        lambda h, p: moe.moe_ffn(h, p, cfg, tp_axis=TP, ep_axis=EP, kernel="tiled")[0],
+        mesh=mesh, in_specs=(P(EP), specs), out_specs=P(EP),
+    )  # fmt: skip
+
+    def run(h, p):
+        return layer(h, p), jax.grad(lambda h, p: _probe(layer(h, p)), (0, 1))(h, p)
+
+    got, (dh, dp) = jax.jit(run)(h, p)
+    want_dh, want_dp = jax.grad(lambda h, p: _probe(_dense_reference(h, p, cfg)), (0, 1))(h, p)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(dh), np.asarray(want_dh), atol=1e-4, rtol=1e-4)
+    for k in p:
+        np.testing.assert_allclose(
+            np.asarray(dp[k]), np.asarray(want_dp[k]), atol=1e-4, rtol=1e-4, err_msg=k
+        )
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_the_plan_passes_the_variants_moe_flops_check(name):
+    """`distill plan`'s compiled-FLOPs check (the `teacher.moe_allow_ungrouped` refusal)
+    on a tiny teacher of the variant at ep = 1: its compiled forward within the bound of
+    the model's FLOPs per token, so the check passes without being told to."""
+    from distill.mesh import teacher_mesh
+    from pipelines.plan import flops as plan_flops
+    from pipelines.plan import memory as plan_memory
+    from tests.test_plan import _moe_config
+
+    cfg = _moe_config()
+    cfg.mesh.teacher.ep = 1
+    variant = dict(VARIANTS[name][3])
+    if name == "deepseek_v3":  # 4 experts here: two groups of two, one kept
+        variant.update(n_group=2, topk_group=1)
+    cfg.teacher.model = ModelConfig(**{**cfg.teacher.model.model_dump(), **variant})
+    mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:1], 1, 1, 1), None)
+    want = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
+    assert 0.8 * want <= mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
+    assert not cfg.teacher.moe_allow_ungrouped
+    plan_flops.check_moe(cfg, mem)

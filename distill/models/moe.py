@@ -1,4 +1,4 @@
-"""The routed feed-forward: a mixture of SwiGLU experts, top-k routed, with expert
+"""The routed feed-forward: a mixture of gated-MLP experts, top-k routed, with expert
 parallelism as an argument (`ep_axis`), as tensor parallelism is one (`tp_axis`).
 
 Routing (`route`, in float32, as data in `ModelConfig`): the router's logits (plus gpt-oss'
@@ -94,12 +94,15 @@ def layer_params(cfg, normal) -> dict:
     }  # fmt: skip
     zeros = ("router_bias", "router_correction", *EXPERT_BIASES)
     out = ("we_down", "ws_down")
-    return {
-        k: nnx.Param(jnp.zeros(shapes[k], jnp.float32))
-        if k in zeros
-        else normal(shapes[k], k in out)
-        for k in weight_keys(cfg)
-    }
+
+    def param(k):
+        return (
+            nnx.Param(jnp.zeros(shapes[k], jnp.float32))
+            if k in zeros
+            else normal(shapes[k], k in out)
+        )
+
+    return {k: param(k) for k in weight_keys(cfg)}
 
 
 def glu(cfg):
@@ -231,20 +234,20 @@ def moe_ffn(
     t, k = b * s, cfg.experts_per_token
     n_local = p["we_gate"].shape[0]
     n_shards = n_local and cfg.n_experts // n_local
-    h, act = h_bsd.reshape(t, d), glu(cfg)
+    h, gated = h_bsd.reshape(t, d), glu(cfg)
     weights, ids = route(h, p, cfg)
     experts = _experts(p, cfg, tp_axis)
     if capacity_factor is not None:
-        out, dropped = _capacity(h, weights, ids, experts, cfg, capacity_factor, ep_axis, act)
+        out, dropped = _capacity(h, weights, ids, experts, cfg, capacity_factor, ep_axis, gated)
     elif n_shards == 1:  # every expert here: rows in expert order, no dispatch buffer
         kernel = kernel or grouped.kernel()
-        y = grouped.expert_rows(h, jnp.arange(t * k) // k, ids.reshape(-1), experts, act, kernel)
+        y = grouped.expert_rows(h, jnp.arange(t * k) // k, ids.reshape(-1), experts, gated, kernel)
         out = jnp.einsum("tkd,tk->td", y.reshape(t, k, d).astype(jnp.float32), weights)
         dropped = jnp.zeros_like(ids[0, 0])  # varying over the mesh as the rows are
     else:
-        out, dropped = _dispatch(h, weights, ids, experts, n_shards, ep_axis, act, kernel)
+        out, dropped = _dispatch(h, weights, ids, experts, n_shards, ep_axis, gated, kernel)
     if "ws_gate" in p:
-        out = out + _shared(h, p, act)
+        out = out + _shared(h, p, gated)
     out = cc.psum(out.astype(h.dtype).reshape(b, s, d), tp_axis)  # [b, S/tp, D] under SP
     load = jnp.bincount(ids.reshape(-1), length=cfg.n_experts)
     balance = None if token_mask is None else _balance(h, p, cfg, ids, token_mask)
@@ -263,18 +266,18 @@ def _experts(p: dict, cfg, tp_axis) -> grouped.Experts:
     return grouped.Experts(*w, b_gate, b_up, b_down)
 
 
-def _shared(h_td, p: dict, act) -> jax.Array:
+def _shared(h_td, p: dict, gated) -> jax.Array:
     """The shared expert's output, float32 [T, D] (partial over tp): every token's gated
     MLP, times sigmoid(h @ shared_gate) when it has that gate (transformers'
     Qwen2MoeSparseMoeBlock; DeepSeek-V3's and GLM-4.5's shared_experts have none)."""
     w = {k: p[k][...].astype(h_td.dtype) for k in (*SHARED, "shared_gate") if k in p}
-    y = act(h_td @ w["ws_gate"], h_td @ w["ws_up"]) @ w["ws_down"]
+    y = gated(h_td @ w["ws_gate"], h_td @ w["ws_up"]) @ w["ws_down"]
     if "shared_gate" in w:
         y = jax.nn.sigmoid(h_td @ w["shared_gate"]) * y
     return y.astype(jnp.float32)
 
 
-def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, act, kernel):
+def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, gated, kernel):
     """Dropless over `ep_axis`: each assignment, sorted by expert (so by device), to its
     expert's device and back (`distill.models.experts.dispatch`, buffers sized from the load);
     float32 [T, D] (partial over tp)."""
@@ -285,14 +288,14 @@ def _dispatch(h, weights, ids, experts, n_shards: int, ep_axis, act, kernel):
     sid, token = ids_a[order], order // k
     count = jnp.bincount(sid // n_local, length=n_shards)
     y = dispatch.expert_outputs(
-        h, token, sid % n_local, count, experts, axis=ep_axis, glu=act,
+        h, token, sid % n_local, count, experts, axis=ep_axis, glu=gated,
         kernel=kernel or grouped.kernel(), slots=dispatch.pair_slots(t, k, n_shards),
     )  # fmt: skip
     out = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(out, token, num_segments=t), jnp.zeros_like(ids[0, 0])
 
 
-def _capacity(h, weights, ids, experts, cfg, factor: float, ep_axis, act):
+def _capacity(h, weights, ids, experts, cfg, factor: float, ep_axis, gated):
     """With a capacity factor: each local expert's C slots a [C, D] block of the device's
     buffer [ep, E/ep * C, D], run as batched matmuls [E/ep, ep * C, D]; the assignments
     past an expert's capacity dropped. (float32 [T, D] partial over tp, dropped count)."""
@@ -308,7 +311,7 @@ def _capacity(h, weights, ids, experts, cfg, factor: float, ep_axis, act):
     send = h.at[src].get(mode="fill", fill_value=0)  # [ep, E/ep * C, D]
     recv = cc.all_to_all(send, ep_axis).reshape(n_shards, n_local, cap, d)
     x = recv.transpose(1, 0, 2, 3).reshape(n_local, n_shards * cap, d)
-    y = grouped.batched_swiglu(x, experts, act).reshape(n_local, n_shards, cap, d)
+    y = grouped.batched_swiglu(x, experts, gated).reshape(n_local, n_shards, cap, d)
     back = cc.all_to_all(y.transpose(1, 0, 2, 3).reshape(n_shards, slots, d), ep_axis)
     got = back.at[dest, slot].get(mode="fill", fill_value=0)  # [A, D], sorted order
     scale = jnp.where(keep, weights_a[order], 0.0).astype(jnp.float32)
