@@ -232,7 +232,7 @@ def test_deepseek_rotation_with_yarn_is_transformers(interleave):
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
-@pytest.mark.parametrize("backend", ["reference", "blockwise", "prefix"])
+@pytest.mark.parametrize("backend", ["reference", "blockwise", "prefix", "cudnn"])
 def test_attention_is_deepseek_v3_attention(q_lora_rank, backend):
     """One block's attention output (o_proj's) for transformers' own input norm of x."""
     hf = _hf_model(q_lora_rank)
@@ -255,7 +255,11 @@ def test_attention_is_deepseek_v3_attention(q_lora_rank, backend):
     q, k, v = block.qkv(jnp.asarray(x), jnp.asarray(pos), rope.rope_table(cfg, "full"))
     assert (q.shape, k.shape, v.shape) == ((b, s, 4, 16), (b, s, 4, 16), (b, s, 4, 6))
     seg = jnp.ones((b, s), jnp.int32)
-    attend = lambda *a, **kw: attention.attention(*a, backend=backend, block_q=8, block_kv=8, **kw)  # noqa: E731
+
+    def attend(*args, **kw):  # cudnn: its very call, run by JAX's XLA implementation
+        kw |= dict(block_q=8, block_kv=8, interpret=backend == "cudnn")
+        return attention.attention(*args, backend=backend, **kw)
+
     o = mla.attend_uneven(attend, q, k, v, seg, scale=cfg.scale(), window=None, softcap=None)
     got = model.matmul(o.reshape(b, s, -1), block.wo[...])
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
@@ -357,8 +361,9 @@ def test_tensor_parallel_teacher_is_one_device(tp, q_lora_rank):
     assert layers["wkv_a"].sharding.spec == jax.P(None, None, None)
     # each shard holds whole heads of the up projection: H / tp of nope + v columns
     assert layers["wkv_b"].addressable_shards[0].data.shape[-1] == 4 // tp * (8 + 6)
-    out = make_forward(cfg, mesh, mode="logits")(sharded, batch)
-    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
+    for sequence_parallel in (True, False):  # the latents gathered, or the input
+        out = make_forward(cfg, mesh, mode="logits", sequence_parallel=sequence_parallel)
+        np.testing.assert_allclose(np.asarray(out(sharded, batch)), ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pp,cp", [(2, 1), (1, 2)])
@@ -413,6 +418,16 @@ def test_student_gradients_on_the_sharded_mesh_are_plain_jax_grad(remat):
             want = want[key.key]
         assert np.all(np.isfinite(np.asarray(g))), path
         np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def test_bfloat16_forward_is_close_to_float32():
+    cfg = _cfg(12)
+    params, batch = model.init_params(cfg, 0), _batch()
+    args = (batch.tokens, batch.segment_ids, batch.positions)
+    f32 = model.apply(cfg, params, *args)
+    bf16 = model.apply(cfg, params, *args, dtype="bfloat16")
+    assert bf16.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(bf16), np.asarray(f32), atol=0.05)
 
 
 # --- decoding and FLOPs ---------------------------------------------------------------------
