@@ -7,6 +7,7 @@ one device; gradients through a rematerialised blockwise MLA student; the KV cac
 the full forward; the FLOP count against XLA's."""
 
 import numpy as np
+import optax
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,7 +22,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noq
 from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm  # noqa: E402
 
 from distill.config import ModelConfig, RopeScaling  # noqa: E402
-from distill.mesh import DP, FSDP, teacher_mesh  # noqa: E402
+from distill.mesh import DP, FSDP, student_mesh, teacher_mesh  # noqa: E402
 from distill.models import attention, decode, mla, model, ring_attention, rope  # noqa: E402
 from distill.types import Batch, Prompts  # noqa: E402
 from student import sharding as student_sharding  # noqa: E402
@@ -428,6 +429,31 @@ def test_bfloat16_forward_is_close_to_float32():
     bf16 = model.apply(cfg, params, *args, dtype="bfloat16")
     assert bf16.dtype == np.float32
     np.testing.assert_allclose(np.asarray(bf16), np.asarray(f32), atol=0.05)
+
+
+def _sgd_step(cfg, mesh, params, batch):
+    """The student's params after one CE step of plain SGD on `mesh` (on the host)."""
+    tx = optax.sgd(0.1)
+    step = train.make_train_step(
+        cfg, tx, mesh, loss_cfg=None, lr_schedule=optax.constant_schedule(0.1),
+        with_teacher=False,
+    )  # fmt: skip
+    state, metrics = step(train.init_state(cfg, tx, 0, mesh, params), batch)
+    return jax.device_get(state.params), float(metrics["loss"])
+
+
+def test_context_parallel_student_step_is_one_device(monkeypatch):
+    """A dp x fsdp x cp = 1 x 2 x 2 student (each row's positions over the cp ring, the
+    ring's key/value blocks passed around it) takes the one-device step."""
+    monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
+    cfg = _cfg(12, attention="blockwise")
+    params = jax.device_get(model.init_params(cfg, 4))
+    batch = _batch(b=2)._replace(mask=np.ones((2, 24), np.float32))
+    want, want_loss = _sgd_step(cfg, Mesh(np.array(jax.devices()[:1]), (DP,)), params, batch)
+    got, loss = _sgd_step(cfg, student_mesh(jax.devices()[:4], 1, 2, 2), params, batch)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-5)
 
 
 # --- decoding and FLOPs ---------------------------------------------------------------------
