@@ -6,6 +6,8 @@ rotation; the tensor-parallel teacher at tp=2 and 4 and the fully sharded studen
 one device; gradients through a rematerialised blockwise MLA student; the KV cache against
 the full forward; the FLOP count against XLA's."""
 
+import functools
+
 import numpy as np
 import optax
 import pytest
@@ -233,7 +235,7 @@ def test_deepseek_rotation_with_yarn_is_transformers(interleave):
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
-@pytest.mark.parametrize("backend", ["reference", "blockwise", "prefix", "cudnn"])
+@pytest.mark.parametrize("backend", ["reference", "blockwise", "prefix"])
 def test_attention_is_deepseek_v3_attention(q_lora_rank, backend):
     """One block's attention output (o_proj's) for transformers' own input norm of x."""
     hf = _hf_model(q_lora_rank)
@@ -256,14 +258,34 @@ def test_attention_is_deepseek_v3_attention(q_lora_rank, backend):
     q, k, v = block.qkv(jnp.asarray(x), jnp.asarray(pos), rope.rope_table(cfg, "full"))
     assert (q.shape, k.shape, v.shape) == ((b, s, 4, 16), (b, s, 4, 16), (b, s, 4, 6))
     seg = jnp.ones((b, s), jnp.int32)
-
-    def attend(*args, **kw):  # cudnn: its very call, run by JAX's XLA implementation
-        kw |= dict(block_q=8, block_kv=8, interpret=backend == "cudnn")
-        return attention.attention(*args, backend=backend, **kw)
-
+    attend = lambda *a, **kw: attention.attention(*a, backend=backend, block_q=8, block_kv=8, **kw)  # noqa: E731
     o = mla.attend_uneven(attend, q, k, v, seg, scale=cfg.scale(), window=None, softcap=None)
     got = model.matmul(o.reshape(b, s, -1), block.wo[...])
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blockwise", "prefix", "cudnn"])
+def test_decoder_layer_is_deepseek_v3_s_with_every_backend(backend):
+    """One whole block (attention, residuals, dense MLP) through the Block's own call with
+    each attention kernel (cudnn: its very call, run by JAX's XLA implementation)."""
+    hf, cfg = _hf_model(12), _cfg(12)
+    b, s = 2, 20
+    x = np.random.default_rng(4).normal(size=(b, s, 32)).astype(np.float32)
+    pos = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    causal = torch.full((s, s), torch.finfo(torch.float32).min).triu(1)[None, None]
+    layer = hf.model.layers[0]
+    with torch.no_grad():
+        h, position_ids = torch.from_numpy(x), torch.from_numpy(pos).long()
+        emb = hf.model.rotary_emb(h, position_ids)
+        want = layer(h, causal.expand(b, 1, s, s), position_ids, position_embeddings=emb)
+    block = model.Block(cfg, nnx.Rngs(0))
+    for key, w in _params(hf, cfg)["layers"].items():
+        getattr(block, key)[...] = jnp.asarray(w[0])
+    kw = dict(backend=backend, block_q=8, block_kv=8, interpret=backend == "cudnn")
+    attend = functools.partial(attention.attention, **kw)
+    seg = jnp.ones((b, s), jnp.int32)
+    got, _ = block(jnp.asarray(x), seg, jnp.asarray(pos), None, backend, attend=attend)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=1e-5)
 
 
 def _assert_decoder_is(hf, cfg: ModelConfig):
