@@ -27,10 +27,12 @@ from distill.config import ModelConfig, RopeScaling  # noqa: E402
 from distill.mesh import DP, FSDP, student_mesh, teacher_mesh  # noqa: E402
 from distill.models import attention, decode, mla, model, ring_attention, rope  # noqa: E402
 from distill.types import Batch, Prompts  # noqa: E402
+from pipelines.commands.cli import main  # noqa: E402
 from student import sharding as student_sharding  # noqa: E402
 from student import train  # noqa: E402
 from teacher import sharding as teacher_sharding  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
+from tests.conftest import read_evals, tiny_config, train_by_step, write_config  # noqa: E402
 
 # DeepSeek-V3's rope_scaling, shrunk: positions past the original 16 are extended 4x
 YARN = dict(
@@ -527,6 +529,26 @@ def test_flops_per_token_is_xla_s_count():
     padded = 2.0 * cfg.n_layers * s * cfg.n_heads * (cfg.hd - cfg.v_dim)
     assert counted == pytest.approx(model.flops_per_token(cfg, s) + padded, rel=0.015)
     assert model.param_count(cfg) == sum(x.size for x in jax.tree.leaves(model.init_params(cfg, 0)))
+
+
+def test_a_tiny_run_distils_a_latent_attention_teacher_into_a_latent_student(tmp_path, corpus_dir):
+    """`distill run` end to end, both roles DeepSeek-shaped (MLA, YaRN, interleaved RoPE):
+    the teacher bootstrap, its tp = 2 forward, the student's steps and evaluation (the
+    teacher's scores of the student's own samples among them)."""
+    out = tmp_path / "out"
+    tree = tiny_config(str(corpus_dir), str(out))
+    latent = dict(q_lora_rank=12, rope_interleave=True, **DIMS)
+    yarn = {k: v for k, v in YARN.items() if k not in ("rope_type", "rope_theta")}
+    tree["teacher"]["model"].update(
+        n_kv_heads=4, rope_scaling={"type": "yarn", **yarn}, attention="blockwise", **latent
+    )
+    tree["student"]["model"].update(n_kv_heads=2)
+    assert main(["run", write_config(tmp_path, tree)]) == 0
+    steps = train_by_step(out)
+    assert sorted(steps) == [2, 4, 6] and all(np.isfinite(r["loss"]) for r in steps.values())
+    final = read_evals(out)[-1]  # with the student's samples, drawn through the KV cache
+    assert final["step"] == 6 and final["teacher_loss"] < np.log(260)  # it learnt something
+    assert np.isfinite([final["student_loss"], final["kl"], final["sample_kl"]]).all()
 
 
 # --- the config -----------------------------------------------------------------------------
