@@ -23,8 +23,9 @@ from transformers import modeling_rope_utils  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm  # noqa: E402
 
+from distill import mesh as meshes  # noqa: E402
 from distill.config import ModelConfig, RopeScaling  # noqa: E402
-from distill.mesh import DP, FSDP, student_mesh, teacher_mesh  # noqa: E402
+from distill.mesh import DP, FSDP, teacher_mesh  # noqa: E402
 from distill.models import attention, decode, mla, model, ring_attention, rope  # noqa: E402
 from distill.types import Batch, Prompts  # noqa: E402
 from pipelines.commands.cli import main  # noqa: E402
@@ -474,7 +475,7 @@ def test_context_parallel_student_step_is_one_device(monkeypatch):
     params = jax.device_get(model.init_params(cfg, 4))
     batch = _batch(b=2)._replace(mask=np.ones((2, 24), np.float32))
     want, want_loss = _sgd_step(cfg, Mesh(np.array(jax.devices()[:1]), (DP,)), params, batch)
-    got, loss = _sgd_step(cfg, student_mesh(jax.devices()[:4], 1, 2, 2), params, batch)
+    got, loss = _sgd_step(cfg, meshes.student_mesh(jax.devices()[:4], 1, 2, 2), params, batch)
     assert loss == pytest.approx(want_loss, rel=1e-5)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-5)
