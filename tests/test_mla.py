@@ -6,7 +6,10 @@ rotation; the tensor-parallel teacher at tp=2 and 4 and the fully sharded studen
 one device; gradients through a rematerialised blockwise MLA student; the KV cache against
 the full forward; the FLOP count against XLA's."""
 
+import functools
+
 import numpy as np
+import optax
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,14 +23,17 @@ from transformers import modeling_rope_utils  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm  # noqa: E402
 
+from distill import mesh as meshes  # noqa: E402
 from distill.config import ModelConfig, RopeScaling  # noqa: E402
 from distill.mesh import DP, FSDP, teacher_mesh  # noqa: E402
 from distill.models import attention, decode, model, ring_attention, rope  # noqa: E402
 from distill.types import Batch, Prompts  # noqa: E402
+from pipelines.commands.cli import main  # noqa: E402
 from student import sharding as student_sharding  # noqa: E402
 from student import train  # noqa: E402
 from teacher import sharding as teacher_sharding  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
+from tests.conftest import read_evals, tiny_config, train_by_step, write_config  # noqa: E402
 
 # DeepSeek-V3's rope_scaling, shrunk: positions past the original 16 are extended 4x
 YARN = dict(
@@ -261,6 +267,30 @@ def test_attention_is_deepseek_v3_attention(q_lora_rank, backend):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "blockwise", "prefix", "cudnn"])
+def test_decoder_layer_is_deepseek_v3_s_with_every_backend(backend):
+    """One whole block (attention, residuals, dense MLP) through the Block's own call with
+    each attention kernel (cudnn: its very call, run by JAX's XLA implementation)."""
+    hf, cfg = _hf_model(12), _cfg(12)
+    b, s = 2, 20
+    x = np.random.default_rng(4).normal(size=(b, s, 32)).astype(np.float32)
+    pos = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    causal = torch.full((s, s), torch.finfo(torch.float32).min).triu(1)[None, None]
+    layer = hf.model.layers[0]
+    with torch.no_grad():
+        h, position_ids = torch.from_numpy(x), torch.from_numpy(pos).long()
+        emb = hf.model.rotary_emb(h, position_ids)
+        want = layer(h, causal.expand(b, 1, s, s), position_ids, position_embeddings=emb)
+    block = model.Block(cfg, nnx.Rngs(0))
+    for key, w in _params(hf, cfg)["layers"].items():
+        getattr(block, key)[...] = jnp.asarray(w[0])
+    kw = dict(backend=backend, block_q=8, block_kv=8, interpret=backend == "cudnn")
+    attend = functools.partial(attention.attention, **kw)
+    seg = jnp.ones((b, s), jnp.int32)
+    got, _ = block(jnp.asarray(x), seg, jnp.asarray(pos), None, backend, attend=attend)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=1e-5)
+
+
 def _assert_decoder_is(hf, cfg: ModelConfig):
     """distill's logits of packed rows equal transformers' on each document alone."""
     params, batch = _params(hf, cfg), _batch()
@@ -357,8 +387,9 @@ def test_tensor_parallel_teacher_is_one_device(tp, q_lora_rank):
     assert layers["wkv_a"].sharding.spec == jax.P(None, None, None)
     # each shard holds whole heads of the up projection: H / tp of nope + v columns
     assert layers["wkv_b"].addressable_shards[0].data.shape[-1] == 4 // tp * (8 + 6)
-    out = make_forward(cfg, mesh, mode="logits")(sharded, batch)
-    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
+    for sequence_parallel in (True, False):  # the latents gathered, or the input
+        out = make_forward(cfg, mesh, mode="logits", sequence_parallel=sequence_parallel)
+        np.testing.assert_allclose(np.asarray(out(sharded, batch)), ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pp,cp", [(2, 1), (1, 2)])
@@ -415,6 +446,41 @@ def test_student_gradients_on_the_sharded_mesh_are_plain_jax_grad(remat):
         np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
+def test_bfloat16_forward_is_close_to_float32():
+    cfg = _cfg(12)
+    params, batch = model.init_params(cfg, 0), _batch()
+    args = (batch.tokens, batch.segment_ids, batch.positions)
+    f32 = model.apply(cfg, params, *args)
+    bf16 = model.apply(cfg, params, *args, dtype="bfloat16")
+    assert bf16.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(bf16), np.asarray(f32), atol=0.05)
+
+
+def _sgd_step(cfg, mesh, params, batch):
+    """The student's params after one CE step of plain SGD on `mesh` (on the host)."""
+    tx = optax.sgd(0.1)
+    step = train.make_train_step(
+        cfg, tx, mesh, loss_cfg=None, lr_schedule=optax.constant_schedule(0.1),
+        with_teacher=False,
+    )  # fmt: skip
+    state, metrics = step(train.init_state(cfg, tx, 0, mesh, params), batch)
+    return jax.device_get(state.params), float(metrics["loss"])
+
+
+def test_context_parallel_student_step_is_one_device(monkeypatch):
+    """A dp x fsdp x cp = 1 x 2 x 2 student (each row's positions over the cp ring, the
+    ring's key/value blocks passed around it) takes the one-device step."""
+    monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
+    cfg = _cfg(12, attention="blockwise")
+    params = jax.device_get(model.init_params(cfg, 4))
+    batch = _batch(b=2)._replace(mask=np.ones((2, 24), np.float32))
+    want, want_loss = _sgd_step(cfg, Mesh(np.array(jax.devices()[:1]), (DP,)), params, batch)
+    got, loss = _sgd_step(cfg, meshes.student_mesh(jax.devices()[:4], 1, 2, 2), params, batch)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-5)
+
+
 # --- decoding and FLOPs ---------------------------------------------------------------------
 
 
@@ -462,6 +528,26 @@ def test_flops_per_token_is_xla_s_count():
     counted = (cost[0] if isinstance(cost, list) else cost)["flops"] / (b * s)
     assert counted == pytest.approx(model.flops_per_token(cfg, s), rel=0.015)
     assert model.param_count(cfg) == sum(x.size for x in jax.tree.leaves(model.init_params(cfg, 0)))
+
+
+def test_a_tiny_run_distils_a_latent_attention_teacher_into_a_latent_student(tmp_path, corpus_dir):
+    """`distill run` end to end, both roles DeepSeek-shaped (MLA, YaRN, interleaved RoPE):
+    the teacher bootstrap, its tp = 2 forward, the student's steps and evaluation (the
+    teacher's scores of the student's own samples among them)."""
+    out = tmp_path / "out"
+    tree = tiny_config(str(corpus_dir), str(out))
+    latent = dict(q_lora_rank=12, rope_interleave=True, **DIMS)
+    yarn = {k: v for k, v in YARN.items() if k not in ("rope_type", "rope_theta")}
+    tree["teacher"]["model"].update(
+        n_kv_heads=4, rope_scaling={"type": "yarn", **yarn}, attention="blockwise", **latent
+    )
+    tree["student"]["model"].update(n_kv_heads=2)
+    assert main(["run", write_config(tmp_path, tree)]) == 0
+    steps = train_by_step(out)
+    assert sorted(steps) == [2, 4, 6] and all(np.isfinite(r["loss"]) for r in steps.values())
+    final = read_evals(out)[-1]  # with the student's samples, drawn through the KV cache
+    assert final["step"] == 6 and final["teacher_loss"] < np.log(260)  # it learnt something
+    assert np.isfinite([final["student_loss"], final["kl"], final["sample_kl"]]).all()
 
 
 # --- the config -----------------------------------------------------------------------------

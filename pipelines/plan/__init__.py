@@ -202,7 +202,7 @@ def teacher_ring_bytes_per_step(cfg: Config) -> int:
         return 0
     tokens = cfg.train.batch_size // (t.dp * t.ep) * cfg.train.seq_len // t.cp
     kv_heads = max(m.n_kv_heads // t.tp, 1)  # fewer than tp: each shard one, repeated
-    kv = tokens * (2 * kv_heads * m.hd * _dtype_bytes(cfg) + 4)
+    kv = tokens * (kv_heads * (m.hd + m.v_dim) * _dtype_bytes(cfg) + 4)  # v: MLA's narrower
     return m.n_layers * (t.cp - 1) * kv
 
 
@@ -271,9 +271,9 @@ def ring_bytes_per_step(cfg: Config) -> int:
     rows, positions = student_rows(cfg)
     tokens = rows * positions
     dtype = 2 if cfg.student.dtype == "bfloat16" else 4
-    kv = tokens * (2 * m.n_kv_heads * m.hd * dtype + 4)  # k, v and segment ids
+    kv = tokens * (m.n_kv_heads * (m.hd + m.v_dim) * dtype + 4)  # k, v and segment ids
     forwards = 2 if cfg.train.remat in ("block", "dots") else 1
-    dkv = tokens * 2 * m.n_kv_heads * m.hd * 4
+    dkv = tokens * m.n_kv_heads * (m.hd + m.v_dim) * 4
     return m.n_layers * ((forwards + 1) * (cp - 1) * kv + cp * dkv)
 
 
