@@ -4,7 +4,8 @@ Rows are packed (three documents, the middle one crossing chunk edges, trailing 
 the training step on a dp x fsdp x cp mesh must give the single-device step's losses and
 metrics, and after two AdamW steps its parameters, to 1e-5 (float32): a plain model with a
 top-k teacher, and a Gemma-like one (sliding and full layers, soft-capped attention and
-logits) with a dense teacher on cp = 2 x fsdp = 2 in two microbatches. Also: the in-step
+logits) with a dense teacher on cp = 2 x fsdp = 2 in two microbatches, and one whose first
+layer has no RoPE (SmolLM3's NoPE layers) on the ring. Also: the in-step
 layout equals `to_cp_layout`, the weights are split over cp, the hand-off lands the
 teacher's rows split by position, and what cp does not support is refused in one line.
 """
@@ -35,7 +36,8 @@ GEMMA = PLAIN.model_copy(
         sliding_window=6, layer_types=("sliding", "full"), attn_softcap=5.0, final_softcap=10.0
     )
 )
-CONFIGS = {"plain": PLAIN, "gemma": GEMMA}
+NOPE = PLAIN.model_copy(update=dict(rope_layers=(False, True)))  # SmolLM3's NoPE layers
+CONFIGS = {"plain": PLAIN, "gemma": GEMMA, "nope": NOPE}
 OPT = OptimConfig(lr=1e-2, warmup_steps=1)
 
 
@@ -86,8 +88,12 @@ def _run(name: str, dp: int, fsdp: int, cp: int, dense: bool, accum: int = 1, b:
 
 @pytest.mark.parametrize(
     "cfg, dp, fsdp, cp, dense, accum, exchange",
-    [("plain", 1, 1, 2, False, 1, "ring"), ("gemma", 1, 2, 2, True, 2, "gather")],
-    ids=["plain-cp2-topk-ring", "gemma-fsdp2-cp2-dense-accum2-gather"],
+    [
+        ("plain", 1, 1, 2, False, 1, "ring"),
+        ("gemma", 1, 2, 2, True, 2, "gather"),
+        ("nope", 1, 1, 2, False, 1, "ring"),
+    ],
+    ids=["plain-cp2-topk-ring", "gemma-fsdp2-cp2-dense-accum2-gather", "nope-cp2-topk-ring"],
 )
 def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense, accum, exchange, monkeypatch):
     """Against the single device's one-shot step (the second case also in two microbatches,

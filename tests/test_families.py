@@ -274,8 +274,9 @@ def pruned_reference(path, kept: list[int]):
     )
     config = copy.deepcopy(full.config)
     config.num_hidden_layers = len(kept)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[i] for i in kept]
+    for key in ("layer_types", "no_rope_layers"):  # the per-layer lists of the config
+        if getattr(config, key, None) is not None:
+            setattr(config, key, [getattr(config, key)[i] for i in kept])
     small = type(full)(config)
     weights = {}
     for key, value in full.state_dict().items():
@@ -323,12 +324,18 @@ def test_depth_pruned_student_matches_transformers_pruned_alike(name, corpus_dir
 def test_export_in_the_students_own_family(family, tmp_path):
     """`student.export.write_hf` of a model read from each family's checkpoint: transformers
     loads it as that family's class and gives the original's log-probs."""
+    assert_export_round_trips(*family, tmp_path / "export")
+
+
+def assert_export_round_trips(name, path, ref, want, batch, out, **write):
+    """The model read from `path` exported to `out` (`write_hf` keywords `write`) loads in
+    transformers as `ref`'s class with its log-probs `want`, and reads back as itself;
+    returns the loaded model."""
     from student.export import write_hf
 
-    name, path, ref, want, batch = family
     cfg = hf.read_model_config(path)
     params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
-    out = write_hf(tmp_path / "export", cfg, params, max_position_embeddings=64)
+    out = write_hf(out, cfg, params, max_position_embeddings=64, **write)
     got = transformers.AutoModelForCausalLM.from_pretrained(
         str(out), dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -336,6 +343,7 @@ def test_export_in_the_students_own_family(family, tmp_path):
     logp = per_document_logprobs(got, batch)
     assert_documents_match(logp, want, batch, atol=2e-5, rtol=1e-5, err_msg=name)
     assert hf.read_model_config(out) == cfg
+    return got
 
 
 def test_a_config_its_family_cannot_write_is_one_line():

@@ -123,6 +123,11 @@ class ModelConfig(Section):
         description="Per layer, full or sliding attention; None: every layer sliding when "
         "sliding_window is set, else full.",
     )
+    rope_layers: tuple[bool, ...] | None = Field(
+        None,
+        description="Per layer, whether it applies RoPE (SmolLM3's no_rope_layers: 1 RoPE, 0 "
+        "NoPE, a layer whose queries and keys carry no position); None: every layer.",
+    )
     rope_local_theta: float | None = Field(
         None,
         gt=0,
@@ -265,6 +270,10 @@ class ModelConfig(Section):
                 )
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types: sliding layers need sliding_window")
+        if self.rope_layers is not None and len(self.rope_layers) != self.n_layers:
+            raise ValueError(
+                f"rope_layers: {len(self.rope_layers)} entries for n_layers {self.n_layers}"
+            )
         if self.n_experts:
             if self.experts_per_token > self.n_experts:
                 raise ValueError(
@@ -276,7 +285,7 @@ class ModelConfig(Section):
                 raise ValueError(f"dense_layers: layer {bad[0]} is not in 0..{self.n_layers - 1}")
             self._check_groups()
         softcap = self.attn_softcap is not None
-        problem = backend_problem(self.attention, softcap, self.mixed_layers())
+        problem = backend_problem(self.attention, softcap, self.mixed_windows())
         if problem:
             raise ValueError(f"attention: {problem}")
         return self
@@ -355,9 +364,17 @@ class ModelConfig(Section):
             return self.layer_types
         return ("sliding" if self.sliding_window else "full",) * self.n_layers
 
+    def ropes(self) -> tuple[bool, ...]:
+        """Per layer, whether it applies RoPE (a NoPE layer does not)."""
+        return self.rope_layers if self.rope_layers is not None else (True,) * self.n_layers
+
+    def mixed_windows(self) -> bool:
+        """Whether layers differ in window (full and sliding)."""
+        return len(set(self.types())) > 1
+
     def mixed_layers(self) -> bool:
         """Whether layers differ in window or RoPE (then each layer's are scanned data)."""
-        return len(set(self.types())) > 1
+        return self.mixed_windows() or len(set(self.ropes())) > 1
 
     @property
     def f_expert(self) -> int:

@@ -3,7 +3,8 @@
 A ``student.init: from_teacher`` student keeps a subset of the teacher's layers
 (``student.init_layers``, else evenly spaced, the first and last included), and each kept
 layer brings what is per layer in the model config: its attention type (``layer_types``:
-the layer's window and RoPE) and, in a mixture of experts, whether its feed-forward is the
+the layer's window and RoPE), whether it applies RoPE at all (``rope_layers``: SmolLM3's
+NoPE layers) and, in a mixture of experts, whether its feed-forward is the
 dense one (``dense_layers``). A student that sets these keys itself is checked against the
 kept layers instead.
 """
@@ -55,6 +56,8 @@ def kept_layer_fields(
     out = {}
     if t.layer_types is not None and "layer_types" not in overrides:
         out["layer_types"] = tuple(t.layer_types[i] for i in layers)
+    if t.rope_layers is not None and "rope_layers" not in overrides:
+        out["rope_layers"] = tuple(t.rope_layers[i] for i in layers)
     if from_teacher and t.n_experts and "dense_layers" not in overrides:
         out["dense_layers"] = tuple(j for j, i in enumerate(layers) if not t.moe_layers()[i])
     return out
@@ -64,7 +67,7 @@ def init_layers(t: ModelConfig, s: ModelConfig, chosen: list[int] | None) -> lis
     """The teacher layers a ``from_teacher`` student ``s`` starts from, checked: the
     student has the teacher's width and the kept layers' per-layer keys."""
     for key in ModelConfig.model_fields:
-        per_layer = ("n_layers", "layer_types", "dense_layers", *RUNTIME_KEYS)
+        per_layer = ("n_layers", "layer_types", "rope_layers", "dense_layers", *RUNTIME_KEYS)
         if key not in per_layer and getattr(s, key) != getattr(t, key):
             raise DistillError(
                 f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
@@ -82,5 +85,11 @@ def init_layers(t: ModelConfig, s: ModelConfig, chosen: list[int] | None) -> lis
         raise DistillError(
             f"student.model.layer_types: {list(s.types())} are not the kept teacher layers' "
             f"types {list(want)} (student.init: from_teacher)"
+        )
+    ropes = tuple(t.ropes()[i] for i in layers)
+    if s.ropes() != ropes:
+        raise DistillError(
+            f"student.model.rope_layers: {list(s.ropes())} are not the kept teacher layers' "
+            f"{list(ropes)} (student.init: from_teacher)"
         )
     return layers

@@ -119,10 +119,12 @@ def _windows(cfg: ModelConfig, family: families.Family) -> dict:
 def _comparable(cfg: ModelConfig) -> dict:
     """`cfg`'s keys that say what the model computes, in one spelling: per-layer types
     whatever says them, a head width however it is said (a head_dim equal to d_model /
-    n_heads is read back as None), a local RoPE base equal to the global one when unset."""
+    n_heads is read back as None), which layers rotate however it is said, a local RoPE
+    base equal to the global one when unset."""
     keys = cfg.model_dump(exclude=set(RUNTIME_KEYS))
     keys["head_dim"] = cfg.hd
     keys["layer_types"] = cfg.types()
+    keys["rope_layers"] = cfg.ropes()
     keys["d_ff"] = cfg.d_ff if cfg.has_dense_ffn() else None  # unused without dense layers
     keys["d_ff_expert"] = cfg.f_expert if cfg.n_experts else None
     keys["d_ff_shared"] = cfg.f_shared

@@ -33,7 +33,7 @@ from distill import programs
 from distill.config import ModelConfig
 from distill.models import mla, moe
 from distill.models.attention import attention, over_rows, resolve_backend
-from distill.models.rope import Rope, apply_rope, rope_table
+from distill.models.rope import Rope, apply_rope, layer_rope
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
@@ -137,12 +137,13 @@ class Block(nnx.Module):
         return y.reshape(*h.shape[:2], -1, self.cfg.hd)
 
     def layer(self, layer: dict | None) -> tuple:
-        """(window, `Rope`) of this layer: `layer`, its scanned data, when layers differ;
-        else static, from the config."""
-        if layer is not None and "window" in layer:
-            return layer["window"], Rope(layer["inv_freq"], layer["rope_factor"])
-        kind = self.cfg.types()[0]
-        return window_of(self.cfg, kind), rope_table(self.cfg, kind)
+        """(window, `Rope`) of this layer: from `layer`, its scanned data, where layers
+        differ in them; else static, from the config."""
+        layer = layer or {}
+        window = layer["window"] if "window" in layer else window_of(self.cfg, self.cfg.types()[0])
+        if "inv_freq" in layer:
+            return window, Rope(layer["inv_freq"], layer["rope_factor"])
+        return window, layer_rope(self.cfg, 0)
 
     def _full_norm(self, y_bshd, scale, tp_axis):
         """RMSNorm over all heads' features of y [B, S, heads, hd] (OLMoE), whose heads are
@@ -261,18 +262,19 @@ def window_of(cfg: ModelConfig, kind: str) -> int | None:
 
 
 def layer_data(cfg: ModelConfig) -> dict | None:
-    """What the layer scan feeds each block when layers differ: when windows or RoPE differ,
-    window int32 [L] (`NO_WINDOW` for full layers), inv_freq float32 [L, R/2] and
-    rope_factor float32 [L] (`distill.models.rope.Rope`); when
-    dense and MoE feed-forwards mix, moe bool [L]; None when layers are alike."""
+    """What the layer scan feeds each block when layers differ: when windows differ,
+    window int32 [L] (`NO_WINDOW` for full layers); when windows or RoPE differ (a local
+    base, NoPE layers), inv_freq float32 [L, R/2] and rope_factor float32 [L]
+    (`distill.models.rope.Rope`); when dense and MoE feed-forwards mix, moe bool [L]; None
+    when layers are alike."""
     data = {}
-    if cfg.mixed_layers():
-        types = cfg.types()
-        windows = [window_of(cfg, t) or NO_WINDOW for t in types]
-        tables = {t: rope_table(cfg, t) for t in set(types)}
+    if cfg.mixed_windows():
+        windows = [window_of(cfg, t) or NO_WINDOW for t in cfg.types()]
         data["window"] = jnp.asarray(windows, jnp.int32)
-        data["inv_freq"] = jnp.stack([tables[t].inv_freq for t in types])
-        data["rope_factor"] = jnp.asarray([tables[t].factor for t in types], jnp.float32)
+    if cfg.mixed_layers():
+        tables = [layer_rope(cfg, i) for i in range(cfg.n_layers)]
+        data["inv_freq"] = jnp.stack([t.inv_freq for t in tables])
+        data["rope_factor"] = jnp.asarray([t.factor for t in tables], jnp.float32)
     if cfg.mixed_ffn():
         data["moe"] = jnp.asarray(cfg.moe_layers())
     return data or None
@@ -356,7 +358,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         return resolve_backend(
             attention, dt, cfg.hd, seq_len,
-            softcap=cfg.attn_softcap is not None, mixed_windows=cfg.mixed_layers(),
+            softcap=cfg.attn_softcap is not None, mixed_windows=cfg.mixed_windows(),
         )  # fmt: skip
 
     def head(self) -> jax.Array:

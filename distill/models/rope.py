@@ -75,6 +75,15 @@ def rope_table(cfg: ModelConfig, kind: str) -> Rope:
     return Rope(rope_frequencies(cfg.rope_dim, cfg.rope_theta, scaling), factor)
 
 
+def layer_rope(cfg: ModelConfig, i: int) -> Rope:
+    """The RoPE of layer `i`: its type's (`rope_table`), or for a layer without RoPE
+    (`ModelConfig.rope_layers`, SmolLM3's NoPE layers) zero frequencies and factor 1, a
+    rotation by zero that leaves queries and keys as they are, so that the layer scan
+    carries one table for every layer and every attention path runs it unchanged."""
+    table = rope_table(cfg, cfg.types()[i])
+    return table if cfg.ropes()[i] else Rope(jnp.zeros_like(table.inv_freq), 1.0)
+
+
 def apply_rope(
     x_bshd: jax.Array, positions_bs: jax.Array, rope: Rope, interleave: bool = False
 ) -> jax.Array:
