@@ -3,8 +3,9 @@
 
 The directory holds what `AutoModelForCausalLM.from_pretrained` (as `Qwen3ForCausalLM`,
 `Gemma3ForCausalLM`, ...: `distill.models.hf_config`) and `AutoTokenizer` load:
-config.json, generation_config.json, model.safetensors (float32, one file: students are
-small, and the whole student passes through host memory once), the tokenizer, and
+config.json, generation_config.json, the weights (float32, or bfloat16 on request: half
+the bytes; one model.safetensors, or past `MAX_SHARD_BYTES` shards with the
+model.safetensors.index.json transformers writes), the tokenizer, and
 distill.json: the step, and the identities of the teacher and tokenizer the student was
 distilled with (`distill.identity`; `recorded` false: taken from the config, the checkpoint
 predating them). A student distilled with another teacher or tokenizer than its config's
@@ -23,6 +24,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from etils import epath
 
@@ -34,6 +36,8 @@ from distill.models import hf, hf_config
 from distill.observability.metrics_log import dumps
 
 PROVENANCE = "distill.json"  # the teacher and tokenizer the exported student was distilled with
+MAX_SHARD_BYTES = 5 * 10**9  # a weights file's bytes, at most (transformers 4's 5GB default)
+DTYPES = ("float32", "bfloat16")  # the exported weights' dtype (`--dtype`)
 
 
 def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -63,6 +67,8 @@ def write_hf(
     provenance: dict | None = None,
     generation_from: tuple[str | Path, ...] = (),
     special: dict | None = None,
+    dtype: str = "float32",
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write `params` as a Hugging Face directory of `cfg.family`; returns its path.
 
@@ -74,9 +80,10 @@ def write_hf(
     ids, so the trimmed model's softmax is exactly the trained one's, and a sampler can
     never draw an id the tokenizer cannot decode. `provenance` (what the student was
     distilled from) is written as distill.json. `special`: special ids that replace the
-    tokenizer's in config.json (`special_ids`)."""
-    from safetensors.numpy import save_file
-
+    tokenizer's in config.json (`special_ids`). `dtype`: the weights' (`DTYPES`; bfloat16
+    rounds to nearest even, as torch casts); `max_shard_bytes`: see `save_tensors`."""
+    if dtype not in DTYPES:
+        raise DistillError(f"export --dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     tok = load_tokenizer(tokenizer)  # "bytes", or the run's tokenizer file (copied below)
     limit = vocab_limit(tok, cfg.vocab_size)
     if limit is not None:
@@ -87,7 +94,9 @@ def write_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id, **(special or {})}
-    config = hf_config.to_hf_config(cfg, max_position_embeddings=max_position_embeddings, **ids)
+    config = hf_config.to_hf_config(
+        cfg, max_position_embeddings=max_position_embeddings, dtype=dtype, **ids
+    )
     generation = _generation_config(tok, (*(Path(f).parent for f in tok.files), *generation_from))
     files = {
         hf.CONFIG: config,
@@ -102,9 +111,40 @@ def write_hf(
         files[PROVENANCE] = provenance
     for name, content in files.items():
         (out / name).write_text(dumps(content, indent=2, ensure_ascii=False) + "\n")
-    tensors = {k: v.astype(np.float32) for k, v in hf_tensors(cfg, params).items()}
-    save_file(tensors, str(out / hf.SINGLE_FILE), metadata={"format": "pt"})
+    as_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    tensors = {k: v.astype(np.float32).astype(as_dtype) for k, v in hf_tensors(cfg, params).items()}
+    save_tensors(out, tensors, max_shard_bytes)
     return out
+
+
+def save_tensors(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+    """`tensors` as out/model.safetensors when they fit in `max_shard_bytes`, else as
+    shards model-0000i-of-0000n.safetensors of at most that many bytes each (a larger
+    tensor alone in its own), in order, with model.safetensors.index.json (total_size and
+    each tensor's file), as transformers' `save_pretrained` writes them. Weights of an
+    earlier export in `out` are removed first: a loader must not find both layouts."""
+    from safetensors.numpy import save_file
+
+    for old in [*out.glob("model*.safetensors"), out / hf.INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    shards, size = [{}], 0
+    for name, w in tensors.items():
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    if len(shards) == 1:
+        save_file(tensors, str(out / hf.SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(w.nbytes for w in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / hf.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _generation_config(tok, dirs) -> dict:
@@ -116,9 +156,10 @@ def _generation_config(tok, dirs) -> dict:
     return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
 
 
-def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Path:
+def export_hf(cfg: Config, out_dir: str | Path | None = None, **write) -> Path | epath.Path:
     """Export the latest student checkpoint of the run `cfg` (default: <output_dir>/hf);
-    the run and the destination may be local or in a gs:// bucket."""
+    the run and the destination may be local or in a gs:// bucket. `write`: `write_hf`'s
+    dtype and max_shard_bytes."""
     import jax
     from jax.sharding import Mesh
 
@@ -158,6 +199,7 @@ def export_hf(cfg: Config, out_dir: str | Path | None = None) -> Path | epath.Pa
         provenance=provenance,
         generation_from=(cfg.student.checkpoint,) if cfg.student.checkpoint else (),
         special=special_ids(cfg),
+        **write,
     )
     if not storage.is_remote(out):
         return write(Path(out))

@@ -6,8 +6,13 @@ single-device student under every attention kernel; its cached decode equals the
 forward and its greedy generation equals transformers' token for token; it exports in its
 own family with equal log-probabilities; a student starts from it and is pruned from it."""
 
+import copy
+import json
+
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -119,6 +124,48 @@ def test_greedy_generation_equals_transformers(case):
 def test_export_round_trips_through_transformers(case, tmp_path):
     got = assert_export_round_trips(*case, tmp_path / "export")
     assert got.config.no_rope_layers == case[2].config.no_rope_layers
+
+
+def test_a_bfloat16_export_in_shards_loads_in_transformers(case, tmp_path):
+    """bfloat16 weights in shards of at most 20 kB (a tensor larger than that alone): the
+    index json names every tensor's file, transformers loads it as its own model rounded
+    to bfloat16 (same log-probs), and distill reads it back as the bfloat16 weights."""
+    from student.export import write_hf
+
+    name, path, ref, _, batch = case
+    cfg = hf.read_model_config(path)
+    params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
+    limit = 20_000
+    out = write_hf(
+        tmp_path / "export", cfg, params, max_position_embeddings=64, dtype="bfloat16",
+        max_shard_bytes=limit,
+    )  # fmt: skip
+    index = json.loads((out / hf.INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert json.loads((out / hf.CONFIG).read_text())["torch_dtype"] == "bfloat16"
+    for file in files:
+        with safe_open(out / file, framework="numpy") as f:
+            names = f.keys()
+            sizes = [np.prod(f.get_slice(k).get_shape()) * 2 for k in names]
+            assert {f.get_slice(k).get_dtype() for k in names} == {"BF16"}
+        assert sum(sizes) <= limit or len(sizes) == 1, file
+    assert index["metadata"]["total_size"] == sum(
+        p.numel() * 2
+        for p in ref.parameters()  # each once: a tied head is the embedding
+    )
+    got = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    rounded = copy.deepcopy(ref)  # its weights rounded, not its RoPE buffers
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    want = per_document_logprobs(rounded, batch)
+    assert_documents_match(per_document_logprobs(got, batch), want, batch, 2e-5, 1e-5, name)
+    back = read_hf_layers(out, cfg, list(range(cfg.n_layers)))
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(x).astype(ml_dtypes.bfloat16), np.asarray(y))
 
 
 def test_a_student_starts_from_the_checkpoint(case, corpus_dir, tmp_path):

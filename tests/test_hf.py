@@ -292,9 +292,23 @@ def test_run_with_hf_teacher_then_export(hf_teacher, corpus_dir, tmp_path, capsy
         np.asarray(ours)[..., :live], _hf_logits(student, batch.tokens), atol=1e-4
     )
 
+    # in bfloat16 and in shards (a tiny shard size): transformers loads the index
+    half = tmp_path / "hf16"
+    args = ["--dtype", "bfloat16", "--max-shard-gb", "0.00002", "--out", str(half)]
+    assert main(["export", str(out), *args]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "bfloat16"
+    index = json.loads((half / hf.INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (half / hf.SINGLE_FILE).exists()
+    student16 = transformers.LlamaForCausalLM.from_pretrained(str(half), dtype=torch.float32)
+    assert next(iter(student16.state_dict().values())).dtype == torch.float32
+    np.testing.assert_allclose(
+        _hf_logits(student16.eval(), batch.tokens), _hf_logits(student, batch.tokens), atol=0.1
+    )
+
     with pytest.raises(SystemExit):
         main(["export", str(out), "--format", "onnx"])
     assert main(["export", str(tmp_path / "nowhere")]) == 2
+    assert main(["export", str(out), "--max-shard-gb", "0"]) == 2
 
 
 def test_load_benchmark_script_runs(tmp_path):

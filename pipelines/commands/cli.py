@@ -65,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
         "--format", choices=["hf"], default="hf", help="hf: Hugging Face, the student's family"
     )
     e.add_argument("--out", default=None, help="destination (default: OUTPUT_DIR/hf)")
+    e.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype"
+    )
+    e.add_argument(
+        "--max-shard-gb", type=float, default=5.0, metavar="GB",
+        help="weights past this many GB are written as shards with model.safetensors.index.json",
+    )  # fmt: skip
     g = sub.add_parser(
         "generate", help="print samples from a run's latest student checkpoint (or teacher)"
     )
@@ -166,7 +173,11 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     cfg = load_config(f"{args.output_dir}/config.yaml")
     cfg.run.output_dir = args.output_dir  # the run may have moved since
-    print(dumps({"export": str(export_hf(cfg, args.out)), "format": args.format}))
+    if args.max_shard_gb <= 0:
+        raise DistillError(f"export --max-shard-gb: {args.max_shard_gb} must be positive")
+    shard = int(args.max_shard_gb * 10**9)
+    out = export_hf(cfg, args.out, dtype=args.dtype, max_shard_bytes=shard)
+    print(dumps({"export": str(out), "format": args.format, "dtype": args.dtype}))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
