@@ -44,6 +44,8 @@ FAMILIES = {
     "moe": ModelConfig(
         **SMALL, n_experts=4, experts_per_token=2, d_ff_expert=16, dense_layers=(1,)
     ),
+    # SmolLM3: a NoPE layer in the second stage only: each stage scans its own RoPE tables
+    "nope": ModelConfig(**SMALL, rope_layers=(True, True, False, True), tie_embeddings=True),
 }
 
 
@@ -59,6 +61,7 @@ CASES = [  # family, (pp, dp, ep, tp), rows, mode; the stages' outputs against p
     ("moe", (2, 1, 2, 2), 8, "topk"),
     ("dense", (2, 1, 1, 1), 3, "dense"),  # rows that do not split over the stages
     ("windowed", (2, 1, 1, 2), 4, "target_logprobs"),  # on-policy scoring
+    ("nope", (2, 1, 1, 2), 8, "topk"),
     *[
         pytest.param(*case, marks=pytest.mark.slow)
         for case in [

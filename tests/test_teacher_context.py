@@ -3,10 +3,11 @@
 Rows are packed (three documents, the middle one crossing chunk edges, trailing padding:
 `tests.test_context_parallel._batch`); the forward on a dp x ep x cp x tp mesh must give
 the cp = 1 mesh's outputs to 1e-6 (float32), top-k and dense, for a plain family and a
-windowed, soft-capped one (Gemma 3-like: sliding and full layers, a local RoPE base), and
-a mixture of experts over ep; the outputs leave split over cp by position in row order; the
-hand-off lands them on a student with the same cp one buffer per device (no row whole
-anywhere) and on one with another cp by pieces; a `distill run` with cp = 2 in both roles
+windowed, soft-capped one (Gemma 3-like: sliding and full layers, a local RoPE base), one
+with layers without RoPE (SmolLM3's NoPE), and a mixture of experts over ep; the outputs
+leave split over cp by position in row order; the hand-off lands them on a student with
+the same cp one buffer per device (no row whole anywhere) and on one with another cp by
+pieces; a `distill run` with cp = 2 in both roles
 gives the cp = 1 run's losses; `distill plan` shows the teacher's compiled temporaries
 falling with cp. (What teacher cp does not support is refused in one line:
 `tests.test_context_parallel`.)
@@ -48,6 +49,7 @@ CASES = [  # family, (dp, ep, cp, tp), mode, exchange; against (dp, ep, 1, tp)
     ("windowed", (1, 1, 2, 2), "topk", "auto"),
     ("windowed", (1, 1, 4, 1), "dense", "ring"),
     ("moe", (1, 2, 2, 1), "topk", "auto"),
+    ("nope", (1, 1, 2, 2), "topk", "ring"),  # SmolLM3's NoPE layers
     *[
         pytest.param(*case, marks=pytest.mark.slow)
         for case in [
