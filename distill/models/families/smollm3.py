@@ -52,7 +52,9 @@ SMOLLM3 = register(
         write=_write,
         windows=_windows,
         tied_by_default=True,
-        chat="Its template opens with a system block of its own (metadata, reasoning mode "
-        "from /think or /no_think in the system message, or enable_thinking).",
+        chat="Its template opens every conversation with a system block of its own (today's "
+        "date by strftime_now, so the ids depend on the day rendered; the reasoning mode from "
+        "/think or /no_think in the system message, else enable_thinking); in /no_think "
+        "mode each answer opens with an empty <think></think>.",
     )
 )
