@@ -36,8 +36,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from distill import collectives as cc
 from distill.config import ModelConfig
+from distill.models.families import qwen35
 
 CHUNK = 64
 L2_EPS = 1e-6  # transformers' l2norm (FLA's)
@@ -50,23 +53,27 @@ VECTORS = ("lin_a_log", "lin_dt_bias")
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shapes of one linear-attention layer's weights (projections [in, out], the
     convolution as transformers stores it, [channels, 1, kernel])."""
-    d, hk, hv = cfg.d_model, cfg.linear_k_heads, cfg.linear_v_heads
-    qk, vd, k = hk * cfg.linear_k_dim, hv * cfg.linear_v_dim, cfg.linear_conv_kernel
-    return {
-        "lin_wq": (d, qk),
-        "lin_wk": (d, qk),
-        "lin_wv": (d, vd),
-        "lin_wz": (d, vd),
-        "lin_wb": (d, hv),
-        "lin_wa": (d, hv),
-        "lin_conv_q": (qk, 1, k),
-        "lin_conv_k": (qk, 1, k),
-        "lin_conv_v": (vd, 1, k),
-        "lin_a_log": (hv,),
-        "lin_dt_bias": (hv,),
-        "lin_norm": (cfg.linear_v_dim,),
-        "lin_wo": (vd, d),
-    }
+    return qwen35.linear_shapes(cfg)
+
+
+def init_params(cfg: ModelConfig, rngs: nnx.Rngs, std: float, out_std: float) -> dict:
+    """A linear-attention layer's fresh weights (`linear_attention.weight_shapes`): decay
+    rates exp(A_log) drawn in [1, 16] and dt_bias 1 as transformers draws them, the gated
+    norm's scale 1 (none when the model has no linear layers)."""
+    params = {}
+    for name, shape in weight_shapes(cfg).items() if any(cfg.linear_layers()) else ():
+        if name == "lin_a_log":
+            rate = jax.random.uniform(rngs.params(), shape, jnp.float32, 1.0, 16.0)
+            params[name] = nnx.Param(jnp.log(rate))
+        elif name in ("lin_dt_bias", "lin_norm"):
+            params[name] = nnx.Param(jnp.ones(shape, jnp.float32))
+        elif name.startswith("lin_conv"):
+            params[name] = nnx.Param(jax.random.normal(rngs.params(), shape) * shape[-1] ** -0.5)
+        else:
+            params[name] = nnx.Param(
+                jax.random.normal(rngs.params(), shape) * (out_std if name == "lin_wo" else std)
+            )
+    return params
 
 
 class Cache(NamedTuple):
@@ -123,6 +130,13 @@ def prepare_qk(q_bshd: jax.Array, k_bshd: jax.Array, v_heads: int):
     return jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
 
 
+def _carry(state, *xs):
+    """`state` varying over every mesh axis that `xs` vary over (inside `jax.shard_map`),
+    as the scan's carry, which they update, must start."""
+    vma = frozenset().union(*(cc.varying(x) for x in xs))
+    return cc.vary(state, vma - cc.varying(state))
+
+
 def recurrent_gated_delta_rule(
     q, k, v, g, beta, docs_bs=None, state=None
 ) -> tuple[jax.Array, jax.Array]:
@@ -139,6 +153,7 @@ def recurrent_gated_delta_rule(
     prev = jnp.concatenate([docs_bs[:, :1], docs_bs[:, :-1]], axis=1)
     keep = (docs_bs == prev).astype(jnp.float32)  # 0 at a document start
     xs = [jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta, keep)]
+    state = _carry(state, *xs)
 
     def step(st, x):
         q_t, k_t, v_t, g_t, b_t, keep_t = x
@@ -208,6 +223,7 @@ def gated_delta_rule(
         return st, o
 
     xs = [jnp.moveaxis(x, 2, 0) for x in (u_new, w, q_in, k_out, attn, g_end)]
+    state = _carry(state, *xs)
     state, o = jax.lax.scan(step, state, xs, unroll=unroll)  # o [N, B, H, C, dv]
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * c, dv)[:, :, :s]
     return jnp.moveaxis(o, 1, 2), state
@@ -277,3 +293,27 @@ def rule_flops(batch: int, seq: int, heads: int, dk: int, dv: int, chunk: int = 
     n = -(-seq // c)
     per_chunk = 4 * c * c * dk + c * c * (dv + dk) + 6 * c * dk * dv + 2 * c * c * dv
     return float(batch * heads * n * per_chunk)
+
+
+def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul):
+    """(the output projection's partial sums [B, S, D] (this shard's heads), keys and
+    values) of `block`'s token mixer on its input x: `attn(x)` in an attention layer, Gated
+    DeltaNet in a linear one (where layers mix, `layer["linear"]` picks by `jax.lax.cond`:
+    one compiled block), whose keys and values are zeros of attention's shapes. `matmul`:
+    the model's."""
+    cfg = block.cfg
+    kinds = cfg.linear_layers()
+    if not any(kinds):
+        return attn(x_bsd)
+
+    def linear(x):
+        h = cc.gather_positions(block._norm(x, block.attn_norm), tp_axis)
+        w = {k: getattr(block, k)[...] for k in weight_shapes(cfg)}
+        o, _ = mixer(w, h, segment_ids_bs, cfg, matmul)
+        o = matmul(o, w["lin_wo"].astype(x.dtype))
+        zeros = lambda a: cc.vary(jnp.zeros(a.shape, a.dtype), cc.varying(o))  # noqa: E731
+        return o, jax.tree.map(zeros, jax.eval_shape(attn, x)[1])  # varying as attention's
+
+    if all(kinds):
+        return linear(x_bsd)
+    return jax.lax.cond(layer["linear"], linear, attn, x_bsd)
