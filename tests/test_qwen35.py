@@ -61,3 +61,20 @@ def test_student_model_matches_transformers(qwen35):
     params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
     got = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions)
     assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg="student")
+
+
+def test_export_round_trip(qwen35, tmp_path):
+    """`student.export.write_hf` of the model read from the checkpoint: transformers loads
+    it as Qwen3_5ForCausalLM (in_proj_qkv and conv1d fused again) with the original's
+    log-probs, and it reads back as the same config."""
+    from student.export import write_hf
+
+    path, ref, want, batch = qwen35
+    cfg = hf.read_model_config(path)
+    params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
+    out = write_hf(tmp_path / "export", cfg, params, max_position_embeddings=64)
+    got = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(got) is type(ref)
+    logp = per_document_logprobs(got, batch)
+    assert_documents_match(logp, want, batch, atol=2e-5, rtol=1e-5, err_msg="export")
+    assert hf.read_model_config(out) == cfg
