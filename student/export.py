@@ -42,14 +42,18 @@ DTYPES = ("float32", "bfloat16")  # the exported weights' dtype (`--dtype`)
 
 def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """distill parameters (host or device) -> Hugging Face tensor name -> [out, in] array."""
-    out, views = {}, {}
+    out, views, rows = {}, {}, {}
     for name, (key, layer, transposed) in hf.weight_names(cfg).items():
         w = np.asarray(params[key] if layer is None else params["layers"][key][layer])
         base, view = hf.stored(name)
         if view is None:
             out[name] = np.ascontiguousarray(w.T if transposed else w)
+        elif isinstance(view, tuple):  # rows of one fused tensor (Qwen3.5's in_proj_qkv)
+            rows.setdefault(base, {})[view] = w.T if transposed else w
         else:  # every other column of one fused tensor (gpt-oss's gate and up)
             views.setdefault(base, {})[view] = w
+    for base, parts in rows.items():
+        out[base] = np.ascontiguousarray(np.concatenate([parts[k] for k in sorted(parts)]))
     for base, parts in views.items():
         fused = np.empty((*parts[0].shape[:-1], 2 * parts[0].shape[-1]), parts[0].dtype)
         fused[..., 0::2], fused[..., 1::2] = parts[0], parts[1]

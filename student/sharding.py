@@ -70,6 +70,19 @@ WEIGHT_DIMS = {
         "ws_up": ("layer", "d_model", "d_ff_shared"),
         "ws_down": ("layer", "d_ff_shared", "d_model"),
         "shared_gate": ("layer", "d_model", "one"),
+        "lin_wq": ("layer", "d_model", "lin_qk"),  # linear attention: Hk * dk
+        "lin_wk": ("layer", "d_model", "lin_qk"),
+        "lin_wv": ("layer", "d_model", "lin_v"),  # Hv * dv
+        "lin_wz": ("layer", "d_model", "lin_v"),
+        "lin_wb": ("layer", "d_model", "lin_heads"),
+        "lin_wa": ("layer", "d_model", "lin_heads"),
+        "lin_conv_q": ("layer", "lin_qk", "one", "lin_kernel"),
+        "lin_conv_k": ("layer", "lin_qk", "one", "lin_kernel"),
+        "lin_conv_v": ("layer", "lin_v", "one", "lin_kernel"),
+        "lin_a_log": ("layer", "lin_heads"),
+        "lin_dt_bias": ("layer", "lin_heads"),
+        "lin_norm": ("layer", "lin_v_dim"),
+        "lin_wo": ("layer", "lin_v", "d_model"),
     },
 }
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
@@ -78,7 +91,8 @@ NEVER_SPLIT = ("layer",)
 REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
     "k_norm", "bq", "bk", "bv", "bo", "shared_gate", "router_bias", "router_correction",
-    "q_a_norm", "kv_a_norm", "sinks",
+    "q_a_norm", "kv_a_norm", "sinks", "lin_conv_q", "lin_conv_k", "lin_conv_v", "lin_a_log",
+    "lin_dt_bias", "lin_norm",
 )  # fmt: skip
 
 
@@ -102,6 +116,11 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "d_ff_expert": cfg.f_expert,
         "d_ff_shared": cfg.f_shared,
         "one": 1,
+        "lin_qk": cfg.linear_k_heads * cfg.linear_k_dim,
+        "lin_v": cfg.linear_v_heads * cfg.linear_v_dim,
+        "lin_heads": cfg.linear_v_heads,
+        "lin_kernel": cfg.linear_conv_kernel,
+        "lin_v_dim": cfg.linear_v_dim,
     }
 
 

@@ -104,6 +104,8 @@ def _tensor(get_slice, name: str):
     column of it (`hf.VIEW`: gpt-oss's interleaved gate and up)."""
     base, view = hf.stored(name)
     sl = get_slice(base)
+    if isinstance(view, tuple):  # rows [start, stop) (`hf.ROWS`)
+        return quantized.Strided(sl, 0, view[0], 1, view[1])
     return sl if view is None else quantized.Strided(sl, -1, view, 2)
 
 

@@ -366,13 +366,15 @@ class Strided:
     """Every `step`-th entry from `start` along `axis` of a slice object (`get_shape()`,
     `[index]`), as a slice object of its own: gpt-oss's gate (`start` 0) and up (1) halves
     of the interleaved columns of `mlp.experts.gate_up_proj` [E, D, 2F], each read on its
-    own and split over `tp` like any [E, D, F] weight."""
+    own and split over `tp` like any [E, D, F] weight; with `stop`, entries up to it only
+    (Qwen3.5's q, k and v rows of `in_proj_qkv`, step 1)."""
 
-    def __init__(self, sl, axis: int, start: int, step: int):
+    def __init__(self, sl, axis: int, start: int, step: int, stop: int | None = None):
         self.sl, self.start, self.step = sl, start, step
         shape = list(sl.get_shape())
         self.axis = axis % len(shape)
-        self.shape = [*shape[: self.axis], len(range(start, shape[self.axis], step))]
+        end = shape[self.axis] if stop is None else stop
+        self.shape = [*shape[: self.axis], len(range(start, end, step))]
         self.shape += shape[self.axis + 1 :]
 
     def get_shape(self) -> list[int]:

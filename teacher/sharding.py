@@ -72,6 +72,21 @@ LAYER_SPECS = {
     "ws_up": P(None, None, TP),
     "ws_down": P(None, TP, None),  # [L, Fs, D]
     "shared_gate": P(None, None, None),  # [L, D, 1]
+    # linear attention (distill.models.linear_attention): column-parallel by heads (the
+    # convolution's channels and the per-head decay with them), out_proj row-parallel
+    "lin_wq": P(None, None, TP),  # [L, D, Hk*dk]
+    "lin_wk": P(None, None, TP),
+    "lin_wv": P(None, None, TP),  # [L, D, Hv*dv]
+    "lin_wz": P(None, None, TP),
+    "lin_wb": P(None, None, TP),  # [L, D, Hv]
+    "lin_wa": P(None, None, TP),
+    "lin_conv_q": P(None, TP, None, None),  # [L, Hk*dk, 1, K]
+    "lin_conv_k": P(None, TP, None, None),
+    "lin_conv_v": P(None, TP, None, None),  # [L, Hv*dv, 1, K]
+    "lin_a_log": P(None, TP),  # [L, Hv]
+    "lin_dt_bias": P(None, TP),
+    "lin_norm": P(None, None),  # [L, dv] per head, the same on every shard
+    "lin_wo": P(None, TP, None),  # [L, Hv*dv, D]
 }
 # OLMoE's query/key norms span all heads' features: split over tp as the projections.
 FULL_QK_NORM_SPECS = {"q_norm": P(None, TP), "k_norm": P(None, TP)}
@@ -145,6 +160,10 @@ def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model", ep:
     if cfg.n_experts and cfg.n_experts % ep:
         raise DistillError(
             f"{where}.n_experts: {cfg.n_experts} is not divisible by mesh.teacher.ep={ep}"
+        )
+    if any(cfg.linear_layers()) and cfg.linear_k_heads % tp:
+        raise DistillError(
+            f"{where}.linear_k_heads: {cfg.linear_k_heads} is not divisible by mesh.teacher.tp={tp}"
         )
     if ep > 1 and not cfg.n_experts:
         raise DistillError(f"mesh.teacher.ep: {ep} needs a mixture of experts (n_experts > 0)")

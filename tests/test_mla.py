@@ -258,7 +258,7 @@ def test_attention_is_deepseek_v3_attention(q_lora_rank, backend):
     block = model.Block(cfg, nnx.Rngs(0))
     for key, w in _params(hf, cfg)["layers"].items():
         getattr(block, key)[...] = jnp.asarray(w[0])
-    q, k, v = block.qkv(jnp.asarray(x), jnp.asarray(pos), rope.rope_table(cfg, "full"))
+    q, k, v, _ = block.qkv(jnp.asarray(x), jnp.asarray(pos), rope.rope_table(cfg, "full"))
     assert (q.shape, k.shape, v.shape) == ((b, s, 4, 16), (b, s, 4, 16), (b, s, 4, 6))
     seg = jnp.ones((b, s), jnp.int32)
     attend = lambda *a, **kw: attention.attention(*a, backend=backend, block_q=8, block_kv=8, **kw)  # noqa: E731

@@ -41,7 +41,7 @@ def backend_problem(backend: str, softcap: bool, mixed_windows: bool) -> str | N
 # Checkpoint families whose config.json and tensor names `distill.models.hf` reads: one
 # record each in `distill.models.families`.
 Family = Literal[families.names()]
-LayerType = Literal["full", "sliding"]
+LayerType = Literal["full", "sliding", "linear"]
 
 # ModelConfig keys that say how the model runs, not what its weights are: never compared
 # with a checkpoint's shape (Hugging Face config.json, a teacher's provenance record).
@@ -120,8 +120,9 @@ class ModelConfig(Section):
     )
     layer_types: tuple[LayerType, ...] | None = Field(
         None,
-        description="Per layer, full or sliding attention; None: every layer sliding when "
-        "sliding_window is set, else full.",
+        description="Per layer, full or sliding attention, or linear: Gated DeltaNet linear "
+        "attention (Qwen3.5, `distill.models.linear_attention`); None: every layer sliding "
+        "when sliding_window is set, else full.",
     )
     rope_layers: tuple[bool, ...] | None = Field(
         None,
@@ -246,6 +247,33 @@ class ModelConfig(Section):
     v_head_dim: int | None = Field(
         None, ge=1, description="Latent attention: each value head's width."
     )
+    attn_output_gate: bool = Field(
+        False,
+        description="Attention's output times sigmoid of a per-head gate that q_proj also "
+        "projects (Qwen3.5: q_proj is 2 * n_heads * head_dim wide, each head's queries then "
+        "its gate).",
+    )
+    linear_k_heads: int = Field(
+        16, ge=1, description="Linear layers: query/key heads (linear_num_key_heads)."
+    )
+    linear_v_heads: int = Field(
+        32,
+        ge=1,
+        description="Linear layers: value heads, each with its own state and decay; a "
+        "multiple of linear_k_heads (linear_num_value_heads).",
+    )
+    linear_k_dim: int = Field(
+        128, ge=1, description="Linear layers: each query/key head's width (linear_key_head_dim)."
+    )
+    linear_v_dim: int = Field(
+        128, ge=1, description="Linear layers: each value head's width (linear_value_head_dim)."
+    )
+    linear_conv_kernel: int = Field(
+        4,
+        ge=1,
+        description="Linear layers: the causal depthwise convolution's kernel over q, k and v "
+        "(linear_conv_kernel_dim).",
+    )
     attention: AttentionBackend = Field(
         "auto",
         description="Attention kernel. auto: cuDNN flash on GPU (bfloat16, no soft-cap), splash "
@@ -270,6 +298,11 @@ class ModelConfig(Section):
                 )
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types: sliding layers need sliding_window")
+            if "linear" in self.layer_types and self.linear_v_heads % self.linear_k_heads:
+                raise ValueError(
+                    f"linear_k_heads: {self.linear_k_heads} does not divide linear_v_heads "
+                    f"{self.linear_v_heads}"
+                )
         if self.rope_layers is not None and len(self.rope_layers) != self.n_layers:
             raise ValueError(
                 f"rope_layers: {len(self.rope_layers)} entries for n_layers {self.n_layers}"
@@ -369,12 +402,27 @@ class ModelConfig(Section):
         return self.rope_layers if self.rope_layers is not None else (True,) * self.n_layers
 
     def mixed_windows(self) -> bool:
-        """Whether layers differ in window (full and sliding)."""
-        return len(set(self.types())) > 1
+        """Whether attention layers differ in window (full and sliding); linear layers have
+        none."""
+        return len(set(self.types()) - {"linear"}) > 1
 
     def mixed_layers(self) -> bool:
         """Whether layers differ in window or RoPE (then each layer's are scanned data)."""
         return self.mixed_windows() or len(set(self.ropes())) > 1
+
+    def linear_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a linear-attention layer."""
+        return tuple(t == "linear" for t in self.types())
+
+    def mixed_mixers(self) -> bool:
+        """Whether linear and attention layers alternate (then a per-layer flag is scanned)."""
+        return len(set(self.linear_layers())) > 1
+
+    def attention_type(self) -> str:
+        """The attention layers' type when they are all alike (full when every layer is
+        linear)."""
+        kinds = [t for t in self.types() if t != "linear"]
+        return kinds[0] if kinds else "full"
 
     @property
     def f_expert(self) -> int:

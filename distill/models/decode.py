@@ -119,13 +119,14 @@ def decode_step(
     @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))
     def run_layers(x, block, k_l, v_l, layer):
         window, rope = block.layer(layer)
-        q, k, v = block.qkv(x, positions_b[:, None], rope)
+        q, k, v, gate = block.qkv(x, positions_b[:, None], rope)
         k_l = jax.lax.dynamic_update_slice_in_dim(k_l, k.astype(k_l.dtype), index, axis=1)
         v_l = jax.lax.dynamic_update_slice_in_dim(v_l, v.astype(v_l.dtype), index, axis=1)
         o = cached_attention(
             q, k_l, v_l, valid, scale=cfg.scale(), softcap=cfg.attn_softcap, window=window,
             index=index, sinks=block.sinks[...] if cfg.attn_sinks else None,
         )  # fmt: skip
+        o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's output gate
         x, _ = block.finish(x, o, None, layer)
         return _constrain(x, rows), (k_l, v_l)
 

@@ -24,6 +24,15 @@ from pydantic import ValidationError
 from distill.config import ModelConfig, RopeScaling
 from distill.errors import DistillError
 from distill.models import families
+from distill.models.hf_views import (  # noqa: F401  (hf.stored, hf.VIEW: the names' home before)
+    FUSED_BIASES,
+    FUSED_EXPERTS,
+    ROWS,
+    VIEW,
+    fused_expert_names,
+    stored,
+    view_shape,
+)
 
 log = logging.getLogger("distill")
 CONFIG = "config.json"
@@ -33,7 +42,7 @@ INDEX_FILE = "model.safetensors.index.json"
 MODEL_TYPES = families.names()
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+LAYER_TYPES = {f"{t}_attention": t for t in ("full", "sliding", "linear")}  # as config.json
 
 # distill layer weight -> (name after `model.layers.{i}.`, stored transposed as [out, in])
 LAYER_WEIGHTS = {
@@ -130,8 +139,10 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     moe_layers = cfg.moe_layers()
     family = families.get(cfg.family)
     prefix, experts = family.moe_prefix, family.expert_names
-    for i in range(cfg.n_layers):
-        for key, (name, transposed) in layer_weights(cfg).items():
+    for i, linear in enumerate(cfg.linear_layers()):
+        for key, (name, transposed) in families.qwen35.mixer_weights(
+            cfg, linear, layer_weights(cfg)
+        ).items():
             if not (moe_layers[i] and key in DENSE_FFN):
                 names[f"model.layers.{i}.{name}"] = (key, i, transposed)
         if not moe_layers[i]:
@@ -151,33 +162,6 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     return names
 
 
-# A name `stored{VIEW}k` in `weight_names` is every other column of the stored tensor from
-# column k: gpt-oss interleaves its experts' gate (k = 0) and up (k = 1) projections.
-VIEW = "#"
-FUSED_EXPERTS = {
-    "we_gate": f"gate_up_proj{VIEW}0",
-    "we_up": f"gate_up_proj{VIEW}1",
-    "we_down": "down_proj",
-}
-FUSED_BIASES = {
-    "be_gate": f"gate_up_proj_bias{VIEW}0",
-    "be_up": f"gate_up_proj_bias{VIEW}1",
-    "be_down": "down_proj_bias",
-}
-
-
-def fused_expert_names(cfg: ModelConfig) -> dict[str, str]:
-    """distill expert weight -> its fused tensor's name after `experts.` (gpt-oss)."""
-    return {**FUSED_EXPERTS, **(FUSED_BIASES if cfg.expert_bias else {})}
-
-
-def stored(name: str) -> tuple[str, int | None]:
-    """(the stored tensor's name, the first of every other column it takes, or None: the
-    whole tensor) of a `weight_names` name."""
-    base, _, start = name.partition(VIEW)
-    return base, (int(start) if start else None)
-
-
 def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     """The Hugging Face shape of one layer's (or a top-level) weight: an expert's, or with
     fused experts a layer's [E, in, out] (a view's: its columns)."""
@@ -188,6 +172,8 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         return {**fused, "be_gate": (e, fe), "be_up": (e, fe), "be_down": (e, d)}[key]
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
     full = cfg.qk_norm_full
+    if key.startswith("lin_"):
+        return families.qwen35.hf_shape(cfg, key)
     return {
         "embed": (v, d),
         "final_norm": (d,),
@@ -201,7 +187,7 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "bq": (q,),
         "bk": (kv,),
         "bv": (kv,),
-        "wq": (q, d),
+        "wq": (q * (2 if cfg.attn_output_gate else 1), d),
         "wk": (kv, d),
         "wv": (kv, d),
         "wo": (d, cfg.n_heads * cfg.v_dim),
@@ -354,8 +340,8 @@ def _windows(raw: dict, family: families.Family, where: Path) -> dict:
         types = [LAYER_TYPES[t] for t in raw["layer_types"]]
     else:
         types = family.windows(raw, n, where, family.model_type)
-    if "sliding" not in types:
-        return {}
+    if "sliding" not in types:  # linear layers among full ones are said per layer
+        return {"layer_types": tuple(types)} if "linear" in types else {}
     if window is None:
         raise DistillError(f"{where}: sliding layers without a sliding_window")
     keys = {"sliding_window": window}
@@ -462,7 +448,7 @@ def check_checkpoint(
     for name in needed:
         base, view = stored(name)
         if base in logical:  # quantized: its stored tensors were checked with the scheme
-            _check_shape(Path(path), name, _view_shape(logical[base], view), cfg, needed)
+            _check_shape(Path(path), name, view_shape(logical[base], view), cfg, needed)
             continue
         if base not in files:
             raise DistillError(f"{Path(path)}: tensor {base} is missing from the checkpoint")
@@ -477,15 +463,8 @@ def check_checkpoint(
                 base, view = stored(name)
                 if base not in present:
                     raise DistillError(f"{full}: tensor {base} is missing")
-                got = _view_shape(tuple(f.get_slice(base).get_shape()), view)
+                got = view_shape(tuple(f.get_slice(base).get_shape()), view)
                 _check_shape(full, name, got, cfg, needed)
-
-
-def _view_shape(shape: tuple[int, ...], view: int | None) -> tuple[int, ...]:
-    """The shape of every other last-axis column of `shape` from `view` (None: all)."""
-    if view is None:
-        return tuple(shape)
-    return (*shape[:-1], len(range(view, shape[-1], 2)))
 
 
 def _check_shape(where: Path, name: str, got: tuple, cfg: ModelConfig, needed: dict) -> None:

@@ -31,7 +31,7 @@ from flax import nnx
 from distill import collectives as cc
 from distill import programs
 from distill.config import ModelConfig
-from distill.models import mla, moe
+from distill.models import linear_attention, mla, moe
 from distill.models.attention import attention, over_rows, resolve_backend
 from distill.models.rope import Rope, apply_rope, layer_rope
 
@@ -95,8 +95,8 @@ class Block(nnx.Module):
             for name, shape in mla.weight_shapes(cfg).items():
                 w = norm(shape[0]) if name in mla.NORMS else _normal(rngs, shape, std)
                 setattr(self, name, w)
-        else:
-            self.wq = _normal(rngs, (d, cfg.n_heads * hd), std)
+        else:  # with an output gate, each head's queries then its gate
+            self.wq = _normal(rngs, (d, cfg.n_heads * hd * (2 if cfg.attn_output_gate else 1)), std)
             self.wk = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
             self.wv = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
         if cfg.qkv_bias:
@@ -114,6 +114,8 @@ class Block(nnx.Module):
             self.bo = nnx.Param(jnp.zeros((d,), jnp.float32))
         if cfg.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
+        for name, param in linear_attention.init_params(cfg, rngs, std, out_std).items():
+            setattr(self, name, param)  # Gated DeltaNet's, where the model has linear layers
         self.mlp_norm = norm(d)
         if cfg.has_dense_ffn():
             self.w_gate = _normal(rngs, (d, f), std)
@@ -140,7 +142,8 @@ class Block(nnx.Module):
         """(window, `Rope`) of this layer: from `layer`, its scanned data, where layers
         differ in them; else static, from the config."""
         layer = layer or {}
-        window = layer["window"] if "window" in layer else window_of(self.cfg, self.cfg.types()[0])
+        kind = self.cfg.attention_type()
+        window = layer["window"] if "window" in layer else window_of(self.cfg, kind)
         if "inv_freq" in layer:
             return window, Rope(layer["inv_freq"], layer["rope_factor"])
         return window, layer_rope(self.cfg, 0)
@@ -156,13 +159,16 @@ class Block(nnx.Module):
 
     def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None):
         """Queries [B, S, H, hd] and keys [B, S, KV, hd], values [B, S, KV, v_dim] (local
-        heads), RoPE applied."""
+        heads), RoPE applied, and the output gate's logits [B, S, H, hd] (else None)."""
         bias, normed = self.cfg.qkv_bias, self._norm(x_bsd, self.attn_norm)
         if self.cfg.mla:
             w = {k: getattr(self, k)[...] for k in mla.weight_shapes(self.cfg)}
-            return mla.qkv(w, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
+            qkv = mla.qkv(w, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
+            return (*qkv, None)
         h = cc.gather_positions(normed, tp_axis)
-        q = self._project(h, self.wq, self.bq if bias else None)
+        q, gate = self._project(h, self.wq, self.bq if bias else None), None
+        if self.cfg.attn_output_gate:  # each head's hd queries, then its hd gate logits
+            q, gate = jnp.split(q.reshape(*q.shape[:2], -1, 2 * self.cfg.hd), 2, axis=-1)
         k = self._project(h, self.wk, self.bk if bias else None)
         v = self._project(h, self.wv, self.bv if bias else None)
         if self.cfg.qk_norm and self.cfg.qk_norm_full:
@@ -171,7 +177,8 @@ class Block(nnx.Module):
         elif self.cfg.qk_norm:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         inter = self.cfg.rope_interleave
-        return apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter), v
+        q, k = apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter)
+        return q, k, v, gate
 
     def dense_ffn(self, h_bsd, tp_axis: str | None):
         """The gated MLP (column-parallel gate/up, row-parallel down, psum over `tp`)."""
@@ -208,9 +215,14 @@ class Block(nnx.Module):
         output projection, the residuals and the feed-forward (with Gemma's post-norms).
         `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor (the
         teacher), layout and token_mask (the student's training step)."""
-        dt = x_bsd.dtype
         b, s = o_bshd.shape[:2]  # x holds S/tp of them under sequence parallelism
-        o = cc.psum(matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(dt)), tp_axis)
+        o = matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(x_bsd.dtype))
+        return self.residual(x_bsd, o, tp_axis, layer, moe_opts)
+
+    def residual(self, x_bsd, o_bsd, tp_axis: str | None, layer=None, moe_opts=None):
+        """`finish` from the output projection's partial sums o [B, S, D] (this shard's)."""
+        dt = x_bsd.dtype
+        o = cc.psum(o_bsd, tp_axis)
         if self.cfg.o_bias:
             o = o + self.bo[...].astype(dt)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
@@ -243,17 +255,24 @@ class Block(nnx.Module):
         self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts=None,
         attend=None,
     ):  # fmt: skip
-        """(the block's output, its keys and values, its expert stats). `attend`: attention in
-        place of `attention` with `backend` (`Transformer.hidden`)."""
-        window, rope = self.layer(layer)
-        q, k, v = self.qkv(x_bsd, positions_bs, rope, tp_axis)
-        attend = attend or functools.partial(attention, backend=backend)
-        o = attend(
-            q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
-            softcap=self.cfg.attn_softcap, sinks=self.sinks[...] if self.cfg.attn_sinks else None,
-        )  # fmt: skip
-        x, stats = self.finish(x_bsd, o, tp_axis, layer, moe_opts)
-        return x, (k, v), stats
+        """(the block's output, its keys and values (zeros in a linear layer), its expert
+        stats). `attend`: attention in place of `attention` with `backend` (`hidden`)."""
+
+        def attn(x):
+            window, rope = self.layer(layer)
+            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis)
+            o = (attend or functools.partial(attention, backend=backend))(
+                q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
+                softcap=self.cfg.attn_softcap,
+                sinks=self.sinks[...] if self.cfg.attn_sinks else None,
+            )  # fmt: skip
+            o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's, per head and dim
+            return matmul(o.reshape(*o.shape[:2], -1), self.wo[...].astype(x.dtype)), (k, v)
+
+        args = (segment_ids_bs, tp_axis, layer, attn, matmul)
+        o, kv = linear_attention.block_mixer(self, x_bsd, *args)
+        x, stats = self.residual(x_bsd, o, tp_axis, layer, moe_opts)
+        return x, kv, stats
 
 
 def window_of(cfg: ModelConfig, kind: str) -> int | None:
@@ -277,6 +296,8 @@ def layer_data(cfg: ModelConfig) -> dict | None:
         data["rope_factor"] = jnp.asarray([t.factor for t in tables], jnp.float32)
     if cfg.mixed_ffn():
         data["moe"] = jnp.asarray(cfg.moe_layers())
+    if cfg.mixed_mixers():
+        data["linear"] = jnp.asarray(cfg.linear_layers())
     return data or None
 
 

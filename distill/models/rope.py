@@ -80,7 +80,8 @@ def layer_rope(cfg: ModelConfig, i: int) -> Rope:
     (`ModelConfig.rope_layers`, SmolLM3's NoPE layers) zero frequencies and factor 1, a
     rotation by zero that leaves queries and keys as they are, so that the layer scan
     carries one table for every layer and every attention path runs it unchanged."""
-    table = rope_table(cfg, cfg.types()[i])
+    kind = cfg.types()[i]
+    table = rope_table(cfg, cfg.attention_type() if kind == "linear" else kind)
     return table if cfg.ropes()[i] else Rope(jnp.zeros_like(table.inv_freq), 1.0)
 
 

@@ -1,7 +1,8 @@
 """Every checkpoint family the one decoder runs, one record each (`record.Family`),
 registered when this package is imported: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2,
 Gemma 3, SmolLM3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3
-(and Kimi K2, its architecture), GLM-4.5 and gpt-oss.
+(and Kimi K2, its architecture), GLM-4.5 and gpt-oss;
+Qwen3.5's text model (linear and full attention layers).
 
 A new family is a new record here (and, only where it brings a new part, the model).
 """
@@ -13,6 +14,7 @@ from distill.models.families import (  # noqa: F401
     llama,
     mixtral,
     qwen,
+    qwen35,
     smollm3,
 )
 from distill.models.families.record import Family, get, known, names

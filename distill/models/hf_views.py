@@ -1,0 +1,50 @@
+"""Weight names that view part of a stored tensor (`distill.models.hf.weight_names`): every
+other column of a fused tensor (gpt-oss's interleaved gate and up, `VIEW`) or a range of
+its rows (Qwen3.5's q, k and v of `in_proj_qkv` and `conv1d`, `ROWS`), so that each part
+is read, split over `tp` and exported as a weight of its own."""
+
+from __future__ import annotations
+
+from distill.config import ModelConfig
+from distill.models import families
+
+# A name `stored{VIEW}k` in `weight_names` is every other column of the stored tensor from
+# column k: gpt-oss interleaves its experts' gate (k = 0) and up (k = 1) projections.
+VIEW = "#"
+# A name `stored{ROWS}a:b` is the rows [a, b) of the stored tensor.
+ROWS = families.qwen35.ROWS
+FUSED_EXPERTS = {
+    "we_gate": f"gate_up_proj{VIEW}0",
+    "we_up": f"gate_up_proj{VIEW}1",
+    "we_down": "down_proj",
+}
+FUSED_BIASES = {
+    "be_gate": f"gate_up_proj_bias{VIEW}0",
+    "be_up": f"gate_up_proj_bias{VIEW}1",
+    "be_down": "down_proj_bias",
+}
+
+
+def fused_expert_names(cfg: ModelConfig) -> dict[str, str]:
+    """distill expert weight -> its fused tensor's name after `experts.` (gpt-oss)."""
+    return {**FUSED_EXPERTS, **(FUSED_BIASES if cfg.expert_bias else {})}
+
+
+def stored(name: str) -> tuple[str, int | tuple[int, int] | None]:
+    """(the stored tensor's name, the first of every other column it takes, or its rows
+    (start, stop), or None: the whole tensor) of a `weight_names` name."""
+    if ROWS in name:
+        base, rows = name.split(ROWS)
+        return base, tuple(map(int, rows.split(":")))
+    base, _, start = name.partition(VIEW)
+    return base, (int(start) if start else None)
+
+
+def view_shape(shape: tuple[int, ...], view) -> tuple[int, ...]:
+    """The shape of every other last-axis column of `shape` from `view`, or of its rows
+    `view` = (start, stop) (None: all)."""
+    if view is None:
+        return tuple(shape)
+    if isinstance(view, tuple):
+        return (len(range(*view)) if view[1] <= shape[0] else -1, *shape[1:])
+    return (*shape[:-1], len(range(view, shape[-1], 2)))
