@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
         "cache-teacher": "store top-k teacher outputs for teacher.source cache; one JSON line",
         "prepare": "tokenise and pack the corpus into data.prepared_dir once; one JSON line",
         "score": "print a model's mean NLL and perplexity on a text file (one document)",
+        "serve": "serve the teacher over HTTP (completions API, binary top-k) for students",
     }
     for name, text in helps.items():
         c = sub.add_parser(name, help=text, description=text)
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
             help="override a config field (repeatable), e.g. --set train.steps=50",
         )
     _bench_arguments(sub.choices["bench"])
+    _serve_arguments(sub.choices["serve"])
     sub.choices["cache-teacher"].add_argument(
         "--batches-per-shard", type=int, default=64, metavar="N", help="records per shard"
     )
@@ -142,6 +144,23 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
         help="also time a plain PyTorch + transformers KD loop on the same shapes (with --role: "
         "that role's PyTorch peer on torch's cuda:0, else the CPU; needs .[hf])",
     )
+
+
+def _serve_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every one)")
+    s.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
+    s.add_argument(
+        "--batch-rows", type=int, default=None, metavar="N",
+        help="rows per teacher forward (default train.batch_size)",
+    )  # fmt: skip
+    s.add_argument(
+        "--wait-ms", type=float, default=5.0, metavar="MS",
+        help="how long a batch's first request waits for others to join it",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-len", type=int, default=None, metavar="N",
+        help="longest prompt served, in tokens (default 4096)",
+    )  # fmt: skip
 
 
 def _prepare_devices(cfg: Config) -> None:
@@ -323,6 +342,16 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     print(dumps(prepare(_config(args), args.rows_per_shard)))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from pipelines.commands.serve import serve
+
+    if args.batch_rows is not None and args.batch_rows < 1 or args.wait_ms < 0:
+        raise DistillError("--batch-rows >= 1 and --wait-ms >= 0")
+    if args.max_len is not None and args.max_len < 2 or not 0 <= args.port <= 65535:
+        raise DistillError("--max-len >= 2 and 0 <= --port <= 65535")
+    serve(_config(args), args.host, args.port, args.batch_rows, args.wait_ms, args.max_len)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from pipelines.commands import run
 
@@ -345,6 +374,7 @@ COMMANDS = {
     "export": cmd_export,
     "generate": cmd_generate,
     "score": cmd_score,
+    "serve": cmd_serve,
     "dashboard": cmd_dashboard,
 }
 

@@ -1,0 +1,7 @@
+"""`distill serve`: the teacher on its inference mesh behind HTTP, for students elsewhere.
+
+`server` loads the teacher and serves it; `scorer` runs batches of rows through it;
+`batcher` gathers concurrent requests into those batches; `app` has the routes and
+`apis` the JSON formats of the APIs (OpenAI/vLLM completions, SGLang); `wire` the
+binary top-k format of distill's own clients (`pipelines.endpoint`).
+"""
