@@ -19,6 +19,7 @@ from distill.data.pipeline import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
 from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
+from distill.handoff import check_dense_elements, check_dense_output
 from distill.mesh import (
     available_devices,
     check_batch_split,
@@ -32,7 +33,6 @@ from distill.models import hf
 from pipelines.evaluation import check_eval_rows
 from pipelines.on_policy import check_on_policy
 from pipelines.placement import resolve
-from pipelines.plan import check_dense_elements, check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
 from teacher import quantized
 from teacher.pipeline import check_stages

@@ -18,12 +18,11 @@ from jax.sharding import Mesh
 
 from distill.config import Config
 from distill.data.tokenizers import Tokenizer, vocab_limit
+from distill.handoff import dense_blocks, eval_windows
 from distill.observability.expert_load import LoadWindow
 from distill.types import Batch, TeacherOutput
-from pipelines.evaluation import eval_windows
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
-from pipelines.plan import dense_blocks
 from pipelines.timing import ReadyWatcher
 from teacher import positions
 from teacher.forward import forward_for, make_output_forward
@@ -57,7 +56,7 @@ class OnlineTeacher:
         """Dispatch the teacher's output for a host batch (not waited for): on the teacher's
         own rows [B, T] when the batch carries them (cross-tokenizer), else on the batch; a
         dense one too large for one array per device in blocks, one per `train.grad_accum`
-        microbatch (`pipelines.plan.dense_blocks`: block j holds rows j, j + n, ...).
+        microbatch (`distill.handoff.dense_blocks`: block j holds rows j, j + n, ...).
         Returns (the output, a mixture of experts' `moe.ExpertLoad` on device, else None).
         Across tokenizers to a student with `cp`, the output is at the student's positions
         (`teacher.positions`)."""
@@ -82,7 +81,7 @@ class OnlineTeacher:
 
     def logits(self, batch: Batch):
         """The dense logits [B, S, V] of an eval chunk, or where those would reach 2^31
-        elements a tuple of its position windows (`pipelines.evaluation.eval_windows`)."""
+        elements a tuple of its position windows (`distill.handoff.eval_windows`)."""
         rows = own_rows(batch)
         forward = self._logits(windows=eval_windows(self._cfg, rows.tokens.shape[1]))
         return forward(self.params, jax.device_put(rows, self.put))

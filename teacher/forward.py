@@ -83,7 +83,7 @@ def make_forward(
 
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
-    mode "logits": raw logits z [B,S,V] (eval), or `windows` (`evaluation.eval_windows`)
+    mode "logits": raw logits z [B,S,V] (eval), or `windows` (`distill.handoff.eval_windows`)
     mode "target_logprobs": log softmax(z/T) [B,S] at each batch target (`distill score`,
         on-policy scoring): formed a chunk of positions at a time, never the [B,S,V] ones
     each with its rows split over the whole mesh (`teacher.sharding.out_spec`).

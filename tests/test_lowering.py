@@ -40,11 +40,11 @@ from distill import checkpoint
 from distill import mesh as mesh_layout
 from distill.config.load import load_config
 from distill.data.tokenizers import build_tokenizer, vocab_limit
+from distill.handoff import eval_rows, eval_windows
 from distill.mesh import DP, student_mesh, teacher_mesh
 from distill.models import attention
 from distill.models.decode import Prompts
 from pipelines import sources
-from pipelines.evaluation import eval_rows, eval_windows
 from pipelines.placement.costs import resolve
 from pipelines.plan.memory import abstract_batch, abstract_teacher_output, teacher_params
 from student import eval_programs, train

@@ -364,12 +364,12 @@ def test_a_colocated_run_killed_with_sigkill_resumes_exactly(tiny_run, colocated
 def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_path, monkeypatch):
     """Dense teacher log-probs, teacher microbatches of one row and two gradient
     accumulation microbatches, the dense output handed over in one block per microbatch
-    (the 2^31 bound lowered below a device's whole output: `pipelines.plan.dense_blocks`):
+    (the 2^31 bound lowered below a device's whole output: `distill.handoff.dense_blocks`):
     colocated (teacher dp=2 x tp=2, student dp=2 on devices 0-3; the teacher's rows sliced
     on each device) gives the split run's losses."""
-    from pipelines import plan
+    from distill import handoff
 
-    monkeypatch.setattr(plan, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a teacher device
+    monkeypatch.setattr(handoff, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a teacher device
     losses = {}
     for placement_ in ("split", "colocated"):
         out = tmp_path / placement_
@@ -377,7 +377,7 @@ def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_pat
         tree["mesh"]["placement"] = placement_
         tree["teacher"].update(top_k=None, microbatch=1)
         tree["train"].update(steps=2, grad_accum=2, eval_every=2, checkpoint_every=2)
-        assert plan.dense_blocks(config_from_dict(tree)) == 2
+        assert handoff.dense_blocks(config_from_dict(tree)) == 2
         assert main(["run", write_config(tmp_path, tree, f"{placement_}.yaml")]) == 0
         losses[placement_] = train_by_step(out)
     assert sorted(losses["split"]) == sorted(losses["colocated"]) == [2]

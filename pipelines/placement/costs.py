@@ -8,6 +8,7 @@ import logging
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import Config
 from distill.errors import DistillError
+from distill.handoff import teacher_output_bytes_per_step
 from distill.mesh import check_placement_mode
 from pipelines.placement.cache import cached_costs, stored_costs
 from pipelines.placement.choice import (
@@ -56,8 +57,6 @@ def _cost_seconds(compiled, platform: str, factor: float) -> float:
 def output_bytes_per_device(cfg: Config) -> int:
     """One teacher output's bytes on a device of the inference mesh: its rows (split over
     dp x ep, replicated over tp)."""
-    from pipelines.plan import teacher_output_bytes_per_step
-
     t = cfg.mesh.teacher
     return teacher_output_bytes_per_step(cfg) // (t.dp * t.ep)
 
