@@ -159,7 +159,7 @@ def test_the_online_teacher_makes_a_dense_output_in_the_microbatches_blocks(tiny
     from distill.config.load import config_from_dict
     from distill.data.tokenizers import ByteTokenizer
     from distill.types import Batch
-    from pipelines.sources import OnlineTeacher
+    from teacher.online import OnlineTeacher
 
     tree = {**tiny_run.tree, "train": {**tiny_run.tree["train"], "grad_accum": 2}}
     tree["teacher"] = {**tree["teacher"], "top_k": None, "pretrain_steps": 0}

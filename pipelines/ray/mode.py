@@ -39,7 +39,7 @@ from distill.observability.expert_load import LoadWindow
 from distill.observability.metrics import MetricsStore
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.hooks import Hook, Status
-from pipelines.local import distill_hooks, eval_byte_lengths
+from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop, LoopSpec
 from pipelines.on_policy import eval_prompts, schedule_figures, takes_on_policy
 from pipelines.progress import distill_record
@@ -47,6 +47,7 @@ from pipelines.ray import rows as ray_rows
 from pipelines.ray.pool import ActorPool
 from pipelines.sources import taught_of
 from student.evaluate import combine
+from student.executor import eval_byte_lengths
 
 log = logging.getLogger("distill")
 
