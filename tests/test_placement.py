@@ -92,6 +92,24 @@ def test_candidates_follow_the_divisibility_rules():
     assert two == [Layout("split", (1, 1, 1), (1, 1))]  # 1 + 1
 
 
+def test_placement_is_one_type_that_the_config_spells_as_yaml_strings():
+    """`distill.mesh.Placement` names exactly the strings `mesh.placement` accepts, and a
+    config's value compares equal to its member, so code compares against the type."""
+    import typing
+
+    from distill.config.schema import MeshConfig
+    from distill.mesh import Placement
+
+    accepted = typing.get_args(MeshConfig.model_fields["placement"].annotation)
+    assert accepted == tuple(Placement) == ("split", "colocated", "auto")
+    cfg = load_config("pipelines/quickstart.yaml", ["mesh.placement=colocated"])
+    assert (
+        cfg.mesh.placement == Placement.COLOCATED
+        and Placement(cfg.mesh.placement) is Placement.COLOCATED
+    )
+    assert Layout("split", (1, 1, 4), (4, 1)) == Layout(Placement.SPLIT, (1, 1, 4), (4, 1))
+
+
 def test_bench_colocates_over_the_splits_devices():
     """`distill bench --colocated`: the quick start's split and both roles over its 8
     devices, each role's dp scaled; a layout the batch does not divide is one line."""

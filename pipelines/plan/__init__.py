@@ -15,7 +15,7 @@ from distill.handoff import (
     teacher_output_bytes_per_step,
     teacher_output_bytes_per_token,
 )
-from distill.mesh import CP, EP, Meshes, student_shape
+from distill.mesh import CP, EP, Meshes, Placement, student_shape
 from distill.models import model, moe
 from distill.models.experts import dispatch
 from student import optim, sharding, train
@@ -223,7 +223,7 @@ def format_plan(p: dict) -> str:
     )
     return "\n".join(
         [
-            f"devices ({lay['platform']}, {lay.get('placement', 'split')}): "
+            f"devices ({lay['platform']}, {lay.get('placement', Placement.SPLIT)}): "
             f"teacher {shape('teacher')} on [{ids('teacher')}]  |  "
             f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "

@@ -35,6 +35,7 @@ import ray
 
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.mesh import Placement
 from distill.observability.expert_load import LoadWindow
 from distill.observability.metrics import MetricsStore
 from pipelines.evaluation import Evaluation, eval_batches
@@ -341,7 +342,7 @@ def distill_ray(
 def actor_processes(cfg: Config) -> int:
     """The run's actor processes: every teacher replica's group and the student's (one
     group for both, colocated)."""
-    if cfg.mesh.placement == "colocated":
+    if cfg.mesh.placement == Placement.COLOCATED:
         return cfg.mesh.student.hosts
     return cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
 
