@@ -44,7 +44,7 @@ EP = "ep"
 # because the meshes are separate objects and a sharding names its own mesh.
 DP = "dp"
 # The inference mesh's pipeline axis, outermost: its stages each hold a run of the teacher's
-# layers, activations passed stage to stage once per microbatch (`teacher.pipeline`).
+# layers, activations passed stage to stage once per microbatch (`teacher.stages`).
 PP = "pp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
 # Both meshes' context-parallel axis: each row's sequence split over it (load-balanced

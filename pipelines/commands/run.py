@@ -21,7 +21,7 @@ from pipelines.plan import flops as plan_flops
 from pipelines.plan import format_plan, host_memory, plan
 from pipelines.plan import memory as plan_memory
 from pipelines.preflight import preflight, preflight_shapes
-from teacher.pipeline import check_stages
+from teacher.stages import check_stages
 
 log = logging.getLogger("distill")
 

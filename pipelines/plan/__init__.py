@@ -19,7 +19,7 @@ from distill.mesh import CP, EP, Meshes, Placement, student_shape
 from distill.models import model, moe
 from distill.models.experts import dispatch
 from student import optim, sharding, train
-from teacher import pipeline
+from teacher import stages
 from teacher.forward import microbatch_rows
 
 
@@ -119,10 +119,10 @@ def teacher_figures(cfg: Config) -> dict:
         m = rows // microbatch_rows(rows, cfg.teacher.microbatch)
         figures.update(
             stages=t.pp,
-            layers_per_stage=pipeline.stage_layers(cfg),
+            layers_per_stage=stages.stage_layers(cfg),
             microbatches=m,
-            bubble=pipeline.bubble(t.pp, m),
-            stage_bytes_per_step=pipeline.stage_bytes(cfg, m, b),
+            bubble=stages.bubble(t.pp, m),
+            stage_bytes_per_step=stages.stage_bytes(cfg, m, b),
         )
     return figures
 
@@ -214,7 +214,7 @@ def format_plan(p: dict) -> str:
         if "active_params" in t
         else ""
     )
-    stages = (
+    stage_line = (
         f"\nteacher pipeline: {t['stages']} stages x {t['layers_per_stage']} layers, "
         f"{t['microbatches']} microbatches, bubble {t['bubble']:.1%}, "
         f"{mb(t['stage_bytes_per_step'])}/step between stages"
@@ -228,7 +228,7 @@ def format_plan(p: dict) -> str:
             f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
             f"{mb(t['weight_bytes_per_device'])} weights/device, "
-            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward" + _ring(t) + stages,
+            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward" + _ring(t) + stage_line,
             f"student: {s['params'] / 1e6:.2f}M params"
             + (f" ({s['active_params'] / 1e6:.2f}M active)" if "active_params" in s else "")
             + ", "

@@ -149,7 +149,7 @@ class _Member:
         """This process's own copy of the corpus (rows read by index, from
         `data.prepared_dir` on demand when set; with a teacher tokenizer of its own, the
         teacher's rows of each row's text and the alignment, as local mode reads them)."""
-        from distill.data.pipeline import load_corpus
+        from distill.data.loader import load_corpus
         from pipelines.preflight import cross_tokenizer_corpus
 
         if cfg.cross_tokenizer():
