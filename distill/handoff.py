@@ -1,4 +1,10 @@
-"""Moving batch-major arrays from one mesh to the other, device to device.
+"""The hand-off between the roles: how large a teacher output is, and how it moves from one
+mesh to the other, device to device.
+
+Its sizing rules (below `hop`) are read by both roles' running objects and by the planner
+alike: the bytes per token and step, the blocks a dense output is made in
+(`dense_blocks`), the refusals of one too large for a device, and the chunks and position
+windows of the dense eval logits (`eval_rows`, `eval_windows`).
 
 `jax.device_put` of an array onto another mesh copies buffer to buffer only when each
 destination shard is exactly one source shard (the same rows); for any other pair of
@@ -22,8 +28,15 @@ every process takes JAX's own reshard, a collective over the group.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from distill.config import Config
+from distill.errors import DistillError
+from distill.limits import MAX_ELEMENTS, rows_that_fit
+from distill.mesh import student_row_shards, student_size, teacher_size
 
 Rows = tuple[int, int]  # [start, stop) of the leading axis (or of the positions, axis 1)
 Block = tuple[Rows, Rows]  # (rows, positions) of a shard
@@ -130,3 +143,172 @@ def _assemble(src: dict[Block, jax.Array], local: dict, block: Block, device, nd
 
 def _inside(inner: Block, outer: Block) -> bool:
     return all(s0 <= a and b <= s1 for (a, b), (s0, s1) in zip(inner, outer, strict=True))
+
+
+# A chunk's dense float32 logits, per student device (teacher and student logits, and the
+# log-softmax temporaries of the metrics, each of about this size).
+EVAL_DEVICE_BYTES = 256 * 2**20
+
+
+# Dense teacher outputs on a student device at once: the step's own and the next step's,
+# which the loop hops over while the step runs (`pipelines.loop`, staged).
+DENSE_BUFFERS = 2
+# The share of a device's memory they may take; a CPU device reports none: a fixed budget.
+DENSE_FRACTION = 0.25
+CPU_DEVICE_BUDGET = 4 * 2**30
+
+
+def teacher_output_bytes_per_token(cfg: Config) -> int:
+    """Bytes of teacher output per token: float32 values and int32 ids of the top-k, or the
+    float32 log-probs of the whole vocabulary."""
+    k = cfg.teacher.top_k
+    return k * 8 if k else cfg.teacher.model.vocab_size * 4
+
+
+def teacher_output_bytes_per_step(cfg: Config) -> int:
+    """Bytes crossing from the inference mesh to the training mesh per step."""
+    return teacher_output_bytes_per_token(cfg) * cfg.train.batch_size * cfg.train.seq_len
+
+
+def dense_output_bytes_per_device(cfg: Config) -> int:
+    """Dense teacher outputs held on one student device: its rows x its positions (S, or
+    S / cp) x V x 4 bytes, twice."""
+    rows, positions = student_rows(cfg)
+    return rows * positions * cfg.teacher.model.vocab_size * 4 * DENSE_BUFFERS
+
+
+def student_rows(cfg: Config) -> tuple[int, int]:
+    """(rows, positions of each) one student device holds of a training batch: its share
+    of the rows (dp x fsdp), each row's S / cp positions."""
+    return cfg.train.batch_size // student_row_shards(cfg), cfg.train.seq_len // cfg.mesh.student.cp
+
+
+def dense_output_budget(device) -> tuple[int, str]:
+    """(bytes the dense teacher outputs may take on a device like `device`, where from)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit:
+        return CPU_DEVICE_BUDGET, f"the fixed budget of a {device.platform} device"
+    return int(limit * DENSE_FRACTION), f"{DENSE_FRACTION:.0%} of {_gib(limit)} device memory"
+
+
+def dense_rows_per_device(cfg: Config, rows: int | None = None) -> int:
+    """The most rows one device holds of a dense teacher output of `rows` rows (default: the
+    training batch): on the inference mesh (split over every device when they divide, else
+    over dp x ep: `teacher.sharding.out_spec`) and on the training mesh."""
+    t = cfg.mesh.teacher
+    b = rows or cfg.train.batch_size
+    teacher = b // teacher_size(cfg) if b % teacher_size(cfg) == 0 else b // (t.dp * t.ep)
+    return max(teacher, b // student_size(cfg))
+
+
+def _dense_elements(cfg: Config, n_blocks: int, teacher_len: int | None) -> tuple[int, int, int]:
+    """(rows, positions, elements) of one device's array of a dense output in `n_blocks`."""
+    s = max(cfg.train.seq_len, teacher_len or 0)
+    rows = dense_rows_per_device(cfg, cfg.train.batch_size // n_blocks)
+    return rows, s, rows * s * cfg.teacher.model.vocab_size
+
+
+def dense_blocks(cfg: Config, teacher_len: int | None = None) -> int:
+    """How many arrays a batch's dense teacher output is handed over in
+    (`distill.types.TeacherOutput`): one while one array per device stays under
+    MAX_ELEMENTS, else one per `train.grad_accum` microbatch (block j: rows j, j + n, ...,
+    made by a teacher forward of its own and read by the student's microbatch j). One for
+    a top-k output. `teacher_len`: across tokenizers, the teacher's own row length (known
+    once the corpus is read); its output is [rows, T, V], read at [rows, S, V] positions."""
+    if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
+        return 1
+    return 1 if _dense_elements(cfg, 1, teacher_len)[2] < MAX_ELEMENTS else cfg.train.grad_accum
+
+
+def check_dense_elements(cfg: Config, teacher_len: int | None = None) -> None:
+    """Refuse a dense teacher output whose arrays (`dense_blocks`) would reach MAX_ELEMENTS
+    on a device (`distill.limits`: GPU sorts and kernels index with 32 bits), in one line
+    naming teacher.top_k and the rows a device that fit; or whose blocks the layout cannot
+    make (the Ray hand-off takes one array; the teacher's dp x ep splits each block)."""
+    n = dense_blocks(cfg, teacher_len)
+    if n == 1 and (cfg.teacher.top_k is not None or cfg.teacher.source != "online"):
+        return
+    rows, s, elements = _dense_elements(cfg, n, teacher_len)
+    v = cfg.teacher.model.vocab_size
+    if elements >= MAX_ELEMENTS:
+        fit = rows_that_fit(s, v)
+        raise DistillError(
+            f"teacher.top_k: null makes dense teacher outputs of {rows} rows x {s} tokens x "
+            f"{v} ids = {elements:,} elements on a device (an array per train.grad_accum "
+            f"microbatch), not under 2^31 (32-bit GPU indexing); at most {fit} rows a device "
+            "and microbatch fit: raise train.grad_accum, lower train.batch_size or set "
+            "teacher.top_k (e.g. --set teacher.top_k=64)"
+        )
+    if n == 1:
+        return
+    t, block = cfg.mesh.teacher, cfg.train.batch_size // n
+    if cfg.pipeline.mode == "ray":
+        raise DistillError(
+            f"teacher.top_k: null makes a dense teacher output of {rows * n} rows x {s} x {v} "
+            "ids on a device, past 2^31 elements as one array, and pipeline.mode ray hands it "
+            "over whole; set teacher.top_k or use pipeline.mode local"
+        )
+    if block % (t.dp * t.ep):
+        raise DistillError(
+            f"train.grad_accum: the dense teacher output is made in {n} blocks of {block} rows "
+            f"(one array per microbatch: whole it would reach 2^31 elements on a device), which "
+            f"do not split over mesh.teacher.dp x ep = {t.dp * t.ep}"
+        )
+
+
+def check_dense_output(cfg: Config, device) -> None:
+    """Refuse a dense teacher output too large for the student's devices (`device`: one of
+    them), or for one array (`check_dense_elements`), in one line naming the figures and
+    the way out."""
+    check_dense_elements(cfg)
+    if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
+        return
+    need, (budget, where) = dense_output_bytes_per_device(cfg), dense_output_budget(device)
+    if need > budget:
+        rows, positions = student_rows(cfg)
+        raise DistillError(
+            f"teacher.top_k: null sends dense teacher log-probs, {rows} rows x "
+            f"{positions} tokens x {cfg.teacher.model.vocab_size} ids x 4 B x "
+            f"{DENSE_BUFFERS} buffers = {_gib(need)} per student device, over {where} "
+            f"({_gib(budget)}); set teacher.top_k (e.g. --set teacher.top_k=64)"
+        )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def eval_rows(cfg: Config) -> int:
+    """Rows per evaluation chunk: the largest divisor of `train.batch_size` that is a
+    multiple of the student's row shards (dp x fsdp) and of the teacher's dp, keeping each
+    student device's share of a chunk's logits under `EVAL_DEVICE_BYTES` (at least one row
+    per device; `pipelines.evaluation`)."""
+    bsz, n = cfg.train.batch_size, student_row_shards(cfg)
+    step = math.lcm(n, cfg.mesh.teacher.dp)  # both divide bsz, so their lcm does
+    row_bytes = cfg.train.seq_len * cfg.teacher.model.vocab_size * 4
+    divisors = [r for r in range(step, bsz + 1, step) if bsz % r == 0]
+    return max((r for r in divisors if r // n * row_bytes <= EVAL_DEVICE_BYTES), default=step)
+
+
+def eval_windows(cfg: Config, length: int | None = None) -> int:
+    """How many position windows each eval chunk's dense logits are made and compared in:
+    the fewest, w, that keep one window's logits [eval_rows, S / w, V] under MAX_ELEMENTS
+    (`distill.limits`: 32-bit GPU indexing), so no array ending in the vocabulary reaches
+    it at any row length. Window j holds positions j, j + w, j + 2w, ... of every row: a
+    strided window is a local slice of any contiguous split of the positions (`cp`'s row
+    order and its load-balanced chunks alike) when w divides each chunk, so S / w must
+    split into 2 x cp for each role's cp. `length`: the teacher's row length where it has
+    its own tokens (cross-tokenizer), else `train.seq_len`. 1 (one window, the whole rows)
+    wherever the rows fit; raises DistillError when no w fits."""
+    s, v, rows = length or cfg.train.seq_len, cfg.teacher.model.vocab_size, eval_rows(cfg)
+    cp = math.lcm(cfg.mesh.teacher.cp, cfg.mesh.student.cp)
+    split = 2 * cp if cp > 1 else 1
+    for w in range(1, s + 1):
+        if s % w == 0 and (s // w) % split == 0 and rows * (s // w) * v < MAX_ELEMENTS:
+            return w
+    raise DistillError(
+        f"train.seq_len: {s} tokens x {v} teacher ids: evaluation's logits of {rows} rows do "
+        f"not split into position windows under 2^31 elements (32-bit GPU indexing)"
+        + (f" that also split into 2 x cp = {split} chunks" if split > 1 else "")
+    )

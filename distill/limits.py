@@ -6,7 +6,7 @@ radix sort on GPUs, whose row offsets are 32-bit) and custom kernels may not: an
 at 8 rows x 4,096 tokens x 128,256 ids, issue 32). So no array ending in the vocabulary is
 ever made whole at that size: the vocabulary-wide computations run over chunks of rows or
 positions, and a dense teacher output too large for one array per device is handed over in
-row blocks, one per `train.grad_accum` microbatch (`pipelines.plan.dense_blocks`), or
+row blocks, one per `train.grad_accum` microbatch (`distill.handoff.dense_blocks`), or
 refused in `distill validate` where blocks cannot bound it (`check_dense_elements`).
 Checked on the compiled programs by tests/test_vocab_bound.py.
 """

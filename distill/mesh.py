@@ -18,9 +18,23 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 
 from distill.config import Config
 from distill.errors import DistillError
+
+
+class Placement(StrEnum):
+    """Where the two meshes lie (`mesh.placement`, which the config holds as the YAML's
+    string: a member equals its string, so the two compare as they are): `split`, on
+    disjoint devices, the roles working at once; `colocated`, on the same devices, taking
+    turns; `auto`, one of the two chosen from each role's cost before the meshes are built
+    (`pipelines.placement`)."""
+
+    SPLIT = "split"
+    COLOCATED = "colocated"
+    AUTO = "auto"
+
 
 TP = "tp"  # the inference mesh's tensor-parallel axis
 # The inference mesh's expert-parallel axis: a mixture of experts' experts split over it,
@@ -30,7 +44,7 @@ EP = "ep"
 # because the meshes are separate objects and a sharding names its own mesh.
 DP = "dp"
 # The inference mesh's pipeline axis, outermost: its stages each hold a run of the teacher's
-# layers, activations passed stage to stage once per microbatch (`teacher.pipeline`).
+# layers, activations passed stage to stage once per microbatch (`teacher.stages`).
 PP = "pp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
 # Both meshes' context-parallel axis: each row's sequence split over it (load-balanced
@@ -44,7 +58,7 @@ log = logging.getLogger(__name__)
 
 def colocated(cfg: Config) -> bool:
     """Whether both meshes lie on the same devices (`mesh.placement: colocated`)."""
-    return cfg.mesh.placement == "colocated"
+    return cfg.mesh.placement == Placement.COLOCATED
 
 
 def devices_needed(cfg: Config) -> int:
@@ -260,7 +274,11 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
             "chunks (context parallelism); make it a multiple of that"
         )
     refused = [
-        ("mesh.placement", cfg.mesh.placement == "auto", "mesh.placement: split or colocated"),
+        (
+            "mesh.placement",
+            cfg.mesh.placement == Placement.AUTO,
+            "mesh.placement: split or colocated",
+        ),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction: 0"),
         *own,
     ]
@@ -316,9 +334,9 @@ def check_teacher_split(cfg: Config) -> None:
 def check_placement_mode(cfg: Config) -> None:
     """Ray mode: `colocated` is one group of processes holding both roles, so one teacher
     replica on the student's hosts; `auto` chooses from one process's devices (local mode)."""
-    if cfg.pipeline.mode != "ray" or cfg.mesh.placement == "split":
+    if cfg.pipeline.mode != "ray" or cfg.mesh.placement == Placement.SPLIT:
         return
-    if cfg.mesh.placement == "auto":
+    if cfg.mesh.placement == Placement.AUTO:
         raise DistillError(
             "mesh.placement: auto chooses from the devices of one process (pipeline.mode "
             "local); in pipeline.mode ray set split or colocated"
@@ -414,7 +432,7 @@ class Meshes:
         shared = {d["id"] for d in t["devices"]} & {d["id"] for d in s["devices"]}
         return {
             "platform": self.platform,
-            "placement": "colocated" if shared else "split",
+            "placement": str(Placement.COLOCATED if shared else Placement.SPLIT),
             "teacher": t,
             "student": s,
         }

@@ -43,7 +43,7 @@ class TeacherOutput(NamedTuple):
 
     Dense: `logprobs` is [B, S, V] and `ids` is None; or, where one such array per device
     would reach `distill.limits.MAX_ELEMENTS`, a tuple of n blocks [B/n, S, V], block j the
-    rows j, j + n, ... (`train.grad_accum` microbatch j's: `pipelines.plan.dense_blocks`).
+    rows j, j + n, ... (`train.grad_accum` microbatch j's: `distill.handoff.dense_blocks`).
     Top-k: `logprobs` is [B, S, k] (the k largest, exact, not renormalised) and `ids` is
     [B, S, k] int32 vocabulary ids. The tail mass 1 - sum(exp(logprobs)) is implied.
     """

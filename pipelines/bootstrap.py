@@ -26,10 +26,10 @@ from distill.models import model
 from distill.outputs import teacher_path
 from pipelines import hooks as h
 from pipelines.divergence import Divergence
-from pipelines.executors import LocalExecutor
 from pipelines.loop import Loop, LoopSpec
 from pipelines.sources import NoTeacher
 from student import train
+from student.executor import LocalExecutor
 
 log = logging.getLogger("distill")
 

@@ -1,12 +1,13 @@
 """The one training loop: a teacher source feeds a student executor; hooks do the rest.
 
 Every way of training is this loop. A **teacher source** (`pipelines.sources`: online on
-the inference mesh, the offline cache, none for the CE bootstrap; `pipelines.ray.mode`: a
-pool of Ray teacher actors) reads batches in data order and starts their teacher work; a
-**student executor** (`pipelines.executors`: the jitted step on the training mesh;
-`pipelines.ray.mode`: the Ray student actor) trains on them. Everything else (evaluation,
-checkpoints, metric records, progress, status, stop requests, profiling, fault injection
-in tests) is a hook (`pipelines.hooks`) with its own cadence, composed by the caller.
+the inference mesh over `teacher.online`, the offline cache, none for the CE bootstrap;
+`pipelines.ray.mode`: a pool of Ray teacher actors) reads batches in data order and starts
+their teacher work; a **student executor** (`student.executor`: the jitted step on the
+training mesh; `pipelines.ray.mode`: the Ray student group) trains on them. Everything
+else (evaluation, checkpoints, metric records, progress, status, stop requests, profiling,
+fault injection in tests) is a hook (`pipelines.hooks`) with its own cadence, composed by
+the caller.
 
 Step n, in dispatch order:
   1. pop the oldest in-flight item and dispatch student step n on it (its teacher output

@@ -41,11 +41,12 @@ from distill.data.prompts import PromptSet, answer_prompts, prompt_set
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
 from distill.models import decode
+from distill.observability.timing import ReadyWatcher
 from distill.types import Batch, Prompts
 from pipelines.evaluation import eval_batches
-from pipelines.sources import OnlineTeacher, QueueSource
-from pipelines.timing import ReadyWatcher
+from pipelines.sources import QueueSource
 from student.generate import ParamHistory, Sampler, sampler_for
+from teacher.online import OnlineTeacher
 
 SAMPLE_KEY = 0x5A3E  # folded into the run seed's key for the evaluation samples
 SAMPLE_KEYS = ("sample_teacher_nll", "sample_student_nll", "sample_kl", "sample_len")

@@ -15,10 +15,11 @@ from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.data.cross_examples import cross_example_corpus
 from distill.data.cross_rows import cross_corpus, row_multiple
-from distill.data.pipeline import load_corpus
+from distill.data.loader import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
 from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
+from distill.handoff import check_dense_elements, check_dense_output
 from distill.mesh import (
     available_devices,
     check_batch_split,
@@ -32,11 +33,10 @@ from distill.models import hf
 from pipelines.evaluation import check_eval_rows
 from pipelines.on_policy import check_on_policy
 from pipelines.placement import resolve
-from pipelines.plan import check_dense_elements, check_dense_output
 from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
 from teacher import quantized
-from teacher.pipeline import check_stages
 from teacher.sharding import check_divisible
+from teacher.stages import check_stages
 
 
 def check_shapes(cfg: Config) -> None:

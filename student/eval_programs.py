@@ -3,7 +3,7 @@ against the teacher's dense logits.
 
 The teacher's logits of an eval chunk come whole ([B, S, V]) or, where those would reach
 2^31 elements, as a tuple of w strided position windows ([B, S/w, V], window j positions
-j, j + w, ... of every row: `pipelines.evaluation.eval_windows`). The student's hidden
+j, j + w, ... of every row: `distill.handoff.eval_windows`). The student's hidden
 states are formed once per chunk; each window's metrics read the same positions of them
 (the student's logits a chunk of positions at a time, never whole) and the windows combine
 as token-weighted means: the metrics of the whole rows. With a `cp` axis the rows run as

@@ -43,7 +43,7 @@ CANDIDATES = ("none", "dots", "block")
 # the GPU libraries' workspaces (cuBLAS, cuDNN, autotuning) come on top. At a 1B student's
 # 4 x 4,096-token rows the staged inputs are under 0.1 GiB with a top-64 teacher; a tenth
 # of a 60-130 GiB budget leaves several GiB for the rest. Dense teacher outputs (8 GiB of
-# buffers at those rows) are refused on their own by `pipelines.plan.check_dense_output`
+# buffers at those rows) are refused on their own by `distill.handoff.check_dense_output`
 # past a quarter of the device.
 HEADROOM = 0.10
 

@@ -14,7 +14,7 @@ is one buffer copy per device (`distill.handoff`; for other splits the hop assem
 student shard from whole row blocks, still device to device).
 
 With pipeline stages (a `pp` axis: `mesh.teacher.pp`) the group's microbatches stream
-through the stages' layers (`teacher.pipeline`), and each stage then forms the outputs of
+through the stages' layers (`teacher.stages`), and each stage then forms the outputs of
 its 1/pp of the rows as above: the rows leave split over pp as well.
 
 With context parallelism (a `cp` axis: `mesh.teacher.cp`) the batch comes in with each
@@ -42,7 +42,7 @@ from distill.mesh import CP, DP, EP, PP, TP
 from distill.models import model, moe, ring_attention
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
-from teacher import pipeline
+from teacher import stages
 from teacher.sharding import OUT_ROWS_DP, batch_spec, out_spec, param_specs
 
 Mode = Literal["dense", "topk", "logits", "target_logprobs"]
@@ -83,7 +83,7 @@ def make_forward(
 
     mode "dense": TeacherOutput(log softmax(z/T) [B,S,V], None)
     mode "topk":  TeacherOutput(top-k of log softmax(z/T) [B,S,k], ids [B,S,k])
-    mode "logits": raw logits z [B,S,V] (eval), or `windows` (`evaluation.eval_windows`)
+    mode "logits": raw logits z [B,S,V] (eval), or `windows` (`distill.handoff.eval_windows`)
     mode "target_logprobs": log softmax(z/T) [B,S] at each batch target (`distill score`,
         on-policy scoring): formed a chunk of positions at a time, never the [B,S,V] ones
     each with its rows split over the whole mesh (`teacher.sharding.out_spec`).
@@ -96,7 +96,7 @@ def make_forward(
         raise ValueError("windows are for mode='logits', the only [B,S,V] one but 'dense'")
 
     moe_opts = {"ep_axis": EP, "capacity_factor": capacity_factor} if cfg.n_experts else None
-    stages = mesh.shape.get(PP, 1)
+    n_stages = mesh.shape.get(PP, 1)
     context, attend = _context(mesh)
     stage_kw = {"dtype": dtype, "moe_opts": moe_opts, "with_stats": expert_load}
 
@@ -121,7 +121,7 @@ def make_forward(
     def forward(params, batch: Batch, *, split_rows: bool):
         if context:  # each device's two load-balanced chunks of its rows
             batch = jax.tree.map(lambda x: ring_attention.balance(x, CP), batch)
-        if stages > 1:
+        if n_stages > 1:
             out = _staged(cfg, params, batch, rows_outputs, microbatch, split_rows, **stage_kw)
         else:
             out = in_microbatches(lambda b: outputs(params, b), batch, microbatch, expert_load)
@@ -131,7 +131,7 @@ def make_forward(
         if not expert_load:
             return out
         # each stage its layers' load; each cp device its positions' routing
-        rows_axes = (DP, EP) + ((PP,) if stages > 1 else ()) + ((CP,) if context else ())
+        rows_axes = (DP, EP) + ((PP,) if n_stages > 1 else ()) + ((CP,) if context else ())
         return out, jax.tree.map(lambda n: cc.psum(n, rows_axes), load)
 
     def run(params, batch: Batch):
@@ -142,7 +142,7 @@ def make_forward(
         sharded = jax.shard_map(
             lambda p, b: forward(p, b, split_rows=spec[0] != OUT_ROWS_DP[0]),
             mesh=mesh,
-            in_specs=(param_specs(cfg, stages), batch_spec(mesh)),
+            in_specs=(param_specs(cfg, n_stages), batch_spec(mesh)),
             out_specs=out_specs,
         )
         return sharded(params, batch)
@@ -226,11 +226,11 @@ def head_outputs(cfg: ModelConfig, mode: Mode, temperature, top_k, vocab_limit, 
 
 def _staged(cfg, params, batch: Batch, rows_outputs, microbatch, split: bool, **kw):
     """`rows_outputs` (hidden states, targets, head -> outputs) of a dp group's rows run
-    through the `pp` stages (`teacher.pipeline.hidden`; `kw`: its dtype, moe_opts,
+    through the `pp` stages (`teacher.stages.hidden`; `kw`: its dtype, moe_opts,
     with_stats): this stage's 1/pp of the rows with `split`, else all of them; with the
     expert load summed over layers and microbatches when `with_stats`."""
     size = microbatch_rows(batch.tokens.shape[0], microbatch)
-    x, head, load = pipeline.hidden(cfg, params, batch, size, split=split, **kw)
+    x, head, load = stages.hidden(cfg, params, batch, size, split=split, **kw)
     targets = cc.rows_of_replicated(batch.targets, PP) if split else batch.targets
     out = in_microbatches(lambda xt: rows_outputs(*xt, head), (x, targets), microbatch)
     return (out, load) if kw.get("with_stats") else out

@@ -5,7 +5,7 @@ Weights, Megatron-style over `tp` and replicated over `dp`: column-parallel in (
 up: output features split over `tp`), row-parallel out (attention output and down
 projections: input features split, summed by `psum`), vocab-parallel embedding and LM head.
 Layer weights carry a leading stacked-layer axis, split over `pp` when the mesh has
-pipeline stages: stage s holds layers [s*L/pp, (s+1)*L/pp) (`teacher.pipeline`); the
+pipeline stages: stage s holds layers [s*L/pp, (s+1)*L/pp) (`teacher.stages`); the
 embedding, the final norm and the LM head are replicated over `pp` (the first stage embeds,
 every stage runs the head on its share of the rows). A mixture of experts' expert weights
 [L, E, ...] are split over `ep` by expert and over `tp` as a dense MLP's; its router is

@@ -76,7 +76,7 @@ def gated_run(corpus_dir, tmp_path_factory):
     remade as data steps, 3 after its output was moved to the student). Its output dir,
     config tree and the number of training outputs the teacher made."""
     from pipelines.commands.cli import main
-    from pipelines.sources import OnlineTeacher
+    from teacher.online import OnlineTeacher
     from tests.conftest import tiny_config, write_config
 
     tmp = tmp_path_factory.mktemp("gated_run")

@@ -105,10 +105,10 @@ def test_bits_per_byte_match_transformers_on_the_same_text(tmp_path):
     from distill.mesh import student_mesh, teacher_mesh
     from distill.models import model
     from pipelines.evaluation import eval_batches
-    from pipelines.local import eval_byte_lengths
-    from pipelines.sources import OnlineTeacher
     from student.evaluate import StudentEval
+    from student.executor import eval_byte_lengths
     from student.export import write_hf
+    from teacher.online import OnlineTeacher
     from tests.conftest import tiny_config
 
     docs = tmp_path / "docs"

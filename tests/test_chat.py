@@ -14,8 +14,8 @@ import yaml
 
 from distill.config import DataConfig
 from distill.data.chat import load_template
+from distill.data.loader import load_corpus
 from distill.data.packing import best_fit, packing_stats
-from distill.data.pipeline import load_corpus
 from distill.data.tokenizers import load_tokenizer
 from distill.errors import DistillError
 from pipelines.commands.cli import main

@@ -13,7 +13,7 @@ import pytest
 
 from distill.config import DataConfig
 from distill.data.chat import load_template, trained_tokens
-from distill.data.pipeline import load_corpus
+from distill.data.loader import load_corpus
 from distill.data.tokenizers import load_tokenizer
 from distill.errors import DistillError
 from tests.test_chat import (

@@ -75,17 +75,17 @@ def test_eval_in_chunks_gives_the_same_metrics(finished_run, whole_eval, capsys,
     """Evaluation split into chunks of `dp` rows (what a large vocabulary gets) gives the
     metrics of whole-batch evaluation (`whole_eval`, the default budget): the same rows,
     token-weighted."""
+    from distill import handoff
     from distill.config.load import load_config
-    from pipelines import evaluation
 
     _, _, cfg_path = finished_run
     cfg = load_config(cfg_path)
-    assert evaluation.eval_rows(cfg) == cfg.train.batch_size  # what `whole_eval` ran
-    monkeypatch.setattr(evaluation, "EVAL_DEVICE_BYTES", 1)
+    assert handoff.eval_rows(cfg) == cfg.train.batch_size  # what `whole_eval` ran
+    monkeypatch.setattr(handoff, "EVAL_DEVICE_BYTES", 1)
     capsys.readouterr()
     assert main(["eval", cfg_path]) == 0
     chunked = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert evaluation.eval_rows(cfg) == cfg.mesh.student.dp < cfg.train.batch_size
+    assert handoff.eval_rows(cfg) == cfg.mesh.student.dp < cfg.train.batch_size
     assert chunked["step"] == whole_eval["step"] == 6
     for key in ("teacher_loss", "student_loss", "kl", "top1_agreement"):
         assert chunked[key] == pytest.approx(whole_eval[key], rel=1e-5), key
@@ -97,15 +97,15 @@ def test_eval_in_position_windows_gives_the_same_metrics(
     """With the element bound lowered below the eval chunk's logits, the teacher makes them
     in 4 strided position windows (what 32,768-token rows of 128,256 ids get) and the
     student compares each with its own: the metrics of the whole rows (`whole_eval`)."""
+    from distill import handoff
     from distill.config.load import load_config
-    from pipelines import evaluation
 
     _, _, cfg_path = finished_run
     cfg = load_config(cfg_path)
-    rows, s, v = evaluation.eval_rows(cfg), cfg.train.seq_len, cfg.teacher.model.vocab_size
-    assert evaluation.eval_windows(cfg) == 1
-    monkeypatch.setattr(evaluation, "MAX_ELEMENTS", rows * s // 4 * v + 1)
-    assert evaluation.eval_windows(cfg) == 4
+    rows, s, v = handoff.eval_rows(cfg), cfg.train.seq_len, cfg.teacher.model.vocab_size
+    assert handoff.eval_windows(cfg) == 1
+    monkeypatch.setattr(handoff, "MAX_ELEMENTS", rows * s // 4 * v + 1)
+    assert handoff.eval_windows(cfg) == 4
     capsys.readouterr()
     assert main(["eval", cfg_path]) == 0
     windowed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -115,7 +115,7 @@ def test_eval_in_position_windows_gives_the_same_metrics(
 
 def test_eval_rows_for_a_large_vocabulary():
     from distill.config.load import config_from_dict
-    from pipelines.evaluation import eval_rows
+    from distill.handoff import eval_rows
 
     def rows(batch_size, dp, seq_len, vocab):
         tree = tiny_config("corpus", "out", train={"batch_size": batch_size, "seq_len": seq_len})

@@ -1,4 +1,4 @@
-"""distill.data.pipeline: tokenizer, document loading, packing, split, shuffling, iterator state."""
+"""distill.data.loader: tokenizer, document loading, packing, split, shuffling, iterator state."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 
 from distill.config import DataConfig
 from distill.data.corpus import PackedRows
-from distill.data.pipeline import load_corpus, load_documents, split_documents
+from distill.data.loader import load_corpus, load_documents, split_documents
 from distill.data.tokenizers import ByteTokenizer, build_tokenizer
 from distill.errors import DistillError
 from distill.types import Batch

@@ -216,7 +216,7 @@ def test_no_checkpoint_during_the_skipped_steps(diverged):
 def poison(monkeypatch) -> dict:
     """`poison["from"] = n`: from step n on, every batch's loss mask is NaN (data gone bad),
     so those steps are skipped; None: good data."""
-    from pipelines.executors import LocalExecutor
+    from student.executor import LocalExecutor
 
     poison, step = {"from": None}, LocalExecutor.step
 

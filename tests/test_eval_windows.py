@@ -1,4 +1,4 @@
-"""Evaluation in position windows (`pipelines.evaluation.eval_windows`): where an eval
+"""Evaluation in position windows (`distill.handoff.eval_windows`): where an eval
 chunk's dense logits [rows, S, V] would reach 2^31 elements, the teacher makes them as w
 strided windows [rows, S/w, V] (window j: positions j, j + w, ...) and the student
 compares each with the same positions of its own, combined token-weighted.
@@ -19,10 +19,10 @@ import pytest
 
 from distill.config.load import load_config
 from distill.errors import DistillError
+from distill.handoff import eval_rows, eval_windows
 from distill.limits import MAX_ELEMENTS
 from distill.mesh import student_mesh
 from distill.models import model
-from pipelines.evaluation import eval_rows, eval_windows
 from student import eval_programs, optim, train
 from tests.test_context_parallel import GEMMA, OPT, PLAIN, S, V, _batch
 from tests.test_teacher_context import _outputs
@@ -81,7 +81,7 @@ def test_how_many_windows_long_rows_take(monkeypatch):
     32,768-token row is 4.2e9 elements, so an eval chunk of 4 rows takes 8 windows of 4,096
     positions, under 2^31 (4 windows would not be), whole runs of each cp's chunks; where
     no window fits it is refused in one line."""
-    from pipelines import evaluation
+    from distill import handoff
 
     assert eval_windows(load_config("pipelines/llama3-8b-to-1b.yaml")) == 1
     cfg = _long()
@@ -90,7 +90,7 @@ def test_how_many_windows_long_rows_take(monkeypatch):
     w = eval_windows(cfg)
     assert w == 8 and rows * 32768 // w * v < MAX_ELEMENTS <= rows * 32768 // (w // 2) * v
     assert eval_windows(_long("mesh.student.cp=4", "mesh.student.fsdp=1")) == 8
-    monkeypatch.setattr(evaluation, "MAX_ELEMENTS", rows * v * 4)  # 3 positions a window
+    monkeypatch.setattr(handoff, "MAX_ELEMENTS", rows * v * 4)  # 3 positions a window
     assert eval_windows(cfg) == 16384  # 2 positions
     cp = _long("mesh.student.cp=4", "mesh.student.fsdp=1")
     with pytest.raises(DistillError, match=r"^train.seq_len: 32768 tokens x 128256 .*2\^31.* 8 "):

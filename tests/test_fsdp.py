@@ -156,7 +156,7 @@ def test_checkpoint_restores_onto_another_layout(tmp_path, src, dst):
 
 def test_eval_chunks_give_every_device_of_both_axes_a_row():
     from distill.config.load import config_from_dict
-    from pipelines.evaluation import eval_rows
+    from distill.handoff import eval_rows
     from tests.conftest import tiny_config
 
     tree = tiny_config("corpus", "out", train={"batch_size": 64, "seq_len": 2048})
@@ -190,7 +190,7 @@ def test_fsdp_gathers_weights_never_activations(capfd):
 @pytest.mark.parametrize("grad_accum", [2, 4])
 def test_a_dense_teacher_in_blocks_is_the_one_shot_step(grad_accum):
     """A dense teacher output handed over in one block per microbatch (block j: rows j,
-    j + n, ...; `pipelines.plan.dense_blocks`) trains as the whole [B, S, V] array in one
+    j + n, ...; `distill.handoff.dense_blocks`) trains as the whole [B, S, V] array in one
     shot: the same metrics and, through SGD, gradients."""
     mesh, tx = _mesh(2, 2), optax.sgd(0.1)
     logits = np.random.default_rng(3).normal(size=(16, 16, 64)).astype(np.float32) * 3

@@ -21,8 +21,8 @@ from distill.config.load import config_from_dict
 from distill.mesh import build_meshes
 from distill.models import model
 from distill.types import Batch
-from pipelines.executors import LocalExecutor
 from student import train
+from student.executor import LocalExecutor
 from teacher.forward import make_forward
 from teacher.sharding import batch_sharding, shard_params
 from tests.conftest import tiny_config

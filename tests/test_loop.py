@@ -281,7 +281,7 @@ def test_busy_time_of_roles_on_the_same_devices_is_their_own(colocated):
 
     import jax
 
-    from pipelines import timing
+    from distill.observability import timing
 
     devices = jax.devices()[6:]  # devices no run of the session's tests uses at once
     where = (devices, devices) if colocated else (devices[:1], devices[1:])

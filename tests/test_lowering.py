@@ -40,15 +40,15 @@ from distill import checkpoint
 from distill import mesh as mesh_layout
 from distill.config.load import load_config
 from distill.data.tokenizers import build_tokenizer, vocab_limit
+from distill.handoff import eval_rows, eval_windows
 from distill.mesh import DP, student_mesh, teacher_mesh
 from distill.models import attention
 from distill.models.decode import Prompts
-from pipelines import sources
-from pipelines.evaluation import eval_rows, eval_windows
 from pipelines.placement.costs import resolve
 from pipelines.plan.memory import abstract_batch, abstract_teacher_output, teacher_params
 from student import eval_programs, train
 from student.generate import sampler_for
+from teacher import online
 from teacher import sharding as teacher_sharding
 from teacher.forward import forward_for, make_output_forward
 
@@ -84,7 +84,7 @@ def quickstart_on_one(platform: str):
 def quickstart_programs(cfg) -> dict:
     """{name: (jitted program, abstract arguments)} for every program a quick-start run
     makes on one device, built as the run builds them (`pipelines.bootstrap`,
-    `pipelines.local`, `pipelines.sources`, `student.evaluate`, `pipelines.on_policy`,
+    `student.executor`, `teacher.online`, `student.evaluate`, `pipelines.on_policy`,
     `distill.checkpoint`). The list is what a 4-step run of the quick start on one CPU
     device compiled (JAX_LOG_COMPILES=1), less JAX's own eager ops (random key seeding,
     dtype conversions, `lax.stage`): a program added to the run must be added here."""
@@ -148,7 +148,7 @@ def quickstart_programs(cfg) -> dict:
     progs["student samples"] = (sampler._run, (state.params, Prompts(i32, i32, i32), key))
     f32 = jax.ShapeDtypeStruct((rows, cfg.train.seq_len), jnp.float32, sharding=on_teacher)
     progs["teacher sample NLL"] = (
-        sources._masked_nll,
+        online._masked_nll,
         (f32, abstract_batch(cfg, on_teacher, rows)),
     )
     progs["checkpoint finite check"] = (checkpoint._all_finite, (state,))

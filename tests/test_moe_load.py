@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import jax  # noqa: E402
 
 from distill.config.load import config_from_dict  # noqa: E402
-from distill.data.pipeline import load_corpus  # noqa: E402
+from distill.data.loader import load_corpus  # noqa: E402
 from distill.mesh import teacher_mesh  # noqa: E402
 from distill.models import hf, model  # noqa: E402
 from distill.models.moe import ExpertLoad  # noqa: E402

@@ -250,7 +250,7 @@ def test_eval_windows_reach_each_student_process_once(owners):
 
 def _corpus(corpus_dir):
     from distill.config.load import config_from_dict
-    from distill.data.pipeline import load_corpus
+    from distill.data.loader import load_corpus
 
     cfg = config_from_dict(tiny_config(str(corpus_dir), "unused"))
     return cfg, load_corpus(cfg.data, cfg.train.seq_len)

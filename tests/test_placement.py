@@ -92,6 +92,24 @@ def test_candidates_follow_the_divisibility_rules():
     assert two == [Layout("split", (1, 1, 1), (1, 1))]  # 1 + 1
 
 
+def test_placement_is_one_type_that_the_config_spells_as_yaml_strings():
+    """`distill.mesh.Placement` names exactly the strings `mesh.placement` accepts, and a
+    config's value compares equal to its member, so code compares against the type."""
+    import typing
+
+    from distill.config.schema import MeshConfig
+    from distill.mesh import Placement
+
+    accepted = typing.get_args(MeshConfig.model_fields["placement"].annotation)
+    assert accepted == tuple(Placement) == ("split", "colocated", "auto")
+    cfg = load_config("pipelines/quickstart.yaml", ["mesh.placement=colocated"])
+    assert (
+        cfg.mesh.placement == Placement.COLOCATED
+        and Placement(cfg.mesh.placement) is Placement.COLOCATED
+    )
+    assert Layout("split", (1, 1, 4), (4, 1)) == Layout(Placement.SPLIT, (1, 1, 4), (4, 1))
+
+
 def test_bench_colocates_over_the_splits_devices():
     """`distill bench --colocated`: the quick start's split and both roles over its 8
     devices, each role's dp scaled; a layout the batch does not divide is one line."""
@@ -364,12 +382,12 @@ def test_a_colocated_run_killed_with_sigkill_resumes_exactly(tiny_run, colocated
 def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_path, monkeypatch):
     """Dense teacher log-probs, teacher microbatches of one row and two gradient
     accumulation microbatches, the dense output handed over in one block per microbatch
-    (the 2^31 bound lowered below a device's whole output: `pipelines.plan.dense_blocks`):
+    (the 2^31 bound lowered below a device's whole output: `distill.handoff.dense_blocks`):
     colocated (teacher dp=2 x tp=2, student dp=2 on devices 0-3; the teacher's rows sliced
     on each device) gives the split run's losses."""
-    from pipelines import plan
+    from distill import handoff
 
-    monkeypatch.setattr(plan, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a teacher device
+    monkeypatch.setattr(handoff, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a teacher device
     losses = {}
     for placement_ in ("split", "colocated"):
         out = tmp_path / placement_
@@ -377,7 +395,7 @@ def test_dense_outputs_microbatches_and_accumulation_colocated(tiny_run, tmp_pat
         tree["mesh"]["placement"] = placement_
         tree["teacher"].update(top_k=None, microbatch=1)
         tree["train"].update(steps=2, grad_accum=2, eval_every=2, checkpoint_every=2)
-        assert plan.dense_blocks(config_from_dict(tree)) == 2
+        assert handoff.dense_blocks(config_from_dict(tree)) == 2
         assert main(["run", write_config(tmp_path, tree, f"{placement_}.yaml")]) == 0
         losses[placement_] = train_by_step(out)
     assert sorted(losses["split"]) == sorted(losses["colocated"]) == [2]

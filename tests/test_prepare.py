@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from distill.config import Config
-from distill.data.pipeline import load_corpus
+from distill.data.loader import load_corpus
 from distill.data.prepared import StoredRows
 from distill.errors import DistillError
 from distill.identity import data_hash

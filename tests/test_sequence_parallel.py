@@ -18,7 +18,7 @@ from distill.types import Batch
 from teacher.forward import make_forward
 from teacher.sharding import batch_sharding, shard_params
 from tests.test_context_parallel import _batch
-from tests.test_pipeline_stages import FAMILIES, SMALL
+from tests.test_teacher_stages import FAMILIES, SMALL
 
 OLMOE = ModelConfig(
     **SMALL, qk_norm=True, qk_norm_full=True, n_experts=4, experts_per_token=2, d_ff_expert=16

@@ -34,7 +34,7 @@ from teacher.forward import make_forward
 from teacher.sharding import batch_sharding, shard_params
 from tests.conftest import read_evals, train_by_step, write_config
 from tests.test_context_parallel import S, _batch
-from tests.test_pipeline_stages import FAMILIES
+from tests.test_teacher_stages import FAMILIES
 
 
 def _outputs(family, batch, dp, tp, cp, ep=1, **kw):

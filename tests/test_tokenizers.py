@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from distill import collectives as cc
 from distill.config import DataConfig, DistillLossConfig, ModelConfig, OptimConfig
-from distill.data.pipeline import load_corpus
+from distill.data.loader import load_corpus
 from distill.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from distill.errors import DistillError
 from distill.mesh import teacher_mesh

@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from distill import handoff
 from distill.config.load import load_config
 from distill.errors import DistillError
+from distill.handoff import eval_rows
 from distill.limits import MAX_ELEMENTS, rows_that_fit
 from distill.mesh import build_meshes, teacher_mesh
 from distill.models import model
-from pipelines import plan
 from pipelines.commands import score
-from pipelines.evaluation import eval_rows
 from pipelines.plan import memory as plan_memory
 from student import eval_programs, train
 from teacher import sharding
@@ -87,7 +87,7 @@ def test_the_check_finds_a_vocabulary_array_past_the_bound():
     as it compiles without the refusal, holds its [8, 4096, 128256] output whole: what the
     check must find (and what validate refuses)."""
     cfg = _cfg(8, None, "train.grad_accum=1")
-    assert plan.dense_blocks(cfg) == 1
+    assert handoff.dense_blocks(cfg) == 1
     compiled, _ = plan_memory._teacher(cfg, build_meshes(cfg).teacher, None)
     found = oversized(compiled.as_text(), {cfg.teacher.model.vocab_size})
     assert any(f.startswith("[8, 4096, 128256]") for f in found), found
@@ -97,7 +97,7 @@ def test_the_check_finds_a_vocabulary_array_past_the_bound():
 @pytest.mark.parametrize("rows", [8, 16])
 def test_top_k_programs_hold_the_bound(rows):
     cfg = _cfg(rows, 64)
-    assert plan.dense_rows_per_device(cfg) == rows
+    assert handoff.dense_rows_per_device(cfg) == rows
     _teacher_and_student(cfg, build_meshes(cfg), f"top-64 at {rows} rows")
 
 
@@ -109,10 +109,10 @@ def test_a_dense_output_is_made_in_blocks_that_hold_the_bound(rows):
     fit = rows_that_fit(4096, 128256)
     assert fit == 4  # 4 x 4096 x 128256 = 2.10e9 < 2^31 <= 5 x ...
     with pytest.raises(DistillError, match=f"^teacher.top_k: null .*; at most {fit} rows a device"):
-        plan.check_dense_elements(_cfg(rows, None, "train.grad_accum=1"))
+        handoff.check_dense_elements(_cfg(rows, None, "train.grad_accum=1"))
     cfg = _cfg(rows, None)
-    plan.check_dense_elements(cfg)
-    assert plan.dense_blocks(cfg) == cfg.train.grad_accum == 4
+    handoff.check_dense_elements(cfg)
+    assert handoff.dense_blocks(cfg) == cfg.train.grad_accum == 4
     _teacher_and_student(cfg, build_meshes(cfg), f"dense in 4 blocks at {rows} rows")
 
 
@@ -159,7 +159,7 @@ def test_the_online_teacher_makes_a_dense_output_in_the_microbatches_blocks(tiny
     from distill.config.load import config_from_dict
     from distill.data.tokenizers import ByteTokenizer
     from distill.types import Batch
-    from pipelines.sources import OnlineTeacher
+    from teacher.online import OnlineTeacher
 
     tree = {**tiny_run.tree, "train": {**tiny_run.tree["train"], "grad_accum": 2}}
     tree["teacher"] = {**tree["teacher"], "top_k": None, "pretrain_steps": 0}
@@ -172,11 +172,11 @@ def test_the_online_teacher_makes_a_dense_output_in_the_microbatches_blocks(tiny
     positions = np.tile(np.arange(32, dtype=np.int32), (4, 1))
     batch = Batch(tokens, tokens, ones, positions, ones.astype(np.float32))
     whole, _ = teacher.output(batch)
-    assert plan.dense_blocks(cfg) == 1 and whole.logprobs.shape == (4, 32, 260)
-    monkeypatch.setattr(plan, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a device: not under it
-    plan.check_dense_elements(cfg)  # blocks of 1 row a device are
+    assert handoff.dense_blocks(cfg) == 1 and whole.logprobs.shape == (4, 32, 260)
+    monkeypatch.setattr(handoff, "MAX_ELEMENTS", 2 * 32 * 260)  # 2 rows a device: not under it
+    handoff.check_dense_elements(cfg)  # blocks of 1 row a device are
     blocks, _ = teacher.output(batch)
-    assert plan.dense_blocks(cfg) == 2 and isinstance(blocks.logprobs, tuple)
+    assert handoff.dense_blocks(cfg) == 2 and isinstance(blocks.logprobs, tuple)
     for j, block in enumerate(blocks.logprobs):
         np.testing.assert_allclose(block, np.asarray(whole.logprobs)[j::2], atol=1e-6)
 
@@ -215,7 +215,7 @@ def test_evaluation_of_32k_rows_holds_the_bound():
     logits in position windows (`eval_windows`) and the student, its rows split over cp,
     compares each with its own; no program holds an array past the bound, and the student's
     does not copy the logits."""
-    from pipelines.evaluation import eval_windows
+    from distill.handoff import eval_windows
     from student import eval_programs
 
     cfg = load_config(LONG, ["mesh.platform=cpu", "teacher.model.n_layers=1",

@@ -44,7 +44,7 @@ def train_bpe(texts: list[str], vocab_size: int, out: Path) -> Path:
 
 def train_on_corpus(data: DataConfig, vocab_size: int, out: Path) -> Path:
     """`train_bpe` on the text documents `data` names (read as a run reads them)."""
-    from distill.data.pipeline import load_documents
+    from distill.data.loader import load_documents
 
     texts = [d for d in load_documents(data, vocab_size=1) if isinstance(d, str)]
     return train_bpe(texts, vocab_size, out)

@@ -8,7 +8,7 @@ and also at 0 for the row's first, possibly continuing, document: attention neve
 rows, so positions only need to be consistent within a row) and ``mask`` (0 where the target
 starts another document, so nothing is predicted across a document boundary).
 
-Rows live in memory (``PackedRows``, made by ``distill.data.pipeline``) or on disk
+Rows live in memory (``PackedRows``, made by ``distill.data.loader``) or on disk
 (``distill.data.prepared.StoredRows``); a ``Corpus`` serves either the same way. This module reads
 no files, so both of those import it and neither imports the other's way of making rows.
 """

@@ -39,8 +39,8 @@ from distill.data.chat import load_template
 from distill.data.corpus import Corpus
 from distill.data.cross_rows import ROW_MULTIPLE, CrossRows
 from distill.data.examples import read_examples, tokenise_examples
+from distill.data.loader import held_out_records, log_packing, resolve_paths
 from distill.data.packing import ExampleRows, best_fit, fit_pieces, lay_out
-from distill.data.pipeline import held_out_records, log_packing, resolve_paths
 from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
 
@@ -201,7 +201,7 @@ def cross_example_corpus(
     cfg: DataConfig, seq_len: int, teacher: Tokenizer, teacher_cfg, multiple: int = ROW_MULTIPLE
 ) -> Corpus:
     """Conversations (or pairs) rendered and tokenised by each side, whole records held out
-    as ``distill.data.pipeline`` holds them out (by the student's tokens), packed into the
+    as ``distill.data.loader`` holds them out (by the student's tokens), packed into the
     student's rows with the teacher's rows of the same records and the alignment.
     ``teacher_cfg``: the teacher's ``tokenizer`` and ``chat_template`` keys; the teacher's
     rows a multiple of `multiple` long (``cross_rows.row_multiple``)."""

@@ -30,8 +30,8 @@ import numpy as np
 
 from distill.config import DataConfig
 from distill.data.corpus import Corpus, PackedRows
+from distill.data.loader import held_out, load_documents, log_packing
 from distill.data.packing import flagged_batch
-from distill.data.pipeline import held_out, load_documents, log_packing
 from distill.data.tokenizers import Tokenizer, build_tokenizer
 from distill.errors import DistillError
 from distill.types import Batch, TeacherView

@@ -1,7 +1,7 @@
 """A corpus tokenised and packed once by `distill prepare`, read back row by row.
 
 `distill prepare CONFIG` (``pipelines.commands.prepare``) runs the same reading, tokenising, split
-and packing as ``distill.data.pipeline.tokenize_corpus`` and writes every packed row to ArrayRecord
+and packing as ``distill.data.loader.tokenize_corpus`` and writes every packed row to ArrayRecord
 shards in ``data.prepared_dir``: ``train-00000.arrayrecord``, ... and
 ``eval-00000.arrayrecord``, ..., then ``manifest.json`` last. A run with
 ``data.prepared_dir`` set reads rows from there by index (Grain's ArrayRecordDataSource),

@@ -19,7 +19,7 @@ import numpy as np
 
 from distill.config import DataConfig
 from distill.data.examples import conversation_prompts
-from distill.data.pipeline import record_texts, resolve_paths
+from distill.data.loader import record_texts, resolve_paths
 from distill.data.tokenizers import Tokenizer
 from distill.errors import DistillError
 from distill.types import Prompts

@@ -348,7 +348,7 @@ class Transformer(nnx.Module):
         """(x [B, S, D] through the stacked layers this module holds, expert stats per
         layer): one block scanned over them with `data` (`layer_data` of those layers, or
         None when layers are alike). A pipeline stage holds a run of the layers and passes
-        their slice of the data (`teacher.pipeline`). `attend`: as `hidden`'s."""
+        their slice of the data (`teacher.stages`). `attend`: as `hidden`'s."""
 
         def block_fn(block, x, layer):
             args = (tp_axis, backend, layer, moe_opts, attend)

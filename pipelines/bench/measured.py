@@ -24,7 +24,7 @@ import jax
 from distill.config import Config
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
-from distill.mesh import available_devices, role_mesh
+from distill.mesh import Placement, available_devices, role_mesh
 from pipelines.bench.phases import _interleaved_ms, _stepper, teacher_forward
 from pipelines.bench.role import random_outputs
 from pipelines.placement import Layout, candidates, compiled_costs
@@ -84,7 +84,9 @@ def bench_placement(cfg: Config, repeats: int) -> dict:
 def _role_seconds(cfg: Config, role: str, shape: tuple, host_batch, limit, repeats: int) -> float:
     """One role alone on `shape` over the first devices: its median step, in seconds."""
     layout = (
-        Layout("split", shape, (1, 1)) if role == "teacher" else Layout("split", (1, 1, 1), shape)
+        Layout(Placement.SPLIT, shape, (1, 1))
+        if role == "teacher"
+        else Layout(Placement.SPLIT, (1, 1, 1), shape)
     )
     lcfg = layout.apply(cfg)
     mesh = role_mesh(lcfg, role)

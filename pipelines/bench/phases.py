@@ -35,12 +35,13 @@ from distill.observability.server import start_server
 from distill.outputs import teacher_path
 from distill.types import TeacherOutput
 from pipelines.bench.figures import student_figures, teacher_figures
-from pipelines.local import cross_spec, distill_local
-from pipelines.sources import own_rows
+from pipelines.local import distill_local
 from student import train
+from student.executor import cross_spec
 from teacher import positions
 from teacher import sharding as teacher_sharding
 from teacher.forward import make_forward
+from teacher.online import own_rows
 from teacher.weights import load_teacher
 
 log = logging.getLogger("distill")

@@ -18,6 +18,7 @@ from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.errors import DistillError
 from distill.mesh import (
+    Placement,
     available_devices,
     build_meshes,
     check_batch_split,
@@ -41,7 +42,7 @@ def colocated_over(cfg: Config) -> Layout:
             f"--colocated: the teacher's {t} or the student's {s} devices do not divide the "
             f"{n} devices of the split"
         )
-    layout = Layout("colocated", (dp * n // t, ep, tp), (sdp * n // s, fsdp))
+    layout = Layout(Placement.COLOCATED, (dp * n // t, ep, tp), (sdp * n // s, fsdp))
     trial = layout.apply(cfg)
     try:
         check_teacher_split(trial)

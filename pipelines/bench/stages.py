@@ -2,7 +2,7 @@
 --role teacher`, beside the schedule's (pp - 1) / (m + pp - 1).
 
 In SPMD every stage computes at every one of the m + pp - 1 ticks of the stages' loop
-(`teacher.pipeline.hidden`), an idle stage on a stale buffer, so the bubble is the share
+(`teacher.stages.hidden`), an idle stage on a stale buffer, so the bubble is the share
 of the loop's time that is not the m ticks of real work. It is measured from two timings
 of the loop alone (no head): on the batch (m microbatches, time T(m)) and on the batch
 twice over (2m microbatches of the same size, T(2m)). One tick costs t = (T(2m) - T(m)) /
@@ -19,7 +19,7 @@ import numpy as np
 
 from distill.config import Config
 from distill.mesh import DP, EP, PP
-from teacher import pipeline
+from teacher import stages
 from teacher.forward import microbatch_rows
 from teacher.sharding import BATCH_BS, batch_sharding, param_specs
 
@@ -34,7 +34,7 @@ def stage_loop(cfg: Config, mesh):
     def loop(params, batch):
         size = microbatch_rows(batch.tokens.shape[0], micro)
         opts = moe_opts if mcfg.n_experts else None
-        x, _, _ = pipeline.hidden(mcfg, params, batch, size, dtype=dtype, split=True,
+        x, _, _ = stages.hidden(mcfg, params, batch, size, dtype=dtype, split=True,
                                   moe_opts=opts)  # fmt: skip
         return x[:, :1, :1]
 
@@ -62,7 +62,7 @@ def measured_bubble(cfg: Config, mesh, params, host_batch, timed) -> dict:
         **ms,
         "microbatches": m,
         "bubble_measured": 2 - ms["stage_loop_2x_ms"] / ms["stage_loop_ms"],
-        "bubble_predicted": pipeline.bubble(t.pp, m),
+        "bubble_predicted": stages.bubble(t.pp, m),
     }
 
 

@@ -1,6 +1,6 @@
 """`distill prepare CONFIG`: tokenise and pack ``data.source`` once into ArrayRecord shards.
 
-The rows are those ``distill.data.pipeline.tokenize_corpus`` makes for the same config (same
+The rows are those ``distill.data.loader.tokenize_corpus`` makes for the same config (same
 tokenizer, split and packing), written in order to ``data.prepared_dir`` in the record
 format of ``distill.data.prepared``; runs with ``data.prepared_dir`` set then read them by index
 instead of re-tokenising the corpus. Preparing holds the token stream in memory once (about
@@ -25,8 +25,8 @@ from tqdm import tqdm
 from distill.config import Config
 from distill.data import prepared
 from distill.data.corpus import PackedRows
+from distill.data.loader import tokenize_corpus
 from distill.data.packing import packing_stats
-from distill.data.pipeline import tokenize_corpus
 from distill.errors import DistillError
 from distill.identity import data_hash
 

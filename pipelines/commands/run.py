@@ -21,7 +21,7 @@ from pipelines.plan import flops as plan_flops
 from pipelines.plan import format_plan, host_memory, plan
 from pipelines.plan import memory as plan_memory
 from pipelines.preflight import preflight, preflight_shapes
-from teacher.pipeline import check_stages
+from teacher.stages import check_stages
 
 log = logging.getLogger("distill")
 
@@ -167,16 +167,17 @@ def evaluate(cfg: Config) -> dict:
     """`distill eval`: the teacher and the latest student checkpoint on the held-out split."""
     from distill.checkpoint import has_checkpoint
     from pipelines.evaluation import eval_batches
-    from pipelines.local import student_executor
     from pipelines.on_policy import SAMPLE_KEYS, sample_score
-    from pipelines.sources import OnlineTeacher
+    from student.executor import student_executor
+    from teacher.online import OnlineTeacher
+    from teacher.weights import student_init_params
 
     meshes, corpus = validate(cfg)
     _check_host(cfg, meshes, corpus)
     if not has_checkpoint(outputs.checkpoint_dir(cfg)):
         where = outputs.checkpoint_dir(cfg)
         raise DistillError(f"run.output_dir: no student checkpoint in {where}")
-    executor = student_executor(cfg, corpus, meshes.student)
+    executor = student_executor(cfg, corpus, meshes.student, student_init_params)
     step, _ = executor.start()
     try:
         teacher = OnlineTeacher(cfg, meshes.teacher, corpus.tokenizer)

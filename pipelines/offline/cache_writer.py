@@ -44,7 +44,8 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     from distill.outputs import teacher_path
     from pipelines.bootstrap import ensure_teacher
     from pipelines.preflight import preflight
-    from pipelines.sources import OnlineSource, OnlineTeacher
+    from pipelines.sources import OnlineSource
+    from teacher.online import OnlineTeacher
 
     if not cfg.teacher.top_k:
         raise DistillError(

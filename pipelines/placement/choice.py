@@ -49,6 +49,7 @@ from distill.mesh import (
     EP,
     FSDP,
     TP,
+    Placement,
     check_batch_split,
     check_teacher_split,
 )
@@ -74,13 +75,13 @@ REPLICA_SHARE = 0.05
 class Layout:
     """One candidate: the placement and both meshes' axes."""
 
-    placement: str  # split | colocated
+    placement: Placement  # split or colocated
     teacher: tuple[int, int, int]  # dp, ep, tp
     student: tuple[int, int]  # dp, fsdp
 
     def devices(self) -> int:
         t, s = math.prod(self.teacher), math.prod(self.student)
-        return max(t, s) if self.placement == "colocated" else t + s
+        return max(t, s) if self.placement == Placement.COLOCATED else t + s
 
     def label(self) -> str:
         (dp, ep, tp), (sdp, fsdp) = self.teacher, self.student
@@ -122,7 +123,8 @@ class Row:
 
 def configured(cfg: Config) -> Layout:
     t, s = cfg.mesh.teacher, cfg.mesh.student
-    placement = "colocated" if cfg.mesh.placement == "colocated" else "split"
+    colocated = cfg.mesh.placement == Placement.COLOCATED
+    placement = Placement.COLOCATED if colocated else Placement.SPLIT
     return Layout(placement, (t.dp, t.ep, t.tp), (s.dp, s.fsdp))
 
 
@@ -145,9 +147,9 @@ def role_layouts(cfg: Config, role: str, n: int) -> list[tuple[int, ...]]:
     ok = []
     for shape in _factorisations(n, 3 if role == "teacher" else 2):
         trial = (
-            Layout("split", shape, (1, 1))
+            Layout(Placement.SPLIT, shape, (1, 1))
             if role == "teacher"
-            else Layout("split", (1, 1, 1), shape)
+            else Layout(Placement.SPLIT, (1, 1, 1), shape)
         )
         c = trial.apply(cfg)
         try:
@@ -173,13 +175,13 @@ def candidates(cfg: Config, n: int) -> list[Layout]:
     }
     for used in range(n, 0, -1):
         out = [
-            Layout("colocated", a, b)
+            Layout(Placement.COLOCATED, a, b)
             for a in roles["teacher", used]
             for b in roles["student", used]
         ]
         for k in range(1, used):
             out += [
-                Layout("split", a, b)
+                Layout(Placement.SPLIT, a, b)
                 for a in roles["teacher", k]
                 for b in roles["student", used - k]
             ]
@@ -191,7 +193,7 @@ def candidates(cfg: Config, n: int) -> list[Layout]:
 def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str) -> Row:
     """The candidate's row from its roles' costs (the module's prediction model)."""
     nt, ns = math.prod(layout.teacher), math.prod(layout.student)
-    if layout.placement == "colocated":
+    if layout.placement == Placement.COLOCATED:
         per_device = colocated_bytes(teacher, student)
         host = per_device * layout.devices()
     else:
@@ -201,7 +203,7 @@ def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str)
     if platform == "cpu":  # one host's cores: each role's work summed over its devices
         t = t if teacher.measured else t * nt
         s = s if student.measured else s * ns
-    seconds = t + s if layout.placement == "colocated" else max(t, s)
+    seconds = t + s if layout.placement == Placement.COLOCATED else max(t, s)
     copies = replicated_bytes(layout, teacher, student) if platform == "cpu" else 0
     return Row(layout, seconds, per_device, host, teacher.measured and student.measured, copies)
 
@@ -210,7 +212,7 @@ def replicated_bytes(layout: Layout, teacher: RoleCost, student: RoleCost) -> in
     """Host bytes of the copies a layout makes of each role's resident state beyond the
     first: the teacher's weights over its `dp`, the student's weights and optimizer state
     over its `dp` (`tp`, `ep` and `fsdp` split them)."""
-    n = layout.devices() if layout.placement == "colocated" else None
+    n = layout.devices() if layout.placement == Placement.COLOCATED else None
     nt, ns = n or math.prod(layout.teacher), n or math.prod(layout.student)
     dt, ds = layout.teacher[0], layout.student[0]
     return teacher.resident * nt * (dt - 1) // dt + student.resident * ns * (ds - 1) // ds

@@ -8,7 +8,8 @@ import logging
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import check_placement_mode
+from distill.handoff import teacher_output_bytes_per_step
+from distill.mesh import Placement, check_placement_mode
 from pipelines.placement.cache import cached_costs, stored_costs
 from pipelines.placement.choice import (
     ROOFLINE,
@@ -56,8 +57,6 @@ def _cost_seconds(compiled, platform: str, factor: float) -> float:
 def output_bytes_per_device(cfg: Config) -> int:
     """One teacher output's bytes on a device of the inference mesh: its rows (split over
     dp x ep, replicated over tp)."""
-    from pipelines.plan import teacher_output_bytes_per_step
-
     t = cfg.mesh.teacher
     return teacher_output_bytes_per_step(cfg) // (t.dp * t.ep)
 
@@ -95,7 +94,7 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     s_factor = layers_factor(cfg.student_model(), seq)
     for shape in dict.fromkeys(x.teacher for x in layouts):
         dp, ep, tp = shape
-        c = Layout("split", shape, (1, 1)).apply(cfg)
+        c = Layout(Placement.SPLIT, shape, (1, 1)).apply(cfg)
         mesh = teacher_mesh(devices[: dp * ep * tp], dp, tp, ep)
         if cfg.teacher.source == "cache":  # no teacher on any device: nothing to compile
             out = plan_memory.teacher_output_shapes(c, mesh, None) if out is None else out
@@ -110,7 +109,7 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
         costs["teacher", shape] = teacher_cost(c, _cost_seconds(compiled, platform, t_factor), fig)
     for shape in dict.fromkeys(x.student for x in layouts):
         dp, fsdp = shape
-        c = Layout("split", (1, 1, 1), shape).apply(cfg)
+        c = Layout(Placement.SPLIT, (1, 1, 1), shape).apply(cfg)
         compiled, _ = plan_memory._student(
             c, student_mesh(devices[: dp * fsdp], dp, fsdp), out, None
         )
@@ -166,7 +165,7 @@ def resolve(cfg: Config, devices: list) -> str | None:
     """`mesh.placement: auto` resolved in place for `devices` (the chosen placement and
     axes written into `cfg.mesh`); the table of candidates it printed, or None when the
     placement was not auto."""
-    if cfg.mesh.placement != "auto":
+    if cfg.mesh.placement != Placement.AUTO:
         return None
     check_placement_mode(cfg)
     cfg.resolve_dtypes(devices[0].platform)  # the programs compile in the run's dtypes

@@ -7,151 +7,20 @@ from __future__ import annotations
 import math
 
 from distill.config import Config
-from distill.errors import DistillError
-from distill.limits import MAX_ELEMENTS, rows_that_fit
-from distill.mesh import (
-    CP,
-    EP,
-    Meshes,
-    student_row_shards,
-    student_shape,
-    student_size,
-    teacher_size,
+from distill.handoff import (
+    dense_blocks,
+    eval_rows,
+    eval_windows,
+    student_rows,
+    teacher_output_bytes_per_step,
+    teacher_output_bytes_per_token,
 )
+from distill.mesh import CP, EP, Meshes, Placement, student_shape
 from distill.models import model, moe
 from distill.models.experts import dispatch
-from pipelines.evaluation import eval_rows, eval_windows
 from student import optim, sharding, train
-from teacher import pipeline
+from teacher import stages
 from teacher.forward import microbatch_rows
-
-# Dense teacher outputs on a student device at once: the step's own and the next step's,
-# which the loop hops over while the step runs (`pipelines.loop`, staged).
-DENSE_BUFFERS = 2
-# The share of a device's memory they may take; a CPU device reports none: a fixed budget.
-DENSE_FRACTION = 0.25
-CPU_DEVICE_BUDGET = 4 * 2**30
-
-
-def teacher_output_bytes_per_token(cfg: Config) -> int:
-    """Bytes of teacher output per token: float32 values and int32 ids of the top-k, or the
-    float32 log-probs of the whole vocabulary."""
-    k = cfg.teacher.top_k
-    return k * 8 if k else cfg.teacher.model.vocab_size * 4
-
-
-def teacher_output_bytes_per_step(cfg: Config) -> int:
-    """Bytes crossing from the inference mesh to the training mesh per step."""
-    return teacher_output_bytes_per_token(cfg) * cfg.train.batch_size * cfg.train.seq_len
-
-
-def dense_output_bytes_per_device(cfg: Config) -> int:
-    """Dense teacher outputs held on one student device: its rows x its positions (S, or
-    S / cp) x V x 4 bytes, twice."""
-    rows, positions = student_rows(cfg)
-    return rows * positions * cfg.teacher.model.vocab_size * 4 * DENSE_BUFFERS
-
-
-def student_rows(cfg: Config) -> tuple[int, int]:
-    """(rows, positions of each) one student device holds of a training batch: its share
-    of the rows (dp x fsdp), each row's S / cp positions."""
-    return cfg.train.batch_size // student_row_shards(cfg), cfg.train.seq_len // cfg.mesh.student.cp
-
-
-def dense_output_budget(device) -> tuple[int, str]:
-    """(bytes the dense teacher outputs may take on a device like `device`, where from)."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    limit = (stats or {}).get("bytes_limit")
-    if not limit:
-        return CPU_DEVICE_BUDGET, f"the fixed budget of a {device.platform} device"
-    return int(limit * DENSE_FRACTION), f"{DENSE_FRACTION:.0%} of {_gib(limit)} device memory"
-
-
-def dense_rows_per_device(cfg: Config, rows: int | None = None) -> int:
-    """The most rows one device holds of a dense teacher output of `rows` rows (default: the
-    training batch): on the inference mesh (split over every device when they divide, else
-    over dp x ep: `teacher.sharding.out_spec`) and on the training mesh."""
-    t = cfg.mesh.teacher
-    b = rows or cfg.train.batch_size
-    teacher = b // teacher_size(cfg) if b % teacher_size(cfg) == 0 else b // (t.dp * t.ep)
-    return max(teacher, b // student_size(cfg))
-
-
-def _dense_elements(cfg: Config, blocks: int, teacher_len: int | None) -> tuple[int, int, int]:
-    """(rows, positions, elements) of one device's array of a dense output in `blocks`."""
-    s = max(cfg.train.seq_len, teacher_len or 0)
-    rows = dense_rows_per_device(cfg, cfg.train.batch_size // blocks)
-    return rows, s, rows * s * cfg.teacher.model.vocab_size
-
-
-def dense_blocks(cfg: Config, teacher_len: int | None = None) -> int:
-    """How many arrays a batch's dense teacher output is handed over in
-    (`distill.types.TeacherOutput`): one while one array per device stays under
-    MAX_ELEMENTS, else one per `train.grad_accum` microbatch (block j: rows j, j + n, ...,
-    made by a teacher forward of its own and read by the student's microbatch j). One for
-    a top-k output. `teacher_len`: across tokenizers, the teacher's own row length (known
-    once the corpus is read); its output is [rows, T, V], read at [rows, S, V] positions."""
-    if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
-        return 1
-    return 1 if _dense_elements(cfg, 1, teacher_len)[2] < MAX_ELEMENTS else cfg.train.grad_accum
-
-
-def check_dense_elements(cfg: Config, teacher_len: int | None = None) -> None:
-    """Refuse a dense teacher output whose arrays (`dense_blocks`) would reach MAX_ELEMENTS
-    on a device (`distill.limits`: GPU sorts and kernels index with 32 bits), in one line
-    naming teacher.top_k and the rows a device that fit; or whose blocks the layout cannot
-    make (the Ray hand-off takes one array; the teacher's dp x ep splits each block)."""
-    n = dense_blocks(cfg, teacher_len)
-    if n == 1 and (cfg.teacher.top_k is not None or cfg.teacher.source != "online"):
-        return
-    rows, s, elements = _dense_elements(cfg, n, teacher_len)
-    v = cfg.teacher.model.vocab_size
-    if elements >= MAX_ELEMENTS:
-        fit = rows_that_fit(s, v)
-        raise DistillError(
-            f"teacher.top_k: null makes dense teacher outputs of {rows} rows x {s} tokens x "
-            f"{v} ids = {elements:,} elements on a device (an array per train.grad_accum "
-            f"microbatch), not under 2^31 (32-bit GPU indexing); at most {fit} rows a device "
-            "and microbatch fit: raise train.grad_accum, lower train.batch_size or set "
-            "teacher.top_k (e.g. --set teacher.top_k=64)"
-        )
-    if n == 1:
-        return
-    t, block = cfg.mesh.teacher, cfg.train.batch_size // n
-    if cfg.pipeline.mode == "ray":
-        raise DistillError(
-            f"teacher.top_k: null makes a dense teacher output of {rows * n} rows x {s} x {v} "
-            "ids on a device, past 2^31 elements as one array, and pipeline.mode ray hands it "
-            "over whole; set teacher.top_k or use pipeline.mode local"
-        )
-    if block % (t.dp * t.ep):
-        raise DistillError(
-            f"train.grad_accum: the dense teacher output is made in {n} blocks of {block} rows "
-            f"(one array per microbatch: whole it would reach 2^31 elements on a device), which "
-            f"do not split over mesh.teacher.dp x ep = {t.dp * t.ep}"
-        )
-
-
-def check_dense_output(cfg: Config, device) -> None:
-    """Refuse a dense teacher output too large for the student's devices (`device`: one of
-    them), or for one array (`check_dense_elements`), in one line naming the figures and
-    the way out."""
-    check_dense_elements(cfg)
-    if cfg.teacher.top_k is not None or cfg.teacher.source != "online":
-        return
-    need, (budget, where) = dense_output_bytes_per_device(cfg), dense_output_budget(device)
-    if need > budget:
-        rows, positions = student_rows(cfg)
-        raise DistillError(
-            f"teacher.top_k: null sends dense teacher log-probs, {rows} rows x "
-            f"{positions} tokens x {cfg.teacher.model.vocab_size} ids x 4 B x "
-            f"{DENSE_BUFFERS} buffers = {_gib(need)} per student device, over {where} "
-            f"({_gib(budget)}); set teacher.top_k (e.g. --set teacher.top_k=64)"
-        )
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def _dtype_bytes(cfg: Config) -> int:
@@ -250,10 +119,10 @@ def teacher_figures(cfg: Config) -> dict:
         m = rows // microbatch_rows(rows, cfg.teacher.microbatch)
         figures.update(
             stages=t.pp,
-            layers_per_stage=pipeline.stage_layers(cfg),
+            layers_per_stage=stages.stage_layers(cfg),
             microbatches=m,
-            bubble=pipeline.bubble(t.pp, m),
-            stage_bytes_per_step=pipeline.stage_bytes(cfg, m, b),
+            bubble=stages.bubble(t.pp, m),
+            stage_bytes_per_step=stages.stage_bytes(cfg, m, b),
         )
     return figures
 
@@ -345,7 +214,7 @@ def format_plan(p: dict) -> str:
         if "active_params" in t
         else ""
     )
-    stages = (
+    stage_line = (
         f"\nteacher pipeline: {t['stages']} stages x {t['layers_per_stage']} layers, "
         f"{t['microbatches']} microbatches, bubble {t['bubble']:.1%}, "
         f"{mb(t['stage_bytes_per_step'])}/step between stages"
@@ -354,12 +223,12 @@ def format_plan(p: dict) -> str:
     )
     return "\n".join(
         [
-            f"devices ({lay['platform']}, {lay.get('placement', 'split')}): "
+            f"devices ({lay['platform']}, {lay.get('placement', Placement.SPLIT)}): "
             f"teacher {shape('teacher')} on [{ids('teacher')}]  |  "
             f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
             f"{mb(t['weight_bytes_per_device'])} weights/device, "
-            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward" + _ring(t) + stages,
+            f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward" + _ring(t) + stage_line,
             f"student: {s['params'] / 1e6:.2f}M params"
             + (f" ({s['active_params'] / 1e6:.2f}M active)" if "active_params" in s else "")
             + ", "

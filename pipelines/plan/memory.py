@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from distill.checkpoint import abstract_like
 from distill.config import Config
 from distill.errors import DistillError
+from distill.handoff import dense_blocks
 from distill.mesh import TP, Meshes, check_context
 from distill.models import model
 from distill.types import Batch, Prompts, TeacherOutput
-from pipelines.plan import dense_blocks
 from pipelines.plan import flops as plan_flops
 from student import sharding as student_sharding
 from student import train
@@ -62,7 +62,7 @@ def teacher_params(cfg: Config, mesh):
 
 def _teacher(cfg: Config, mesh, vocab_limit: int | None):
     """(the compiled teacher output forward, its abstract output for a training batch): a
-    dense output in blocks (`pipelines.plan.dense_blocks`) is n forwards of a block."""
+    dense output in blocks (`distill.handoff.dense_blocks`) is n forwards of a block."""
     fwd, params, batch, out = _teacher_program(cfg, mesh, vocab_limit)
     return fwd.lower(params, batch).compile(), out
 

@@ -17,9 +17,9 @@ the rows its devices hold. What crosses between actors is host numpy: a `Teacher
 (top-k, or dense for small vocabularies) and the on-policy rows; between groups of several
 processes, row blocks of them (`ray_rows`): each teacher process sends each student
 process those of the student process's rows that it holds, and a student process
-assembles its rows into the global arrays with the other processes'. The jitted functions
-are the local mode's own (`teacher.forward.make_forward`, `student.train.make_train_step`),
-so both modes compute the same numbers.
+assembles its rows into the global arrays with the other processes'. Each member runs its
+role's own running object, the one local mode runs (`teacher.online.OnlineTeacher`, the
+executor of `student.executor.student_executor`), so both modes compute the same numbers.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class _Member:
         """This process's own copy of the corpus (rows read by index, from
         `data.prepared_dir` on demand when set; with a teacher tokenizer of its own, the
         teacher's rows of each row's text and the alignment, as local mode reads them)."""
-        from distill.data.pipeline import load_corpus
+        from distill.data.loader import load_corpus
         from pipelines.preflight import cross_tokenizer_corpus
 
         if cfg.cross_tokenizer():
@@ -171,7 +171,7 @@ class TeacherMember(_Member):
         return self.info()
 
     def _start_teacher(self, cfg, corpus) -> None:
-        from pipelines.sources import OnlineTeacher
+        from teacher.online import OnlineTeacher
 
         self._t_mesh = _group_mesh(teacher_shape(cfg), "mesh.teacher.dp x tp")
         self._teacher = OnlineTeacher(cfg, self._t_mesh, corpus.teacher_tokenizer)
@@ -243,55 +243,42 @@ class StudentMember(_Member):
         return self.info()
 
     def _start_student(self, cfg, corpus) -> None:
-        from pipelines.local import cross_spec
+        """The student's executor on the group's mesh, assembled as local mode assembles it
+        (`student.executor.student_executor`), and started: restored from the latest
+        checkpoint when there is one."""
         from pipelines.plan import memory as plan_memory
         from student import train
-        from student.alpha import alpha_steps_for
-        from student.evaluate import StudentEval
-        from student.state import run_checkpointer, start_student
+        from student.executor import student_executor
         from teacher.weights import student_init_params
 
-        i, tokenizer = self._i, corpus.tokenizer
-        limit = vocab_limit(tokenizer, *cfg.vocab_sizes())
+        limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
         self._mesh = _group_mesh(student_shape(cfg), "mesh.student.dp x fsdp")
         self._split = train.batch_sharding(self._mesh)
         self._owners = ray_rows.row_owners(self._split)
-        self._spans = ray_rows.spans(self._owners, i, cfg.train.batch_size)
-        cross = cross_spec(cfg, corpus)
+        self._spans = ray_rows.spans(self._owners, self._i, cfg.train.batch_size)
         plan_memory.resolve_remat(cfg, self._mesh, vocab_limit=limit)  # `auto` on these devices
-        tx, self._step_fn = alpha_steps_for(cfg, self._mesh, vocab_limit=limit, cross=cross)
-        self._ckpt = run_checkpointer(cfg)
-        placed = train.param_shardings(cfg.student_model(), self._mesh)  # read straight there
-        self._state, self._data_state, self._start = start_student(
-            cfg, tx, self._mesh, self._ckpt, lambda: student_init_params(cfg, placed)
-        )
-        if self._start:  # the weight the checkpoint's run was training with
-            self._step_fn.restore(self._ckpt.stored_notes(self._start))
+        self._ex = student_executor(cfg, corpus, self._mesh, student_init_params)
+        self._start, self._data_state = self._ex.start()
         self._next = self._start + 1
         self._rows = cfg.train.batch_size
         self._tokens = cfg.train.batch_size * cfg.train.seq_len
-        self._eval = StudentEval(cfg, self._mesh, limit)
-        self._setup_sampling(cfg, tx, tokenizer, limit)
+        self._setup_sampling(cfg, corpus.tokenizer, limit)
         self._cross = None  # across tokenizers: the teacher's rows of the samples
         if corpus.teacher is not None:
             from distill.data.cross_samples import SampleRows
 
-            self._cross = SampleRows(tokenizer, corpus.teacher, corpus.train.teacher_len)
+            self._cross = SampleRows(corpus.tokenizer, corpus.teacher, corpus.train.teacher_len)
 
-    def _setup_sampling(self, cfg, tx, tokenizer, limit) -> None:
-        """The samplers (on-policy, and the evaluation's at temperature 1) and, for an
-        on-policy run, the recent parameters it generates with (restored with the state)."""
+    def _setup_sampling(self, cfg, tokenizer, limit) -> None:
+        """The samplers (on-policy, and the evaluation's at temperature 1); an on-policy run
+        generates with the executor's recent parameters (`LocalExecutor.history`)."""
         from distill.data.prompts import prompt_set
-        from student import train
-        from student.generate import ParamHistory, sampler_for
+        from student.generate import sampler_for
 
-        self._history, self._prompt_set = None, None
+        self._prompt_set = None
         self._prompt_len = cfg.distill.on_policy.lengths(cfg.train.seq_len)[0]
         if cfg.distill.on_policy.fraction > 0:
             self._prompt_set = prompt_set(cfg, tokenizer)  # None: the rows' first tokens
-            abstract = train.abstract_state(cfg.student_model(), tx, self._mesh).params
-            self._history = ParamHistory(cfg.pipeline.max_staleness, abstract)
-            self._history.start(self._start, self._state.params, self._ckpt)
             self._sampler = sampler_for(cfg, self._mesh, tokenizer, limit)
         self._eval_sampler = sampler_for(cfg, self._mesh, tokenizer, limit, temperature=1.0)
         self._key = self._jax.random.key(cfg.run.seed)
@@ -328,7 +315,8 @@ class StudentMember(_Member):
         `pipelines.on_policy.OnPolicySource`)."""
         key = self._jax.random.fold_in(self._key, step_no)
         prompts = self._prompts(step_no, data_state)
-        rows, figures = self._sample(self._sampler, self._history.after(source_step), prompts, key)
+        history = self._ex.history
+        rows, figures = self._sample(self._sampler, history.after(source_step), prompts, key)
         if self._cross is not None:  # its rows re-tokenised for the teacher, here on the host
             rows = rows._replace(teacher=self._cross.view(rows))
         return rows, figures
@@ -341,7 +329,7 @@ class StudentMember(_Member):
         from pipelines.on_policy import eval_sample_key
 
         key = eval_sample_key(self._key, chunk)
-        return self._sample(self._eval_sampler, self._state.params, prompts, key)
+        return self._sample(self._eval_sampler, self._ex.state.params, prompts, key)
 
     def info(self) -> dict:
         return {**_info(self._mesh, DP), "data": self._data_check, "row_owners": self._owners}
@@ -359,20 +347,13 @@ class StudentMember(_Member):
         teacher rows it received."""
         if step_no != self._next:
             raise RuntimeError(f"student step {step_no} out of order: expected {self._next}")
-        jax, t0 = self._jax, time.perf_counter()
+        t0 = time.perf_counter()
         if isinstance(batch, dict):
             batch = self._reader.rows(batch, self._spans)
         t_out, nbytes = self._receive(teacher_parts, self._spans, self._rows)
-        if self._n == 1:
-            batch = jax.device_put(batch, self._split)
-        else:
+        if self._n > 1:  # this process's rows into the group's global arrays
             batch = ray_rows.global_arrays(batch, self._split, self._rows)
-        self._state, metrics = self._step_fn(self._state, batch, t_out)
-        if self._history is not None:
-            self._history.record(step_no, self._state.params)
-        from student.routing import host_metrics
-
-        m = host_metrics(metrics)
+        m = self._ex.read(self._ex.step(step_no, batch, t_out), True)
         self._next += 1
         m["student_ms"] = 1e3 * (time.perf_counter() - t0)
         m["bytes_per_token"] = nbytes / self._tokens
@@ -380,12 +361,12 @@ class StudentMember(_Member):
 
     def alpha(self) -> float:
         """The `distill.alpha` the next steps train with (`student.alpha.AlphaSteps`)."""
-        return self._step_fn.alpha
+        return self._ex.alpha
 
     def set_alpha(self, alpha: float) -> float:
         """Train the next steps with `alpha`; returns it once set."""
-        self._step_fn.set(alpha)
-        return self._step_fn.alpha
+        self._ex.set_alpha(alpha)
+        return self._ex.alpha
 
     def evaluate(self, batch, *teacher_parts, keep: bool = False) -> dict:
         """Held-out teacher vs student metrics of one eval chunk (with its token count), by
@@ -401,10 +382,10 @@ class StudentMember(_Member):
             t_out, _ = self._receive(teacher_parts, spans, rows, keep)
             logits = getattr(t_out, "logprobs", t_out)
         if self._n == 1:
-            return self._eval.one(self._state.params, batch, logits)
+            return self._ex.evaluate_one(batch, logits)
         mine = self._jax.tree.map(lambda x: ray_rows.take(x, spans), batch)
         mine = ray_rows.global_arrays(mine, self._split, rows)
-        return self._eval.one(self._state.params, mine, logits)
+        return self._ex.evaluate_one(mine, logits)
 
     def _receive(self, teacher_parts: tuple, spans, rows: int, keep: bool = False):
         """(the teacher output on the training mesh, the bytes received): the whole host
@@ -421,26 +402,15 @@ class StudentMember(_Member):
 
     def save(self, step: int, data_state: dict) -> None:
         """Start an asynchronous checkpoint of the state after `step` (every process of the
-        group writes its own shards); none within a run of skipped steps
-        (`student.train.unsaved_reason`) nor of a state holding a non-finite value."""
-        from student import train
-
-        if (why := train.unsaved_reason(self._state)) is not None:
-            log.warning("checkpoint step %d not written: %s", step, why)
-            return
-        extra = None if self._history is None else self._history.extra(step)
-        notes = self._step_fn.note()
-        self._ckpt.save(
-            step, train.saved(self._state), data_state, force=True, extra=extra, notes=notes
-        )
+        group writes its own shards), as `LocalExecutor.save` does."""
+        self._ex.save(step, data_state)
 
     def wait_for_checkpoints(self) -> int | None:
         """Block until every started checkpoint is written; the latest step on disk."""
-        self._ckpt.wait()
-        return self._ckpt.latest_step()
+        return self._ex.wait_for_checkpoints()
 
     def close(self) -> None:
-        self._ckpt.close()
+        self._ex.finish()
 
 
 TeacherActor = ray.remote(TeacherMember)

@@ -35,11 +35,12 @@ import ray
 
 from distill.config import Config
 from distill.data.corpus import Corpus
+from distill.mesh import Placement
 from distill.observability.expert_load import LoadWindow
 from distill.observability.metrics import MetricsStore
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.hooks import Hook, Status
-from pipelines.local import distill_hooks, eval_byte_lengths
+from pipelines.local import distill_hooks
 from pipelines.loop import Item, Loop, LoopSpec
 from pipelines.on_policy import eval_prompts, schedule_figures, takes_on_policy
 from pipelines.progress import distill_record
@@ -47,6 +48,7 @@ from pipelines.ray import rows as ray_rows
 from pipelines.ray.pool import ActorPool
 from pipelines.sources import taught_of
 from student.evaluate import combine
+from student.executor import eval_byte_lengths
 
 log = logging.getLogger("distill")
 
@@ -340,7 +342,7 @@ def distill_ray(
 def actor_processes(cfg: Config) -> int:
     """The run's actor processes: every teacher replica's group and the student's (one
     group for both, colocated)."""
-    if cfg.mesh.placement == "colocated":
+    if cfg.mesh.placement == Placement.COLOCATED:
         return cfg.mesh.student.hosts
     return cfg.teacher.replicas * cfg.mesh.teacher.hosts + cfg.mesh.student.hosts
 

@@ -27,7 +27,7 @@ from ray.util.placement_group import remove_placement_group
 from distill import outputs
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import colocated, devices_per_host, hosts
+from distill.mesh import Placement, colocated, devices_per_host, hosts
 from pipelines.loop import StudentLost
 from pipelines.on_policy import sample_metrics
 from pipelines.ray import rows as ray_rows
@@ -410,7 +410,7 @@ class ActorPool:
         teacher = self.info["teacher-0"]
         return {
             "platform": teacher["platform"],
-            "placement": "colocated" if self.colocated else "split",
+            "placement": str(Placement.COLOCATED if self.colocated else Placement.SPLIT),
             "teacher": teacher.get("teacher_layout", teacher["layout"]),
             "student": self.info["student"]["layout"],
             "teacher_replicas": self.replicas,

@@ -1,9 +1,10 @@
-"""The student executor of one process: the jitted step on the training mesh.
+"""The student's running object: the executor on the training mesh, and its one assembly.
 
 `LocalExecutor` owns the train state, its compiled step, its checkpoints and the student
-side of evaluation (`pipelines.loop.StudentExecutor`). The same class runs the teacher
-bootstrap (a cross-entropy step, no teacher output, no checkpoints). The Ray student actor
-is the other executor (`pipelines.ray.mode`).
+side of evaluation (`pipelines.loop.StudentExecutor`); `student_executor` assembles it for a
+run, once, for local mode (`pipelines.local`), `distill eval` and every process of the Ray
+student group (`pipelines.ray.actors.StudentMember`) alike. The same class runs the teacher
+bootstrap (a cross-entropy step, no teacher output, no checkpoints).
 """
 
 from __future__ import annotations
@@ -16,11 +17,18 @@ from jax.sharding import Mesh
 
 from distill import handoff
 from distill.checkpoint import Checkpointer
-from pipelines.timing import ReadyWatcher
+from distill.config import Config
+from distill.data.byte_paths import BytePaths
+from distill.data.corpus import Corpus
+from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths
+from distill.data.tokenizers import vocab_limit
+from distill.models.cross_losses import CrossSpec
+from distill.observability.timing import ReadyWatcher
 from student import routing, train
-from student.alpha import AlphaSteps
+from student.alpha import AlphaSteps, alpha_steps_for
 from student.evaluate import StudentEval
 from student.generate import ParamHistory
+from student.state import run_checkpointer, start_student
 
 log = logging.getLogger("distill")
 
@@ -107,6 +115,11 @@ class LocalExecutor:
         moved = (self.hop(t) for t in teacher_logits)  # one batch at a time, as consumed
         return self._evaluator(self.state.params, batches, moved, keep)
 
+    def evaluate_one(self, batch, teacher_logits) -> dict:
+        """One eval batch's metrics with its token count (`StudentEval.one`): the arrays
+        host arrays or already on the training mesh (a Ray student process's rows)."""
+        return self._evaluator.one(self.state.params, batch, teacher_logits)
+
     def save(self, step: int, data_state: dict) -> bool:
         """Start writing a checkpoint; False when none is written (`train.unsaved_reason`,
         or a non-finite state)."""
@@ -119,6 +132,11 @@ class LocalExecutor:
             step, train.saved(self.state), data_state, force=True, extra=extra, notes=notes
         )
 
+    def wait_for_checkpoints(self) -> int | None:
+        """Block until every started checkpoint is written; the latest step on disk."""
+        self._ckpt.wait()
+        return self._ckpt.latest_step()
+
     def finish(self) -> None:
         if self._ckpt is not None:
             self._ckpt.close()
@@ -127,3 +145,54 @@ class LocalExecutor:
     def close(self) -> None:
         """Stop timing (idempotent): also where the run ended by an error, before `finish`."""
         self._watch.close()
+
+
+def student_executor(
+    cfg: Config, corpus: Corpus, mesh: Mesh, init_params: Callable
+) -> LocalExecutor:
+    """The run's student on the training mesh: its state (resumed, or initialised), its
+    compiled distillation step, its checkpoints and its side of evaluation; for on-policy
+    runs, the recent parameters it generates with. `init_params(cfg, shardings)`: the
+    parameters a new state starts from, each made in its placement, or None for random
+    (`teacher.weights.student_init_params`: pruned from the teacher, or pretrained; the
+    caller wires it, since the student does not import the teacher)."""
+    limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
+    cross = cross_spec(cfg, corpus)
+    tx, step_fn = alpha_steps_for(cfg, mesh, vocab_limit=limit, cross=cross)
+    ckpt = run_checkpointer(cfg)
+    placed = train.param_shardings(cfg.student_model(), mesh)  # its weights read straight there
+    history = None
+    if cfg.distill.on_policy.fraction > 0:
+        abstract = train.abstract_state(cfg.student_model(), tx, mesh).params
+        history = ParamHistory(cfg.pipeline.max_staleness, abstract)
+    return LocalExecutor(
+        mesh,
+        lambda: start_student(cfg, tx, mesh, ckpt, lambda: init_params(cfg, placed)),
+        step_fn,
+        ckpt=ckpt,
+        evaluator=StudentEval(cfg, mesh, limit, eval_byte_lengths(cfg, corpus)),
+        tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+        history=history,
+    )
+
+
+def cross_spec(cfg: Config, corpus: Corpus) -> CrossSpec | None:
+    """How the step compares the two vocabularies of a cross-tokenizer run, else None."""
+    if corpus.teacher is None:
+        return None
+    vmap, method = None, cfg.distill.cross_tokenizer
+    if method in ("mapped", "first_byte", "byte_path"):
+        kind = {"mapped": VocabMap, "first_byte": FirstBytes, "byte_path": BytePaths}[method]
+        vmap = kind.between(
+            corpus.teacher, corpus.tokenizer, cfg.teacher.model.vocab_size,
+            cfg.student_model().vocab_size,
+        )  # fmt: skip
+    if cfg.distill.cross_boundary and method in ("first_byte", "byte_path"):
+        vmap = vmap.after_tokens(*corpus.train.successions())
+    return CrossSpec(method, vmap, corpus.teacher.vocab_size)
+
+
+def eval_byte_lengths(cfg: Config, corpus: Corpus) -> tuple:
+    """(student's, teacher's) bytes per id, for held-out bits per byte."""
+    student = byte_lengths(corpus.tokenizer, cfg.student_model().vocab_size)
+    return student, byte_lengths(corpus.teacher_tokenizer, cfg.teacher.model.vocab_size)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import PP, TP
+from distill.mesh import PP, TP, Placement
 from distill.models import model
 from distill.types import Batch
 
@@ -133,7 +133,7 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
             f"mesh.teacher.pp: {pp} does not divide teacher.model.n_layers={layers} "
             "(each stage holds n_layers / pp whole layers)"
         )
-    if cfg.mesh.placement == "auto":
+    if cfg.mesh.placement == Placement.AUTO:
         raise DistillError(
             f"mesh.placement: not supported with mesh.teacher.pp={pp} (pipeline stages) yet; "
             "needs mesh.placement split or colocated (auto's candidate layouts have no stages)"

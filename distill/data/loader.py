@@ -1,4 +1,4 @@
-"""Grain input pipeline: read documents, tokenize, pack into rows, serve shuffled batches.
+"""The Grain loader: read documents, tokenize, pack into rows, serve shuffled batches.
 
 Documents come from plain text files, JSONL records and Parquet rows (``data.text_field``),
 or arrive already tokenised in ArrayRecord files (one document's ids per record, see

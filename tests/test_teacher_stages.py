@@ -1,4 +1,4 @@
-"""Pipeline-parallel teacher stages (`mesh.teacher.pp`, `teacher.pipeline`): the staged
+"""Pipeline-parallel teacher stages (`mesh.teacher.pp`, `teacher.stages`): the staged
 forward gives the unstaged one's outputs (float32, within 1e-6) for a dense, a windowed
 (Gemma-3-like: sliding and full layers, a local RoPE base, post-norms, soft-caps) and a
 mixture-of-experts family (dense and MoE layers mixed, experts over ep, its expert load),
@@ -21,8 +21,8 @@ from distill.models import model
 from pipelines import plan
 from pipelines.commands.cli import main
 from teacher.forward import make_forward
-from teacher.pipeline import bubble, check_stages
 from teacher.sharding import shard_params
+from teacher.stages import bubble, check_stages
 from tests.conftest import tiny_config, train_by_step, write_config
 from tests.test_model import _batch
 
