@@ -47,7 +47,7 @@ from safetensors import safe_open
 from distill.config import ModelConfig
 from distill.mesh import PP, TP
 from distill.models import hf
-from teacher import quantized, sharding
+from teacher import quantized, sharding, stages
 
 Index = tuple[slice, ...]
 
@@ -134,8 +134,9 @@ def _load_layer(cfg: ModelConfig, target, stacked, read, shape, slot, transposed
     pp, lead = target.mesh.shape.get(PP, 1), (1,) * len(slot)
     stored = _as_stored(target, transposed, len(slot))
     read = _once_per_index(_leading(read, len(slot)))
+    layers = stages.stacked_layers(cfg.n_layers, pp)  # zero layers past n_layers
     if pp > 1:  # a leading slot per stage, read only in the layer's own
-        stage = slot[0] // (cfg.n_layers // pp)
+        stage = slot[0] // (layers // pp)
         stored = NamedSharding(target.mesh, P(PP, *stored.spec))
         whole = (pp, *lead, *shape)
         one = jax.make_array_from_callback(whole, stored, _in_stage(read, stage, whole))
@@ -143,7 +144,7 @@ def _load_layer(cfg: ModelConfig, target, stacked, read, shape, slot, transposed
         one = jax.make_array_from_callback((*lead, *shape), stored, read)
     if stacked is None:
         layout = shape[::-1] if transposed else shape
-        outer = (cfg.n_layers, cfg.n_experts)[: len(slot)]
+        outer = (layers, cfg.n_experts)[: len(slot)]
         stacked = jnp.zeros((*outer, *layout), one.dtype, device=target)
     if pp > 1:
         return _set_staged(stacked, one, slot, transposed)

@@ -31,6 +31,7 @@ from distill.config import ModelConfig
 from distill.errors import DistillError
 from distill.mesh import CP, DP, EP, PP, TP
 from distill.models import model
+from teacher import stages
 
 LAYER_SPECS = {
     "attn_norm": P(None, None),
@@ -203,17 +204,19 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
     return dict(params, layers=layers)
 
 
-def shardings(cfg: ModelConfig, mesh) -> dict:
+def shardings(cfg: ModelConfig, mesh, pp: int | None = None) -> dict:
     """NamedShardings of `param_specs` on `mesh` (a spec names only `tp`: replicated over
-    `dp`; the layers split over `pp` where it has stages)."""
+    `dp`; the layers split over `pp` where it has stages, `pp` = 1: kept whole)."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),
-        param_specs(cfg, mesh.shape.get(PP, 1)),
+        param_specs(cfg, mesh.shape.get(PP, 1) if pp is None else pp),
         is_leaf=lambda x: isinstance(x, P),
     )
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh) -> dict:
-    """Place full teacher weights on the inference mesh in the TP layout."""
+    """Place full teacher weights on the inference mesh in the TP layout (with pipeline
+    stages, the stack padded with zero layers where pp does not divide it)."""
+    params = stages.pad_layers(params, cfg, mesh.shape.get(PP, 1))
     params = expand_kv_heads(params, cfg, mesh.shape[TP])
     return jax.device_put(params, shardings(cfg, mesh))

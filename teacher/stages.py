@@ -1,14 +1,16 @@
 """Pipeline-parallel teacher stages over the inference mesh's `pp` axis (`mesh.teacher.pp`).
 
 Stage s holds layers [s*L/pp, (s+1)*L/pp) (the layer weights' leading axis is split over
-`pp`: `teacher.sharding`), with its slice of the per-layer data (windows, RoPE tables,
-which layers are MoE: `distill.models.model.layer_data`). A dp group's rows run in m
-microbatches that stream through the stages over m + pp - 1 ticks: at tick t stage s runs
-its layers on microbatch t - s (the first stage on that microbatch's embeddings, the others
-on what the previous stage sent at the end of tick t - 1), then sends its output on to the
-next stage with one point-to-point transfer (`distill.collectives.to_next_stage`). Each
-stage idles pp - 1 of the ticks (in SPMD it computes on a stale buffer then, its result
-never used): the bubble is (pp - 1) / (m + pp - 1).
+`pp`: `teacher.sharding`; where pp does not divide the layers the stack is padded with zero
+layers, which pass their input through: `stacked_layers`), with its slice of the per-layer
+data (windows, RoPE tables, which layers are MoE: `distill.models.model.layer_data`). A dp
+group's rows run in m microbatches that stream through the stages over m + pp - 1 ticks:
+at tick t stage s runs its layers on microbatch t - s (the first stage on that
+microbatch's embeddings, the others on what the previous stage sent at the end of tick
+t - 1), then sends its output on to the next stage with one point-to-point transfer
+(`distill.collectives.to_next_stage`). Each stage idles pp - 1 of the ticks (in SPMD it
+computes on a stale buffer then, its result never used): the bubble is
+(pp - 1) / (m + pp - 1).
 
 The last stage's outputs, the final hidden states of every row, are then spread over the
 stages (a reduce-scatter over `pp`, `distill.collectives.from_last_stage`), so that every
@@ -37,10 +39,39 @@ from distill.types import Batch
 log = logging.getLogger("distill")
 
 
+def stacked_layers(n_layers: int, pp: int) -> int:
+    """Layers the teacher's stack holds over `pp` stages: `n_layers` rounded up to a
+    multiple of pp, so every stage holds as many (DeepSeek-V3's 61 over pp=2: 31 each). The
+    layers past n_layers are zeros, and a block of zeros passes its input through exactly
+    (x + 0: its attention and feed-forward outputs are projections by zero weights)."""
+    return -(-n_layers // pp) * pp
+
+
+def pad_layers(params: dict, cfg, pp: int) -> dict:
+    """`params` with the layer stack padded with zero layers to `stacked_layers` (a no-op
+    when pp divides the layers)."""
+    extra = stacked_layers(cfg.n_layers, pp) - cfg.n_layers
+    if not extra:
+        return params
+    pad = lambda a: jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+    return dict(params, layers=jax.tree.map(pad, params["layers"]))
+
+
 def stage_data(cfg, stage: jax.Array, pp: int) -> dict | None:
-    """`model.layer_data` of stage `stage`'s layers (None when layers are alike)."""
+    """`model.layer_data` of stage `stage`'s layers (None when layers are alike); the zero
+    layers that pad the stack (`stacked_layers`) take the last layer's, run dense where
+    dense and MoE mix."""
     data = model.layer_data(cfg)
-    n = cfg.n_layers // pp
+    n = stacked_layers(cfg.n_layers, pp) // pp
+    extra = n * pp - cfg.n_layers
+
+    def pad(key, a):
+        if not extra:
+            return a
+        tail = jnp.zeros_like(a[-1:]) if key == "moe" else a[-1:]
+        return jnp.concatenate([a, jnp.repeat(tail, extra, axis=0)])
+
+    data = None if data is None else {k: pad(k, a) for k, a in data.items()}
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage * n, n, axis=0), data)
 
 
@@ -76,6 +107,7 @@ def hidden(
     dt = jnp.dtype(dtype)
     backend = module.backend(cfg.attention, dt, seq)
     data = stage_data(cfg, stage, pp)
+    local = stacked_layers(cfg.n_layers, pp) // pp  # this stage's layers
     axes = (PP, *_varying(batch.tokens))  # what a stage's activations vary over
 
     def tick(received, t):
@@ -89,9 +121,12 @@ def hidden(
         y, stats = module.blocks(
             x, segments[j], positions[j], data, tp_axis=TP, backend=backend, moe_opts=moe_opts
         )
-        if with_stats:  # an idle tick's routing is not the batch's
+        if with_stats:  # an idle tick's routing is not the batch's, nor a padding layer's
             busy = (t >= stage) & (t - stage < m)
-            stats = jax.tree.map(lambda n: jnp.where(busy, jnp.sum(n, axis=0), 0), stats)
+            real = stage * local + jnp.arange(local) < cfg.n_layers
+            stats = jax.tree.map(
+                lambda n: jnp.where(busy, jnp.sum(n * _per_layer(real, n), axis=0), 0), stats
+            )
         return cc.to_next_stage(y, PP), (y, stats if with_stats else None)
 
     first = _vary(jnp.zeros((size, seq, cfg.d_model), dt), axes)
@@ -101,6 +136,11 @@ def hidden(
     if with_stats:
         stats = jax.tree.map(lambda n: jnp.sum(n, axis=0), stats)
     return module.final(x), module.head(), stats
+
+
+def _per_layer(mask_l: jax.Array, n_l: jax.Array) -> jax.Array:
+    """`mask_l` [L] shaped to broadcast against per-layer stats `n_l` [L, ...]."""
+    return mask_l.reshape(-1, *(1,) * (n_l.ndim - 1)).astype(n_l.dtype)
 
 
 def bubble(pp: int, microbatches: int) -> float:
@@ -128,11 +168,18 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
     if pp == 1:
         return
     layers = cfg.teacher.model.n_layers
-    if layers % pp:
+    per = stacked_layers(layers, pp) // pp
+    if (pp - 1) * per >= layers:
         raise DistillError(
-            f"mesh.teacher.pp: {pp} does not divide teacher.model.n_layers={layers} "
-            "(each stage holds n_layers / pp whole layers)"
+            f"mesh.teacher.pp: {pp} stages of {per} layers leave the last stage none of "
+            f"teacher.model.n_layers={layers}; use fewer stages"
         )
+    if warn and layers % pp:
+        log.info(
+            "mesh.teacher.pp=%d over %d layers: %d a stage, the last stage's last %d "
+            "zero layers that pass their input through", pp, layers,
+            stacked_layers(layers, pp) // pp, stacked_layers(layers, pp) - layers,
+        )  # fmt: skip
     if cfg.mesh.placement == Placement.AUTO:
         raise DistillError(
             f"mesh.placement: not supported with mesh.teacher.pp={pp} (pipeline stages) yet; "
@@ -155,5 +202,5 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
 
 
 def stage_layers(cfg: Config) -> int:
-    """Layers each stage holds."""
-    return cfg.teacher.model.n_layers // cfg.mesh.teacher.pp
+    """Layers each stage holds (with the zero layers that pad the stack: `stacked_layers`)."""
+    return stacked_layers(cfg.teacher.model.n_layers, cfg.mesh.teacher.pp) // cfg.mesh.teacher.pp

@@ -11,6 +11,8 @@ or the layers a `student.init: from_teacher` student keeps.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,10 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from distill.checkpoint import abstract_like, load_param_part, load_params
 from distill.config import Config
-from distill.mesh import TP
+from distill.mesh import PP, TP
 from distill.models import model
 from distill.outputs import teacher_path
-from teacher import sharding
+from teacher import sharding, stages
 
 
 def held_dtype(cfg: Config):
@@ -46,6 +48,10 @@ def load_teacher(cfg: Config, mesh) -> dict:
 
         return load_hf_teacher(cfg.teacher.checkpoint, mcfg, mesh, dtype=held)
     target = sharding.shardings(mcfg, mesh)
+    pp = mesh.shape.get(PP, 1)
+    padded = stages.stacked_layers(mcfg.n_layers, pp) != mcfg.n_layers
+    if padded:  # read whole over pp, then padded with zero layers and split (small teachers)
+        target = sharding.shardings(mcfg, mesh, pp=1)
     expand = mcfg.n_kv_heads < mesh.shape[TP]
     if expand:  # stored with n_kv_heads KV heads: read those replicated, then repeat per shard
         rep = NamedSharding(mesh, P())
@@ -55,6 +61,10 @@ def load_teacher(cfg: Config, mesh) -> dict:
         lambda x: jax.ShapeDtypeStruct(x.shape, held), model.abstract_params(mcfg)
     )  # Orbax converts to the target dtype as it reads
     params = load_params(teacher_path(cfg), abstract_like(shapes, target))
+    if padded:
+        params = sharding.expand_kv_heads(params, mcfg, mesh.shape[TP]) if expand else params
+        pad = functools.partial(stages.pad_layers, cfg=mcfg, pp=pp)
+        return jax.jit(pad, out_shardings=sharding.shardings(mcfg, mesh))(params)
     return sharding.shard_params(params, mcfg, mesh) if expand else params
 
 
@@ -67,6 +77,7 @@ def random_teacher(cfg: Config, mesh) -> dict:
 
     def init() -> dict:
         params = jax.tree.map(lambda x: x.astype(held), model.init_params(mcfg, cfg.run.seed))
+        params = stages.pad_layers(params, mcfg, mesh.shape.get(PP, 1))
         return sharding.expand_kv_heads(params, mcfg, mesh.shape[TP])
 
     return jax.jit(init, out_shardings=sharding.shardings(mcfg, mesh))()

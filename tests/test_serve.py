@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from distill.config.load import load_config
-from distill.data.pipeline import load_corpus
+from distill.data.loader import load_corpus
 from distill.mesh import role_mesh
 from pipelines.serve import wire
 from pipelines.serve.server import TeacherServer, load_service
-from pipelines.sources import OnlineTeacher
+from teacher.online import OnlineTeacher
 from tests.conftest import write_config
 
 

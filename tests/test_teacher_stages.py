@@ -99,6 +99,29 @@ def test_stages_give_the_unstaged_outputs(family, axes, rows, mode):
         assert int(load.tokens.sum()) == rows * 12 * 2 * 3  # tokens x k x MoE layers
 
 
+@pytest.mark.parametrize("dense_layers", [(0,), ()])
+def test_stages_that_do_not_divide_the_layers_pad_them_with_zero_layers(dense_layers):
+    """3 layers over pp=2 (as DeepSeek-V3's 61): the stack is padded with one zero layer,
+    which passes its input through, so the outputs and the expert load are the unstaged
+    mesh's (a dense first layer as DeepSeek's first_k_dense_replace, or every layer MoE:
+    the padding layer's routing is not counted)."""
+    from teacher.stages import stacked_layers
+
+    cfg = ModelConfig(
+        **{**SMALL, "n_layers": 3}, n_experts=4, experts_per_token=2, d_ff_expert=16,
+        dense_layers=dense_layers,
+    )  # fmt: skip
+    assert stacked_layers(3, 2) == 4
+    kw = {"mode": "topk", "top_k": 5, "microbatch": 1, "expert_load": True}
+    batch = _batch(b=4, s=12)
+    want = _outputs(cfg, batch, 1, 1, 2, 1, **kw)
+    got = _outputs(cfg, batch, 2, 1, 2, 1, **kw)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6, rtol=0)
+    moe_layers = 3 - len(dense_layers)
+    assert int(got[1].tokens.sum()) == 4 * 12 * 2 * moe_layers
+
+
 def _tree(corpus_dir, tmp_path, **teacher_mesh_):
     tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
     tree["mesh"]["teacher"].update(teacher_mesh_)
@@ -106,7 +129,7 @@ def _tree(corpus_dir, tmp_path, **teacher_mesh_):
 
 
 def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
-    """The stages multiply the inference mesh; layer counts that do not divide and auto
+    """The stages multiply the inference mesh; more stages than the layers fill and auto
     placement are refused in one line naming the field (ray mode is not: its stages are a
     teacher group's processes, tests/test_multihost.py); one microbatch (stages that cannot
     overlap) is a logged warning."""
@@ -116,7 +139,7 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
         check_stages(cfg)
     assert "mesh.teacher.pp=2 with one teacher microbatch" in caplog.text
     bad = [
-        ({"pp": 4}, {}, "^mesh.teacher.pp: 4 does not divide teacher.model.n_layers=2"),
+        ({"pp": 4}, {}, "^mesh.teacher.pp: 4 stages of 1 layers leave the last stage none"),
         ({"pp": 2}, {"mesh": {"placement": "auto"}}, "^mesh.placement: not supported with"),
     ]
     ray = _tree(corpus_dir, tmp_path, pp=2, hosts=2)
@@ -136,13 +159,13 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
 
 
 def test_validate_and_plan_refuse_in_one_line(corpus_dir, tmp_path, capsys):
-    """`distill validate` refuses stages that do not divide the layers; `distill plan`
+    """`distill validate` refuses more stages than the layers fill; `distill plan`
     refuses auto placement with stages before it resolves any candidate."""
     path = write_config(tmp_path, _tree(corpus_dir, tmp_path, pp=4))
     assert main(["validate", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("mesh.teacher.pp: 4 does not divide teacher.model.n_layers=2 "
-                            "(each stage holds n_layers / pp whole layers)")  # fmt: skip
+    assert err[-1].endswith("mesh.teacher.pp: 4 stages of 1 layers leave the last stage none "
+                            "of teacher.model.n_layers=2; use fewer stages")  # fmt: skip
     assert main(["plan", path, "--set", "mesh.teacher.pp=2", "--set", "mesh.placement=auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "mesh.placement: not supported with mesh.teacher.pp=2" in err[-1]

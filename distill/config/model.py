@@ -473,8 +473,14 @@ def student_fields(teacher: ModelConfig, overrides: dict, keep_experts: bool) ->
     starts from the teacher's layers): an MoE teacher's experts are not inherited, its
     MoE keys take their defaults and its family becomes the dense one (Mixtral: mistral,
     Qwen2-MoE: qwen2, Qwen3-MoE: qwen3; OLMoE, which has none, stays olmoe) unless the
-    overrides set one."""
+    overrides set one. A student of another family than both (a Qwen3 student of a
+    DeepSeek-V3 or gpt-oss teacher) inherits only the runtime keys: its shape is its own,
+    and the teacher's latent attention, windows or sinks are not its family's."""
     fields = teacher.model_dump()
+    family = overrides.get("family")
+    if family not in (None, teacher.family, families.get(teacher.family).dense):
+        defaults = {k: info.default for k, info in ModelConfig.model_fields.items()}
+        return {**defaults, **{k: fields[k] for k in RUNTIME_KEYS}, **overrides}
     if teacher.n_experts and not keep_experts and "n_experts" not in overrides:
         fields.update({k: ModelConfig.model_fields[k].default for k in MOE_KEYS})
         fields["family"] = families.get(teacher.family).dense or teacher.family
@@ -492,7 +498,9 @@ def _overrides() -> type[Section]:
         __base__=Section,
         __doc__="Any `teacher.model` key; unset keys inherit the teacher's value, except an "
         "MoE teacher's experts: the student is dense unless it sets n_experts (or starts "
-        "from the teacher's layers, student.init: from_teacher), and the per-layer keys "
+        "from the teacher's layers, student.init: from_teacher), a student of another "
+        "family (family set to neither the teacher's nor its dense counterpart), which "
+        "inherits only `attention`, and the per-layer keys "
         "(layer_types, dense_layers) of a student of another depth: those of the teacher "
         "layers it keeps (student.init_layers, else evenly spaced).",
         **fields,

@@ -466,12 +466,31 @@ def apply(cfg: ModelConfig, params: Params, tokens, segment_ids, positions, **kw
     return logits(x, head, cfg.final_softcap)
 
 
-def param_count(cfg: ModelConfig) -> int:
+def stored_param_count(cfg: ModelConfig) -> int:
+    """Parameters stored: every layer of one shape (one scanned block), so where dense and
+    MoE feed-forwards mix each holds both (`unused_param_count`)."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
+def unused_param_count(cfg: ModelConfig) -> int:
+    """Stored parameters no token uses, where dense and MoE feed-forwards mix (DeepSeek-V3's
+    first_k_dense_replace, GLM-4.5, Qwen's mlp_only_layers): each MoE layer's dense MLP and
+    each dense layer's router and experts (zeros as loaded; 57B of DeepSeek-V3's stack)."""
+    if not cfg.mixed_ffn():
+        return 0
+    layers, n_moe = abstract_params(cfg)["layers"], sum(cfg.moe_layers())
+    size = lambda keys: sum(math.prod(layers[k].shape[1:]) for k in keys)  # noqa: E731
+    dense_mlp, routed = size(("w_gate", "w_up", "w_down")), size(moe.weight_keys(cfg))
+    return n_moe * dense_mlp + (cfg.n_layers - n_moe) * routed
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """The model's parameters, as its checkpoint holds them (less `unused_param_count`)."""
+    return stored_param_count(cfg) - unused_param_count(cfg)
+
+
 def active_param_count(cfg: ModelConfig) -> int:
-    """Parameters a token uses: all but the experts it is not routed to."""
+    """Parameters a token uses: all but the routed experts it is not routed to."""
     per_expert = 3 * cfg.d_model * cfg.f_expert
     per_expert += (2 * cfg.f_expert + cfg.d_model) if cfg.expert_bias else 0
     idle = (cfg.n_experts - cfg.experts_per_token) * per_expert
@@ -498,6 +517,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Attention's FLOPs per token over the whole causal square (not halved): QK^T,
-    2 * L * S * H * hd, and PV, 2 * L * S * H * v_dim."""
-    return 2.0 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.hd + cfg.v_dim)
+    """Attention's FLOPs per token over the whole causal square (not halved), keys S or a
+    sliding layer's min(window, S): per layer QK^T 2 * keys * H * hd, PV 2 * keys * H * v_dim."""
+    keys = sum(min(window_of(cfg, t) or seq_len, seq_len) for t in cfg.types())
+    return 2.0 * keys * cfg.n_heads * (cfg.hd + cfg.v_dim)

@@ -75,6 +75,32 @@ def teacher_ring_bytes_per_step(cfg: Config) -> int:
     return m.n_layers * (t.cp - 1) * kv
 
 
+# The layer matrices DeepSeek-V3/R1 and Kimi K2 release in float8 (e4m3, a float32 scale per
+# 128 x 128 block); their router, norms, embedding and head stay bfloat16.
+FLOAT8_KEYS = (
+    "wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w_gate", "w_up", "w_down",
+    "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down",
+)  # fmt: skip
+FLOAT8_FAMILIES = ("deepseek_v3", "kimi_k2")
+
+
+def float8_weight_bytes_per_device(cfg: Config, held_bytes: int) -> int:
+    """The teacher's weights per device (`held_bytes`, as `teacher_figures` counts them in
+    the held dtype) were its released float8 matrices kept in float8 on the devices
+    (dequantized per block inside the matmul, which distill does not do: a planned figure)
+    rather than converted: 1 byte a value and 4 per 128 x 128 block in place of the held
+    dtype's bytes."""
+    t = cfg.mesh.teacher
+    layers = model.abstract_params(cfg.teacher.model)["layers"]
+    pad = stages.stacked_layers(cfg.teacher.model.n_layers, t.pp) / cfg.teacher.model.n_layers
+    per_device = sum(
+        math.prod(x.shape) * pad / (t.tp * t.pp * (t.ep if k.startswith("we_") else 1))
+        for k, x in layers.items()
+        if k in FLOAT8_KEYS
+    )
+    return int(held_bytes - per_device * (_dtype_bytes(cfg) - 1 - 4 / 128**2))
+
+
 def layer_params(cfg: Config) -> int:
     """The teacher's stacked layers' parameters (all but the embedding, final norm, head)."""
     layers = model.abstract_params(cfg.teacher.model)["layers"]
@@ -96,17 +122,27 @@ def teacher_figures(cfg: Config) -> dict:
     active parameters, the experts' bytes per device and the all-to-all bytes per step; with
     pipeline stages their layers, the bubble and the bytes sent between stages per step."""
     tcfg, t, b = cfg.teacher.model, cfg.mesh.teacher, _dtype_bytes(cfg)
-    params, experts, layers = model.param_count(tcfg), expert_params(cfg), layer_params(cfg)
+    experts, layers = expert_params(cfg), layer_params(cfg)
+    top = model.stored_param_count(tcfg) - layers  # the embedding, final norm and head
+    # the layers as stored (where dense and MoE layers mix each holds both:
+    # `model.unused_param_count`), with the zero layers that pad the stack over pp
+    pad = stages.stacked_layers(tcfg.n_layers, t.pp) / tcfg.n_layers
+    experts, layers = round(experts * pad), round(layers * pad)
     expert_bytes = experts * b // (t.ep * t.tp * t.pp)
-    # the embedding, final norm and head on every stage; a stage's layers on it alone
-    dense = (params - layers) * b // t.tp + (layers - experts) * b // (t.tp * t.pp)
+    # the top tensors on every stage; a stage's layers on it alone
+    dense = top * b // t.tp + (layers - experts) * b // (t.tp * t.pp)
     figures = {
-        "params": params,
+        "params": model.param_count(tcfg),
         "weight_bytes_per_device": dense + expert_bytes,
         "forward_flops_per_token": model.flops_per_token(tcfg, cfg.train.seq_len),
     }
     if t.cp > 1:
         figures["ring_bytes_per_step"] = teacher_ring_bytes_per_step(cfg)
+    if tcfg.family in FLOAT8_FAMILIES:
+        held = figures["weight_bytes_per_device"]
+        figures["float8_weight_bytes_per_device"] = float8_weight_bytes_per_device(cfg, held)
+    if tcfg.mixed_ffn():
+        figures["unused_params"] = model.unused_param_count(tcfg)
     if tcfg.n_experts:
         figures.update(
             active_params=model.active_param_count(tcfg),
@@ -213,6 +249,11 @@ def format_plan(p: dict) -> str:
         f"{mb(t['routed_bytes_per_step'])} of routed rows)"
         if "active_params" in t
         else ""
+    ) + (
+        f" (+{t['unused_params'] / 1e6:.2f}M stored unused: each layer holds both the dense "
+        "MLP and the experts)"
+        if "unused_params" in t
+        else ""
     )
     stage_line = (
         f"\nteacher pipeline: {t['stages']} stages x {t['layers_per_stage']} layers, "
@@ -227,7 +268,13 @@ def format_plan(p: dict) -> str:
             f"teacher {shape('teacher')} on [{ids('teacher')}]  |  "
             f"student {shape('student')} on [{ids('student')}]",
             f"teacher: {t['params'] / 1e6:.2f}M params{experts}, "
-            f"{mb(t['weight_bytes_per_device'])} weights/device, "
+            f"{mb(t['weight_bytes_per_device'])} weights/device"
+            + (
+                f" ({mb(t['float8_weight_bytes_per_device'])} were its float8 release kept so)"
+                if "float8_weight_bytes_per_device" in t
+                else ""
+            )
+            + ", "
             f"{t['forward_flops_per_token'] / 1e6:.1f} MFLOP/token forward" + _ring(t) + stage_line,
             f"student: {s['params'] / 1e6:.2f}M params"
             + (f" ({s['active_params'] / 1e6:.2f}M active)" if "active_params" in s else "")

@@ -23,7 +23,7 @@ from distill.checkpoint import abstract_like
 from distill.config import Config
 from distill.errors import DistillError
 from distill.handoff import dense_blocks
-from distill.mesh import TP, Meshes, check_context
+from distill.mesh import PP, TP, Meshes, check_context
 from distill.models import model
 from distill.types import Batch, Prompts, TeacherOutput
 from pipelines.plan import flops as plan_flops
@@ -31,7 +31,7 @@ from student import sharding as student_sharding
 from student import train
 from student.generate import Sampler
 from student.remat import Choice, choose
-from teacher import sharding
+from teacher import sharding, stages
 from teacher.forward import make_output_forward
 from teacher.weights import held_dtype
 
@@ -53,8 +53,9 @@ def teacher_params(cfg: Config, mesh):
     """The teacher's weights as loaded onto `mesh`, as abstract sharded arrays."""
     mcfg = cfg.teacher.model
     held = held_dtype(cfg)  # as loaded
+    pp = mesh.shape.get(PP, 1)  # the stack padded with zero layers where pp does not divide it
     shapes = jax.eval_shape(
-        lambda p: sharding.expand_kv_heads(p, mcfg, mesh.shape[TP]),
+        lambda p: sharding.expand_kv_heads(stages.pad_layers(p, mcfg, pp), mcfg, mesh.shape[TP]),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, held), model.abstract_params(mcfg)),
     )
     return abstract_like(shapes, sharding.shardings(mcfg, mesh))

@@ -17,8 +17,8 @@ from distill.config import Config
 from distill.data.tokenizers import Tokenizer, vocab_limit
 from distill.errors import DistillError
 from distill.types import Batch
-from pipelines.sources import OnlineTeacher
 from teacher.forward import forward_for, make_output_forward
+from teacher.online import OnlineTeacher
 
 MIN_BUCKET = 16
 
