@@ -48,7 +48,7 @@ DP = "dp"
 PP = "pp"
 FSDP = "fsdp"  # the training mesh's fully-sharded axis: parameters and optimizer state split
 # Both meshes' context-parallel axis: each row's sequence split over it (load-balanced
-# chunks, `distill.models.ring_attention`). Only in a mesh whose cp is above 1.
+# chunks, `distill.models.kernels.ring`). Only in a mesh whose cp is above 1.
 CP = "cp"
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"

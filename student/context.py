@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distill.mesh import CP
-from distill.models.ring_attention import balance, ring_attention, unbalance
+from distill.models.kernels.ring import balance, ring_attention, unbalance
 from distill.types import TeacherView
 from student import sharding
 

@@ -148,7 +148,7 @@ def save_tensors(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(w.nbytes for w in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / hf.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / hf.INDEX_FILE).write_text(dumps(index, indent=2) + "\n")
 
 
 def _generation_config(tok, dirs) -> dict:

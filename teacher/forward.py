@@ -19,9 +19,9 @@ its 1/pp of the rows as above: the rows leave split over pp as well.
 
 With context parallelism (a `cp` axis: `mesh.teacher.cp`) the batch comes in with each
 row's positions split over cp in row order; each device lays its slice out as the two
-load-balanced chunks ring attention wants (`ring_attention.balance`, two `ppermute`s of the
+load-balanced chunks ring attention wants (`ring.balance`, two `ppermute`s of the
 int32 fields), runs the layers on them with attention over the cp ring, forms its positions'
-outputs, and sends them back to row order (`ring_attention.unbalance`). The outputs leave
+outputs, and sends them back to row order (`ring.unbalance`). The outputs leave
 split over cp by position (`P(rows, cp)`), as a student of the same cp takes them: no row
 is ever whole on one device.
 """
@@ -39,7 +39,8 @@ from distill import collectives as cc
 from distill import programs
 from distill.config import Config, ModelConfig
 from distill.mesh import CP, DP, EP, PP, TP
-from distill.models import model, moe, ring_attention
+from distill.models import model, moe
+from distill.models.kernels import ring
 from distill.models.vocab_loss import default_chunk
 from distill.types import Batch, TeacherOutput
 from teacher import stages
@@ -120,7 +121,7 @@ def make_forward(
 
     def forward(params, batch: Batch, *, split_rows: bool):
         if context:  # each device's two load-balanced chunks of its rows
-            batch = jax.tree.map(lambda x: ring_attention.balance(x, CP), batch)
+            batch = jax.tree.map(lambda x: ring.balance(x, CP), batch)
         if n_stages > 1:
             out = _staged(cfg, params, batch, rows_outputs, microbatch, split_rows, **stage_kw)
         else:
@@ -166,14 +167,14 @@ def _rows_outputs(out: Callable, windows: int, x, targets, head):
 
 def _context(mesh) -> tuple[bool, Callable | None]:
     """(whether `mesh` splits rows over `cp`, attention over its ring or None). Each device
-    then holds its rows' two load-balanced chunks (`ring_attention.balance`, the student's
+    then holds its rows' two load-balanced chunks (`ring.balance`, the student's
     layout): RoPE from their true positions, attention by `ring_attention` (key/value
     blocks around the ring, or gathered, as for the student), windows, soft-caps and packed
     segments as on one device; everything else is per position."""
     context = CP in mesh.shape
     if context and PP in mesh.shape:
         raise ValueError("a teacher mesh with both pp and cp axes is not supported")
-    return context, partial(ring_attention.ring_attention, axis=CP) if context else None
+    return context, partial(ring.ring_attention, axis=CP) if context else None
 
 
 def _tensor_axis(mesh, positions: int, sequence_parallel: bool) -> str:
@@ -192,11 +193,11 @@ def _tensor_axis(mesh, positions: int, sequence_parallel: bool) -> str:
 
 def _leave(out, mode: Mode, split_rows: bool, context: bool):
     """The outputs as they leave the mesh: with `cp`, back in row order (each device its
-    S/cp positions: `ring_attention.unbalance`); then top-k and target log-probs sliced to
+    S/cp positions: `ring.unbalance`); then top-k and target log-probs sliced to
     this `tp` device's rows (`split_rows`) or kept, vocabulary shards sent to their rows'
     devices (all-to-all) or gathered."""
     if context:
-        out = jax.tree.map(lambda x: ring_attention.unbalance(x, CP), out)
+        out = jax.tree.map(lambda x: ring.unbalance(x, CP), out)
     if mode in ("topk", "target_logprobs"):
         layout = cc.rows_of_replicated if split_rows else lambda x, _: x
     else:

@@ -283,7 +283,7 @@ def test_blockwise_visits_only_blocks_in_the_window(window, offset):
     """The key blocks each query block loops over (forward), and the query blocks each key
     block loops over (backward), are exactly those holding an allowed pair; also for
     queries `offset` positions after the keys (the spans of context parallelism)."""
-    from distill.models.blockwise import _key_span, _query_span
+    from distill.models.kernels.blockwise import _key_span, _query_span
 
     bq, bk, sp = 64, 48, 384
     nq, nk = sp // bq, sp // bk

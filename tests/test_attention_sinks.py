@@ -30,7 +30,7 @@ from distill.mesh import student_mesh, teacher_mesh
 from distill.models import attention as attention_module
 from distill.models import decode, model
 from distill.models.attention import _is_cuda, attention, over_rows
-from distill.models.ring_attention import from_cp_layout, ring_attention, to_cp_layout
+from distill.models.kernels.ring import from_cp_layout, ring_attention, to_cp_layout
 from distill.types import Batch, Prompts, TeacherOutput
 from student import optim, sharding, train
 from student.context import Context

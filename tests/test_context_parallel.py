@@ -23,8 +23,9 @@ from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
 from distill.config.load import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import CP, DP, FSDP, TP, check_context, student_mesh
-from distill.models import model, ring_attention
-from distill.models.ring_attention import balance, to_cp_layout
+from distill.models import model
+from distill.models.kernels import ring
+from distill.models.kernels.ring import balance, to_cp_layout
 from distill.types import Batch, TeacherOutput
 from pipelines.plan import ring_bytes_per_step
 from student import optim, sharding, train
@@ -100,8 +101,8 @@ def test_the_step_matches_one_device(cfg, dp, fsdp, cp, dense, accum, exchange, 
     its dense teacher in two blocks). Rows this short take `auto`'s gather; the first case
     passes k/v around the ring instead."""
     if exchange == "ring":
-        monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
-    assert ring_attention.choose_exchange((4, S // cp, 2, 8), np.float32, cp) == exchange
+        monkeypatch.setattr(ring, "GATHER_MAX_BYTES", 0)
+    assert ring.choose_exchange((4, S // cp, 2, 8), np.float32, cp) == exchange
     ref_params, ref = _run(cfg, 1, 1, 1, dense)
     params, got = _run(cfg, dp, fsdp, cp, dense, accum)
     assert ref[0]["tokens"] > 0

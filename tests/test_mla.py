@@ -26,7 +26,8 @@ from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm  # noqa: E4
 from distill import mesh as meshes  # noqa: E402
 from distill.config import ModelConfig, RopeScaling  # noqa: E402
 from distill.mesh import DP, FSDP, teacher_mesh  # noqa: E402
-from distill.models import attention, decode, model, ring_attention, rope  # noqa: E402
+from distill.models import attention, decode, model, rope  # noqa: E402
+from distill.models.kernels import ring  # noqa: E402
 from distill.types import Batch, Prompts  # noqa: E402
 from pipelines.commands.cli import main  # noqa: E402
 from student import sharding as student_sharding  # noqa: E402
@@ -396,7 +397,7 @@ def test_tensor_parallel_teacher_is_one_device(tp, q_lora_rank):
 def test_teacher_with_stages_or_a_ring_is_one_device(pp, cp, monkeypatch):
     """tp = 2 with pipeline stages, or with context parallelism (ring attention, its
     key/value blocks passed around the ring rather than gathered)."""
-    monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
+    monkeypatch.setattr(ring, "GATHER_MAX_BYTES", 0)
     cfg = _cfg(12, attention="blockwise")
     params, batch = model.init_params(cfg, 1), _batch()
     ref = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions)
@@ -470,7 +471,7 @@ def _sgd_step(cfg, mesh, params, batch):
 def test_context_parallel_student_step_is_one_device(monkeypatch):
     """A dp x fsdp x cp = 1 x 2 x 2 student (each row's positions over the cp ring, the
     ring's key/value blocks passed around it) takes the one-device step."""
-    monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
+    monkeypatch.setattr(ring, "GATHER_MAX_BYTES", 0)
     cfg = _cfg(12, attention="blockwise")
     params = jax.device_get(model.init_params(cfg, 4))
     batch = _batch(b=2)._replace(mask=np.ones((2, 24), np.float32))

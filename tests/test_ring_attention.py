@@ -1,4 +1,4 @@
-"""distill.models.ring_attention against the single-device reference, on the simulated CPUs.
+"""distill.models.kernels.ring against the single-device reference, on the simulated CPUs.
 
 Rows are packed (documents crossing chunk edges, trailing padding, one row whose first
 document is a few tokens), heads grouped-query (4 query / 2 key-value), float32; chunks
@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from distill.models.attention import attention
-from distill.models.ring_attention import (
+from distill.models.kernels.ring import (
     choose_exchange,
     cp_positions,
     from_cp_layout,

@@ -25,7 +25,8 @@ from distill import handoff
 from distill.config import Config
 from distill.config.load import config_from_dict
 from distill.mesh import CP, student_mesh, teacher_mesh
-from distill.models import model, ring_attention
+from distill.models import model
+from distill.models.kernels import ring
 from pipelines import plan
 from pipelines.commands.cli import main
 from pipelines.plan import memory as plan_memory
@@ -69,7 +70,7 @@ def test_cp_gives_the_outputs_of_one_device_per_row(family, axes, mode, exchange
     """cp = 2 and 4 (with tp, dp or ep beside it) against the same mesh without cp; key/value
     blocks around the ring (`ring`) or gathered (`auto` picks gather for rows this short)."""
     if exchange == "ring":
-        monkeypatch.setattr(ring_attention, "GATHER_MAX_BYTES", 0)
+        monkeypatch.setattr(ring, "GATHER_MAX_BYTES", 0)
     dp, ep, cp, tp = axes
     kw = {"mode": mode, "top_k": 5 if mode == "topk" else None, "microbatch": 2}
     if FAMILIES[family].n_experts and mode == "topk":
@@ -94,7 +95,7 @@ def test_unbalance_inverts_balance(cp):
     x = np.arange(2 * 8 * cp * 3).reshape(2, 8 * cp, 3)
     spec = P(None, CP)
     run = jax.shard_map(
-        lambda a: ring_attention.unbalance(ring_attention.balance(a, CP), CP),
+        lambda a: ring.unbalance(ring.balance(a, CP), CP),
         mesh=mesh,
         in_specs=spec,
         out_specs=spec,

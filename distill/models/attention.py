@@ -76,7 +76,7 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill.config import AttentionBackend
 from distill.config.model import backend_problem
-from distill.models.blockwise import Scores, blockwise, prefix, round_up, window_mask
+from distill.models.kernels.blockwise import Scores, blockwise, prefix, round_up, window_mask
 
 BACKENDS = typing.get_args(AttentionBackend)
 DEFAULT_BLOCK = 512  # splash's tiles, and blockwise's on accelerators

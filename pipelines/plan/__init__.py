@@ -165,7 +165,7 @@ def teacher_figures(cfg: Config) -> dict:
 
 def ring_bytes_per_step(cfg: Config) -> int:
     """Bytes each device of the student's `cp` ring sends per step in its attention
-    (`distill.models.ring_attention`), an estimate from shapes: per layer, the forward
+    (`distill.models.kernels.ring`), an estimate from shapes: per layer, the forward
     passes its rows' k and v (the compute dtype) and segment ids cp - 1 times; the
     backward passes them cp - 1 times again, with float32 dk and dv cp times (under
     `exchange: gather` the same bytes in an all-gather and a reduce-scatter); a

@@ -8,7 +8,7 @@ cap * tanh(s / cap) when `softcap` is set, whose derivative the backward applies
 `window` (None, or an int32 scalar that may vary per layer under the layer scan) keeps the
 keys with q_idx - window < k_idx; blockwise never visits key blocks wholly before it.
 
-The block-major kernel is public for context parallelism (`distill.models.ring_attention`):
+The block-major kernel is public for context parallelism (`distill.models.kernels.ring`):
 `flash_state` / `flash_update` / `flash_result` run one online softmax over key spans cut
 from other parts of the row (each at a position `offset`), and `flash_backward` takes the
 whole output's logsumexp, so each span's share of the gradient comes from one call.

@@ -18,7 +18,7 @@ heads, attention sinks (once per query: its online softmax starts from the sink)
 values of their own width. The masks come from each token's global index in the row (not
 its local slot): a key/value block arriving from device j covers chunks j and 2cp-1-j, so
 its positions are known from j and nothing but k, v and segment ids moves. Each query
-chunk keeps one online-softmax state (`distill.models.blockwise.flash_state`), carried
+chunk keeps one online-softmax state (`distill.models.kernels.blockwise.flash_state`), carried
 through every visiting key chunk by the blockwise flash kernel (`flash_update`, with the
 pair's position offset) and normalised once at the end. Of the four pairs a step could
 form, the early query chunk never sees another device's late key chunk (never formed), the
@@ -70,7 +70,7 @@ from jax import lax
 
 from distill import collectives
 from distill.models.attention import CPU_BLOCK, DEFAULT_BLOCK, attention, platform
-from distill.models.blockwise import (
+from distill.models.kernels.blockwise import (
     Scores,
     flash_backward,
     flash_result,

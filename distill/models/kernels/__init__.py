@@ -1,0 +1,2 @@
+"""Attention kernels in plain JAX: blockwise (flash-style, any backend), ring (context
+parallel)."""
