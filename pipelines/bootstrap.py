@@ -22,7 +22,7 @@ from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.errors import DistillError, RunFailed
 from distill.mesh import DP, all_devices_mesh, available_devices
-from distill.models import model
+from distill.models import counts
 from distill.outputs import teacher_path
 from pipelines import hooks as h
 from pipelines.divergence import Divergence
@@ -128,7 +128,7 @@ def check_bootstrap_fits(cfg: Config) -> None:
     ):
         return
     devices = available_devices(cfg.mesh.platform)
-    need = model.param_count(cfg.teacher.model) * _TRAIN_BYTES_PER_PARAM
+    need = counts.param_count(cfg.teacher.model) * _TRAIN_BYTES_PER_PARAM
     if devices[0].platform == "cpu":
         need, limit = need * len(devices), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
@@ -136,7 +136,7 @@ def check_bootstrap_fits(cfg: Config) -> None:
     if limit and need > limit:
         raise DistillError(
             f"teacher.checkpoint: no weights at {teacher_path(cfg)}, and bootstrapping this "
-            f"{model.param_count(cfg.teacher.model) / 1e9:.1f}B-parameter teacher "
+            f"{counts.param_count(cfg.teacher.model) / 1e9:.1f}B-parameter teacher "
             f"(teacher.pretrain_steps) needs {need / 2**30:.0f} GiB of training state where "
             f"{limit / 2**30:.0f} GiB exist; point teacher.checkpoint at its weights"
         )

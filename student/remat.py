@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Callable
 
 from distill.config import ModelConfig
-from distill.models import model
+from distill.models import counts
 
 # Least recompute first.
 CANDIDATES = ("none", "dots", "block")
@@ -108,7 +108,7 @@ def concrete(setting: str, platform: str) -> str:
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> float:
     """FLOPs per token the backward pass of a `policy` step spends recomputing the forward,
-    counted as `distill.models.model.flops_per_token` counts the model's (matmuls, and
+    counted as `distill.models.counts.flops_per_token` counts the model's (matmuls, and
     attention's QK^T and PV over the whole causal square): none 0; dots each layer's
     attention core; block each layer's forward but its last matmul (the feed-forward's down
     projection, whose output the backward does not need, so XLA drops it). The LM head is
@@ -116,10 +116,10 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> fl
     Checked against XLA's cost analysis of loop-free steps in tests/test_remat.py."""
     if policy == "none":
         return 0.0
-    attention = model.attention_flops_per_token(cfg, seq_len)
+    attention = counts.attention_flops_per_token(cfg, seq_len)
     if policy == "dots":
         return attention
-    layers = model.flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.d_model
+    layers = counts.flops_per_token(cfg, seq_len) - 2.0 * cfg.vocab_size * cfg.d_model
     moe = sum(cfg.moe_layers())
     dense_down = 2.0 * cfg.d_ff * cfg.d_model * (cfg.n_layers - moe)
     moe_down = 2.0 * cfg.experts_per_token * cfg.f_expert * cfg.d_model * moe
@@ -129,6 +129,6 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> fl
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> float:
     """Hardware FLOPs per token of a training step under `policy`: the model's (3 x the
     forward) plus the recompute."""
-    return 3.0 * model.flops_per_token(cfg, seq_len) + recompute_flops_per_token(
+    return 3.0 * counts.flops_per_token(cfg, seq_len) + recompute_flops_per_token(
         cfg, seq_len, policy
     )

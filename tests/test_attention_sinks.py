@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from distill.config import DistillLossConfig, ModelConfig, OptimConfig
 from distill.mesh import student_mesh, teacher_mesh
 from distill.models import attention as attention_module
-from distill.models import decode, model
+from distill.models import counts, decode, model
 from distill.models.attention import _is_cuda, attention, over_rows
 from distill.models.kernels.ring import from_cp_layout, ring_attention, to_cp_layout
 from distill.types import Batch, Prompts, TeacherOutput
@@ -430,5 +430,5 @@ def test_sinks_are_parameters_but_not_matmuls():
     plain = GPT_OSS_LIKE.model_copy(update={"attn_sinks": False})
     assert "sinks" not in model.init_params(plain, 0)["layers"]
     assert model.init_params(GPT_OSS_LIKE, 0)["layers"]["sinks"].shape == (2, 4)
-    assert model.param_count(GPT_OSS_LIKE) == model.param_count(plain) + 2 * 4
-    assert model.flops_per_token(GPT_OSS_LIKE, 16) == model.flops_per_token(plain, 16)
+    assert counts.param_count(GPT_OSS_LIKE) == counts.param_count(plain) + 2 * 4
+    assert counts.flops_per_token(GPT_OSS_LIKE, 16) == counts.flops_per_token(plain, 16)

@@ -26,7 +26,7 @@ from transformers.models.glm4_moe import modeling_glm4_moe as hf_glm  # noqa: E4
 from distill import mesh as meshes  # noqa: E402
 from distill.config import ModelConfig, RopeScaling  # noqa: E402
 from distill.mesh import DP, FSDP, teacher_mesh  # noqa: E402
-from distill.models import attention, decode, model, rope  # noqa: E402
+from distill.models import attention, counts, decode, model, rope  # noqa: E402
 from distill.models.kernels import ring  # noqa: E402
 from distill.types import Batch, Prompts  # noqa: E402
 from pipelines.commands.cli import main  # noqa: E402
@@ -527,8 +527,10 @@ def test_flops_per_token_is_xla_s_count():
     compiled = fwd.lower(model.abstract_params(cfg), ids, ids, ids).compile()
     cost = compiled.cost_analysis()
     counted = (cost[0] if isinstance(cost, list) else cost)["flops"] / (b * s)
-    assert counted == pytest.approx(model.flops_per_token(cfg, s), rel=0.015)
-    assert model.param_count(cfg) == sum(x.size for x in jax.tree.leaves(model.init_params(cfg, 0)))
+    assert counted == pytest.approx(counts.flops_per_token(cfg, s), rel=0.015)
+    assert counts.param_count(cfg) == sum(
+        x.size for x in jax.tree.leaves(model.init_params(cfg, 0))
+    )
 
 
 def test_a_tiny_run_distils_a_latent_attention_teacher_into_a_latent_student(tmp_path, corpus_dir):

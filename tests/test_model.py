@@ -6,7 +6,7 @@ import pytest
 
 from distill.config import ModelConfig
 from distill.mesh import teacher_mesh
-from distill.models import model
+from distill.models import counts, model
 from distill.types import Batch
 from teacher.forward import make_forward
 from teacher.sharding import shard_params
@@ -89,6 +89,6 @@ def test_bfloat16_forward_close_to_float32():
 
 def test_flops_and_params():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
-    n = model.param_count(cfg)
+    n = counts.param_count(cfg)
     assert n == sum(x.size for x in jax.tree.leaves(model.init_params(cfg, 0)))
-    assert model.flops_per_token(cfg, 16) > 2 * (n - 64 * 32 - 5 * 32)
+    assert counts.flops_per_token(cfg, 16) > 2 * (n - 64 * 32 - 5 * 32)

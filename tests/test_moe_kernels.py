@@ -226,7 +226,7 @@ def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe(caplog):
     (the dispatch's round counted once) it stays within the bound."""
     from distill.errors import DistillError
     from distill.mesh import teacher_mesh
-    from distill.models import model
+    from distill.models import counts
     from pipelines.plan import flops as plan_flops
     from pipelines.plan import memory as plan_memory
     from tests.test_plan import _moe_config
@@ -234,7 +234,7 @@ def test_plan_reports_compiled_flops_and_refuses_an_ungrouped_moe(caplog):
     cfg = _moe_config()
     cfg.mesh.teacher.ep = 1
     mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:1], 1, 1, 1), None)
-    want = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
+    want = counts.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
     assert mem["moe_kernel"] == "tiled"
     assert 0.8 * want <= mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
     plan_flops.check_moe(cfg, mem)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from distill.config import ModelConfig  # noqa: E402
 from distill.mesh import EP, FSDP, TP  # noqa: E402
-from distill.models import model, moe  # noqa: E402
+from distill.models import counts, model, moe  # noqa: E402
 from student import optim  # noqa: E402
 from student import sharding as student_sharding  # noqa: E402
 from teacher import sharding as teacher_sharding  # noqa: E402
@@ -499,7 +499,7 @@ def test_the_plan_passes_the_variants_moe_flops_check(name):
         variant.update(n_group=2, topk_group=1)
     cfg.teacher.model = ModelConfig(**{**cfg.teacher.model.model_dump(), **variant})
     mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:1], 1, 1, 1), None)
-    want = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
+    want = counts.flops_per_token(cfg.teacher.model, cfg.train.seq_len)
     assert 0.8 * want <= mem["compiled_flops_per_token"] <= plan_flops.LIMIT * want
     assert not cfg.teacher.moe_allow_ungrouped
     plan_flops.check_moe(cfg, mem)

@@ -26,7 +26,7 @@ from distill.config import DistillLossConfig, ModelConfig, OptimConfig  # noqa: 
 from distill.config.load import config_from_dict  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
 from distill.mesh import CP, DP, FSDP  # noqa: E402
-from distill.models import hf, model, moe  # noqa: E402
+from distill.models import counts, hf, model, moe  # noqa: E402
 from pipelines.commands.cli import main  # noqa: E402
 from student import eval_programs, export, optim, routing, train  # noqa: E402
 from teacher.weights import student_init_params  # noqa: E402
@@ -329,7 +329,7 @@ def test_plan_counts_an_moe_students_active_parameters():
     s = plan.plan(cfg, _Layout())["student"]
     idle = 1 * 2 * 3 * 16 * 8  # layers x idle experts x (gate, up, down) x D x F
     assert s["params"] - s["active_params"] == idle
-    assert s["active_params"] == model.active_param_count(cfg.student_model())
+    assert s["active_params"] == counts.active_param_count(cfg.student_model())
 
 
 class _Layout:

@@ -14,7 +14,7 @@ import pytest
 from distill.config import ModelConfig
 from distill.config.load import config_from_dict, load_config
 from distill.mesh import teacher_mesh
-from distill.models import model
+from distill.models import counts
 from pipelines import plan
 from pipelines.plan import memory as plan_memory
 from tests.conftest import cli_env, tiny_config
@@ -32,23 +32,23 @@ def test_the_shipped_teachers_are_their_model_cards():
     windows from their teachers."""
     ds, big, small = (load_config(p) for p in (DEEPSEEK, GPT_OSS_120B, GPT_OSS_20B))
     t = ds.teacher.model
-    assert model.param_count(t) == pytest.approx(671.03e9, rel=1e-4)
-    assert model.active_param_count(t) == pytest.approx(37.55e9, rel=1e-3)
+    assert counts.param_count(t) == pytest.approx(671.03e9, rel=1e-4)
+    assert counts.active_param_count(t) == pytest.approx(37.55e9, rel=1e-3)
     # the scanned stack holds the dense MLP in the MoE layers and experts in the dense ones
-    assert model.stored_param_count(t) - model.param_count(t) == model.unused_param_count(t)
-    assert model.unused_param_count(t) == 58 * 3 * 7168 * 18432 + 3 * (
+    assert counts.stored_param_count(t) - counts.param_count(t) == counts.unused_param_count(t)
+    assert counts.unused_param_count(t) == 58 * 3 * 7168 * 18432 + 3 * (
         (256 * 3 + 3) * 7168 * 2048 + 7168 * 256 + 256
     )
     embed = lambda c: c.teacher.model.vocab_size * c.teacher.model.d_model  # noqa: E731
     for cfg, total, active in ((big, 116.83e9, 5.13e9), (small, 20.91e9, 3.61e9)):
-        assert model.param_count(cfg.teacher.model) == pytest.approx(total, rel=1e-3)
-        active_card = model.active_param_count(cfg.teacher.model) - embed(cfg)
+        assert counts.param_count(cfg.teacher.model) == pytest.approx(total, rel=1e-3)
+        active_card = counts.active_param_count(cfg.teacher.model) - embed(cfg)
         assert active_card == pytest.approx(active, rel=2e-3)
     for cfg, params in ((ds, 8.19e9), (big, 4.02e9), (small, 0.596e9)):
         s = cfg.student_model()
         assert s.family == "qwen3" and not s.mla and s.sliding_window is None
         assert not (s.attn_sinks or s.o_bias or s.n_experts) and s.activation == "silu"
-        assert model.param_count(s) == pytest.approx(params, rel=2e-3)
+        assert counts.param_count(s) == pytest.approx(params, rel=2e-3)
 
 
 def test_the_deepseek_layout_s_figures():
@@ -87,7 +87,7 @@ TINY_GPT_OSS = dict(
 @pytest.mark.parametrize("keys", [TINY_DEEPSEEK, TINY_GPT_OSS], ids=["deepseek_v3", "gpt_oss"])
 def test_the_model_s_flops_are_the_compiled_forward_s(keys):
     """The teacher forward as `distill plan` compiles it (ep = 1, the plain attention math,
-    every loop counted by its trip count) against `model.flops_per_token`: within 5% (the
+    every loop counted by its trip count) against `counts.flops_per_token`: within 5% (the
     grouped matmul's padded tiles), the MoE FLOPs check passing. DeepSeek's dense first
     layer is the cond's other branch, as costly as its MoE layers (d_ff = (k + shared) x
     F, as DeepSeek-V3's 18,432 = 9 x 2,048), so the stored-but-unused weights are not
@@ -101,7 +101,7 @@ def test_the_model_s_flops_are_the_compiled_forward_s(keys):
     cfg = config_from_dict(tree)
     cfg.teacher.model = ModelConfig(**keys, attention="reference")
     mem, _ = plan_memory.teacher_memory(cfg, teacher_mesh(jax.devices()[:1], 1, 1, 1), None)
-    want = model.flops_per_token(cfg.teacher.model, 128)
+    want = counts.flops_per_token(cfg.teacher.model, 128)
     assert mem["compiled_flops_per_token"] == pytest.approx(want, rel=0.05)
     plan_flops.check_moe(cfg, mem)
 
@@ -112,9 +112,9 @@ def test_sliding_layers_count_their_window_s_keys():
     full = ModelConfig(**TINY_GPT_OSS)
     mixed = full.model_copy(update={"sliding_window": 16, "layer_types": ("sliding", "full") * 2})
     h, widths = 4, 16 + 16
-    assert model.attention_flops_per_token(full, 128) == 2 * 4 * 128 * h * widths
-    assert model.attention_flops_per_token(mixed, 128) == 2 * (2 * 16 + 2 * 128) * h * widths
-    assert model.attention_flops_per_token(mixed, 8) == model.attention_flops_per_token(full, 8)
+    assert counts.attention_flops_per_token(full, 128) == 2 * 4 * 128 * h * widths
+    assert counts.attention_flops_per_token(mixed, 128) == 2 * (2 * 16 + 2 * 128) * h * widths
+    assert counts.attention_flops_per_token(mixed, 8) == counts.attention_flops_per_token(full, 8)
 
 
 def _plan(path: str, devices: int) -> dict:

@@ -15,7 +15,6 @@ from distill.config.model import (
     ModelConfig,
     RopeScaling,
     Section,
-    StudentModelOverrides,
 )
 from distill.config.schema import (
     Config,
@@ -32,6 +31,7 @@ from distill.config.schema import (
     TrainConfig,
     WandbConfig,
 )
+from distill.config.student_model import StudentModelOverrides
 
 __all__ = [
     "DTYPE_DOC",

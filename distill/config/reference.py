@@ -16,8 +16,9 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from distill.config.model import ModelConfig, StudentModelOverrides
+from distill.config.model import ModelConfig
 from distill.config.schema import Config
+from distill.config.student_model import StudentModelOverrides
 
 OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
 COMMAND = "python -m distill.config.reference"

@@ -23,9 +23,8 @@ from distill.config.model import (
     DType,
     ModelConfig,
     Section,
-    StudentModelOverrides,
-    student_fields,
 )
+from distill.config.student_model import StudentModelOverrides, student_fields
 from distill.errors import DistillError, error_lines
 
 

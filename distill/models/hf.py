@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from distill.config import ModelConfig, RopeScaling
 from distill.errors import DistillError
 from distill.models import families
-from distill.models.hf_views import (  # noqa: F401  (hf.stored, hf.VIEW: the names' home before)
+from distill.models.families.views import (  # noqa: F401  (hf.stored, hf.VIEW: the names' home before)
     FUSED_BIASES,
     FUSED_EXPERTS,
     ROWS,

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distill.config import Config
-from distill.models import model
+from distill.models import counts
 from student.remat import concrete as concrete_remat
 from student.remat import train_flops_per_token
 
@@ -65,7 +65,7 @@ def teacher_figures(res: dict, cfg: Config, mesh) -> dict:
     tokens = cfg.train.batch_size * cfg.train.seq_len
     ms = res["teacher_topk_ms"] if cfg.teacher.top_k else res["teacher_dense_ms"]
     peak = peak_flops_per_s(mesh)
-    flops = model.flops_per_token(cfg.teacher.model, cfg.train.seq_len) * tokens
+    flops = counts.flops_per_token(cfg.teacher.model, cfg.train.seq_len) * tokens
     return {
         "teacher_ms": ms,
         "teacher_tokens_per_s": tokens / (ms / 1e3),
@@ -83,7 +83,7 @@ def student_figures(res: dict, cfg: Config, mesh) -> dict:
     ms = res["student_kd_topk_ms"] if cfg.teacher.top_k else res["student_kd_dense_ms"]
     peak = peak_flops_per_s(mesh)
     scfg, seq = cfg.student_model(), cfg.train.seq_len
-    flops = 3 * model.flops_per_token(scfg, seq) * tokens
+    flops = 3 * counts.flops_per_token(scfg, seq) * tokens
     policy = concrete_remat(cfg.train.remat, mesh.devices.flat[0].platform)
     hardware = train_flops_per_token(scfg, seq, policy) * tokens
     return {

@@ -34,10 +34,10 @@ log = logging.getLogger("distill")
 def layers_factor(mcfg, seq_len: int) -> float:
     """XLA's cost analysis counts a loop's body once: the scanned layers (`nnx.scan`) as one
     layer. Its bytes accessed are scaled by the model's analytic FLOPs over those of its
-    LM head and one average layer (`model.flops_per_token`)."""
-    from distill.models import model
+    LM head and one average layer (`counts.flops_per_token`)."""
+    from distill.models import counts
 
-    total = model.flops_per_token(mcfg, seq_len)
+    total = counts.flops_per_token(mcfg, seq_len)
     head = 2.0 * mcfg.vocab_size * mcfg.d_model
     return total / (head + (total - head) / mcfg.n_layers)
 

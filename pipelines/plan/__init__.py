@@ -16,7 +16,7 @@ from distill.handoff import (
     teacher_output_bytes_per_token,
 )
 from distill.mesh import CP, EP, Meshes, Placement, student_shape
-from distill.models import model, moe
+from distill.models import counts, model, moe
 from distill.models.experts import dispatch
 from student import optim, sharding, train
 from teacher import stages
@@ -123,18 +123,18 @@ def teacher_figures(cfg: Config) -> dict:
     pipeline stages their layers, the bubble and the bytes sent between stages per step."""
     tcfg, t, b = cfg.teacher.model, cfg.mesh.teacher, _dtype_bytes(cfg)
     experts, layers = expert_params(cfg), layer_params(cfg)
-    top = model.stored_param_count(tcfg) - layers  # the embedding, final norm and head
+    top = counts.stored_param_count(tcfg) - layers  # the embedding, final norm and head
     # the layers as stored (where dense and MoE layers mix each holds both:
-    # `model.unused_param_count`), with the zero layers that pad the stack over pp
+    # `counts.unused_param_count`), with the zero layers that pad the stack over pp
     pad = stages.stacked_layers(tcfg.n_layers, t.pp) / tcfg.n_layers
     experts, layers = round(experts * pad), round(layers * pad)
     expert_bytes = experts * b // (t.ep * t.tp * t.pp)
     # the top tensors on every stage; a stage's layers on it alone
     dense = top * b // t.tp + (layers - experts) * b // (t.tp * t.pp)
     figures = {
-        "params": model.param_count(tcfg),
+        "params": counts.param_count(tcfg),
         "weight_bytes_per_device": dense + expert_bytes,
-        "forward_flops_per_token": model.flops_per_token(tcfg, cfg.train.seq_len),
+        "forward_flops_per_token": counts.flops_per_token(tcfg, cfg.train.seq_len),
     }
     if t.cp > 1:
         figures["ring_bytes_per_step"] = teacher_ring_bytes_per_step(cfg)
@@ -142,10 +142,10 @@ def teacher_figures(cfg: Config) -> dict:
         held = figures["weight_bytes_per_device"]
         figures["float8_weight_bytes_per_device"] = float8_weight_bytes_per_device(cfg, held)
     if tcfg.mixed_ffn():
-        figures["unused_params"] = model.unused_param_count(tcfg)
+        figures["unused_params"] = counts.unused_param_count(tcfg)
     if tcfg.n_experts:
         figures.update(
-            active_params=model.active_param_count(tcfg),
+            active_params=counts.active_param_count(tcfg),
             expert_bytes_per_device=expert_bytes,
             all_to_all_bytes_per_step=all_to_all_bytes_per_step(cfg),
             routed_bytes_per_step=routed_bytes_per_step(cfg) if t.ep > 1 else 0,
@@ -184,7 +184,7 @@ def ring_bytes_per_step(cfg: Config) -> int:
 
 def plan(cfg: Config, meshes: Meshes) -> dict:
     scfg, seq = cfg.student_model(), cfg.train.seq_len
-    s_params = model.param_count(scfg)
+    s_params = counts.param_count(scfg)
     # the student's state as the sharding table lays it out on the training mesh
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     shapes = train.state_shapes(scfg, tx)
@@ -201,8 +201,8 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
             "params": s_params,
             "weight_bytes_per_device": s_weights,
             "optimizer_bytes_per_device": opt_bytes,
-            "train_flops_per_token": 3 * model.flops_per_token(scfg, seq),
-            **({"active_params": model.active_param_count(scfg)} if scfg.n_experts else {}),
+            "train_flops_per_token": 3 * counts.flops_per_token(scfg, seq),
+            **({"active_params": counts.active_param_count(scfg)} if scfg.n_experts else {}),
             **(
                 {"ring_bytes_per_step": ring_bytes_per_step(cfg)} if cfg.mesh.student.cp > 1 else {}
             ),

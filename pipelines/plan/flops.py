@@ -26,7 +26,7 @@ import logging
 from distill.compiled_flops import compiled_dot_counts
 from distill.config import Config
 from distill.errors import DistillError
-from distill.models import model
+from distill.models import counts
 from distill.models.experts import dispatch, grouped, mosaic
 from student.sharding import experts_split
 
@@ -110,7 +110,7 @@ def check_moe(cfg: Config, teacher: dict) -> None:
     mcfg = cfg.teacher.model
     if not mcfg.n_experts:
         return
-    want = model.flops_per_token(mcfg, cfg.train.seq_len)
+    want = counts.flops_per_token(mcfg, cfg.train.seq_len)
     got = teacher["compiled_flops_per_token"]
     if got <= LIMIT * want:
         return

@@ -6,13 +6,13 @@ is read, split over `tp` and exported as a weight of its own."""
 from __future__ import annotations
 
 from distill.config import ModelConfig
-from distill.models import families
+from distill.models.families import qwen35
 
 # A name `stored{VIEW}k` in `weight_names` is every other column of the stored tensor from
 # column k: gpt-oss interleaves its experts' gate (k = 0) and up (k = 1) projections.
 VIEW = "#"
 # A name `stored{ROWS}a:b` is the rows [a, b) of the stored tensor.
-ROWS = families.qwen35.ROWS
+ROWS = qwen35.ROWS
 FUSED_EXPERTS = {
     "we_gate": f"gate_up_proj{VIEW}0",
     "we_up": f"gate_up_proj{VIEW}1",

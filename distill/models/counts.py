@@ -1,0 +1,69 @@
+"""What a model costs, from its config alone: parameters (stored, unused, active) and
+forward FLOPs per token, as the planner, remat and the benchmarks count them."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from distill.config import ModelConfig
+from distill.models import moe
+from distill.models.model import abstract_params, window_of
+
+
+def stored_param_count(cfg: ModelConfig) -> int:
+    """Parameters stored: every layer of one shape (one scanned block), so where dense and
+    MoE feed-forwards mix each holds both (`unused_param_count`)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+
+
+def unused_param_count(cfg: ModelConfig) -> int:
+    """Stored parameters no token uses, where dense and MoE feed-forwards mix (DeepSeek-V3's
+    first_k_dense_replace, GLM-4.5, Qwen's mlp_only_layers): each MoE layer's dense MLP and
+    each dense layer's router and experts (zeros as loaded; 57B of DeepSeek-V3's stack)."""
+    if not cfg.mixed_ffn():
+        return 0
+    layers, n_moe = abstract_params(cfg)["layers"], sum(cfg.moe_layers())
+    size = lambda keys: sum(math.prod(layers[k].shape[1:]) for k in keys)  # noqa: E731
+    dense_mlp, routed = size(("w_gate", "w_up", "w_down")), size(moe.weight_keys(cfg))
+    return n_moe * dense_mlp + (cfg.n_layers - n_moe) * routed
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """The model's parameters, as its checkpoint holds them (less `unused_param_count`)."""
+    return stored_param_count(cfg) - unused_param_count(cfg)
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters a token uses: all but the routed experts it is not routed to."""
+    per_expert = 3 * cfg.d_model * cfg.f_expert
+    per_expert += (2 * cfg.f_expert + cfg.d_model) if cfg.expert_bias else 0
+    idle = (cfg.n_experts - cfg.experts_per_token) * per_expert
+    return param_count(cfg) - sum(cfg.moe_layers()) * idle
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token (PaLM appendix B): 2 * matmul params + attention's
+    (`attention_flops_per_token`), counting only the experts a token is routed to (and not
+    the router, a vector-sized matmul). Training (forward + backward) is 3x this.
+    """
+    embed = cfg.vocab_size * cfg.d_model
+    matmul_params = active_param_count(cfg) - embed * (1 if cfg.tie_embeddings else 2) + embed
+    norms = (4 if cfg.post_norms else 2) * cfg.d_model + (2 * cfg.hd if cfg.qk_norm else 0)
+    if cfg.qk_norm_full:
+        norms += (cfg.n_heads + cfg.n_kv_heads) * cfg.hd - 2 * cfg.hd
+    if cfg.mla:  # the latents' norms
+        norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+    biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
+    biases += cfg.d_model if cfg.o_bias else 0
+    biases += cfg.n_heads if cfg.attn_sinks else 0  # nor are the sinks
+    matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
+    return 2.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Attention's FLOPs per token over the whole causal square (not halved), keys S or a
+    sliding layer's min(window, S): per layer QK^T 2 * keys * H * hd, PV 2 * keys * H * v_dim."""
+    keys = sum(min(window_of(cfg, t) or seq_len, seq_len) for t in cfg.types())
+    return 2.0 * keys * cfg.n_heads * (cfg.hd + cfg.v_dim)
