@@ -340,6 +340,53 @@ def test_serve_dashboard_until_ctrl_c(store, tmp_path):
         proc.kill()
 
 
+def test_dashboard_on_a_running_run_names_its_server(store, tmp_path, capsys):
+    """A run's server writes server.json while it is up: `distill dashboard` on that
+    directory prints the run's URL and starts nothing (it used to fail on the port both
+    took); once the server stops the record is gone and the dashboard serves by itself."""
+    from distill.observability.server.runner import SERVER_RECORD, serve_dashboard
+
+    handle = start_server(store, ServerConfig(port=0))
+    handle.announce(tmp_path)
+    try:
+        assert json.loads((tmp_path / SERVER_RECORD).read_text())["url"] == handle.url
+        serve_dashboard(str(tmp_path))  # returns at once: nothing to serve
+        assert capsys.readouterr().out.strip().endswith(f"{handle.url} (the run's own server)")
+    finally:
+        handle.stop()
+    assert not (tmp_path / SERVER_RECORD).exists()
+
+
+def test_dashboard_takes_a_free_port_when_8080_is_taken(store, tmp_path, monkeypatch):
+    """With no --port, the dashboard takes 8080 where free, else any free port, and its
+    first line says which; a stale server.json (a killed run) is ignored."""
+    from distill.observability.server import runner
+
+    taken = start_server(store, ServerConfig(port=0))
+    monkeypatch.setattr(runner, "DASHBOARD_PORT", taken.port)
+    (tmp_path / runner.SERVER_RECORD).write_text(json.dumps({"host": "127.0.0.1", "port": 1}))
+    MetricsStore("r", 5, CONFIG, output_dir=str(tmp_path)).close()
+    code = (
+        "import sys; from distill.observability.server import runner; "
+        f"runner.DASHBOARD_PORT = {taken.port}; runner.serve_dashboard(sys.argv[1])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert f"port {taken.port} is taken" in line, line
+        url = line.split(": ", 1)[1].split()[0]
+        assert f":{taken.port}/" not in url
+        with urllib.request.urlopen(url + "api/status", timeout=5) as r:
+            assert json.load(r)["run_name"] == "r"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        taken.stop()
+
+
 def test_status_shows_colocated_roles_on_the_same_devices(tmp_path):
     """The layout a colocated run gives the store (`distill.mesh.Meshes.layout`, as
     `distill run` sets it): /api/status names the placement and lists each device under

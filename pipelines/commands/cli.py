@@ -89,10 +89,11 @@ def _parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="each prompt is a user message through the template"
     )
     g.add_argument("--system", default=None, metavar="TEXT", help="--chat: a system message")
-    d = sub.add_parser("dashboard", help="serve the dashboard of a run directory")
-    d.add_argument("output_dir")
+    text = "serve the dashboard of a run directory (or name the running run's own server)"
+    d = sub.add_parser("dashboard", help=text, description=text)
+    d.add_argument("output_dir", help="the run's output_dir (metrics.jsonl)")
     d.add_argument("--host", default="127.0.0.1")
-    d.add_argument("--port", type=int, default=8080)
+    d.add_argument("--port", type=int, default=None, help="default: 8080 if free, else any")
     return p
 
 

@@ -95,6 +95,7 @@ def _start_server(cfg: Config, store: MetricsStore):
         raise DistillError(
             f"server.port: cannot listen on {cfg.server.host}:{cfg.server.port}: {e.strerror or e}"
         ) from None
+    handle.announce(outputs.out_dir(cfg))  # `distill dashboard` on the run finds it
     log.info("dashboard: %s", handle.url)
     return handle
 
