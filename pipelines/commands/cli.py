@@ -16,9 +16,27 @@ from distill.config.load import load_config
 from distill.errors import RUN_FAILED, DistillError, RunFailed
 from distill.observability.metrics_log import dumps
 
+USAGE = """Distil a large teacher model into a smaller student: one YAML file says the
+models, the data, the devices of each and the loss."""
+EXAMPLES = """start here:
+  distill run pipelines/quickstart.yaml       train a tiny student, no downloads (minutes on a CPU)
+  distill validate my.yaml                    the checks `run` makes, before any device work
+  distill plan my.yaml                        the device split, memory per device and FLOPs
+  distill dashboard runs/quickstart           the run's live dashboard
+
+`distill COMMAND --help` for a command's options; `--set KEY.PATH=VALUE` overrides any
+config field (docs/reference/config.md lists them). Exit status: 0 done, 2 bad input
+(one line naming the field, file or record), 3 the run failed (its last good checkpoint
+kept)."""
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distill", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="distill",
+        description=USAGE,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     helps = {
         "run": "run a distillation pipeline",
