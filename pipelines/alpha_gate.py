@@ -36,9 +36,15 @@ class AlphaGate(Hook):
     def __init__(self, alpha: float, evaluations: Evaluate):
         self.alpha, self.evaluations = alpha, evaluations
         self._seen: int | None = None  # the step of the last evaluation acted on
+        self.off_steps = 0  # steps this process trained with alpha 0 (the teacher off)
 
     def on_start(self, loop: Loop, step: int) -> None:
         self._seen = None
+        loop.note(
+            f"distill.alpha_gate is on: alpha {self.alpha:g} while the teacher predicts the "
+            "held-out text better than the student, 0 (no teacher) once the student has "
+            "caught up; distill.alpha_gate: false keeps alpha throughout"
+        )
         alpha = loop.executor.alpha
         if loop.store is not None:
             loop.store.update(alpha=alpha)
@@ -46,7 +52,14 @@ class AlphaGate(Hook):
         self._follow(loop)  # a fresh run's evaluation at step 0
 
     def end_of_step(self, loop: Loop, step: int) -> None:
+        if loop.executor.alpha == 0:
+            self.off_steps += 1
+            if loop.store is not None:
+                loop.store.update(teacher_off_steps=self.off_steps)
         self._follow(loop)
+
+    def summary(self) -> dict:
+        return {"teacher_off_steps": self.off_steps}
 
     def _follow(self, loop: Loop) -> None:
         m = self.evaluations.last
@@ -66,10 +79,10 @@ class AlphaGate(Hook):
         steps = "" if new or not gated else "; the steps without the teacher's outputs"
         if on_policy:
             steps += "; on-policy steps as scheduled" if new else "; on-policy steps as data steps"
-        loop.note(
-            f"alpha {current:g} -> {new:g} from step {m['step'] + 1}: {why} on the held-out "
-            f"text ({s:.4f} against the teacher's {t:.4f}){steps}"
-        )
+        reason = f"{why} on the held-out text ({s:.4f} against the teacher's {t:.4f})"
+        if loop.store is not None:
+            loop.store.alpha_gate(m["step"] + 1, new, reason)
+        loop.note(f"alpha {current:g} -> {new:g} from step {m['step'] + 1}: {reason}{steps}")
 
 
 def _tell_source(loop: Loop, alpha: float) -> tuple[bool, bool]:

@@ -166,3 +166,32 @@ def test_a_resume_trains_with_the_checkpoints_alpha(gated_run, tmp_path):
     for r in after:
         for key in ("alpha", "on_policy", "loss", "kd_loss", "ce_loss", "grad_norm"):
             assert r[key] == pytest.approx(before[r["step"]][key], rel=1e-6), key
+
+
+def test_the_gate_is_an_event_a_gauge_and_a_summary_figure(gated_run):
+    """Each change of the gate is an `alpha_gate` event in metrics.jsonl (the step it takes
+    effect, the new alpha, why), listed in the status of the dashboard rebuilt from the
+    file and counted in /metrics; summary.json says for how many steps the teacher was off."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from distill.observability.metrics import MetricsStore
+    from distill.observability.server import create_app
+    from tests.conftest import read_train
+
+    out, _, _ = gated_run
+    train = read_train(out)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [x for x in lines if x.get("event") == "alpha_gate"]
+    alphas = {r["step"]: r["alpha"] for r in train}
+    changes = [s for s in sorted(alphas) if (alphas[s] == 0) != (alphas.get(s - 1, 0.8) == 0)]
+    assert [e["step"] for e in events] == changes and events
+    assert all((e["alpha"] == 0) == (alphas[e["step"]] == 0) for e in events)
+    assert all("held-out text" in e["reason"] for e in events)
+    off = sum(r["alpha"] == 0 for r in train)
+    assert json.loads((out / "summary.json").read_text())["teacher_off_steps"] == off > 0
+    store = MetricsStore.from_run_dir(str(out))
+    assert [e["step"] for e in store.status()["alpha_gate"]] == changes
+    text = TestClient(create_app(store, None)).get("/metrics").text
+    assert f"distill_alpha_gate_changes {float(len(changes))}" in text

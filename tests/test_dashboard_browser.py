@@ -113,6 +113,9 @@ def feed(store: MetricsStore, steps: int = 120, total: int = 200) -> None:
                     "sample_len": 48.0,
                 }
             )
+            if step == 80:  # the student caught up: the gate turns the teacher off
+                store.alpha_gate(81, 0.0, "the student has caught up with the teacher")
+                store.update(alpha=0.0, teacher_off_steps=40)
             store.set_phase("checkpoint")
             store.set_checkpoint(step, time.time())
             store.set_phase("distill")
@@ -154,6 +157,8 @@ def test_dashboard_renders_live_run(live_server, tmp_path):
     assert re.search(r'id="phase"[^>]*>distill<', dom)
     assert re.search(r'id="staleness"[^>]*>1<', dom) and re.search(r'id="on-policy"[^>]*>50%<', dom)
     assert re.search(r'id="eval-sample-len"[^>]*>48<', dom)
+    gate = "off from step 81: the student has caught up with the teacher · 40 steps off"
+    assert re.search(rf'id="alpha-gate"[^>]*>{gate}<', dom), "the alpha gate's change"
     assert re.search(r'id="chart-experts"[^>]*data-points="120"', dom)  # 60 steps x 2 series
     assert dom.count('class="device"') == 8
     labels = re.findall(r'class="device"[^>]*><b>([^<]*)</b>', dom)  # mesh coordinates

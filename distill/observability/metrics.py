@@ -14,7 +14,7 @@ see `distill.storage`). Three kinds of line share the file:
   where ``phase`` is ``"bootstrap"`` (teacher pretraining) or ``"distill"``;
 - eval records: ``{"step", "teacher_loss", "student_loss", "kl", "top1_agreement",
   "eval": true, "time"}``;
-- events: ``{"event": "start" | "phase" | "mesh" | "checkpoint" | "failed" | "done",
+- events: ``{"event": "start" | "phase" | "mesh" | "checkpoint" | "alpha_gate" | "failed" | "done",
   "step", "time", ...}``, so that ``distill dashboard`` can rebuild the phase, mesh layout
   and last checkpoint of a run from the file alone (``distill.observability.metrics_log.Follower``).
   Readers of training records skip lines with an ``"event"`` or ``"eval"`` key.
@@ -80,6 +80,7 @@ class MetricsStore:
         self._epoch = 0
         self._mesh: dict | None = None
         self._checkpoint: dict | None = None
+        self._gate: list[dict] = []  # `distill.alpha_gate`'s changes, oldest first
         self._eval: dict | None = None
         self._summary: dict | None = None
         self._failure: str | None = None
@@ -148,6 +149,14 @@ class MetricsStore:
         with self._lock:
             self._checkpoint = {"step": int(step), "time": float(time)}
             self._write({"event": "checkpoint", **self._checkpoint})
+
+    def alpha_gate(self, step: int, alpha: float, reason: str) -> None:
+        """`distill.alpha_gate` changed the divergence's weight to `alpha` from `step` on
+        (0: the teacher is off): an event in metrics.jsonl and in the status."""
+        with self._lock:
+            event = {"step": int(step), "alpha": float(alpha), "reason": str(reason)}
+            self._gate_event(event)
+            self._write({"event": "alpha_gate", **event})
 
     def update(self, **gauges: Any) -> None:
         """Live gauges (``in_flight``, ``bytes_per_token``, ``teacher_busy``, ``step``,
@@ -241,6 +250,7 @@ class MetricsStore:
                 "bottleneck": _bottleneck(latest),
                 "mesh": copy.deepcopy(self._mesh),
                 "last_checkpoint": copy.deepcopy(self._checkpoint),
+                "alpha_gate": copy.deepcopy(self._gate),
                 "latest_eval": copy.deepcopy(self._eval),
                 "actors": copy.deepcopy(self._gauges.get("actors")),
                 "restarts": self._gauges.get("restarts"),
@@ -334,6 +344,9 @@ class MetricsStore:
         self._file.write(dumps(line) + "\n")
         self._file.flush()
 
+    def _gate_event(self, event: dict) -> None:
+        self._gate = [*self._gate, event][-_GATE_EVENTS:]
+
     def _family(self) -> str:
         """Which step counter is in use: the teacher bootstrap's or the distillation's."""
         return "bootstrap" if self._phase == "bootstrap" else "distill"
@@ -420,12 +433,15 @@ def _bottleneck(latest: dict) -> str | None:
     return "teacher" if t > s else "student"
 
 
+_GATE_EVENTS = 20  # the alpha gate's latest changes the status lists
+
 _STATUS_FIGURES = (
     "loss",
     "kd_loss",
     "ce_loss",
     "lr",
     "alpha",
+    "teacher_off_steps",
     "tokens_per_s",
     "teacher_ms",
     "student_ms",

@@ -165,6 +165,10 @@ class Follower:
             store._mesh = line["layout"]
         elif event == "checkpoint":
             store._checkpoint = {"step": int(line.get("step") or 0), "time": line.get("time")}
+        elif event == "alpha_gate" and isinstance(line.get("alpha"), int | float):
+            store._gate_event(
+                {"step": line["step"], "alpha": line["alpha"], "reason": line.get("reason")}
+            )
         elif event == "failed":
             self._phase_events = True
             store._phase, store._failure = "failed", str(line.get("reason"))

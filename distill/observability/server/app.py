@@ -113,6 +113,8 @@ class _StoreCollector:
         ("kd_loss", "distill_kd_loss", "Latest distillation (KD) loss."),
         ("ce_loss", "distill_ce_loss", "Latest cross-entropy loss."),
         ("lr", "distill_learning_rate", "Latest learning rate."),
+        ("alpha", "distill_alpha", "The divergence's weight of the next steps (0: no teacher)."),
+        ("teacher_off_steps", "distill_teacher_off_steps", "Steps the alpha gate ran without KD."),
         ("tokens_per_s", "distill_tokens_per_second", "Training throughput."),
         ("eta_s", "distill_eta_seconds", "Estimated time to the end of the phase."),
         ("in_flight", "distill_teacher_outputs_in_flight", "Teacher outputs in flight."),
@@ -164,6 +166,9 @@ class _StoreCollector:
             yield from _maybe_gauge(f"distill_eval_{key}", f"Latest eval {key}.", ev.get(key))
         if ev:
             yield from _maybe_gauge("distill_eval_step", "Step of the latest eval.", ev["step"])
+        yield _gauge(
+            "distill_alpha_gate_changes", "Changes of the alpha gate.", len(s["alpha_gate"])
+        )
         ckpt = s["last_checkpoint"] or {}
         yield from _maybe_gauge(
             "distill_last_checkpoint_step", "Step of the last checkpoint.", ckpt.get("step")

@@ -191,6 +191,12 @@ function renderStatus(s) {
   setText("eval-sample-kl", fmt(ev && ev.sample_kl));
   setText("eval-sample-len", fmt(ev && ev.sample_len, 3));
 
+  const gate = s.alpha_gate || [];
+  const last = gate[gate.length - 1];
+  const off = s.teacher_off_steps ? ` · ${s.teacher_off_steps} steps off` : "";
+  setText("alpha-gate", !last ? (s.alpha === 0 ? "off" : "on")
+    : `${last.alpha === 0 ? "off" : "on"} from step ${last.step}: ${last.reason}${off}`);
+
   const ck = s.last_checkpoint;
   setText("checkpoint-step", ck ? String(ck.step) : "—");
   setText("checkpoint-time", ck ? `${fmtClock(ck.time)} (${fmtDuration(s.time - ck.time)} ago)` : "—");
