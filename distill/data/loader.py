@@ -423,10 +423,10 @@ def log_packing(corpus: Corpus, cfg: DataConfig) -> None:
     """The packing efficiency of the train rows, and a counted warning for long examples."""
     stats = packing_stats(corpus.train)
     log.info(
-        "data: %d %s documents packed into %d train rows: %.1f%% of row tokens real, %.1f%% of"
+        "data: %d %sdocuments packed into %d train rows: %.1f%% of row tokens real, %.1f%% of"
         " those trained on",
         stats["documents"],
-        cfg.format,
+        "" if cfg.format == "auto" else f"{cfg.format} ",  # auto: each file's own
         stats["rows"],
         100 * stats["real_fraction"],
         100 * stats["trained_fraction"],
