@@ -1,6 +1,7 @@
 """`mesh.placement`: split, colocated, and `auto`'s choice from a table of role costs."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -185,7 +186,7 @@ def test_auto_on_cpu_prefers_layouts_that_copy_no_model():
     assert choose(rows, OTHER, None, 20 * GIB).layout == SPLIT
 
 
-def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys):
+def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys, caplog):
     """`distill plan` with auto on the 8 simulated devices: every candidate compiled from
     abstract shapes, the table printed, the choice applied to the plan."""
     path = tmp_path / "cfg.yaml"
@@ -193,9 +194,11 @@ def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys):
     tree["mesh"]["placement"] = "auto"
     tree["teacher"]["model"]["attention"] = "reference"  # compiles fastest; not what is tested
     path.write_text(json.dumps(tree))
+    caplog.set_level(logging.INFO)
     assert main(["plan", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mesh.placement auto: 9 candidates")
+    assert "candidates (predicted" not in caplog.text  # printed once, not logged as well
     chosen = [line for line in out[1:10] if line.startswith(" ->")]
     assert len(chosen) == 1
     p = json.loads(out[-1])

@@ -197,7 +197,7 @@ def plan_json(cfg: Config) -> str:
     only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
     _require_ray(cfg)
     check_stages(cfg, warn=False)  # auto's candidates have no pipeline stages
-    table = placement.resolve(cfg, available_devices(cfg.mesh.platform))  # auto: its candidates
+    table = placement.resolve(cfg, available_devices(cfg.mesh.platform), log_table=False)
     preflight_shapes(cfg)
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))

@@ -161,10 +161,11 @@ def ranked(cfg: Config, devices: list, layouts: list[Layout], costs: dict):
     return rows, choose(rows, configured(cfg), limit, host)
 
 
-def resolve(cfg: Config, devices: list) -> str | None:
+def resolve(cfg: Config, devices: list, log_table: bool = True) -> str | None:
     """`mesh.placement: auto` resolved in place for `devices` (the chosen placement and
-    axes written into `cfg.mesh`); the table of candidates it printed, or None when the
-    placement was not auto."""
+    axes written into `cfg.mesh`); the table of candidates (logged unless `log_table` is
+    false: `distill plan` prints it once, with the plan), or None when the placement was
+    not auto."""
     if cfg.mesh.placement != Placement.AUTO:
         return None
     check_placement_mode(cfg)
@@ -188,7 +189,8 @@ def resolve(cfg: Config, devices: list) -> str | None:
     cfg.mesh.placement, cfg.mesh.teacher, cfg.mesh.student = (
         resolved.placement, resolved.teacher, resolved.student,
     )  # fmt: skip
-    log.info("%s", table)
+    if log_table:
+        log.info("%s", table)
     return table
 
 
