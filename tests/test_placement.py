@@ -199,6 +199,8 @@ def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys, 
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mesh.placement auto: 9 candidates")
     assert "candidates (predicted" not in caplog.text  # printed once, not logged as well
+    note = [line for line in out if line.startswith("note: planned on CPU devices")]
+    assert len(note) == 1 and "student.dtype auto as float32" in note[0]
     chosen = [line for line in out[1:10] if line.startswith(" ->")]
     assert len(chosen) == 1
     p = json.loads(out[-1])

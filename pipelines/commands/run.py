@@ -191,12 +191,27 @@ def evaluate(cfg: Config) -> dict:
     return {"step": step, **{k: result[k] for k in keys}}
 
 
+def _cpu_plan_note(cfg: Config, auto_dtypes: list[str]) -> str | None:
+    """What a CPU plan counts as a GPU or TPU would not, where the config leaves it to the
+    platform: `auto` dtypes (float32 here) and `train.remat: auto` (none here)."""
+    parts = [f"{r}.dtype auto as float32 (bfloat16 on a GPU or TPU)" for r in auto_dtypes]
+    if cfg.train.remat == "auto":
+        parts.append("train.remat auto as none (an accelerator's memory decides there)")
+    if not parts:
+        return None
+    return (
+        f"note: planned on CPU devices: {'; '.join(parts)}. An accelerator's figures differ: "
+        "set these fields to plan as it would"
+    )
+
+
 def plan_json(cfg: Config) -> str:
     """`distill plan`: the plan with both roles' compiled per-device memory. From shapes
     alone: no data is read and no weights are loaded (the tokenizer, if its file is here,
     only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
     _require_ray(cfg)
     check_stages(cfg, warn=False)  # auto's candidates have no pipeline stages
+    auto_dtypes = [r for r in ("teacher", "student") if getattr(cfg, r).dtype == "auto"]
     table = placement.resolve(cfg, available_devices(cfg.mesh.platform), log_table=False)
     preflight_shapes(cfg)
     meshes = build_meshes(cfg)
@@ -209,5 +224,7 @@ def plan_json(cfg: Config) -> str:
     if meshes.platform == "cpu":  # the devices share this machine's RAM: their sum
         p["host_memory"] = host_memory.host_figures(meshes, mem, host_memory.available_bytes(), cfg)
         text.append(host_memory.format_host(p["host_memory"]))
+        if note := _cpu_plan_note(cfg, auto_dtypes):
+            text.append(note)
     text = "\n".join([*text, dumps(p)])
     return text if table is None else table + "\n" + text
