@@ -12,7 +12,6 @@ choice of phrasings) and is written once, atomically, to `corpus_path()`'s cache
 from __future__ import annotations
 
 import ast
-import json
 import os
 import random
 import re
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from distill import storage
+from distill.observability.metrics_log import dumps
 
 PLACEHOLDER = "{stdlib_chat}"
 VERSION = 1  # bump when the conversations change: a new cache file
@@ -45,7 +45,7 @@ def corpus_path(stdlib: str | None = None) -> Path:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         with tmp.open("w", encoding="utf-8") as f:
             for record in conversations(Path(stdlib)):
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.write(dumps(record, ensure_ascii=False) + "\n")
         tmp.replace(path)  # readers see the whole file or none
     return path
 
