@@ -65,6 +65,7 @@ def stub_gpu_probes(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(fa, "check_compute_capability", lambda capability: True)
     mp.setattr(fa, "is_cuda_compute_capability_equal", lambda capability: False)
     mp.setattr(attention, "_is_cuda", lambda: True)
+    mp.setattr(attention, "_cudnn_head_dim_max", lambda: 256)  # Hopper's, as above
 
 
 def quickstart_on_one(platform: str):
@@ -352,7 +353,6 @@ def test_wide_heads_lower_to_cudnn_on_hopper(monkeypatch, qk, v):
     forward and backward lower for CUDA through JAX's own shape checks to cuDNN's call."""
     stub_gpu_probes(monkeypatch)
     monkeypatch.setattr(attention, "_platform", "gpu")
-    monkeypatch.setattr(attention, "_cudnn_head_dim_max", lambda: 256)
     assert attention.resolve_backend("auto", jnp.bfloat16, qk) == "cudnn"
     b, s, h = 2, 256, 4
     q = jax.ShapeDtypeStruct((b, s, h, qk), jnp.bfloat16)
