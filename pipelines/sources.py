@@ -1,9 +1,9 @@
-"""Teacher sources of one process: online on the inference mesh (`teacher.online`), the
-offline cache, none.
+"""Teacher sources of one process: online on the inference mesh (`teacher.online`), a
+server (`teacher.endpoint`), the offline cache, none.
 
 Each reads batches in data order from an iterator whose state is `{"next_index": n}` and
 keeps the items whose teacher work has started in a queue, oldest first
-(`pipelines.loop.TeacherSource`). The Ray teacher pool is the fourth source
+(`pipelines.loop.TeacherSource`). The Ray teacher pool is the fifth source
 (`pipelines.ray.mode`).
 """
 
@@ -19,6 +19,7 @@ from distill.types import Batch, TeacherOutput
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
 from teacher import positions
+from teacher.endpoint import EndpointTeacher
 from teacher.online import OnlineTeacher
 
 
@@ -131,6 +132,55 @@ class OnlineSource(QueueSource):
 
     def eval_logits(self, batches: list):
         return self.teacher.eval_logits(batches)
+
+
+class EndpointSource(QueueSource):
+    """Batches from the corpus, each with its top-k asked of a server (`teacher.endpoint`):
+    its requests go out when the batch is read (`pipeline.prefetch` batches ahead, at most
+    `teacher.endpoint.concurrency` requests in flight), and a batch is handed on only once
+    all of them are in. While the `distill.alpha_gate` is closed the batches come without
+    their outputs; no evaluation compares with the teacher (a server gives no dense logits)."""
+
+    def __init__(self, cfg: Config, corpus, teacher: EndpointTeacher):
+        bsz, seed = cfg.train.batch_size, cfg.run.seed
+        super().__init__(lambda: corpus.train_iterator(bsz, seed), self._work)
+        self.teacher = teacher
+        self._open = True
+
+    def gate(self, open_: bool) -> bool:
+        """As `OnlineSource.gate`: closed, the batches come without their outputs."""
+        self._open = bool(open_)
+        return False
+
+    def _work(self, batch: Batch) -> tuple:
+        index = self._it.get_state()["next_index"] - 1  # the batch just read
+        return batch, self.teacher.output(batch, index), None
+
+    def pop(self) -> Item:
+        self._resolved_head()
+        return self._gated(super().pop())
+
+    def peek(self) -> Item:
+        return self._gated(self._resolved_head())
+
+    def _resolved_head(self) -> Item:
+        """The oldest batch with its output in: waits for the server (retrying as it must)."""
+        head = self._queue[0]
+        if head.teacher_out is not None and not isinstance(head.teacher_out, TeacherOutput):
+            head = self._queue[0] = head._replace(teacher_out=head.teacher_out.result())
+        return head
+
+    def _gated(self, item: Item) -> Item:
+        return item if self._open else item._replace(teacher_out=None)
+
+    def start(self, data_state: dict | None) -> None:
+        for item in self._queue:
+            if not isinstance(item.teacher_out, TeacherOutput | None):
+                item.teacher_out.cancel()
+        super().start(data_state)
+
+    def close(self) -> None:
+        self.teacher.close()
 
 
 class CacheSource(QueueSource):

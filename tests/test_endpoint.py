@@ -1,0 +1,248 @@
+"""`teacher.source: endpoint` against a real `distill serve` on a real socket: each API's
+top-k equals the local teacher's, a run through it trains as the local teacher's does (a
+server that goes away and comes back included), and malformed answers and bad config
+fields stop with one line."""
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jax
+import numpy as np
+import pytest
+
+from distill.config.load import load_config
+from distill.data.loader import load_corpus
+from distill.errors import DistillError
+from distill.mesh import role_mesh
+from pipelines.commands import run
+from pipelines.commands.cli import main
+from pipelines.hooks import Every
+from pipelines.serve.server import TeacherServer, load_service
+from teacher.endpoint import EndpointTeacher
+from teacher.online import OnlineTeacher
+from tests.conftest import train_by_step, write_config
+
+APIS = ("openai", "vllm", "sglang", "distill")
+
+
+def _tree(tiny_run, out, **endpoint) -> dict:
+    """The session run's config with its teacher behind `endpoint` (alpha gate off)."""
+    tree = json.loads(json.dumps(tiny_run.tree))
+    tree["run"]["output_dir"] = str(out)
+    tree["distill"] = {"alpha_gate": False}
+    if endpoint:
+        tree["teacher"]["source"] = "endpoint"
+        tree["teacher"]["endpoint"] = endpoint
+    return tree
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_run):
+    """(the server, the session's config, its corpus, the local teacher at temperature T
+    and at 1, the first train batch)."""
+    tmp = tmp_path_factory.mktemp("endpoint")
+    cfg = load_config(write_config(tmp, _tree(tiny_run, tmp / "out")))
+    server = TeacherServer(load_service(cfg, rows=4, wait_ms=5), port=0).start()
+    corpus = load_corpus(cfg.data, cfg.train.seq_len)
+    mesh = role_mesh(cfg, "teacher")
+    at_one = cfg.model_copy(deep=True)
+    at_one.distill.temperature = 1.0
+    local = {t: OnlineTeacher(c, mesh, corpus.tokenizer) for t, c in ((2.0, cfg), (1.0, at_one))}
+    batch = jax.tree.map(np.asarray, next(corpus.train_iterator(4, 0)))
+    yield server, cfg, corpus, local, batch
+    server.stop()
+
+
+def _endpoint_cfg(cfg, **endpoint):
+    tree = cfg.model_dump(mode="json")
+    tree["teacher"].update(source="endpoint", endpoint=endpoint)
+    tree["distill"]["temperature"] = 1.0 if endpoint["api"] != "distill" else 2.0
+    return type(cfg).model_validate(tree)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_each_api_gives_the_local_teachers_top_k(served, api):
+    server, cfg, corpus, local, batch = served
+    ecfg = _endpoint_cfg(cfg, url=server.url, api=api, rows_per_request=2)
+    teacher = EndpointTeacher(ecfg, corpus.tokenizer, corpus.tokenizer.vocab_size)
+    try:
+        got = teacher.output(batch, 0).result()
+    finally:
+        teacher.close()
+    want, _ = local[ecfg.distill.temperature].output(batch)
+    m = batch.mask > 0
+    assert got.logprobs.shape == want.logprobs.shape and got.ids.dtype == np.int32
+    np.testing.assert_array_equal(got.ids[m], np.asarray(want.ids)[m])
+    np.testing.assert_allclose(got.logprobs[m], np.asarray(want.logprobs)[m], atol=2e-5)
+
+
+def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_an_outage(
+    served, tiny_run, tmp_path, caplog
+):
+    _, cfg, *_ = served
+    steps = {"steps": 4, "log_every": 1, "eval_every": 100, "checkpoint_every": 2}
+    local = _tree(tiny_run, tmp_path / "local")
+    local["train"].update(steps)
+    assert main(["run", write_config(tmp_path, local, "local.yaml")]) == 0
+
+    own = TeacherServer(load_service(cfg, rows=4, wait_ms=5), port=0).start()
+    state = {"server": own}
+
+    def outage(step):  # the server goes away after step 1, and comes back 2 s later
+        if step != 1:
+            return
+        state["server"].stop()
+
+        def back():
+            time.sleep(2)
+            again = TeacherServer(load_service(cfg, rows=4, wait_ms=5), port=own.port)
+            state["server"] = again.start()
+
+        threading.Thread(target=back, daemon=True).start()
+
+    ep = {"url": own.url, "api": "distill", "backoff_s": 0.5, "retries": 20}
+    remote = _tree(tiny_run, tmp_path / "remote", **ep)
+    remote["train"].update(steps)
+    try:
+        with caplog.at_level(logging.WARNING, logger="distill"):
+            fault = Every(lambda _, step: outage(step), event="after_dispatch")
+            run.run(load_config(write_config(tmp_path, remote, "remote.yaml")), extra=[fault])
+    finally:
+        state["server"].stop()
+    assert any("the run waits" in r.getMessage() for r in caplog.records)
+    want, got = train_by_step(tmp_path / "local"), train_by_step(tmp_path / "remote")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for step in want:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+
+
+class _Bad(BaseHTTPRequestHandler):
+    answer: bytes = b"{not json"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.answer)))
+        self.end_headers()
+        self.wfile.write(self.answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def bad_server():
+    """A real HTTP server on a free port whose every POST gets `_Bad.answer`."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Bad)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _openai_answer(batch, row_tokens, top):
+    """An OpenAI completions body for the documents of `batch`'s row 0 (one prompt)."""
+    tokens = [f"token_id:{t}" for t in row_tokens]
+    return json.dumps({"choices": [{"index": 0, "logprobs": {"tokens": tokens,
+                                    "top_logprobs": top}}]}).encode()  # fmt: skip
+
+
+def test_malformed_answers_stop_with_one_line_naming_the_position(served, bad_server):
+    _, cfg, corpus, _, batch = served
+    url = f"http://127.0.0.1:{bad_server.server_address[1]}"
+    ecfg = _endpoint_cfg(cfg, url=url, api="openai", retries=0)
+    one = jax.tree.map(lambda x: x[:1], batch._replace(segment_ids=np.ones_like(batch.segment_ids),
+                                                     mask=np.ones_like(batch.mask)))  # fmt: skip
+    prompt = [*one.tokens[0].tolist(), int(one.targets[0, -1])]
+    good = [None] + [{f"token_id:{i}": -3 - 0.1 * i for i in range(8)}] * (len(prompt) - 1)
+    nan = [*good[:5], {f"token_id:{i}": float("nan") for i in range(8)}, *good[6:]]
+    out_of_range = [*good[:3], {f"token_id:{i + 9999}": -1.0 for i in range(8)}, *good[4:]]
+    other_ids = [prompt[0], prompt[1] ^ 1, *prompt[2:]]
+    cases = [
+        (b"{not json", "not JSON"),
+        (_openai_answer(one, prompt, good[:10]), "position 9: no log-probs"),
+        (_openai_answer(one, prompt, nan), "position 4: log-prob nan"),
+        (_openai_answer(one, prompt, out_of_range), "position 2: token id 9999 outside"),
+        (_openai_answer(one, other_ids, good), "position 0: the server's token"),
+        (_openai_answer(one, prompt, good[:4] + [{"token_id:1": -1.0}] + good[5:]),
+         "position 3: 1 log-probs where 8"),
+    ]  # fmt: skip
+    teacher = EndpointTeacher(ecfg, corpus.tokenizer, corpus.tokenizer.vocab_size)
+    try:
+        _Bad.answer = _openai_answer(one, prompt, good)
+        teacher.output(one, 7).result()  # the well-formed answer is read
+        for answer, words in cases:
+            _Bad.answer = answer
+            with pytest.raises(DistillError) as err:
+                teacher.output(one, 7).result()
+            line = str(err.value)
+            assert "\n" not in line and "batch 7" in line and words in line, line
+            assert "position" not in words or "batch 7 row 0 position" in line, line
+    finally:
+        teacher.close()
+
+
+def test_a_run_given_garbage_stops_with_exit_2(tiny_run, tmp_path, bad_server, capsys):
+    _Bad.answer = b"\x00garbage"
+    url = f"http://127.0.0.1:{bad_server.server_address[1]}"
+    tree = _tree(tiny_run, tmp_path / "out", url=url, api="distill", retries=0)
+    assert main(["run", write_config(tmp_path, tree)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "batch 0" in err[0] and "malformed" in err[0], err
+
+
+def test_a_server_that_stays_away_stops_the_run_with_one_line(served):
+    _, cfg, corpus, _, batch = served
+    from distill.distributed import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    ecfg = _endpoint_cfg(cfg, url=url, api="distill", retries=2, backoff_s=0.05)
+    teacher = EndpointTeacher(ecfg, corpus.tokenizer, corpus.tokenizer.vocab_size)
+    try:
+        with pytest.raises(DistillError, match="did not answer after 3 attempts"):
+            teacher.output(batch, 0).result()
+    finally:
+        teacher.close()
+
+
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (["teacher.source=endpoint"], "teacher.endpoint: required with teacher.source"),
+        (["teacher.endpoint.url=ftp://x"], "teacher.endpoint.url: 'ftp://x': an http://"),
+        (["teacher.endpoint.api=grpc"], "teacher.endpoint.api"),
+        (["distill.temperature=2", "teacher.endpoint.api=vllm"], "distill.temperature: 2.0"),
+        (["teacher.endpoint.top_k=4"], "teacher.endpoint.top_k: 4 is below teacher.top_k"),
+        (["teacher.top_k=null"], "teacher.top_k: a served teacher"),
+        (["distill.alpha_gate=true"], "distill.alpha_gate: not supported with teacher.source"),
+        (["distill.on_policy.fraction=0.5"], "distill.on_policy.fraction: not supported"),
+        (["pipeline.mode=ray"], "pipeline.mode: not supported with teacher.source: endpoint"),
+        (["teacher.tokenizer=bytes_other"], "teacher.tokenizer"),
+        (["teacher.endpoint.api_key_env=DISTILL_NO_SUCH_KEY"], "DISTILL_NO_SUCH_KEY is not set"),
+        (["teacher.endpoint.ca_file=/nonexistent.pem"], "teacher.endpoint.ca_file: read only"),
+    ],
+)
+def test_bad_endpoint_config_gives_one_line(tiny_run, tmp_path, capsys, sets, words):
+    tree = _tree(tiny_run, tmp_path / "out", url="http://127.0.0.1:9", api="openai")
+    tree["distill"]["temperature"] = 1.0
+    if sets == ["teacher.source=endpoint"]:
+        del tree["teacher"]["endpoint"]
+    args = ["validate", write_config(tmp_path, tree)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_cache_teacher_and_eval_from_an_endpoint_are_refused(tiny_run, tmp_path, capsys):
+    tree = _tree(tiny_run, tmp_path / "out", url="http://127.0.0.1:9", api="distill")
+    path = write_config(tmp_path, tree)
+    for command in ("cache-teacher", "eval"):
+        assert main([command, path]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "teacher.source: endpoint" in err[0], err
