@@ -9,6 +9,7 @@ keeps the items whose teacher work has started in a queue, oldest first
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -146,6 +147,7 @@ class EndpointSource(QueueSource):
         super().__init__(lambda: corpus.train_iterator(bsz, seed), self._work)
         self.teacher = teacher
         self._open = True
+        self._waits: deque[float] = deque(maxlen=4096)  # ms the loop waited for each answer
 
     def gate(self, open_: bool) -> bool:
         """As `OnlineSource.gate`: closed, the batches come without their outputs."""
@@ -167,8 +169,21 @@ class EndpointSource(QueueSource):
         """The oldest batch with its output in: waits for the server (retrying as it must)."""
         head = self._queue[0]
         if head.teacher_out is not None and not isinstance(head.teacher_out, TeacherOutput):
+            t0 = time.perf_counter()
             head = self._queue[0] = head._replace(teacher_out=head.teacher_out.result())
+            self._waits.append(1000 * (time.perf_counter() - t0))
         return head
+
+    def figures(self, steps: int, since: float, step: int = 0) -> dict:
+        """teacher_ms: the mean time the loop waited for a batch's answer (what the
+        prefetch did not hide); teacher_wait_s: the run's time waiting out a server that did
+        not answer (retries); the server's own busy time is not known here."""
+        recent = list(self._waits)[-steps:]
+        return {
+            "teacher_ms": sum(recent) / len(recent) if recent else 0.0,
+            "teacher_busy": 0.0,
+            "teacher_wait_s": self.teacher.waited_s,
+        }
 
     def _gated(self, item: Item) -> Item:
         return item if self._open else item._replace(teacher_out=None)

@@ -18,7 +18,6 @@ import http.client
 import logging
 import ssl
 import threading
-import time
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -147,6 +146,7 @@ class EndpointTeacher:
         self._codec = codec(ep.api, ask, vocab, ep.model, bos, cfg.distill.temperature, names)
         self._pool = ThreadPoolExecutor(ep.concurrency, thread_name_prefix="teacher-endpoint")
         self.waited_s = 0.0  # the run's time waiting for a server that did not answer
+        self._closed = threading.Event()  # wakes the retry waits: no thread outlives the run
 
     def output(self, batch: Batch, index: int) -> Pending:
         """Send batch `index`'s rows (host arrays [B, S]); not waited for."""
@@ -189,19 +189,21 @@ class EndpointTeacher:
                     raise DistillError(
                         f"teacher.endpoint.url: {ep.url}{path} did not answer after "
                         f"{attempt + 1} attempts over {waited:.0f} s ({e}); the run stops, its "
-                        "last checkpoint kept"
+                        "newest checkpoint kept"
                     ) from None
                 log.warning(
                     "teacher endpoint %s: %s; the run waits %.1f s, then retries (%d of %d; "
                     "%.0f s waited so far)", ep.url, e, wait, attempt + 1, ep.retries, waited,
                 )  # fmt: skip
-                time.sleep(wait)
+                if self._closed.wait(wait):
+                    raise DistillError("teacher.endpoint: the run stopped meanwhile") from None
                 waited += wait
                 self.waited_s += wait
                 wait = min(wait * 2, ep.max_backoff_s)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -309,6 +309,9 @@ def _lead(echoed: list[int], sent: np.ndarray, bos: int | None, row: int, start:
     not list; its extra tokens after the prompt (the generated one) are ignored. A different
     id is a different tokenizer: an error at the first position that differs."""
     sent = [int(x) for x in sent]
+    if len(echoed) < len(sent) - 1:
+        raise BadResponse(f"the echo lists {len(echoed)} tokens of a {len(sent)}-token prompt",
+                          row, start)  # fmt: skip
     lead = 1 if bos is not None and sent[:1] == [bos] and echoed[: len(sent) - 1] == sent[1:] else 0
     for j, want in enumerate(sent[lead:]):
         got = echoed[j] if j < len(echoed) else None

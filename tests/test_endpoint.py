@@ -117,6 +117,7 @@ def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_a
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     for step in want:
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+    assert got[4]["teacher_wait_s"] > 0  # the wait, in the records and the dashboard's status
 
 
 class _Bad(BaseHTTPRequestHandler):
