@@ -147,6 +147,28 @@ class EndpointTeacher:
         self._pool = ThreadPoolExecutor(ep.concurrency, thread_name_prefix="teacher-endpoint")
         self.waited_s = 0.0  # the run's time waiting for a server that did not answer
         self._closed = threading.Event()  # wakes the retry waits: no thread outlives the run
+        self._probe()
+
+    def _probe(self) -> None:
+        """The JSON APIs: one small request first, to learn how the server lists a prompt
+        (`teacher.endpoint_apis._Json.probe`); it waits for a server not up yet."""
+        probe = getattr(self._codec, "probe", None)
+        if probe is None:
+            return
+        try:
+            probe(self._post)
+        except BadResponse as e:
+            raise DistillError(
+                f"teacher.endpoint: {self.ep.url}{self._codec.path}: the first request (how "
+                f"the server lists positions): {e}"
+            ) from None
+        if self._codec.adds_bos:
+            log.warning(
+                "teacher endpoint %s puts a BOS before every prompt: a document that starts "
+                "with one is sent without it; a row's first document, continued from the row "
+                "before, is scored after a BOS the local teacher would not see",
+                self.ep.url,
+            )
 
     def output(self, batch: Batch, index: int) -> Pending:
         """Send batch `index`'s rows (host arrays [B, S]); not waited for."""

@@ -35,11 +35,13 @@ class BadResponse(ValueError):
 
 class Piece(NamedTuple):
     """One prompt of a JSON request: row `row` of the request's rows, whose distill
-    positions `start`, `start` + 1, ... its prompt indices 1, 2, ... give."""
+    positions `start`, `start` + 1, ... its prompt indices 1, 2, ... give; `drop`: its
+    leading ids not sent (a BOS the server adds itself)."""
 
     row: int
     start: int
     ids: np.ndarray  # int [m]
+    drop: int = 0
 
 
 class Answer(NamedTuple):
@@ -93,17 +95,43 @@ class _Json:
     def __init__(self, k: int, vocab: int, model: str | None, bos_id: int | None, names=None):
         self.k, self.vocab, self.model, self.bos = k, vocab, model, bos_id
         self._names = names  # token string -> id, for servers that key entries by text
+        self.adds_bos = False  # the server puts a BOS before every prompt (`probe`)
+        self._listed_bos = False  # ... and lists it
 
     def body(self, batch_rows) -> tuple[bytes, list[Piece]]:
         """The request of rows (tokens, targets, segment ids, positions, mask [R, S]), and
         what reading its answer needs (its prompts)."""
         ps = pieces(batch_rows[0], batch_rows[1], batch_rows[2], batch_rows[4])
+        if self.adds_bos:  # a document's own BOS is the one the server adds
+            ps = [p._replace(drop=int(p.ids[0] == self.bos)) for p in ps]
         if not ps:
             return b"", ps
-        body = self._body([p.ids.tolist() for p in ps])
+        return self._encode([p.ids[p.drop :].tolist() for p in ps]), ps
+
+    def _encode(self, prompts: list) -> bytes:
+        body = self._body(prompts)
         if self.model is not None:
             body["model"] = self.model
-        return json.dumps(body).encode(), ps
+        return json.dumps(body).encode()
+
+    def probe(self, post) -> None:
+        """Learn from one small request (`post(body) -> answer`) whether the server puts a
+        BOS of its own before each prompt: then its first entry is not null (it was drawn
+        after that BOS). A document that starts with a BOS is then sent without it."""
+        first, second = [i for i in range(3) if i != self.bos][:2]
+        sent = np.array([first, second])
+        result = self._results(_json(post(self._encode([sent.tolist()]))), 1)[0]
+        echoed, entries = self._read(result, Piece(0, 0, sent))
+        if self.bos is not None and echoed[:1] == [self.bos] and echoed[1:3] == [first, second]:
+            self._listed_bos = True
+            echoed, entries = echoed[1:], entries[1:]
+        _lead(echoed, sent, self.bos, 0, 0)
+        self.adds_bos = bool(entries) and entries[0] is not None
+        self._check_order(echoed, entries, len(sent))
+
+    def _check_order(self, echoed: list[int], entries: list, n: int) -> None:
+        """Whether each entry is the distribution its token was drawn from (the APIs other
+        than OpenAI's define it so)."""
 
     def answer(self, raw: bytes, ps: list[Piece], batch_rows, k: int) -> Answer:
         """The top-k (the `k` largest) the body `raw` gives the rows' positions to learn."""
@@ -114,10 +142,14 @@ class _Json:
         results = self._results(_json(raw), len(ps))
         for p, result in zip(ps, results, strict=True):
             echoed, entries = self._read(result, p)
-            lead = _lead(echoed, p.ids, self.bos, p.row, p.start)
-            for j in range(1, len(p.ids)):
-                at = p.start + j - 1
-                e = entries[j - lead] if 0 <= j - lead < len(entries) else None
+            if self._listed_bos:
+                echoed, entries = echoed[1:], entries[1:]
+            lead = _lead(echoed, p.ids[p.drop :], self.bos, p.row, p.start + p.drop)
+            for at in range(p.start, p.start + len(p.ids) - 1):
+                # the entry of sent id i is the distribution after ids[: drop + i]: position
+                # start + drop + i - 1; the echo lists sent ids from `lead` on
+                j = at - p.start - p.drop + 1 - lead
+                e = entries[j] if 0 <= j < len(entries) else None
                 if e is None:
                     raise BadResponse("no log-probs at this position", p.row, at)
                 lp[p.row, at], ids[p.row, at] = top_of(e, k, self.vocab, (p.row, at))
@@ -150,6 +182,24 @@ class OpenAI(_Json):
 
     def _results(self, body, n: int) -> list:
         return _choices(body, n)
+
+    def _check_order(self, echoed: list[int], entries: list, n: int) -> None:
+        """The entry of the greedy token after the prompt must have that token on top: each
+        entry is then the distribution its token was drawn from (vLLM's order), not the one
+        after it (llama-cpp-python's for a model without a BOS), which is not read."""
+        if len(echoed) <= n or len(entries) <= n or entries[n] is None:
+            raise BadResponse(
+                "its echo lists no log-probs for the generated token after the prompt, so "
+                "which distribution each position holds cannot be checked (use api: vllm or "
+                "sglang)"
+            )
+        top = max(entries[n], key=lambda e: (e[0], -e[1]))[1]
+        if top != echoed[n]:
+            raise BadResponse(
+                f"the greedy token {echoed[n]} is not the top of the log-probs listed with it "
+                f"({top}): the server lists each position's distribution elsewhere than at the "
+                "token drawn from it, which is not read (use api: vllm or sglang)"
+            )
 
     def _read(self, choice: dict, p: Piece) -> tuple[list[int], list]:
         lps = choice.get("logprobs") if isinstance(choice, dict) else None

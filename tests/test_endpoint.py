@@ -3,10 +3,12 @@ top-k equals the local teacher's, a run through it trains as the local teacher's
 server that goes away and comes back included), and malformed answers and bad config
 fields stop with one line."""
 
+import contextlib
 import json
 import logging
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import jax
@@ -120,29 +122,125 @@ def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_a
     assert got[4]["teacher_wait_s"] > 0  # the wait, in the records and the dashboard's status
 
 
-class _Bad(BaseHTTPRequestHandler):
-    answer: bytes = b"{not json"
-
-    def do_POST(self):  # noqa: N802 (http.server's name)
-        self.rfile.read(int(self.headers["Content-Length"]))
+class _Handler(BaseHTTPRequestHandler):
+    def _reply(self, body: bytes):
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(self.answer)))
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(self.answer)
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
 
 
+class _Bad(_Handler):
+    """Answers every POST with `answer`, but the client's first request (a prompt of two
+    tokens, `EndpointTeacher._probe`) well: the greedy token listed with itself on top."""
+
+    answer: bytes = b"{not json"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        prompts = json.loads(body).get("prompt") if body.startswith(b"{") else None
+        if isinstance(prompts, list) and len(prompts) == 1 and len(prompts[0]) == 2:
+            a, b = prompts[0]
+            top = [None, {f"token_id:{b}": -0.5}, {f"token_id:{b}": -0.5}]
+            return self._reply(_openai_answer(None, [a, b, b], top))
+        self._reply(self.answer)
+
+
+def _forward(upstream: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        upstream + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+class _OneOff(_Handler):
+    """llama-cpp-python's echo for a model without a BOS (0.3.16's source): each token
+    listed with the distribution after it, the generated token left out."""
+
+    upstream = ""
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        answer = _forward(self.upstream, self.path, body)
+        for choice in answer["choices"]:
+            lps = choice["logprobs"]
+            lps["top_logprobs"] = [None, *lps["top_logprobs"][2:]]
+            lps["tokens"] = lps["tokens"][:-1]
+        self._reply(json.dumps(answer).encode())
+
+
+class _AddsBos(_Handler):
+    """A server that puts a BOS before every prompt and does not list it: `distill serve`'s
+    completions behind a proxy that adds the BOS and takes it out of the answer."""
+
+    upstream, bos = "", 0
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body["prompt"] = [[self.bos, *p] for p in body["prompt"]]
+        answer = _forward(self.upstream, self.path, body)
+        for choice in answer["choices"]:
+            lps = choice["logprobs"]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                lps[key] = lps[key][1:]
+            choice["prompt_token_ids"] = choice["prompt_token_ids"][1:]
+        self._reply(json.dumps(answer).encode())
+
+
+@contextlib.contextmanager
+def _http(handler):
+    """A real HTTP server on a free port with `handler`; its URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.fixture
 def bad_server():
-    """A real HTTP server on a free port whose every POST gets `_Bad.answer`."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Bad)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
+    """A real HTTP server on a free port whose every POST gets `_Bad.answer`: its URL."""
+    with _http(_Bad) as url:
+        yield url
+
+
+def test_a_server_one_position_off_is_refused_at_its_first_answer(served):
+    server, cfg, corpus, *_ = served
+    _OneOff.upstream = server.url
+    with _http(_OneOff) as url:
+        ecfg = _endpoint_cfg(cfg, url=url, api="openai")
+        with pytest.raises(DistillError, match="the first request .* lists no log-probs for"):
+            EndpointTeacher(ecfg, corpus.tokenizer, corpus.tokenizer.vocab_size)
+
+
+def test_a_server_that_adds_a_bos_it_does_not_list(served):
+    server, cfg, corpus, local, batch = served
+    _AddsBos.upstream, _AddsBos.bos = server.url, corpus.tokenizer.bos_id
+    with _http(_AddsBos) as url:
+        ecfg = _endpoint_cfg(cfg, url=url, api="openai")
+        teacher = EndpointTeacher(ecfg, corpus.tokenizer, corpus.tokenizer.vocab_size)
+        tokens = batch.tokens.copy()
+        tokens[:3, 0] = corpus.tokenizer.bos_id
+        positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+        batch = batch._replace(tokens=tokens, segment_ids=np.ones_like(tokens), positions=positions)
+        try:
+            assert teacher._codec.adds_bos  # learnt from its first answer
+            got = teacher.output(batch, 0).result()
+        finally:
+            teacher.close()
+    want, _ = local[1.0].output(batch)
+    # rows 0-2 are documents that start with their BOS; row 3's, continued from the row
+    # before, this server scores after a BOS of its own: not the local teacher's
+    m = batch.mask > 0
+    m[3] = False
+    np.testing.assert_array_equal(got.ids[m], np.asarray(want.ids)[m])
+    np.testing.assert_allclose(got.logprobs[m], np.asarray(want.logprobs)[m], atol=2e-5)
 
 
 def _openai_answer(batch, row_tokens, top):
@@ -154,8 +252,7 @@ def _openai_answer(batch, row_tokens, top):
 
 def test_malformed_answers_stop_with_one_line_naming_the_position(served, bad_server):
     _, cfg, corpus, _, batch = served
-    url = f"http://127.0.0.1:{bad_server.server_address[1]}"
-    ecfg = _endpoint_cfg(cfg, url=url, api="openai", retries=0)
+    ecfg = _endpoint_cfg(cfg, url=bad_server, api="openai", retries=0)
     one = jax.tree.map(lambda x: x[:1], batch._replace(segment_ids=np.ones_like(batch.segment_ids),
                                                      mask=np.ones_like(batch.mask)))  # fmt: skip
     prompt = [*one.tokens[0].tolist(), int(one.targets[0, -1])]
@@ -189,8 +286,7 @@ def test_malformed_answers_stop_with_one_line_naming_the_position(served, bad_se
 
 def test_a_run_given_garbage_stops_with_exit_2(tiny_run, tmp_path, bad_server, capsys):
     _Bad.answer = b"\x00garbage"
-    url = f"http://127.0.0.1:{bad_server.server_address[1]}"
-    tree = _tree(tiny_run, tmp_path / "out", url=url, api="distill", retries=0)
+    tree = _tree(tiny_run, tmp_path / "out", url=bad_server, api="distill", retries=0)
     assert main(["run", write_config(tmp_path, tree)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "batch 0" in err[0] and "malformed" in err[0], err
