@@ -190,9 +190,12 @@ class EndpointTeacher:
         try:
             return self._codec.answer(raw, ctx, rows, self.k)
         except BadResponse as e:
+            n = len(rows[0])
             where = f"batch {index}"
-            if e.row is not None:
-                where += f" row {first_row + e.row}"
+            if e.row is not None or n == 1:
+                where += f" row {first_row + (e.row or 0)}"
+            else:  # the whole body: every row of the request
+                where += f" rows {first_row}-{first_row + n - 1}"
             if e.position is not None:
                 where += f" position {e.position}"
             raise DistillError(

@@ -81,15 +81,23 @@ def test_each_api_gives_the_local_teachers_top_k(served, api):
     np.testing.assert_allclose(got.logprobs[m], np.asarray(want.logprobs)[m], atol=2e-5)
 
 
+STEPS = {"steps": 6, "log_every": 1, "eval_every": 100, "checkpoint_every": 2}
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_run, tmp_path_factory):
+    """The records of a 6-step run with the session's teacher loaded locally."""
+    tmp = tmp_path_factory.mktemp("local")
+    local = _tree(tiny_run, tmp / "out")
+    local["train"].update(STEPS)
+    assert main(["run", write_config(tmp, local)]) == 0
+    return train_by_step(tmp / "out")
+
+
 def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_an_outage(
-    served, tiny_run, tmp_path, caplog
+    served, tiny_run, local_run, tmp_path, caplog
 ):
     _, cfg, *_ = served
-    steps = {"steps": 4, "log_every": 1, "eval_every": 100, "checkpoint_every": 2}
-    local = _tree(tiny_run, tmp_path / "local")
-    local["train"].update(steps)
-    assert main(["run", write_config(tmp_path, local, "local.yaml")]) == 0
-
     own = TeacherServer(load_service(cfg, rows=4, wait_ms=5), port=0).start()
     state = {"server": own}
 
@@ -107,7 +115,7 @@ def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_a
 
     ep = {"url": own.url, "api": "distill", "backoff_s": 0.5, "retries": 20}
     remote = _tree(tiny_run, tmp_path / "remote", **ep)
-    remote["train"].update(steps)
+    remote["train"].update(STEPS)
     try:
         with caplog.at_level(logging.WARNING, logger="distill"):
             fault = Every(lambda _, step: outage(step), event="after_dispatch")
@@ -115,11 +123,55 @@ def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_a
     finally:
         state["server"].stop()
     assert any("the run waits" in r.getMessage() for r in caplog.records)
-    want, got = train_by_step(tmp_path / "local"), train_by_step(tmp_path / "remote")
-    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
-    for step in want:
-        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
-    assert got[4]["teacher_wait_s"] > 0  # the wait, in the records and the dashboard's status
+    got = train_by_step(tmp_path / "remote")
+    assert sorted(got) == sorted(local_run) == [1, 2, 3, 4, 5, 6]
+    for step, want in local_run.items():
+        assert got[step]["loss"] == pytest.approx(want["loss"], abs=1e-5), step
+    assert got[6]["teacher_wait_s"] > 0  # the wait, in the records and the dashboard's status
+
+
+class _Flaky(BaseHTTPRequestHandler):
+    """`distill serve`'s binary top-k behind a proxy that answers its first `good` requests
+    and garbage after."""
+
+    upstream, good, seen = "", 0, 0
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).seen += 1
+        answer = b"garbage"
+        if self.seen <= self.good:
+            request = urllib.request.Request(self.upstream + self.path, body, dict(self.headers))
+            answer = urllib.request.urlopen(request, timeout=60).read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_malformed_answer_mid_run_keeps_the_checkpoint_and_a_resume_goes_on(
+    served, tiny_run, local_run, tmp_path, capsys
+):
+    server = served[0]
+    _Flaky.upstream, _Flaky.good, _Flaky.seen = server.url, 4 * 4, 0  # 4 batches of 4 rows
+    out = tmp_path / "out"
+    with _http(_Flaky) as url:
+        tree = _tree(tiny_run, out, url=url, api="distill", retries=0)
+        tree["train"].update(STEPS)
+        path = write_config(tmp_path, tree)
+        assert main(["run", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "batch 4 row 0" in err[0] and "malformed" in err[0], err
+    assert 2 in {int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()}
+    assert max(train_by_step(out)) < 5  # never trained on batch 4
+    assert main(["run", path, "--set", f"teacher.endpoint.url={server.url}"]) == 0
+    got = train_by_step(out)  # the steps whose records the stopped run had not read yet: none
+    assert {3, 4, 5, 6} <= set(got)
+    for step, record in got.items():
+        assert record["loss"] == pytest.approx(local_run[step]["loss"], abs=1e-5), step
 
 
 class _Handler(BaseHTTPRequestHandler):
