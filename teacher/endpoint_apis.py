@@ -8,9 +8,12 @@ and its next token when the row's last target still belongs to it. Those APIs li
 prompt index j >= 1, the distribution prompt token j was drawn from (entry 0 is None): the
 distribution distill keeps at the document's position j - 1. A server may leave out a
 leading BOS it was sent (llama.cpp's echo does): its listing then starts at prompt index 1,
-and is read so. The binary wire of `distill serve` answers whole rows at distill's own
-positions. Every answer is checked: the ids the server echoes are the batch's (the same
-tokenizer), every position asked for is there, finite, with at least k ids in the vocabulary.
+and is read so. One that puts a BOS of its own before every prompt is found out by a first,
+two-token request (`_Json.probe`), which with the OpenAI API also checks that each entry is
+the distribution its token was drawn from. The binary wire of `distill serve` answers
+whole rows at distill's own positions. Every answer is checked: the ids the server echoes
+are the batch's (the same tokenizer), every position asked for is there, finite, with at
+least k ids in the vocabulary.
 """
 
 from __future__ import annotations

@@ -36,8 +36,7 @@ def _tree(tiny_run, out, **endpoint) -> dict:
     tree["run"]["output_dir"] = str(out)
     tree["distill"] = {"alpha_gate": False}
     if endpoint:
-        tree["teacher"]["source"] = "endpoint"
-        tree["teacher"]["endpoint"] = endpoint
+        tree["teacher"].update(source="endpoint", endpoint=endpoint, pretrain_steps=0)
     return tree
 
 
@@ -60,7 +59,7 @@ def served(tmp_path_factory, tiny_run):
 
 def _endpoint_cfg(cfg, **endpoint):
     tree = cfg.model_dump(mode="json")
-    tree["teacher"].update(source="endpoint", endpoint=endpoint)
+    tree["teacher"].update(source="endpoint", endpoint=endpoint, pretrain_steps=0)
     tree["distill"]["temperature"] = 1.0 if endpoint["api"] != "distill" else 2.0
     return type(cfg).model_validate(tree)
 
@@ -373,6 +372,8 @@ def test_a_server_that_stays_away_stops_the_run_with_one_line(served):
         (["teacher.tokenizer=bytes_other"], "teacher.tokenizer"),
         (["teacher.endpoint.api_key_env=DISTILL_NO_SUCH_KEY"], "DISTILL_NO_SUCH_KEY is not set"),
         (["teacher.endpoint.ca_file=/nonexistent.pem"], "teacher.endpoint.ca_file: read only"),
+        (["teacher.pretrain_steps=6"], "teacher.pretrain_steps: not supported with"),
+        (["teacher.source=online"], "teacher.endpoint: read only with teacher.source: endpoint"),
     ],
 )
 def test_bad_endpoint_config_gives_one_line(tiny_run, tmp_path, capsys, sets, words):
@@ -386,6 +387,12 @@ def test_bad_endpoint_config_gives_one_line(tiny_run, tmp_path, capsys, sets, wo
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+def test_an_endpoint_config_validates_without_asking_the_server(tiny_run, tmp_path, capsys):
+    tree = _tree(tiny_run, tmp_path / "out", url="http://127.0.0.1:9", api="distill")
+    assert main(["validate", write_config(tmp_path, tree)]) == 0
+    assert ": ok (" in capsys.readouterr().out
 
 
 def test_cache_teacher_and_eval_from_an_endpoint_are_refused(tiny_run, tmp_path, capsys):

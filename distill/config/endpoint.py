@@ -100,6 +100,9 @@ def _refused(cfg) -> list[tuple[str, bool, str]]:
          "built yet)"),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0,
          "scoring the student's samples through an endpoint is not built yet"),
+        ("teacher.pretrain_steps",
+         cfg.teacher.pretrain_steps > 0 and cfg.student.init == "random",
+         "the server's teacher is not bootstrapped here; set teacher.pretrain_steps: 0"),
         ("distill.alpha_gate", cfg.distill.alpha_gate,
          "the gate follows the teacher's held-out figures, which need the dense logits a "
          "server does not give; set distill.alpha_gate: false"),
