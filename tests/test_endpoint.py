@@ -171,6 +171,11 @@ def test_a_malformed_answer_mid_run_keeps_the_checkpoint_and_a_resume_goes_on(
     assert {3, 4, 5, 6} <= set(got)
     for step, record in got.items():
         assert record["loss"] == pytest.approx(local_run[step]["loss"], abs=1e-5), step
+    # the student is pinned to the served model's name, not to where it is served from
+    capsys.readouterr()
+    assert main(["validate", path, "--set", "teacher.endpoint.model=another"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "teacher.endpoint: " in err[0] and "distilled with" in err[0], err
 
 
 class _Handler(BaseHTTPRequestHandler):
