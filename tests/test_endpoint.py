@@ -325,10 +325,20 @@ def test_malformed_answers_stop_with_one_line_naming_the_position(served, bad_se
         (_openai_answer(one, prompt, good[:4] + [{"token_id:1": -1.0}] + good[5:]),
          "position 3: 1 log-probs where 8"),
     ]  # fmt: skip
-    teacher = EndpointTeacher(ecfg, corpus.tokenizer, corpus.tokenizer.vocab_size)
+    tok = corpus.tokenizer
+    text = [None] + [{tok.decode([100 + i]): -3 - 0.1 * i for i in range(8)}] * (len(prompt) - 1)
+    teacher = EndpointTeacher(ecfg, tok, tok.vocab_size)
     try:
         _Bad.answer = _openai_answer(one, prompt, good)
-        teacher.output(one, 7).result()  # the well-formed answer is read
+        got = teacher.output(one, 7).result()  # the well-formed answer is read
+        np.testing.assert_array_equal(got.ids[0], np.broadcast_to(np.arange(8), (32, 8)))
+        # keyed by token text (a server without return_tokens_as_token_ids): read through
+        # data.tokenizer where each text names one id
+        answer = json.loads(_openai_answer(one, prompt, text))
+        answer["choices"][0]["logprobs"]["tokens"] = [tok.decode([t]) for t in prompt]
+        _Bad.answer = json.dumps(answer).encode()
+        got = teacher.output(one, 7).result()
+        np.testing.assert_array_equal(got.ids[0], np.broadcast_to(100 + np.arange(8), (32, 8)))
         for answer, words in cases:
             _Bad.answer = answer
             with pytest.raises(DistillError) as err:
