@@ -55,10 +55,11 @@ class EndpointConfig(Section):
     )
     timeout_s: float = Field(120.0, gt=0, description="Seconds a request may take.")
     retries: int = Field(
-        8,
+        20,
         ge=0,
         description="Retries of a request that failed transiently (connection refused or "
-        "reset, a timeout, HTTP 408, 429 or 5xx) before the run stops; the run waits meanwhile.",
+        "reset, a timeout, HTTP 408, 429 or 5xx) before the run stops; the run waits meanwhile "
+        "(by default about 8 minutes in all, time for a server to restart).",
     )
     backoff_s: float = Field(
         1.0,
