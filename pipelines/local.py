@@ -101,6 +101,9 @@ def distill_local(
     if meshes.platform == "cpu":  # the devices' RAM is the host's: give back one-off work's
         extra = [h.ReleaseHostMemory(cfg.train.eval_every), *extra]
     hooks = distill_hooks(cfg, evaluate, store, source, extra)
+    if isinstance(source, EndpointSource):  # a stop ends a wait for the server
+        stop = next(hk for hk in hooks if isinstance(hk, h.StopRequests))
+        source.interrupted = lambda: stop.sigterm.is_set() or store.stop_requested()
     try:
         return Loop(
             LoopSpec.of(cfg), source, executor, hooks, record=distill_record, store=store

@@ -9,6 +9,7 @@ keeps the items whose teacher work has started in a queue, oldest first
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ from pipelines.offline import teacher_cache
 from teacher import positions
 from teacher.endpoint import EndpointTeacher
 from teacher.online import OnlineTeacher
+
+log = logging.getLogger("distill")
 
 
 class QueueSource:
@@ -140,13 +143,19 @@ class EndpointSource(QueueSource):
     its requests go out when the batch is read (`pipeline.prefetch` batches ahead, at most
     `teacher.endpoint.concurrency` requests in flight), and a batch is handed on only once
     all of them are in. While the `distill.alpha_gate` is closed the batches come without
-    their outputs; no evaluation compares with the teacher (a server gives no dense logits)."""
+    their outputs; no evaluation compares with the teacher (a server gives no dense logits).
+
+    `interrupted()` (a SIGTERM or the dashboard's stop, `pipelines.local`) ends a wait for
+    the server in `peek`: the item it then gives carries a placeholder output, never trained
+    on (the loop stops at the step's end and checkpoints before that batch, which `pop`
+    would wait for again)."""
 
     def __init__(self, cfg: Config, corpus, teacher: EndpointTeacher):
         bsz, seed = cfg.train.batch_size, cfg.run.seed
         super().__init__(lambda: corpus.train_iterator(bsz, seed), self._work)
         self.teacher = teacher
         self._open = True
+        self.interrupted = lambda: False
         self._waits: deque[float] = deque(maxlen=4096)  # ms the loop waited for each answer
 
     def gate(self, open_: bool) -> bool:
@@ -163,14 +172,23 @@ class EndpointSource(QueueSource):
         return self._gated(super().pop())
 
     def peek(self) -> Item:
-        return self._gated(self._resolved_head())
+        head = self._resolved_head(self.interrupted)
+        if head is None:  # a stop asked for while the server is awaited
+            log.info("stop requested while waiting for the teacher's server")
+            pending = self._queue[0].teacher_out
+            return self._queue[0]._replace(teacher_out=pending.placeholder())
+        return self._gated(head)
 
-    def _resolved_head(self) -> Item:
-        """The oldest batch with its output in: waits for the server (retrying as it must)."""
+    def _resolved_head(self, interrupted=None) -> Item | None:
+        """The oldest batch with its output in: waits for the server (retrying as it
+        must); None once `interrupted()`, the batch left waiting."""
         head = self._queue[0]
         if head.teacher_out is not None and not isinstance(head.teacher_out, TeacherOutput):
             t0 = time.perf_counter()
-            head = self._queue[0] = head._replace(teacher_out=head.teacher_out.result())
+            out = head.teacher_out.result(interrupted)
+            if out is None:
+                return None
+            head = self._queue[0] = head._replace(teacher_out=out)
             self._waits.append(1000 * (time.perf_counter() - t0))
         return head
 

@@ -20,6 +20,7 @@ import ssl
 import threading
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
@@ -114,16 +115,32 @@ class Pending:
         self.index, self._parts, self._shape, self._k = batch_index, parts, shape, k
         self._out: TeacherOutput | None = None
 
-    def result(self) -> TeacherOutput:
+    def placeholder(self) -> TeacherOutput:
+        """k equal log-probs at every position: what the loss never reads."""
+        rows, length = self._shape
+        lp = np.full((rows, length, self._k), -np.log(self._k), np.float32)
+        ids = np.broadcast_to(np.arange(self._k, dtype=np.int32), lp.shape).copy()
+        return TeacherOutput(lp, ids)
+
+    def result(self, interrupted=None) -> TeacherOutput | None:
+        """The output, waiting for every request; None, with the requests left running,
+        as soon as `interrupted()` is true (checked twice a second while waiting)."""
         if self._out is None:
-            rows, length = self._shape
-            lp = np.full((rows, length, self._k), -np.log(self._k), np.float32)
-            ids = np.broadcast_to(np.arange(self._k, dtype=np.int32), lp.shape).copy()
+            for _, future in self._parts:
+                while interrupted is not None:
+                    try:
+                        future.result(timeout=0.5)
+                        break
+                    except FutureTimeout:
+                        if interrupted():
+                            return None
+            out = self.placeholder()
             for rows_of, future in self._parts:
                 answer = future.result()
                 have = answer.have
-                lp[rows_of][have], ids[rows_of][have] = answer.logprobs[have], answer.ids[have]
-            self._out = TeacherOutput(lp, ids)
+                out.logprobs[rows_of][have] = answer.logprobs[have]
+                out.ids[rows_of][have] = answer.ids[have]
+            self._out = out
         return self._out
 
     def cancel(self) -> None:

@@ -129,6 +129,35 @@ def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_a
     assert got[6]["teacher_wait_s"] > 0  # the wait, in the records and the dashboard's status
 
 
+def test_a_stop_while_the_server_is_away_checkpoints_and_a_resume_goes_on(
+    served, tiny_run, local_run, tmp_path, caplog
+):
+    server, cfg, *_ = served
+    own = TeacherServer(load_service(cfg, rows=4, wait_ms=5), port=0).start()
+
+    def away_then_stop(loop, step):  # the server goes for good; the dashboard's stop 1 s later
+        if step == 2:
+            own.stop()
+            threading.Timer(1.0, loop.store.request_stop).start()
+
+    ep = {"url": own.url, "api": "distill", "backoff_s": 0.2, "retries": 50}
+    tree = _tree(tiny_run, tmp_path / "out", **ep)
+    tree["train"].update(STEPS)
+    path = write_config(tmp_path, tree)
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="distill"):
+        summary = run.run(load_config(path), extra=[Every(away_then_stop, event="after_dispatch")])
+    assert not summary["completed"] and time.perf_counter() - t0 < 60
+    assert any("while waiting for the teacher's server" in r.getMessage() for r in caplog.records)
+    saved = {int(p.name) for p in (tmp_path / "out" / "checkpoints").iterdir() if p.name.isdigit()}
+    assert max(saved) == summary["steps"] < 6
+    assert main(["run", path, "--set", f"teacher.endpoint.url={server.url}"]) == 0
+    got = train_by_step(tmp_path / "out")
+    assert {max(saved) + 1, 6} <= set(got)
+    for step, record in got.items():
+        assert record["loss"] == pytest.approx(local_run[step]["loss"], abs=1e-5), step
+
+
 class _Flaky(BaseHTTPRequestHandler):
     """`distill serve`'s binary top-k behind a proxy that answers its first `good` requests
     and garbage after."""
