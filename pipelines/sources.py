@@ -194,9 +194,9 @@ class EndpointSource(QueueSource):
 
     def figures(self, steps: int, since: float, step: int = 0) -> dict:
         """teacher_ms: the mean time the loop waited for a batch's answer (what the
-        prefetch did not hide); teacher_wait_s: the run's time waiting out a server that did
-        not answer (retries); teacher_busy None: the server's own busy time is not known
-        here (so the status names no bottleneck)."""
+        prefetch did not hide); teacher_wait_s: the time in waits before retrying a server
+        that did not answer (`EndpointTeacher.waited_s`); teacher_busy None: the server's
+        own busy time is not known here (so the status names no bottleneck)."""
         recent = list(self._waits)[-steps:]
         return {
             "teacher_ms": sum(recent) / len(recent) if recent else 0.0,

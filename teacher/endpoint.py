@@ -162,7 +162,8 @@ class EndpointTeacher:
         bos = getattr(tokenizer, "bos_id", None)
         self._codec = codec(ep.api, ask, vocab, ep.model, bos, cfg.distill.temperature, names)
         self._pool = ThreadPoolExecutor(ep.concurrency, thread_name_prefix="teacher-endpoint")
-        self.waited_s = 0.0  # the run's time waiting for a server that did not answer
+        self.waited_s = 0.0  # the run's time in retry waits (the longest of parallel ones)
+        self._waits: dict[int, float] = {}  # each request thread's own waits
         self._closed = threading.Event()  # wakes the retry waits: no thread outlives the run
         self._probe()
 
@@ -240,7 +241,9 @@ class EndpointTeacher:
                 if self._closed.wait(wait):
                     raise DistillError("teacher.endpoint: the run stopped meanwhile") from None
                 waited += wait
-                self.waited_s += wait
+                me = threading.get_ident()  # requests wait side by side: count the longest
+                self._waits[me] = self._waits.get(me, 0.0) + wait
+                self.waited_s = max(self.waited_s, self._waits[me])
                 wait = min(wait * 2, ep.max_backoff_s)
         raise AssertionError("unreachable")
 
