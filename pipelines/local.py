@@ -92,8 +92,9 @@ def distill_local(
     elif cfg.teacher.source == "endpoint":
         vocab = min(corpus.tokenizer.vocab_size, *cfg.vocab_sizes())  # padded ids: never
         source = EndpointSource(cfg, corpus, EndpointTeacher(cfg, corpus.tokenizer, vocab))
-        log.info("teacher: %s (%s API); no held-out evaluation against it (a server gives no "
-                 "dense logits)", cfg.teacher.endpoint.url, cfg.teacher.endpoint.api)  # fmt: skip
+        log.info("teacher: %s (%s API); evaluation takes the student's held-out figures "
+                 "alone (a server gives no dense logits)", cfg.teacher.endpoint.url,
+                 cfg.teacher.endpoint.api)  # fmt: skip
     else:
         teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
         source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)

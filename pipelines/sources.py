@@ -145,6 +145,9 @@ class EndpointSource(QueueSource):
     all of them are in. While the `distill.alpha_gate` is closed the batches come without
     their outputs; no evaluation compares with the teacher (a server gives no dense logits).
 
+    Evaluation takes the student's held-out figures alone (`student_eval`): a server gives
+    no dense logits to compare them with.
+
     `interrupted()` (a SIGTERM or the dashboard's stop, `pipelines.local`) ends a wait for
     the server in `peek`: the item it then gives carries a placeholder output, never trained
     on (the loop stops at the step's end and checkpoints before that batch, which `pop`
@@ -157,6 +160,8 @@ class EndpointSource(QueueSource):
         self._open = True
         self.interrupted = lambda: False
         self._waits: deque[float] = deque(maxlen=4096)  # ms the loop waited for each answer
+
+    student_eval = True  # `pipelines.evaluation.Evaluation`: the student's figures alone
 
     def gate(self, open_: bool) -> bool:
         """As `OnlineSource.gate`: closed, the batches come without their outputs."""

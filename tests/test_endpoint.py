@@ -25,7 +25,7 @@ from pipelines.hooks import Every
 from pipelines.serve.server import TeacherServer, load_service
 from teacher.endpoint import EndpointTeacher
 from teacher.online import OnlineTeacher
-from tests.conftest import train_by_step, write_config
+from tests.conftest import read_evals, train_by_step, write_config
 
 APIS = ("openai", "vllm", "sglang", "distill")
 
@@ -84,17 +84,29 @@ STEPS = {"steps": 6, "log_every": 1, "eval_every": 100, "checkpoint_every": 2}
 
 
 @pytest.fixture(scope="module")
-def local_run(tiny_run, tmp_path_factory):
-    """The records of a 6-step run with the session's teacher loaded locally."""
+def local_out(tiny_run, tmp_path_factory):
+    """The output of a 6-step run with the session's teacher loaded locally."""
     tmp = tmp_path_factory.mktemp("local")
     local = _tree(tiny_run, tmp / "out")
     local["train"].update(STEPS)
     assert main(["run", write_config(tmp, local)]) == 0
-    return train_by_step(tmp / "out")
+    return tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def local_run(local_out):
+    """Its training records by step."""
+    return train_by_step(local_out)
+
+
+@pytest.fixture(scope="module")
+def local_evals(local_out):
+    """Its evaluation records by step (0 and 6)."""
+    return {r["step"]: r for r in read_evals(local_out)}
 
 
 def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_an_outage(
-    served, tiny_run, local_run, tmp_path, caplog
+    served, tiny_run, local_run, local_evals, tmp_path, caplog
 ):
     _, cfg, *_ = served
     own = TeacherServer(load_service(cfg, rows=4, wait_ms=5), port=0).start()
@@ -123,6 +135,12 @@ def test_a_run_through_distill_serve_trains_as_the_local_teacher_and_waits_out_a
         state["server"].stop()
     assert any("the run waits" in r.getMessage() for r in caplog.records)
     got = train_by_step(tmp_path / "remote")
+    # the evaluations: the student's own held-out figures, the local run's; no teacher's
+    evals = {r["step"]: r for r in read_evals(tmp_path / "remote")}
+    assert sorted(evals) == [0, 6] and "teacher_loss" not in evals[6] and "kl" not in evals[6]
+    for step, want in local_evals.items():
+        for key in ("student_loss", "student_bpb"):
+            assert evals[step][key] == pytest.approx(want[key], abs=1e-5), (step, key)
     assert sorted(got) == sorted(local_run) == [1, 2, 3, 4, 5, 6]
     for step, want in local_run.items():
         assert got[step]["loss"] == pytest.approx(want["loss"], abs=1e-5), step
