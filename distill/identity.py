@@ -80,11 +80,14 @@ def tokenizer_id(spec: str) -> dict:
 
 
 def run_identity(cfg: Config) -> dict:
-    """{"teacher": checkpoint identity or None (no weights there), "tokenizer": ...}."""
-    return {
-        "teacher": checkpoint_identity(teacher_path(cfg)),
-        "tokenizer": tokenizer_id(cfg.data.tokenizer),
-    }
+    """{"teacher": checkpoint identity or None (no weights there), "tokenizer": ...}. A
+    teacher behind a server (`teacher.source: endpoint`) is its API and served model's
+    name, wherever it is served from."""
+    teacher = checkpoint_identity(teacher_path(cfg))
+    if cfg.teacher.source == "endpoint":
+        ep = cfg.teacher.endpoint
+        teacher = {"path": ep.url, "kind": f"endpoint {ep.api} {ep.model}", "model": ep.model}
+    return {"teacher": teacher, "tokenizer": tokenizer_id(cfg.data.tokenizer)}
 
 
 def data_hash(corpus) -> str:
@@ -133,6 +136,8 @@ def check_pinned(cfg: Config, stored: dict | None, current: dict, how: str) -> N
         was, now = stored.get(key), current.get(key)
         if was is None or now is None or same(was, now):
             continue
+        if key == "teacher" and cfg.teacher.source == "endpoint":
+            field = "teacher.endpoint"
         raise DistillError(
             f"{field}: {_describe(now)} is not the {key} the student in {checkpoint_dir(cfg)} "
             f"was distilled with ({_describe(was)}); {how}"

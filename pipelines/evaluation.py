@@ -55,6 +55,8 @@ class Evaluation:
         logits = self._logits
         if logits is None:
             logits = self._source.eval_logits(self._batches)
+            if logits is None and getattr(self._source, "student_eval", False):
+                logits = [None] * len(self._batches)  # the student's own figures alone
             if logits is None:  # no teacher logits to compare with (a cache without them)
                 return None
             if self._keep:

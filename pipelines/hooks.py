@@ -149,11 +149,15 @@ class Evaluate(Hook):
             return
         self.last = m = {"step": step, **m}
         loop.store.log_eval(m)
-        note = f"eval step {step}: student {m['student_loss']:.4f} teacher {m['teacher_loss']:.4f}"
+        note = f"eval step {step}: student {m['student_loss']:.4f}"
+        if "teacher_loss" in m:  # none from a teacher behind a server
+            note += f" teacher {m['teacher_loss']:.4f}"
         if "kl" in m:  # one vocabulary: the two distributions compare token by token
             note += f" kl {m['kl']:.4f} top1 {m['top1_agreement']:.3f}"
-        if "student_bpb" in m:
+        if "teacher_bpb" in m:
             note += f" bits/byte {m['student_bpb']:.4f} vs {m['teacher_bpb']:.4f}"
+        elif "student_bpb" in m:
+            note += f" bits/byte {m['student_bpb']:.4f}"
         if "aligned_fraction" in m:
             note += f" aligned {m['aligned_fraction']:.3f}"
         if "sample_teacher_nll" in m:

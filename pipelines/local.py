@@ -1,12 +1,14 @@
 """`pipeline.mode: local`: one process owns both meshes; JAX's async dispatch overlaps them.
 
 The loop is `pipelines.loop.Loop`; here it is wired to its parts: the online teacher source
-over the teacher's running object (`teacher.online`, or the offline cache), the student's
+over the teacher's running object (`teacher.online`; a server's, `teacher.endpoint`; or the
+offline cache), the student's
 executor on the training mesh (`student.executor`) and the run's hooks.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from jax.sharding import Mesh
@@ -25,11 +27,14 @@ from pipelines.loop import Loop, LoopSpec
 from pipelines.memory_guard import HostMemoryGuard
 from pipelines.on_policy import OnPolicySource, sample_score
 from pipelines.progress import distill_record
-from pipelines.sources import CacheSource, OnlineSource
+from pipelines.sources import CacheSource, EndpointSource, OnlineSource
 from student.executor import LocalExecutor, student_executor
 from student.generate import sampler_for
+from teacher.endpoint import EndpointTeacher
 from teacher.online import OnlineTeacher
 from teacher.weights import student_init_params
+
+log = logging.getLogger("distill")
 
 
 def distill_hooks(
@@ -84,6 +89,12 @@ def distill_local(
     samples = None
     if cfg.teacher.source == "cache":
         source = CacheSource(cfg)
+    elif cfg.teacher.source == "endpoint":
+        vocab = min(corpus.tokenizer.vocab_size, *cfg.vocab_sizes())  # padded ids: never
+        source = EndpointSource(cfg, corpus, EndpointTeacher(cfg, corpus.tokenizer, vocab))
+        log.info("teacher: %s (%s API); evaluation takes the student's held-out figures "
+                 "alone (a server gives no dense logits)", cfg.teacher.endpoint.url,
+                 cfg.teacher.endpoint.api)  # fmt: skip
     else:
         teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
         source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)
@@ -91,6 +102,9 @@ def distill_local(
     if meshes.platform == "cpu":  # the devices' RAM is the host's: give back one-off work's
         extra = [h.ReleaseHostMemory(cfg.train.eval_every), *extra]
     hooks = distill_hooks(cfg, evaluate, store, source, extra)
+    if isinstance(source, EndpointSource):  # a stop ends a wait for the server
+        stop = next(hk for hk in hooks if isinstance(hk, h.StopRequests))
+        source.interrupted = lambda: stop.sigterm.is_set() or store.stop_requested()
     try:
         return Loop(
             LoopSpec.of(cfg), source, executor, hooks, record=distill_record, store=store

@@ -12,6 +12,7 @@ from pathlib import Path
 from distill import storage
 from distill.checkpoint import params_exist
 from distill.config import Config
+from distill.config.endpoint import check_endpoint
 from distill.data.corpus import Corpus
 from distill.data.cross_examples import cross_example_corpus
 from distill.data.cross_rows import cross_corpus, row_multiple
@@ -88,8 +89,8 @@ def check_mode(cfg: Config) -> None:
 
 def check_teacher_source(cfg: Config) -> None:
     storage.check(cfg.teacher.checkpoint, "teacher.checkpoint")
-    if cfg.teacher.source == "cache" and cfg.student.init == "random":
-        return  # the cache is checked by pipelines.offline.teacher_cache; no teacher weights needed
+    if not cfg.teacher.loaded() and cfg.student.init == "random":
+        return  # the cache (or server) is checked apart; no teacher weights needed
     if params_exist(cfg.teacher.checkpoint) or cfg.teacher.pretrain_steps > 0:
         return
     where = cfg.teacher.checkpoint or "(not set)"
@@ -119,6 +120,7 @@ def preflight_shapes(cfg: Config) -> None:
     check_dense_output(cfg, devices[0])
     check_eval_rows(cfg)
     check_mode(cfg)
+    check_endpoint(cfg)  # before the checks below: their refusals would name less
     check_on_policy(cfg)
     check_cross_tokenizer(cfg)
 

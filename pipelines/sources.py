@@ -1,14 +1,16 @@
-"""Teacher sources of one process: online on the inference mesh (`teacher.online`), the
-offline cache, none.
+"""Teacher sources of one process: online on the inference mesh (`teacher.online`), a
+server (`teacher.endpoint`), the offline cache, none.
 
 Each reads batches in data order from an iterator whose state is `{"next_index": n}` and
 keeps the items whose teacher work has started in a queue, oldest first
-(`pipelines.loop.TeacherSource`). The Ray teacher pool is the fourth source
+(`pipelines.loop.TeacherSource`). The Ray teacher pool is the fifth source
 (`pipelines.ray.mode`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -19,7 +21,10 @@ from distill.types import Batch, TeacherOutput
 from pipelines.loop import Item
 from pipelines.offline import teacher_cache
 from teacher import positions
+from teacher.endpoint import EndpointTeacher
 from teacher.online import OnlineTeacher
+
+log = logging.getLogger("distill")
 
 
 class QueueSource:
@@ -131,6 +136,90 @@ class OnlineSource(QueueSource):
 
     def eval_logits(self, batches: list):
         return self.teacher.eval_logits(batches)
+
+
+class EndpointSource(QueueSource):
+    """Batches from the corpus, each with its top-k asked of a server (`teacher.endpoint`):
+    its requests go out when the batch is read (`pipeline.prefetch` batches ahead, at most
+    `teacher.endpoint.concurrency` requests in flight), and a batch is handed on only once
+    all of them are in. While the `distill.alpha_gate` is closed the batches come without
+    their outputs; no evaluation compares with the teacher (a server gives no dense logits).
+
+    Evaluation takes the student's held-out figures alone (`student_eval`): a server gives
+    no dense logits to compare them with.
+
+    `interrupted()` (a SIGTERM or the dashboard's stop, `pipelines.local`) ends a wait for
+    the server in `peek`: the item it then gives carries a placeholder output, never trained
+    on (the loop stops at the step's end and checkpoints before that batch, which `pop`
+    would wait for again)."""
+
+    def __init__(self, cfg: Config, corpus, teacher: EndpointTeacher):
+        bsz, seed = cfg.train.batch_size, cfg.run.seed
+        super().__init__(lambda: corpus.train_iterator(bsz, seed), self._work)
+        self.teacher = teacher
+        self._open = True
+        self.interrupted = lambda: False
+        self._waits: deque[float] = deque(maxlen=4096)  # ms the loop waited for each answer
+
+    student_eval = True  # `pipelines.evaluation.Evaluation`: the student's figures alone
+
+    def gate(self, open_: bool) -> bool:
+        """As `OnlineSource.gate`: closed, the batches come without their outputs."""
+        self._open = bool(open_)
+        return False
+
+    def _work(self, batch: Batch) -> tuple:
+        index = self._it.get_state()["next_index"] - 1  # the batch just read
+        return batch, self.teacher.output(batch, index), None
+
+    def pop(self) -> Item:
+        self._resolved_head()
+        return self._gated(super().pop())
+
+    def peek(self) -> Item:
+        head = self._resolved_head(self.interrupted)
+        if head is None:  # a stop asked for while the server is awaited
+            log.info("stop requested while waiting for the teacher's server")
+            pending = self._queue[0].teacher_out
+            return self._queue[0]._replace(teacher_out=pending.placeholder())
+        return self._gated(head)
+
+    def _resolved_head(self, interrupted=None) -> Item | None:
+        """The oldest batch with its output in: waits for the server (retrying as it
+        must); None once `interrupted()`, the batch left waiting."""
+        head = self._queue[0]
+        if head.teacher_out is not None and not isinstance(head.teacher_out, TeacherOutput):
+            t0 = time.perf_counter()
+            out = head.teacher_out.result(interrupted)
+            if out is None:
+                return None
+            head = self._queue[0] = head._replace(teacher_out=out)
+            self._waits.append(1000 * (time.perf_counter() - t0))
+        return head
+
+    def figures(self, steps: int, since: float, step: int = 0) -> dict:
+        """teacher_ms: the mean time the loop waited for a batch's answer (what the
+        prefetch did not hide); teacher_wait_s: the time in waits before retrying a server
+        that did not answer (`EndpointTeacher.waited_s`); teacher_busy None: the server's
+        own busy time is not known here (so the status names no bottleneck)."""
+        recent = list(self._waits)[-steps:]
+        return {
+            "teacher_ms": sum(recent) / len(recent) if recent else 0.0,
+            "teacher_busy": None,
+            "teacher_wait_s": self.teacher.waited_s,
+        }
+
+    def _gated(self, item: Item) -> Item:
+        return item if self._open else item._replace(teacher_out=None)
+
+    def start(self, data_state: dict | None) -> None:
+        for item in self._queue:
+            if not isinstance(item.teacher_out, TeacherOutput | None):
+                item.teacher_out.cancel()
+        super().start(data_state)
+
+    def close(self) -> None:
+        self.teacher.close()
 
 
 class CacheSource(QueueSource):

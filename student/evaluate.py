@@ -41,15 +41,16 @@ def bits_per_byte(per: list[dict], t_tokens: list, batches: list, student_b, tea
     s_nll = t_nll = s_bytes = t_bytes = 0.0
     for m, n, b in zip(per, t_tokens, batches, strict=True):
         s_nll += m["student_loss"] * m["tokens"]
-        t_nll += m["teacher_loss"] * n
+        t_nll += m.get("teacher_loss", math.nan) * n  # none: a teacher behind a server
         sb = _target_bytes(b.targets, b.mask, student_b)
         s_bytes += sb
         own = b.teacher.rows if b.teacher is not None else None
         t_bytes += sb if own is None else _target_bytes(own.targets, own.mask, teacher_b)
-    return {
+    out = {
         "student_bpb": s_nll / (math.log(2) * max(s_bytes, 1.0)),
         "teacher_bpb": t_nll / (math.log(2) * max(t_bytes, 1.0)),
     }
+    return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
 def combine(per: list[dict], batches: list, byte_lengths=None) -> dict:

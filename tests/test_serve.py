@@ -11,8 +11,8 @@ import pytest
 from distill.config.load import load_config
 from distill.data.loader import load_corpus
 from distill.mesh import role_mesh
-from pipelines.serve import wire
 from pipelines.serve.server import TeacherServer, load_service
+from teacher import wire
 from teacher.online import OnlineTeacher
 from tests.conftest import write_config
 

@@ -6,6 +6,7 @@ The schema's classes are importable from here: `from distill.config import Confi
 """
 
 from distill.config.data import DataConfig
+from distill.config.endpoint import EndpointConfig
 from distill.config.loss import DistillLossConfig, OnPolicyConfig
 from distill.config.model import (
     DTYPE_DOC,
@@ -41,6 +42,7 @@ __all__ = [
     "DType",
     "DataConfig",
     "DistillLossConfig",
+    "EndpointConfig",
     "MeshConfig",
     "ModelConfig",
     "OnPolicyConfig",

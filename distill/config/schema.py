@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from distill.config import pruning
 from distill.config.data import DataConfig
+from distill.config.endpoint import EndpointConfig
 from distill.config.loss import DistillLossConfig
 from distill.config.model import (
     DTYPE_DOC,
@@ -206,16 +207,26 @@ class TeacherConfig(Section):
     replicas: int = Field(
         1, ge=1, description="Teacher actors in pipeline.mode ray, each with its own dp x tp mesh."
     )
-    source: Literal["online", "cache"] = Field(
+    source: Literal["online", "cache", "endpoint"] = Field(
         "online",
         description="online: run the teacher during training. cache: read its top-k outputs "
-        "from teacher.cache_dir, written by `distill cache-teacher` (no teacher on any device).",
+        "from teacher.cache_dir, written by `distill cache-teacher` (no teacher on any device). "
+        "endpoint: ask a server for them (teacher.endpoint: vLLM, SGLang, llama.cpp or distill "
+        "serve; no teacher on any device; docs/guides/teacher-endpoint.md).",
+    )
+    endpoint: EndpointConfig | None = Field(
+        None, description="The server of teacher.source: endpoint; None: no server."
     )
     cache_dir: str | None = Field(
         None,
         description="Where cache-teacher writes and source cache reads; default "
         "<run.output_dir>/teacher_cache.",
     )
+
+    def loaded(self) -> bool:
+        """Whether a run trains from a teacher it loads itself (online), rather than from
+        outputs made elsewhere (the cache, a server)."""
+        return self.source == "online"
 
     def is_hf(self) -> bool:
         """Whether `checkpoint` is read as a Hugging Face directory. The loader

@@ -336,9 +336,12 @@ def eval_metrics_chunked(
     softcap: float | None = None,
 ) -> dict[str, jax.Array]:
     """`distill.models.losses.eval_metrics` of the student logits x @ head against the teacher's
-    raw logits [B, S, V] (read one chunk at a time), never whole. Same keys."""
+    raw logits [B, S, V] (read one chunk at a time), never whole. Same keys; with no teacher
+    logits (None: a teacher behind a server), the student's loss alone."""
 
     def token_fn(s_bcv: jax.Array, t: Tree) -> Tree:
+        if "teacher" not in t:
+            return {"student_loss": _token_ce(s_bcv, t["targets"])}
         t_bcv = fit_vocab(t["teacher"].astype(jnp.float32), s_bcv.shape[-1])
         ls, lt = jax.nn.log_softmax(s_bcv, axis=-1), jax.nn.log_softmax(t_bcv, axis=-1)
         agree = jnp.argmax(s_bcv, axis=-1) == jnp.argmax(t_bcv, axis=-1)
@@ -354,7 +357,7 @@ def eval_metrics_chunked(
         x_bsd,
         head_dv,
         {"targets": targets_bs},
-        {"teacher": teacher_logits_bsv},
+        {} if teacher_logits_bsv is None else {"teacher": teacher_logits_bsv},
         mask_bs,
         vocab_limit=vocab_limit,
         chunk=chunk,

@@ -444,6 +444,7 @@ _STATUS_FIGURES = (
     "teacher_off_steps",
     "tokens_per_s",
     "teacher_ms",
+    "teacher_wait_s",
     "student_ms",
     "teacher_busy",
     "student_busy",

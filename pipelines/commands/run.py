@@ -173,6 +173,11 @@ def evaluate(cfg: Config) -> dict:
     from teacher.online import OnlineTeacher
     from teacher.weights import student_init_params
 
+    if cfg.teacher.source == "endpoint":
+        raise DistillError(
+            "teacher.source: endpoint: distill eval compares the student with the teacher's "
+            "dense logits, which a server does not give; run it with teacher.source: online"
+        )
     meshes, corpus = validate(cfg)
     _check_host(cfg, meshes, corpus)
     if not has_checkpoint(outputs.checkpoint_dir(cfg)):

@@ -47,6 +47,12 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     from pipelines.sources import OnlineSource
     from teacher.online import OnlineTeacher
 
+    if cfg.teacher.source == "endpoint":
+        raise DistillError(
+            "teacher.source: endpoint: distill cache-teacher stores the outputs of the "
+            "teacher it loads (teacher.checkpoint); from a server it is not built yet: set "
+            "teacher.source: online"
+        )
     if not cfg.teacher.top_k:
         raise DistillError(
             "teacher.top_k: is null; distill cache-teacher stores the top-k teacher outputs, "

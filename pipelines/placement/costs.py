@@ -64,10 +64,11 @@ def output_bytes_per_device(cfg: Config) -> int:
 def teacher_cost(cfg: Config, seconds: float, figures: dict) -> RoleCost:
     """The teacher's cost from its memory figures (`plan_memory.teacher_memory`): resident,
     its weights, batch and the `pipeline.prefetch` outputs in flight (the compiled peak
-    counts one). A run from the teacher cache (`teacher.source: cache`) loads no teacher
+    counts one). A run from the teacher cache or a server (`teacher.source: cache`,
+    `endpoint`) loads no teacher
     and runs no forward: nothing, whatever the compiled figures (its outputs come from the
     host with the batch, in the student's figures)."""
-    if cfg.teacher.source == "cache":
+    if not cfg.teacher.loaded():
         return RoleCost(0.0, 0)
     peak, temp = figures["peak_bytes_per_device"], figures["forward_temp_bytes_per_device"]
     in_flight = (cfg.pipeline.prefetch - 1) * output_bytes_per_device(cfg)
@@ -96,7 +97,7 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
         dp, ep, tp = shape
         c = Layout(Placement.SPLIT, shape, (1, 1)).apply(cfg)
         mesh = teacher_mesh(devices[: dp * ep * tp], dp, tp, ep)
-        if cfg.teacher.source == "cache":  # no teacher on any device: nothing to compile
+        if not cfg.teacher.loaded():  # no teacher on any device: nothing to compile
             out = plan_memory.teacher_output_shapes(c, mesh, None) if out is None else out
             costs["teacher", shape] = RoleCost(0.0, 0)
             continue

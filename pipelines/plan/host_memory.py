@@ -70,9 +70,9 @@ def _cgroup_room(
 
 
 def device_counts(meshes: Meshes, cfg: Config | None = None) -> dict[str, int]:
-    """Each role's devices; none for a teacher that is not loaded (`teacher.source: cache`:
-    its mesh is reserved, nothing is placed on it)."""
-    cached = cfg is not None and cfg.teacher.source == "cache"
+    """Each role's devices; none for a teacher that is not loaded (`teacher.source: cache`
+    or `endpoint`: its mesh is reserved, nothing is placed on it)."""
+    cached = cfg is not None and not cfg.teacher.loaded()
     return {"teacher": 0 if cached else meshes.teacher.devices.size,
             "student": meshes.student.devices.size}  # fmt: skip
 

@@ -2,6 +2,6 @@
 
 `server` loads the teacher and serves it; `scorer` runs batches of rows through it;
 `batcher` gathers concurrent requests into those batches; `app` has the routes and
-`apis` the JSON formats of the APIs (OpenAI/vLLM completions, SGLang); `wire` the
-binary top-k format of distill's own clients (`pipelines.endpoint`).
+`apis` the JSON formats of the APIs (OpenAI/vLLM completions, SGLang); `teacher.wire` the
+binary top-k format it shares with distill's own client (`teacher.endpoint`).
 """

@@ -105,7 +105,7 @@ def openai_choice(
         "finish_reason": "length",
         "prompt_token_ids": ids[:n_prompt].tolist(),
     }
-    entries = _entries(s, ids, max(k or 1, 1))
+    entries = _entries(s, ids, max(k or 0, body.get("prompt_logprobs") or 0, 1))
     if k is not None:
         shown = list(range(first, len(ids)))
         tokens = [name(int(ids[i])) for i in shown]
@@ -114,7 +114,9 @@ def openai_choice(
             "tokens": tokens,
             "token_logprobs": [None if i == 0 else entries[i - 1][0] for i in shown],
             "top_logprobs": [
-                None if i == 0 else {name(t): v for t, v in zip(*entries[i - 1][1:], strict=True)}
+                None
+                if i == 0
+                else {name(t): v for t, v in zip(*(e[:k] for e in entries[i - 1][1:]), strict=True)}
                 for i in shown
             ],
             "text_offset": offsets,

@@ -30,9 +30,10 @@ from prometheus_client import (
 )
 
 from distill.data.tokenizers import Tokenizer
-from pipelines.serve import apis, wire
+from pipelines.serve import apis
 from pipelines.serve.batcher import Batcher
 from pipelines.serve.scorer import Row
+from teacher import wire
 
 _ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -173,6 +173,7 @@ function renderStatus(s) {
   setText("teacher-ms", fmt(s.teacher_ms, 3));
   setText("student-ms", fmt(s.student_ms, 3));
   setText("in-flight", fmt(s.in_flight));
+  setText("teacher-wait", typeof s.teacher_wait_s === "number" ? fmtDuration(s.teacher_wait_s) : "—");
   setText("bottleneck", s.bottleneck || "—");
   setText("bytes-per-token", fmtSI(s.bytes_per_token));
   setText("generate-ms", fmt(s.generate_ms, 3));

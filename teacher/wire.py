@@ -1,4 +1,5 @@
-"""The compact binary top-k exchange of `distill serve` (`POST /v1/distill/topk`).
+"""The compact binary top-k exchange of `distill serve` (`POST /v1/distill/topk`), read by
+`pipelines.serve.app` and written by distill's client (`teacher.endpoint`).
 
 Both bodies are raw little-endian arrays after a 20-byte header: the magic `DTK1`, rows
 R, row length L and k (uint32 each), and the temperature T of the log-probs (float32).
