@@ -98,8 +98,9 @@ def causal_conv(
     x_bsc: jax.Array, w_c1k: jax.Array, docs_bs: jax.Array, tail_bkc: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(SiLU of the depthwise causal convolution of x [B, S, C] with w [C, 1, K], the last
-    K - 1 inputs [B, K - 1, C]): y_t = sum_k w[k] x_{t - K + 1 + k}, counting only inputs of
-    t's document (`docs_bs`, `doc_index`); `tail` (the cache: inputs before the row, of its
+    K - 1 inputs [B, K - 1, C] of the row's last document, zeros before its start: the
+    decode cache): y_t = sum_k w[k] x_{t - K + 1 + k}, counting only inputs of t's
+    document (`docs_bs`, `doc_index`); `tail` (the cache: inputs before the row, of its
     first document) else zeros."""
     b, s, c = x_bsc.shape
     k = w_c1k.shape[-1]
@@ -112,7 +113,8 @@ def causal_conv(
     for j in range(k):  # tap j reads the input K - 1 - j positions back
         same = (docs[:, j : j + s] == docs_bs)[..., None]
         y = y + jnp.where(same, xx[:, j : j + s].astype(jnp.float32), 0.0) * w[:, j]
-    return jax.nn.silu(y).astype(x_bsc.dtype), xx[:, s:]
+    last = (docs[:, s:] == docs_bs[:, -1:])[..., None]
+    return jax.nn.silu(y).astype(x_bsc.dtype), jnp.where(last, xx[:, s:], 0)
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -295,25 +297,49 @@ def rule_flops(batch: int, seq: int, heads: int, dk: int, dv: int, chunk: int = 
     return float(batch * heads * n * per_chunk)
 
 
-def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul):
+def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul, states=False):
     """(the output projection's partial sums [B, S, D] (this shard's heads), keys and
-    values) of `block`'s token mixer on its input x: `attn(x)` in an attention layer, Gated
-    DeltaNet in a linear one (where layers mix, `layer["linear"]` picks by `jax.lax.cond`:
-    one compiled block), whose keys and values are zeros of attention's shapes. `matmul`:
-    the model's."""
+    values, and with `states` the linear layer's decode `Cache`) of `block`'s token mixer
+    on its input x: `attn(x)` in an attention layer, Gated DeltaNet in a linear one (where
+    layers mix, `layer["linear"]` picks by `jax.lax.cond`: one compiled block), whose keys
+    and values are zeros of attention's shapes, as an attention layer's cache is zeros of
+    the linear layer's. `matmul`: the model's. Without linear layers the cache is None."""
     cfg = block.cfg
     kinds = cfg.linear_layers()
     if not any(kinds):
-        return attn(x_bsd)
+        return (*attn(x_bsd), None) if states else attn(x_bsd)
+
+    def zeros_like(shapes, like):  # varying over the mesh as `like` is
+        zero = lambda a: cc.vary(jnp.zeros(a.shape, a.dtype), cc.varying(like))  # noqa: E731
+        return jax.tree.map(zero, shapes)
 
     def linear(x):
         h = cc.gather_positions(block._norm(x, block.attn_norm), tp_axis)
-        w = {k: getattr(block, k)[...] for k in weight_shapes(cfg)}
-        o, _ = mixer(w, h, segment_ids_bs, cfg, matmul)
+        w = layer_weights(block)
+        o, cache = mixer(w, h, segment_ids_bs, cfg, matmul)
         o = matmul(o, w["lin_wo"].astype(x.dtype))
-        zeros = lambda a: cc.vary(jnp.zeros(a.shape, a.dtype), cc.varying(o))  # noqa: E731
-        return o, jax.tree.map(zeros, jax.eval_shape(attn, x)[1])  # varying as attention's
+        kv = zeros_like(jax.eval_shape(attn, x)[1], o)
+        return (o, kv, cache) if states else (o, kv)
+
+    def attention(x):
+        o, kv = attn(x)
+        return (o, kv, zeros_like(jax.eval_shape(linear, x)[2], o)) if states else (o, kv)
 
     if all(kinds):
         return linear(x_bsd)
-    return jax.lax.cond(layer["linear"], linear, attn, x_bsd)
+    return jax.lax.cond(layer["linear"], linear, attention, x_bsd)
+
+
+def layer_weights(block) -> dict:
+    """`block`'s linear-attention weights by name (`weight_shapes`)."""
+    return {k: getattr(block, k)[...] for k in weight_shapes(block.cfg)}
+
+
+def decode_mixer(block, x_b1d, cache: Cache, matmul) -> tuple[jax.Array, Cache]:
+    """(the output projection [B, 1, D], the cache after it) of one token per row through
+    `block`'s linear layer by the per-token recurrence (a decode step, single device)."""
+    h = block._norm(x_b1d, block.attn_norm)
+    w = layer_weights(block)
+    segment_ids = jnp.zeros(x_b1d.shape[:2], jnp.int32)
+    o, cache = mixer(w, h, segment_ids, block.cfg, matmul, cache, chunked=False)
+    return matmul(o, w["lin_wo"].astype(x_b1d.dtype)), cache
