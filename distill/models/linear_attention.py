@@ -297,6 +297,32 @@ def rule_flops(batch: int, seq: int, heads: int, dk: int, dv: int, chunk: int = 
     return float(batch * heads * n * per_chunk)
 
 
+def vector_params(cfg: ModelConfig) -> int:
+    """One linear layer's parameters that are not matmul weights (the gated norm's scale,
+    A_log, dt_bias); its depthwise convolution does one multiply-add per weight and token,
+    as a matmul weight does."""
+    return cfg.linear_v_dim + 2 * cfg.linear_v_heads
+
+
+def layer_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """One linear layer's FLOPs per token beyond its weights' 2 per parameter: the chunked
+    rule's (`rule_flops`) over a row of `seq_len`, every value head."""
+    dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
+    return rule_flops(1, seq_len, cfg.linear_v_heads, dk, dv) / seq_len
+
+
+def unused_param_count(cfg: ModelConfig, sizes: dict[str, int]) -> int:
+    """Stored parameters of the one layer stack that no token uses where linear and
+    attention layers mix, or all are linear: a linear layer's attention weights and an
+    attention layer's linear ones. `sizes`: one layer's parameters by weight name."""
+    kinds = cfg.linear_layers()
+    if not any(kinds):
+        return 0
+    attn = sum(n for k, n in sizes.items() if k in qwen35.ATTENTION_KEYS)
+    linear = sum(n for k, n in sizes.items() if k in weight_shapes(cfg))
+    return sum(kinds) * attn + (len(kinds) - sum(kinds)) * linear
+
+
 def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul, states=False):
     """(the output projection's partial sums [B, S, D] (this shard's heads), keys and
     values, and with `states` the linear layer's decode `Cache`) of `block`'s token mixer
