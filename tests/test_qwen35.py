@@ -1,8 +1,11 @@
-"""Qwen3.5 text (`qwen3_5_text`) in the one model: a tiny transformers model (three linear
-attention layers and a full one, random O(1) weights) read by distill's loader gives
-transformers' log-probabilities on the teacher's mesh at tp=1 and tp=2 (the linear layers'
-heads split too) and as the single-device student, on a packed batch (each document
-compared with transformers run on it alone)."""
+"""Qwen3.5 text, dense (`qwen3_5_text`) and mixture (`qwen3_5_moe_text`), in the one model:
+a tiny transformers model (three linear attention layers and a full one; the mixture's
+every feed-forward 4 routed experts, top-2 renormalised, beside a shared expert with its
+sigmoid gate; random O(1) weights) read by distill's loader gives transformers'
+log-probabilities on the teacher's mesh at tp (the linear layers' heads split too) and ep
+layouts and as the single-device student, on a packed batch (each document compared with
+transformers run on it alone); it exports back in its family, decodes as its full forward
+and generates transformers' greedy tokens."""
 
 import functools
 
@@ -14,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from distill.models import decode, hf, model  # noqa: E402
+from distill.mesh import teacher_mesh  # noqa: E402
+from distill.models import counts, decode, hf, model  # noqa: E402
 from distill.types import Prompts  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
@@ -25,7 +29,6 @@ from tests.test_families import (  # noqa: E402
     packed_batch,
     per_document_logprobs,
 )
-from tests.test_hf import _mesh  # noqa: E402
 
 COMMON = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -33,13 +36,24 @@ COMMON = dict(
     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
 )  # fmt: skip
-FAMILIES = {"qwen3_5_text": ("Qwen3_5", "Qwen3_5TextConfig", {})}
+MOE = dict(
+    moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+    num_experts_per_tok=2,
+)  # fmt: skip
+FAMILIES = {
+    "qwen3_5_text": ("Qwen3_5", "Qwen3_5TextConfig", {}),
+    "qwen3_5_moe_text": ("Qwen3_5Moe", "Qwen3_5MoeTextConfig", MOE),
+}
 
 
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen35")
-    ref = _save(path, "qwen3_5_text", FAMILIES, COMMON)
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen35(request, tmp_path_factory):
+    """(directory, transformers' model, its log-probs per document, the packed batch)."""
+    path = tmp_path_factory.mktemp(request.param)
+    common = COMMON  # the mixture's config.json has no dense width
+    if request.param == "qwen3_5_moe_text":
+        common = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+    ref = _save(path, request.param, FAMILIES, common)
     batch = packed_batch()
     return path, ref, per_document_logprobs(ref, batch), batch
 
@@ -52,13 +66,28 @@ def test_config_reads_layer_types_and_linear_shapes(qwen35):
     assert cfg.rope_dim == 4 and cfg.attn_output_gate and cfg.norm_offset == 1.0
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_teacher_logprobs_match_transformers(qwen35, tp):
+def test_the_mixtures_experts_and_gated_shared_expert(qwen35):
+    path, ref, _, _ = qwen35
+    cfg = hf.read_model_config(path)
+    assert counts.param_count(cfg) == sum(p.numel() for p in ref.parameters())
+    if cfg.family == "qwen3_5_text":
+        return
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.f_expert, cfg.f_shared) == (4, 2, 16, 24)
+    assert cfg.shared_expert_gate and cfg.norm_topk_prob and all(cfg.moe_layers())
+    assert cfg.d_ff == 2 * 16 + 24  # a dense student's width: what a token uses
+
+
+@pytest.mark.parametrize("ep, tp", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_teacher_logprobs_match_transformers(qwen35, ep, tp):
     path, _, want, batch = qwen35
     cfg = hf.read_model_config(path)
-    params = load_hf_teacher(path, cfg, _mesh(tp))
-    got = make_forward(cfg, _mesh(tp), mode="logits")(params, batch)
-    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg=str(tp))
+    if ep > 1 and not cfg.n_experts:
+        pytest.skip("ep needs experts")
+    mesh = teacher_mesh(jax.devices()[: ep * tp], 1, tp, ep)
+    params = load_hf_teacher(path, cfg, mesh)
+    got = make_forward(cfg, mesh, mode="logits")(params, batch)
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4,
+                           err_msg=f"ep={ep} tp={tp}")  # fmt: skip
 
 
 def test_student_model_matches_transformers(qwen35):
@@ -71,8 +100,8 @@ def test_student_model_matches_transformers(qwen35):
 
 def test_export_round_trip(qwen35, tmp_path):
     """`student.export.write_hf` of the model read from the checkpoint: transformers loads
-    it as Qwen3_5ForCausalLM (in_proj_qkv and conv1d fused again) with the original's
-    log-probs, and it reads back as the same config."""
+    it in its family (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM; in_proj_qkv and conv1d
+    fused again) with the original's log-probs, and it reads back as the same config."""
     from student.export import write_hf
 
     path, ref, want, batch = qwen35
@@ -99,7 +128,8 @@ def _prompts(live, n_rows=3, p=6, seed=2):
 def test_decode_with_the_linear_caches_matches_the_full_forward(qwen35):
     """Prefill then one token at a time: each step's logits are the full forward's at that
     position (the linear layers' state and convolution tails carried beside the full
-    layer's keys and values)."""
+    layer's keys and values), to 5e-4 on logits of about 5 (the mixture's experts sum in
+    another order at one token than at the row's)."""
     path, _, _, batch = qwen35
     cfg = hf.read_model_config(path)
     params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
@@ -110,12 +140,12 @@ def test_decode_with_the_linear_caches_matches_the_full_forward(qwen35):
     prompt = Prompts(tokens[:, :p], seg[:, :p], pos[:, :p])
     logits, cache = decode.prefill(cfg, params, prompt, total, dtype="float32")
     assert cache.k.shape[0] == 1 and cache.linear.state.shape[0] == 3  # per kind
-    np.testing.assert_allclose(logits, full[:, p - 1], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits, full[:, p - 1], atol=5e-4, rtol=1e-4)
     step = jax.jit(functools.partial(decode.decode_step, cfg, dtype="float32"))
     for i in range(p, total):
         logits, cache = step(params, tokens[:, i], pos[:, i], jnp.int32(i), jnp.ones(1, bool),
                              cache)  # fmt: skip
-        np.testing.assert_allclose(logits, full[:, i], atol=1e-4, rtol=1e-4, err_msg=str(i))
+        np.testing.assert_allclose(logits, full[:, i], atol=5e-4, rtol=1e-4, err_msg=str(i))
 
 
 def test_greedy_generation_equals_transformers(qwen35):
