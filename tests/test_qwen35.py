@@ -32,8 +32,8 @@ from tests.test_families import (  # noqa: E402
 
 COMMON = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,
+    linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
 )  # fmt: skip
 MOE = dict(
@@ -62,7 +62,7 @@ def test_config_reads_layer_types_and_linear_shapes(qwen35):
     path, ref, _, _ = qwen35
     cfg = hf.read_model_config(path)
     assert cfg.types() == ("linear", "linear", "linear", "full")
-    assert (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim) == (2, 4, 8)
+    assert (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim) == (4, 8, 8)
     assert cfg.rope_dim == 4 and cfg.attn_output_gate and cfg.norm_offset == 1.0
 
 
@@ -77,8 +77,10 @@ def test_the_mixtures_experts_and_gated_shared_expert(qwen35):
     assert cfg.d_ff == 2 * 16 + 24  # a dense student's width: what a token uses
 
 
-@pytest.mark.parametrize("ep, tp", [(1, 1), (1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize("ep, tp", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)])
 def test_teacher_logprobs_match_transformers(qwen35, ep, tp):
+    """At tp = 4 each shard holds one query/key head of the linear layers and its two value
+    heads, and the full layer's 2 KV heads are replicated over pairs of shards."""
     path, _, want, batch = qwen35
     cfg = hf.read_model_config(path)
     if ep > 1 and not cfg.n_experts:
@@ -192,3 +194,44 @@ def test_sampler_on_the_training_mesh_equals_one_device(qwen35):
     assert float(s_got["logp"]) == pytest.approx(float(s_ref["logp"]), rel=1e-5)
     for a, b in zip(ref, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_student_steps_on_dp_x_fsdp_equal_one_device(qwen35):
+    """Two distillation steps of a fresh student of the checkpoint's config on dp = 2 x
+    fsdp = 2 (the student's table splits the linear layers' projections over fsdp, their
+    convolution, decays and norm replicated; the mixture's experts split over fsdp) equal
+    the steps on one device: losses, and parameters after SGD (equal gradients). Fresh
+    weights: the checkpoint's O(1) ones give gradients of norm 50-180 whose float32
+    summation order alone moves them by 1e-4 relative, whatever the layout."""
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from distill.config import DistillLossConfig
+    from distill.types import TeacherOutput
+    from student import sharding, train
+    from tests.test_generate import _mesh as student_mesh
+
+    path, _, _, batch = qwen35
+    cfg = hf.read_model_config(path)
+    params = jax.device_get(model.init_params(cfg, 0))  # host arrays: the steps donate
+    rows = jax.tree.map(lambda x: np.concatenate([x, x[::-1]]), batch)  # 4 rows
+    rng = np.random.default_rng(0)
+    vals, ids = jax.lax.top_k(jax.nn.log_softmax(rng.normal(size=(4, 24, 96)) * 3), 8)
+    teacher = TeacherOutput(np.asarray(vals, np.float32), np.asarray(ids, np.int32))
+    specs = sharding.param_specs(cfg, 2)["layers"]
+    assert specs["lin_wq"] != P() and specs["lin_conv_q"] == P()
+
+    def run(dp, fsdp):
+        mesh, tx = student_mesh(dp, fsdp), optax.sgd(0.1)
+        step = train.make_train_step(cfg, tx, mesh, loss_cfg=DistillLossConfig(alpha=0.5),
+                                     lr_schedule=lambda _: 0.1)  # fmt: skip
+        state, losses = train.init_state(cfg, tx, 0, mesh, params), []
+        for _ in range(2):
+            state, metrics = step(state, rows, teacher)
+            losses.append(float(metrics["loss"]))
+        return jax.device_get(state.params), losses
+
+    (one, l1), (four, l4) = run(1, 1), run(2, 2)
+    np.testing.assert_allclose(l4, l1, rtol=2e-6)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four), strict=True):
+        np.testing.assert_allclose(b, a, atol=5e-7, rtol=1e-5)
