@@ -235,3 +235,25 @@ def test_student_steps_on_dp_x_fsdp_equal_one_device(qwen35):
     np.testing.assert_allclose(l4, l1, rtol=2e-6)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four), strict=True):
         np.testing.assert_allclose(b, a, atol=5e-7, rtol=1e-5)
+
+
+def test_depth_pruned_student_keeps_the_hybrid_pattern(qwen35, corpus_dir, tmp_path):
+    """student.init: from_teacher with 3 of the 4 layers: the kept layers (0, 2, 3) keep
+    their kinds (linear, linear, full; the mixture its experts), and the student's log-probs
+    are those of the transformers model with the same layers kept."""
+    from distill.config.load import config_from_dict
+    from tests.test_families import pruned_reference
+    from tests.test_hf import _cfg_tree
+
+    path, _, _, batch = qwen35
+    tree = _cfg_tree(corpus_dir, tmp_path / "out", path)
+    tree["mesh"]["teacher"]["tp"] = 1
+    tree["student"] = {"init": "from_teacher", "model": {"n_layers": 3}}
+    cfg = config_from_dict(tree)
+    kept, s = cfg.init_layers(), cfg.student_model()
+    assert kept == [0, 2, 3] and s.types() == ("linear", "linear", "full")
+    assert s.n_experts == cfg.teacher.model.n_experts
+    params = read_hf_layers(path, cfg.teacher.model, kept)
+    got = model.apply(s, params, batch.tokens, batch.segment_ids, batch.positions)
+    want = per_document_logprobs(pruned_reference(path, kept), batch)
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg="pruned")

@@ -44,8 +44,9 @@ _NEG = jnp.finfo(jnp.float32).min
 
 
 class Cache(NamedTuple):
-    """Every layer's keys and values; under latent attention each head's expanded k and v
-    (H of them, v narrower than k), not the compressed latent (`distill.models.mla`)."""
+    """Every attention layer's keys and values (under latent attention each head's
+    expanded k and v, H of them, v narrower than k, not the compressed latent:
+    `distill.models.mla`), and every linear-attention layer's state and convolution tails."""
 
     k: jax.Array  # [L, B, T, KV, hd] in the compute dtype (L: the attention layers)
     v: jax.Array  # [L, B, T, KV, v_dim]: values may be narrower than keys (MLA)
