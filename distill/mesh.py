@@ -268,6 +268,13 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
     cp, seq = getattr(cfg.mesh, role).cp, cfg.train.seq_len
     if cp == 1:
         return
+    model = cfg.teacher.model if role == "teacher" else cfg.student_model()
+    if any(model.linear_layers()):
+        raise DistillError(
+            f"mesh.{role}.cp: {cp} with linear-attention layers ({role}.model.layer_types: "
+            "Qwen3.5's Gated DeltaNet) is not supported: their recurrent state would have to "
+            f"pass from each cp shard of a row to the next, which is not built; mesh.{role}.cp: 1"
+        )
     if seq % (2 * cp):
         raise DistillError(
             f"train.seq_len: {seq} does not split into 2 x mesh.{role}.cp = {2 * cp} equal "

@@ -34,7 +34,7 @@ WEIGHT_DIMS = {
     "final_norm": ("d_model",),
     "layers": {
         "attn_norm": ("layer", "d_model"),
-        "wq": ("layer", "d_model", "q_dim"),  # q_dim = n_heads * head_dim
+        "wq": ("layer", "d_model", "q_out"),  # n_heads * head_dim, twice with an output gate
         "wk": ("layer", "d_model", "kv_dim"),  # kv_dim = n_kv_heads * head_dim
         "wv": ("layer", "d_model", "kv_dim"),
         "wo": ("layer", "o_dim", "d_model"),  # o_dim = n_heads * v_dim
@@ -103,6 +103,7 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "vocab": cfg.vocab_size,
         "d_model": cfg.d_model,
         "q_dim": cfg.n_heads * cfg.hd,
+        "q_out": cfg.n_heads * cfg.hd * (2 if cfg.attn_output_gate else 1),
         "kv_dim": cfg.n_kv_heads * cfg.hd,
         "o_dim": cfg.n_heads * cfg.v_dim,
         "q_lora": cfg.q_lora_rank or 0,

@@ -169,10 +169,15 @@ def test_decode_steps_continue_prefill():
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), whole, atol=2e-5, rtol=1e-4)
 
 
-def test_chunked_rule_flops_near_analytic():
-    """XLA's cost analysis of the compiled chunked rule is within 1.5x of `rule_flops`
-    (the chunk scan unrolled: the analysis counts a loop's body once; the triangular solve
-    is a library call it does not count, 14% of the analytic count here)."""
+@pytest.mark.parametrize("platform, low, high", [("gpu", 1 / 1.5, 1.5), ("cpu", 2.0, 3.0)])
+def test_chunked_rule_flops_near_analytic(platform, low, high, monkeypatch):
+    """XLA's cost analysis of the compiled chunked rule is within 1.5x of `rule_flops` as
+    built for a GPU or TPU (`solve_unit_lower` a triangular solve; the chunk scan unrolled:
+    the analysis counts a loop's body once); on CPU, where the solve is the inverse by
+    squarings, 2-3x (2.7 measured): more FLOPs, far less time (`solve_unit_lower`)."""
+    from distill.models import attention
+
+    monkeypatch.setattr(attention, "_platform", platform)
     b, s, h, dk, dv = 1, 1024, 4, 64, 64
     spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     args = (spec(b, s, h, dk), spec(b, s, h, dk), spec(b, s, h, dv), spec(b, s, h), spec(b, s, h))
@@ -181,4 +186,4 @@ def test_chunked_rule_flops_near_analytic():
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     ratio = cost["flops"] / la.rule_flops(b, s, h, dk, dv)
-    assert 1 / 1.5 <= ratio <= 1.5, ratio
+    assert low <= ratio <= high, ratio

@@ -8,7 +8,7 @@ import math
 import jax
 
 from distill.config import ModelConfig
-from distill.models import moe
+from distill.models import linear_attention, moe
 from distill.models.model import abstract_params, window_of
 
 
@@ -19,15 +19,20 @@ def stored_param_count(cfg: ModelConfig) -> int:
 
 
 def unused_param_count(cfg: ModelConfig) -> int:
-    """Stored parameters no token uses, where dense and MoE feed-forwards mix (DeepSeek-V3's
-    first_k_dense_replace, GLM-4.5, Qwen's mlp_only_layers): each MoE layer's dense MLP and
-    each dense layer's router and experts (zeros as loaded; 57B of DeepSeek-V3's stack)."""
+    """Stored parameters no token uses (zeros as loaded), where dense and MoE feed-forwards
+    mix (DeepSeek-V3's first_k_dense_replace, GLM-4.5, Qwen's mlp_only_layers): each MoE
+    layer's dense MLP and each dense layer's router and experts (57B of DeepSeek-V3's
+    stack); where linear-attention layers are (Qwen3.5) each linear layer's attention
+    weights and each attention layer's linear ones."""
+    layers = abstract_params(cfg)["layers"]
+    sizes = {k: math.prod(x.shape[1:]) for k, x in layers.items()}
+    unused = linear_attention.unused_param_count(cfg, sizes)
     if not cfg.mixed_ffn():
-        return 0
-    layers, n_moe = abstract_params(cfg)["layers"], sum(cfg.moe_layers())
-    size = lambda keys: sum(math.prod(layers[k].shape[1:]) for k in keys)  # noqa: E731
+        return unused
+    n_moe = sum(cfg.moe_layers())
+    size = lambda keys: sum(sizes[k] for k in keys)  # noqa: E731
     dense_mlp, routed = size(("w_gate", "w_up", "w_down")), size(moe.weight_keys(cfg))
-    return n_moe * dense_mlp + (cfg.n_layers - n_moe) * routed
+    return unused + n_moe * dense_mlp + (cfg.n_layers - n_moe) * routed
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -45,25 +50,34 @@ def active_param_count(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token (PaLM appendix B): 2 * matmul params + attention's
-    (`attention_flops_per_token`), counting only the experts a token is routed to (and not
-    the router, a vector-sized matmul). Training (forward + backward) is 3x this.
-    """
+    (`attention_flops_per_token`) and the linear layers' rule
+    (`linear_attention.layer_flops_per_token`), counting only the experts a token is routed
+    to (and not the router, a vector-sized matmul). Training (forward + backward) is 3x
+    this."""
     embed = cfg.vocab_size * cfg.d_model
     matmul_params = active_param_count(cfg) - embed * (1 if cfg.tie_embeddings else 2) + embed
-    norms = (4 if cfg.post_norms else 2) * cfg.d_model + (2 * cfg.hd if cfg.qk_norm else 0)
+    n_linear = sum(cfg.linear_layers())
+    norms = (4 if cfg.post_norms else 2) * cfg.d_model
+    # an attention layer's weights that are not matmuls: query/key norms, biases, sinks
+    attn = 2 * cfg.hd if cfg.qk_norm else 0
     if cfg.qk_norm_full:
-        norms += (cfg.n_heads + cfg.n_kv_heads) * cfg.hd - 2 * cfg.hd
+        attn += (cfg.n_heads + cfg.n_kv_heads) * cfg.hd - 2 * cfg.hd
     if cfg.mla:  # the latents' norms
-        norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
-    biases = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
-    biases += cfg.d_model if cfg.o_bias else 0
-    biases += cfg.n_heads if cfg.attn_sinks else 0  # nor are the sinks
-    matmul_params -= cfg.n_layers * (norms + biases) + cfg.d_model  # not matmuls
-    return 2.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
+        attn += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+    attn += (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd if cfg.qkv_bias else 0
+    attn += cfg.d_model if cfg.o_bias else 0
+    attn += cfg.n_heads if cfg.attn_sinks else 0
+    linear = linear_attention.vector_params(cfg) * n_linear
+    matmul_params -= cfg.n_layers * norms + (cfg.n_layers - n_linear) * attn + linear
+    matmul_params -= cfg.d_model  # the final norm: not matmuls
+    mixers = attention_flops_per_token(cfg, seq_len)
+    mixers += n_linear * linear_attention.layer_flops_per_token(cfg, seq_len)
+    return 2.0 * matmul_params + mixers
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Attention's FLOPs per token over the whole causal square (not halved), keys S or a
-    sliding layer's min(window, S): per layer QK^T 2 * keys * H * hd, PV 2 * keys * H * v_dim."""
-    keys = sum(min(window_of(cfg, t) or seq_len, seq_len) for t in cfg.types())
+    sliding layer's min(window, S): per layer QK^T 2 * keys * H * hd, PV 2 * keys * H *
+    v_dim; linear layers have none (`linear_attention.layer_flops_per_token`)."""
+    keys = sum(min(window_of(cfg, t) or seq_len, seq_len) for t in cfg.types() if t != "linear")
     return 2.0 * keys * cfg.n_heads * (cfg.hd + cfg.v_dim)

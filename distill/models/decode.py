@@ -13,6 +13,13 @@ and values in a cache of P + max_new_tokens positions. Each decode step feeds on
 row, writes its keys and values at the next cache position and attends over the cache
 entries of the row's last document (a [B, KV, G, 1, T] score array: O(T) per step).
 
+In a model with linear-attention layers (Qwen3.5's Gated DeltaNet,
+`distill.models.linear_attention`) the cache holds keys and values of the attention layers
+only, and beside them each linear layer's recurrent state and its convolution's last K - 1
+inputs (of the row's last document): a decode step runs its recurrence one token on, O(1)
+per step. The layers are then scanned with the caches carried, each layer reading and
+writing its own slot (`layer_slots`).
+
 A row stops at a stop id (EOS, or BOS: the start of another document); the stop token is
 part of its continuation, what follows is padding and marked invalid.
 """
@@ -24,10 +31,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from distill.config import ModelConfig
-from distill.models import model
+from distill.models import linear_attention, model
 from distill.models.attention import over_rows
 from distill.models.topk import sort_descending
 from distill.types import Batch, Continuations, Prompts
@@ -36,12 +44,24 @@ _NEG = jnp.finfo(jnp.float32).min
 
 
 class Cache(NamedTuple):
-    """Every layer's keys and values; under latent attention each head's expanded k and v
-    (H of them, v narrower than k), not the compressed latent (`distill.models.mla`)."""
+    """Every attention layer's keys and values (under latent attention each head's
+    expanded k and v, H of them, v narrower than k, not the compressed latent:
+    `distill.models.mla`), and every linear-attention layer's state and convolution tails."""
 
-    k: jax.Array  # [L, B, T, KV, hd] in the compute dtype
+    k: jax.Array  # [L, B, T, KV, hd] in the compute dtype (L: the attention layers)
     v: jax.Array  # [L, B, T, KV, v_dim]: values may be narrower than keys (MLA)
     valid: jax.Array  # [B, T] bool: entries a decode step may attend to
+    # Each linear layer's state and convolution tails [L_linear, B, ...]; None without.
+    linear: linear_attention.Cache | None = None
+
+
+def layer_slots(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each layer's slot in its kind's cache [L], the attention layers, the linear
+    layers): slot i of a linear layer is its linear cache's i-th entry, of an attention
+    layer its keys' and values'."""
+    linear = np.asarray(cfg.linear_layers(), bool)
+    slots = np.where(linear, np.cumsum(linear) - 1, np.cumsum(~linear) - 1)
+    return slots.astype(np.int32), np.flatnonzero(~linear), np.flatnonzero(linear)
 
 
 def _constrain(x, rows):
@@ -65,14 +85,20 @@ def prefill(
         x, kv = block.with_kv(x, seg, pos, None, backend, layer, attend)
         return _constrain(x, rows), kv
 
-    x, (k, v) = run_layers(x, module.layers, model.layer_data(cfg))  # k, v [L, B, P, KV, hd(_v)]
+    # k, v [L, B, P, KV, hd(_v)], the linear layers' caches [L, B, ...] (zeros where the
+    # layer is of the other kind: each kind keeps its own layers')
+    x, ((k, v), linear) = run_layers(x, module.layers, model.layer_data(cfg))
+    if linear is not None:
+        _, attn_layers, linear_layers = layer_slots(cfg)
+        k, v = k[attn_layers], v[attn_layers]
+        linear = jax.tree.map(lambda a: a[linear_layers], linear)
     logits = model.logits(module.final(x[:, -1:]), module.head(), cfg.final_softcap)[:, 0]
     p = prompts.tokens.shape[1]
     pad = ((0, 0), (0, 0), (0, total - p), (0, 0), (0, 0))
     seg = prompts.segment_ids
     last_doc = (seg == seg[:, -1:]) & (seg != 0)
     valid = jnp.pad(last_doc, ((0, 0), (0, total - p)))
-    return logits, Cache(jnp.pad(k, pad), jnp.pad(v, pad), valid)
+    return logits, Cache(jnp.pad(k, pad), jnp.pad(v, pad), valid, linear)
 
 
 def cached_attention(
@@ -116,23 +142,68 @@ def decode_step(
     hit = jnp.arange(cache.valid.shape[1]) == index
     valid = cache.valid | (hit[None, :] & writes_b[:, None])
 
-    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))
-    def run_layers(x, block, k_l, v_l, layer):
+    def attend(block, x, k_1l, v_1l, layer):  # one attention layer's [1, B, T, ...] cache
         window, rope = block.layer(layer)
         q, k, v, gate = block.qkv(x, positions_b[:, None], rope)
-        k_l = jax.lax.dynamic_update_slice_in_dim(k_l, k.astype(k_l.dtype), index, axis=1)
-        v_l = jax.lax.dynamic_update_slice_in_dim(v_l, v.astype(v_l.dtype), index, axis=1)
+        at = (0, 0, index, 0, 0)
+        k_1l = jax.lax.dynamic_update_slice(k_1l, k[None].astype(k_1l.dtype), at)
+        v_1l = jax.lax.dynamic_update_slice(v_1l, v[None].astype(v_1l.dtype), at)
         o = cached_attention(
-            q, k_l, v_l, valid, scale=cfg.scale(), softcap=cfg.attn_softcap, window=window,
-            index=index, sinks=block.sinks[...] if cfg.attn_sinks else None,
+            q, k_1l[0], v_1l[0], valid, scale=cfg.scale(), softcap=cfg.attn_softcap,
+            window=window, index=index, sinks=block.sinks[...] if cfg.attn_sinks else None,
         )  # fmt: skip
         o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's output gate
         x, _ = block.finish(x, o, None, layer)
-        return _constrain(x, rows), (k_l, v_l)
+        return _constrain(x, rows), k_1l, v_1l
 
-    x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, model.layer_data(cfg))
+    if cache.linear is None:
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))
+        def run_layers(x, block, k_l, v_l, layer):
+            x, k_l, v_l = attend(block, x, k_l[None], v_l[None], layer)
+            return x, (k_l[0], v_l[0])
+
+        x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, model.layer_data(cfg))
+        linear = None
+    else:
+        x, k, v, linear = _mixed_layers(cfg, module, x, cache, attend, rows)
     logits = model.logits(module.final(x), module.head(), cfg.final_softcap)
-    return logits[:, 0], Cache(k, v, valid)
+    return logits[:, 0], Cache(k, v, valid, linear)
+
+
+def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows):
+    """(x, keys, values, linear caches) after every layer of a model with linear layers:
+    the caches carried through the layer scan, each layer updating its slot (`layer_slots`):
+    an attention layer by `attend(block, x, k, v, layer)` on the one-slot window of the
+    keys and values [1, B, T, ...], a linear layer by its recurrence."""
+    slots = jnp.asarray(layer_slots(cfg)[0])
+    data = model.layer_data(cfg)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+    def run_layers(carry, block, layer, slot):
+        def attention(carry):
+            x, k, v, linear = carry
+            k_l, v_l = (jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0) for c in (k, v))
+            x, k_l, v_l = attend(block, x, k_l, v_l, layer)
+            k, v = (jax.lax.dynamic_update_slice_in_dim(c, new, slot, axis=0)
+                    for c, new in ((k, k_l), (v, v_l)))  # fmt: skip
+            return x, k, v, linear
+
+        def recurrence(carry):
+            x, k, v, linear = carry
+            mine = jax.tree.map(lambda a: a[slot], linear)
+            o, mine = linear_attention.decode_mixer(block, x, mine, model.matmul)
+            x, _ = block.residual(x, o, None, layer)
+            linear = jax.tree.map(lambda a, n: a.at[slot].set(n), linear, mine)
+            return _constrain(x, rows), k, v, linear
+
+        if not cfg.mixed_mixers():  # every layer linear
+            return recurrence(carry), None
+        return jax.lax.cond(layer["linear"], recurrence, attention, carry), None
+
+    carry = (x, cache.k, cache.v, cache.linear)
+    carry, _ = run_layers(carry, module.layers, data, slots)
+    return carry
 
 
 def sample(logits_bv, key, *, temperature: float, top_p: float, vocab_limit: int | None):

@@ -311,7 +311,7 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
             n_heads=heads,
             n_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=None if head_dim in (None, raw["hidden_size"] // heads) else head_dim,
-            d_ff=raw["intermediate_size"],
+            d_ff=raw.get("intermediate_size", 1),  # absent where every layer is routed
             rope_theta=theta,
             rope_scaling=scaling,
             partial_rotary_factor=partial,
@@ -321,7 +321,10 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
             family=kind,
             **_windows(raw, family, where),
         )
-        return ModelConfig(**{**keys, **family.read(raw, where)})  # the family's own win
+        cfg = ModelConfig(**{**keys, **family.read(raw, where)})  # the family's own win
+        if cfg.has_dense_ffn() and "intermediate_size" not in raw:
+            raise KeyError("intermediate_size")
+        return cfg
     except KeyError as e:
         raise DistillError(f"{where}: required key {e.args[0]!r} is missing") from None
     except ValidationError as e:

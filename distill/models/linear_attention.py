@@ -15,7 +15,8 @@ then an RMSNorm of each head's output times SiLU(z) (`in_proj_z`) and the output
 projection. Query/key heads are shared by Hv / Hk consecutive value heads.
 
 Training runs the chunked form (`gated_delta_rule`): within a chunk of `CHUNK` positions the
-updates are condensed by a unit-triangular solve (the WY / UT transform), and a
+updates are condensed by a unit-triangular solve (the WY / UT transform; on CPU an
+inverse by squarings, `solve_unit_lower`), and a
 `jax.lax.scan` over chunks carries S [B, H, dk, dv]; what the scan needs is computed for
 every chunk at once beforehand. Memory is linear in the row: the largest intermediates are
 [B, H, S/C, C, C]. Packed documents (segment ids) start from a zero state and a zero
@@ -32,6 +33,7 @@ crosses shards inside the rule.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -40,6 +42,7 @@ from flax import nnx
 
 from distill import collectives as cc
 from distill.config import ModelConfig
+from distill.models import attention
 from distill.models.families import qwen35
 
 CHUNK = 64
@@ -98,8 +101,9 @@ def causal_conv(
     x_bsc: jax.Array, w_c1k: jax.Array, docs_bs: jax.Array, tail_bkc: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(SiLU of the depthwise causal convolution of x [B, S, C] with w [C, 1, K], the last
-    K - 1 inputs [B, K - 1, C]): y_t = sum_k w[k] x_{t - K + 1 + k}, counting only inputs of
-    t's document (`docs_bs`, `doc_index`); `tail` (the cache: inputs before the row, of its
+    K - 1 inputs [B, K - 1, C] of the row's last document, zeros before its start: the
+    decode cache): y_t = sum_k w[k] x_{t - K + 1 + k}, counting only inputs of t's
+    document (`docs_bs`, `doc_index`); `tail` (the cache: inputs before the row, of its
     first document) else zeros."""
     b, s, c = x_bsc.shape
     k = w_c1k.shape[-1]
@@ -112,7 +116,8 @@ def causal_conv(
     for j in range(k):  # tap j reads the input K - 1 - j positions back
         same = (docs[:, j : j + s] == docs_bs)[..., None]
         y = y + jnp.where(same, xx[:, j : j + s].astype(jnp.float32), 0.0) * w[:, j]
-    return jax.nn.silu(y).astype(x_bsc.dtype), xx[:, s:]
+    last = (docs[:, s:] == docs_bs[:, -1:])[..., None]
+    return jax.nn.silu(y).astype(x_bsc.dtype), jnp.where(last, xx[:, s:], 0)
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -166,6 +171,26 @@ def recurrent_gated_delta_rule(
     return jnp.moveaxis(o, 0, 1), state
 
 
+def solve_unit_lower(a: jax.Array, rhs: jax.Array) -> jax.Array:
+    """(I + a)^-1 rhs for strictly lower triangular a [..., C, C]: XLA's triangular solve,
+    or on CPU (`attention.platform`), where XLA:CPU's batched solve of such small matrices
+    runs about 100x slower than matmuls of more FLOPs, the inverse as the product
+    (I - a)(I + a^2)(I + a^4)... (a is nilpotent: a^C = 0), ceil(log2 C) - 1 squarings and
+    as many products, then applied: at C = 64 some 12x the solve's FLOPs, the whole rule
+    1.7x (dk = dv = 128) to 2.7x (64) its analytic count (`rule_flops`), and 70x faster."""
+    c = a.shape[-1]
+    if attention.platform() != "cpu":
+        return jax.lax.linalg.triangular_solve(
+            a + jnp.eye(c), rhs, left_side=True, lower=True, unit_diagonal=True
+        )
+    power = -a
+    inverse = jnp.eye(c) + power
+    for _ in range(max(math.ceil(math.log2(c)) - 1, 0)):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse @ rhs
+
+
 def gated_delta_rule(
     q, k, v, g, beta, docs_bs=None, state=None, chunk: int = CHUNK, unroll: int | bool = 1
 ) -> tuple[jax.Array, jax.Array]:
@@ -204,11 +229,8 @@ def gated_delta_rule(
     # the values the delta rule writes, solved for all of a chunk's positions at once.
     kb = k * beta[..., None]
     a = jnp.einsum("...tk,...jk->...tj", kb, k) * decay * (1 - jnp.eye(c))
-    lower = a + jnp.eye(c)
     rhs = jnp.concatenate([v * beta[..., None], kb * gamma[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(
-        lower, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    solved = solve_unit_lower(a, rhs)
     u_new, w = solved[..., :dv], solved[..., dv:]
     attn = jnp.einsum("...tk,...jk->...tj", q, k) * decay  # [B, H, N, C, C]
     q_in = q * gamma[..., None]
@@ -295,25 +317,75 @@ def rule_flops(batch: int, seq: int, heads: int, dk: int, dv: int, chunk: int = 
     return float(batch * heads * n * per_chunk)
 
 
-def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul):
+def vector_params(cfg: ModelConfig) -> int:
+    """One linear layer's parameters that are not matmul weights (the gated norm's scale,
+    A_log, dt_bias); its depthwise convolution does one multiply-add per weight and token,
+    as a matmul weight does."""
+    return cfg.linear_v_dim + 2 * cfg.linear_v_heads
+
+
+def layer_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """One linear layer's FLOPs per token beyond its weights' 2 per parameter: the chunked
+    rule's (`rule_flops`) over a row of `seq_len`, every value head."""
+    dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
+    return rule_flops(1, seq_len, cfg.linear_v_heads, dk, dv) / seq_len
+
+
+def unused_param_count(cfg: ModelConfig, sizes: dict[str, int]) -> int:
+    """Stored parameters of the one layer stack that no token uses where linear and
+    attention layers mix, or all are linear: a linear layer's attention weights and an
+    attention layer's linear ones. `sizes`: one layer's parameters by weight name."""
+    kinds = cfg.linear_layers()
+    if not any(kinds):
+        return 0
+    attn = sum(n for k, n in sizes.items() if k in qwen35.ATTENTION_KEYS)
+    linear = sum(n for k, n in sizes.items() if k in weight_shapes(cfg))
+    return sum(kinds) * attn + (len(kinds) - sum(kinds)) * linear
+
+
+def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul, states=False):
     """(the output projection's partial sums [B, S, D] (this shard's heads), keys and
-    values) of `block`'s token mixer on its input x: `attn(x)` in an attention layer, Gated
-    DeltaNet in a linear one (where layers mix, `layer["linear"]` picks by `jax.lax.cond`:
-    one compiled block), whose keys and values are zeros of attention's shapes. `matmul`:
-    the model's."""
+    values, and with `states` the linear layer's decode `Cache`) of `block`'s token mixer
+    on its input x: `attn(x)` in an attention layer, Gated DeltaNet in a linear one (where
+    layers mix, `layer["linear"]` picks by `jax.lax.cond`: one compiled block), whose keys
+    and values are zeros of attention's shapes, as an attention layer's cache is zeros of
+    the linear layer's. `matmul`: the model's. Without linear layers the cache is None."""
     cfg = block.cfg
     kinds = cfg.linear_layers()
     if not any(kinds):
-        return attn(x_bsd)
+        return (*attn(x_bsd), None) if states else attn(x_bsd)
+
+    def zeros_like(shapes, like):  # varying over the mesh as `like` is
+        zero = lambda a: cc.vary(jnp.zeros(a.shape, a.dtype), cc.varying(like))  # noqa: E731
+        return jax.tree.map(zero, shapes)
 
     def linear(x):
         h = cc.gather_positions(block._norm(x, block.attn_norm), tp_axis)
-        w = {k: getattr(block, k)[...] for k in weight_shapes(cfg)}
-        o, _ = mixer(w, h, segment_ids_bs, cfg, matmul)
+        w = layer_weights(block)
+        o, cache = mixer(w, h, segment_ids_bs, cfg, matmul)
         o = matmul(o, w["lin_wo"].astype(x.dtype))
-        zeros = lambda a: cc.vary(jnp.zeros(a.shape, a.dtype), cc.varying(o))  # noqa: E731
-        return o, jax.tree.map(zeros, jax.eval_shape(attn, x)[1])  # varying as attention's
+        kv = zeros_like(jax.eval_shape(attn, x)[1], o)
+        return (o, kv, cache) if states else (o, kv)
+
+    def attention(x):
+        o, kv = attn(x)
+        return (o, kv, zeros_like(jax.eval_shape(linear, x)[2], o)) if states else (o, kv)
 
     if all(kinds):
         return linear(x_bsd)
-    return jax.lax.cond(layer["linear"], linear, attn, x_bsd)
+    return jax.lax.cond(layer["linear"], linear, attention, x_bsd)
+
+
+def layer_weights(block) -> dict:
+    """`block`'s linear-attention weights by name (`weight_shapes`)."""
+    return {k: getattr(block, k)[...] for k in weight_shapes(block.cfg)}
+
+
+def decode_mixer(block, x_b1d, cache: Cache, matmul) -> tuple[jax.Array, Cache]:
+    """(the output projection [B, 1, D], the cache after it) of one token per row through
+    `block`'s linear layer by the per-token recurrence (a decode step, single device)."""
+    h = block._norm(x_b1d, block.attn_norm)
+    w = layer_weights(block)
+    segment_ids = jnp.zeros(x_b1d.shape[:2], jnp.int32)
+    o, cache = mixer(w, h, segment_ids, block.cfg, matmul, cache, chunked=False)
+    return matmul(o, w["lin_wo"].astype(x_b1d.dtype)), cache

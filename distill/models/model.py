@@ -243,20 +243,23 @@ class Block(nnx.Module):
     def with_kv(
         self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None, attend=None
     ):  # fmt: skip
-        """(the block's output, its keys and values): a prefill fills a KV cache with them.
-        `layer`: this layer's scanned data (`layer_data`), None when layers are alike.
-        `attend`: as `run`'s."""
+        """(the block's output, (its keys and values, its linear layer's decode cache,
+        `distill.models.linear_attention.Cache`, None in a model without linear layers)):
+        a prefill fills the decode caches with them. `layer`: this layer's scanned data
+        (`layer_data`), None when layers are alike. `attend`: as `run`'s."""
         x, kv, _ = self.run(
-            x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, attend=attend
-        )
+            x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, attend=attend,
+            states=True,
+        )  # fmt: skip
         return x, kv
 
     def run(
         self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts=None,
-        attend=None,
+        attend=None, states=False,
     ):  # fmt: skip
-        """(the block's output, its keys and values (zeros in a linear layer), its expert
-        stats). `attend`: attention in place of `attention` with `backend` (`hidden`)."""
+        """(the block's output, its keys and values (zeros in a linear layer; with `states`
+        paired with the linear layer's decode cache, `with_kv`), its expert stats).
+        `attend`: attention in place of `attention` with `backend` (`hidden`)."""
 
         def attn(x):
             window, rope = self.layer(layer)
@@ -269,10 +272,10 @@ class Block(nnx.Module):
             o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's, per head and dim
             return matmul(o.reshape(*o.shape[:2], -1), self.wo[...].astype(x.dtype)), (k, v)
 
-        args = (segment_ids_bs, tp_axis, layer, attn, matmul)
-        o, kv = linear_attention.block_mixer(self, x_bsd, *args)
+        args = (segment_ids_bs, tp_axis, layer, attn, matmul, states)
+        o, *kv = linear_attention.block_mixer(self, x_bsd, *args)  # kv, and the cache
         x, stats = self.residual(x_bsd, o, tp_axis, layer, moe_opts)
-        return x, kv, stats
+        return x, (tuple(kv) if states else kv[0]), stats
 
 
 def window_of(cfg: ModelConfig, kind: str) -> int | None:

@@ -141,7 +141,7 @@ def teacher_figures(cfg: Config) -> dict:
     if tcfg.family in FLOAT8_FAMILIES:
         held = figures["weight_bytes_per_device"]
         figures["float8_weight_bytes_per_device"] = float8_weight_bytes_per_device(cfg, held)
-    if tcfg.mixed_ffn():
+    if tcfg.mixed_ffn() or any(tcfg.linear_layers()):
         figures["unused_params"] = counts.unused_param_count(tcfg)
     if tcfg.n_experts:
         figures.update(
@@ -250,8 +250,8 @@ def format_plan(p: dict) -> str:
         if "active_params" in t
         else ""
     ) + (
-        f" (+{t['unused_params'] / 1e6:.2f}M stored unused: each layer holds both the dense "
-        "MLP and the experts)"
+        f" (+{t['unused_params'] / 1e6:.2f}M stored unused: each layer of the one stack holds "
+        "both kinds' weights, dense MLP and experts, or attention and linear attention)"
         if "unused_params" in t
         else ""
     )

@@ -3,12 +3,15 @@ attention (`distill.models.linear_attention`), the fourth full attention with an
 gate (q_proj doubled: each head's queries, then its gate), per-head query/key norms and
 partial RoPE (a quarter of head_dim 256 rotated); every RMSNorm but the linear layers'
 gated one scales by (1 + weight), as Gemma's. Its multimodal RoPE reduces, for text, to
-plain positions (the three position streams are equal). The text model only: the released
-Qwen3.5 checkpoints are `qwen3_5` image-text models whose text weights live under
-`model.language_model.` and are not read here."""
+plain positions (the three position streams are equal). The mixture (`qwen3_5_moe_text`)
+has routed experts in every layer (softmax top-k, always renormalised) and a shared expert
+with a sigmoid gate, Qwen2-MoE's, saved by transformers one expert at a time. The text
+models only: the released Qwen3.5 checkpoints are `qwen3_5` / `qwen3_5_moe` image-text
+models whose text weights live under `model.language_model.` and are not read here."""
 
 from __future__ import annotations
 
+from distill.models.families.moe import read_experts, write_experts
 from distill.models.families.record import Family, register
 
 LINEAR_KEYS = {  # ModelConfig key: config.json key
@@ -119,5 +122,33 @@ QWEN3_5_TEXT = register(
         read=_read,
         write=_write,
         windows=_windows,
+    )
+)
+
+
+def _read_moe(raw: dict, where) -> dict:
+    """Every layer routed; config.json has no dense width, so d_ff (what a dense student of
+    it inherits) is the width a token uses: its experts' and the shared expert's."""
+    shared = raw.get("shared_expert_intermediate_size") or 0
+    experts = read_experts(raw, always_norm=True, qwen_layers=True)
+    active = experts["experts_per_token"] * experts["d_ff_expert"] + shared
+    return {**_read(raw, where), **experts, "d_ff_shared": shared, "d_ff": active}
+
+
+def _write_moe(cfg) -> dict:
+    keys = write_experts(cfg, qwen_layers=True)  # mlp_only_layers: none, read back as none
+    return {**_write(cfg), **keys, "shared_expert_intermediate_size": cfg.f_shared}
+
+
+QWEN3_5_MOE_TEXT = register(
+    Family(
+        model_type="qwen3_5_moe_text",
+        architecture="Qwen3_5MoeForCausalLM",
+        parts=(*QWEN3_5_TEXT.parts, "routed experts (softmax top-k)", "gated shared expert"),
+        read=_read_moe,
+        write=_write_moe,
+        windows=_windows,
+        accepts=frozenset({"shared_expert_intermediate_size"}),
+        dense="qwen3_5_text",
     )
 )
