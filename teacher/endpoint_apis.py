@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from distill.observability.metrics_log import dumps
 from teacher import wire
 
 
@@ -115,7 +116,7 @@ class _Json:
         body = self._body(prompts)
         if self.model is not None:
             body["model"] = self.model
-        return json.dumps(body).encode()
+        return dumps(body).encode()  # strict JSON, as every body distill writes
 
     def probe(self, post) -> None:
         """Learn from one small request (`post(body) -> answer`) whether the server puts a
