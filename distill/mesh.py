@@ -69,6 +69,18 @@ def devices_needed(cfg: Config) -> int:
     return max([max(t, s) if colocated(cfg) else t + s] + [d + 1 for d in explicit])
 
 
+# `mesh.placement: auto` on a host without accelerators chooses among this many simulated
+# CPU devices (or as many as the axes written need, if more): the quick start's 8.
+AUTO_CPU_DEVICES = 8
+
+
+def cpu_devices_to_simulate(cfg: Config) -> int:
+    """How many CPU devices to simulate before JAX starts (only the CPU platform heeds it):
+    the devices the config asks for, at least `AUTO_CPU_DEVICES` under `auto`."""
+    need = devices_needed(cfg)
+    return max(need, AUTO_CPU_DEVICES) if cfg.mesh.placement == Placement.AUTO else need
+
+
 def teacher_shape(cfg: Config) -> dict[str, int]:
     """The inference mesh's axes and sizes: {dp: ..., ep: ..., tp: ...} (tp innermost, so
     each tensor-parallel group is a run of neighbouring devices; ep next, as the all-to-all

@@ -131,9 +131,10 @@ class MeshConfig(Section):
         "first dp x ep x tp, the student the next dp x fsdp), working at once. colocated: "
         "both from the first device on (the same devices when their sizes agree), the "
         "teacher's forward and the student's step in turn. auto: the layout predicted fastest "
-        "on the devices present among colocated and every split the divisibility rules allow "
-        "(the mesh axes given are one candidate, kept unless another is predicted clearly "
-        "faster; `distill plan` prints the table).",
+        "on the devices present among colocated and every split the divisibility rules allow, "
+        "keeping every mesh axis written (in the YAML or by --set; auto chooses the others, "
+        "and a written axis no layout can keep is refused in one line); `distill plan` "
+        "prints the table.",
     )
 
 
@@ -404,7 +405,8 @@ class Config(Section):
         try:
             return ModelConfig(**merged)
         except ValidationError as e:
-            raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
+            lines = error_lines(e, prefix="student.model", model=ModelConfig)
+            raise DistillError("\n".join(lines)) from None
 
     def vocab_sizes(self) -> tuple[int, ...]:  # equal, or differing by padding
         """The model vocabulary sizes over data.tokenizer's ids: (teacher's, student's), or

@@ -99,10 +99,15 @@ def store_costs(cfg: Config, devices: list, costs: dict, kind: str = "compiled")
         log.warning("mesh.placement auto: the %s costs were not cached (%s)", kind, e)
 
 
-def cached_costs(cfg: Config, devices: list, compute: Callable[[], dict]) -> dict:
-    """`compute()` ({(role, shape): RoleCost}), or the costs it gave before for the same key."""
+def cached_costs(
+    cfg: Config, devices: list, compute: Callable[[], dict], needed: list | None = None
+) -> dict:
+    """`compute()` ({(role, shape): RoleCost}), or the costs it gave before for the same key
+    when they hold every (role, shape) of `needed` (the axes a config writes narrow auto's
+    candidates, so an entry may hold fewer role layouts than another config of the same
+    key needs: the new ones join it)."""
     costs = stored_costs(cfg, devices)
-    if costs is None:
-        costs = compute()
+    if costs is None or any(k not in costs for k in needed or ()):
+        costs = {**(costs or {}), **compute()}
         store_costs(cfg, devices, costs)
     return costs

@@ -2,10 +2,12 @@
 
 The candidates, on `n` devices: `colocated` (both meshes over all `n`, every teacher
 `dp x ep x tp` and student `dp x fsdp` of `n` devices) and every `split` (the teacher on
-`k` devices, the student on the other `n - k`, every layout of each), those the
+`k` devices, the student on the other `n - k`, every layout of each), those that keep
+every axis the user wrote (`written_axes`: auto chooses only the others) and that the
 divisibility rules allow (heads, vocabulary and feed-forward by `tp`, experts by `ep`, the
-batch by the teacher's `dp x ep` and the student's `dp x fsdp x grad_accum`); where none
-of `n` devices exists, those of the largest smaller count that has some.
+batch by the teacher's `dp x ep` and the student's `dp x fsdp x grad_accum`) and the run's
+other checks of a layout pass; where none of `n` devices exists, those of the largest
+smaller count that has some.
 
 Each role's cost on a layout is a `RoleCost`: its time per step and its memory per device.
 The time is measured where `distill bench --placement` timed every candidate role layout
@@ -40,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from distill.config import Config
@@ -164,12 +167,39 @@ def role_layouts(cfg: Config, role: str, n: int) -> list[tuple[int, ...]]:
     return ok
 
 
-def candidates(cfg: Config, n: int) -> list[Layout]:
-    """The layouts of `n` devices: colocated over all of them first, then every split of
-    them (teacher devices ascending); if none, those of the largest smaller count that
-    has any (a device left idle)."""
+# The axes of each role auto chooses, in `Layout`'s order.
+AXES = {"teacher": (DP, EP, TP), "student": (DP, FSDP)}
+
+
+def written_axes(cfg: Config) -> dict[str, dict[str, int]]:
+    """The axes the user wrote (in the YAML or by `--set`: pydantic's `model_fields_set`),
+    per role: {"teacher": {"tp": 4}, "student": {}}. Under `auto` they are constraints: a
+    candidate keeps every one, and auto chooses only the axes left unset."""
+    return {
+        role: {a: getattr(m, a) for a in AXES[role] if a in m.model_fields_set}
+        for role, m in (("teacher", cfg.mesh.teacher), ("student", cfg.mesh.student))
+    }
+
+
+def written_keys(cfg: Config) -> str:
+    """The written axes for messages: `mesh.teacher.tp=4, mesh.student.dp=4`."""
+    keys = [f"mesh.{r}.{a}={n}" for r, axes in written_axes(cfg).items() for a, n in axes.items()]
+    return ", ".join(keys)
+
+
+def _keeps(shape: tuple[int, ...], role: str, written: dict[str, int]) -> bool:
+    return all(written.get(a, n) == n for a, n in zip(AXES[role], shape, strict=True))
+
+
+def candidates(cfg: Config, n: int, check: Callable[[Config], None] | None = None) -> list[Layout]:
+    """The layouts of `n` devices that keep the axes the user wrote (`written_axes`):
+    colocated over all of them first, then every split of them (teacher devices
+    ascending); if none, those of the largest smaller count that has any (a device left
+    idle). `check(layout_cfg)`: the run's checks of one layout (`pipelines.preflight
+    .check_layout`), which drop a candidate that raises."""
+    written = written_axes(cfg)
     roles = {
-        (role, k): role_layouts(cfg, role, k)
+        (role, k): [s for s in role_layouts(cfg, role, k) if _keeps(s, role, written[role])]
         for role in ("teacher", "student")
         for k in range(1, n + 1)
     }
@@ -185,9 +215,18 @@ def candidates(cfg: Config, n: int) -> list[Layout]:
                 for a in roles["teacher", k]
                 for b in roles["student", used - k]
             ]
+        out = [x for x in out if check is None or _passes(check, x.apply(cfg))]
         if out:
             return out
     return []
+
+
+def _passes(check: Callable[[Config], None], cfg: Config) -> bool:
+    try:
+        check(cfg)
+    except DistillError:
+        return False
+    return True
 
 
 def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str) -> Row:
