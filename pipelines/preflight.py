@@ -83,8 +83,8 @@ def check_layout(cfg: Config, device) -> None:
 def check_config(cfg: Config) -> None:
     """What no layout changes: the keys against the mode, context parallelism and stages,
     on-policy steps, the teacher's tokenizer, the top-k against the vocabularies."""
-    check_context(cfg)  # before mesh.placement: auto, which lays out dp x fsdp only
-    check_stages(cfg)  # before auto placement, whose candidates have no stages
+    check_context(cfg)
+    check_stages(cfg)
     check_mode(cfg)
     check_on_policy(cfg)
     check_cross_tokenizer(cfg)

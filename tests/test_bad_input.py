@@ -145,7 +145,11 @@ QUICKSTART_CASES = [  # the quick start as a user mistypes it: (--set overrides,
     (["mesh.placement=colocatd"], "did you mean colocated?"),
     (["optim.lr=-1"], "optim.lr"),
     (["distill.alpha=2"], "distill.alpha"),
-    (["mesh.student.cp=2"], "mesh.placement: not supported with mesh.student.cp=2"),
+    (
+        ["mesh.student.cp=2", "distill.on_policy.fraction=0.5"],
+        "distill.on_policy.fraction: not supported with mesh.student.cp=2",
+    ),
+    (["mesh.student.cp=3"], "train.seq_len: 128 does not split into 2 x mesh.student.cp = 6"),
     (["pipeline.mode=ray"], "mesh.placement: auto chooses from the devices of one process"),
 ]
 

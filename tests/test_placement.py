@@ -536,3 +536,23 @@ def test_auto_keeps_every_axis_the_user_wrote(tmp_path):
     checked = candidates(dense, 8, check)
     assert checked and {x.student[0] * x.student[1] for x in candidates(dense, 8)} == {4, 8}
     assert {x.student[0] * x.student[1] for x in checked} == {8}
+
+
+def test_auto_composes_with_context_parallelism(tiny_run, tmp_path):
+    """`mesh.placement: auto` with a student `cp=2` (and the teacher's `tp=2` written):
+    every candidate keeps both, auto chooses the rest, and the run trains on its choice."""
+    out = tmp_path / "out"
+    tree = json.loads(json.dumps(tiny_run.tree))
+    tree["run"]["output_dir"] = str(out)
+    tree["mesh"] = {"placement": "auto", "teacher": {"tp": 2}, "student": {"cp": 2}}
+    tree["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
+    tree["train"].update(steps=2, eval_every=2, checkpoint_every=2)
+    layouts = candidates(config_from_dict(tree), 8)
+    assert layouts and all(x.fixed == (1, 1, 2) and x.teacher[2] == 2 for x in layouts)
+    assert any(x.placement == "colocated" for x in layouts)
+    assert main(["run", write_config(tmp_path, tree)]) == 0
+    mesh = yaml.safe_load((out / "config.yaml").read_text())["mesh"]
+    assert mesh["placement"] in ("split", "colocated")
+    assert mesh["student"]["cp"] == 2 and mesh["teacher"]["tp"] == 2
+    assert read_summary(out)["completed"] and read_summary(out)["steps"] == 2
+    assert all(r["loss"] == r["loss"] for r in read_train(out))  # finite, not NaN

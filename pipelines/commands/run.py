@@ -217,7 +217,7 @@ def plan_json(cfg: Config) -> str:
     alone: no data is read and no weights are loaded (the tokenizer, if its file is here,
     only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
     _require_ray(cfg)
-    check_stages(cfg, warn=False)  # auto's candidates have no pipeline stages
+    check_stages(cfg, warn=False)
     auto_dtypes = [r for r in ("teacher", "student") if getattr(cfg, r).dtype == "auto"]
     table = preflight_shapes(cfg, log_table=False)
     meshes = build_meshes(cfg)

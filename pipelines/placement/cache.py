@@ -60,6 +60,8 @@ def key(cfg: Config, devices: list) -> str:
     config = cfg.model_dump(mode="json", exclude=_IGNORED)
     for layout in ("placement", "teacher", "student"):  # every candidate is costed
         config["mesh"].pop(layout)
+    t, s = cfg.mesh.teacher, cfg.mesh.student  # the axes auto keeps: in every program
+    config["mesh"]["kept"] = [t.pp, t.cp, s.cp]
     what = {
         "config": config,
         "devices": [len(devices), devices[0].platform, devices[0].device_kind],

@@ -21,6 +21,7 @@ from pipelines.placement.choice import (
     choose,
     colocated_bytes,
     configured,
+    fixed,
     format_table,
     host_memory_bytes,
     predict,
@@ -95,10 +96,11 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     seq = cfg.train.seq_len
     t_factor = layers_factor(cfg.teacher.model, seq)
     s_factor = layers_factor(cfg.student_model(), seq)
+    pp, t_cp, s_cp = fixed(cfg)  # kept as the config gives them (`Layout.fixed`)
     for shape in dict.fromkeys(x.teacher for x in layouts):
         dp, ep, tp = shape
         c = Layout(Placement.SPLIT, shape, (1, 1)).apply(cfg)
-        mesh = teacher_mesh(devices[: dp * ep * tp], dp, tp, ep)
+        mesh = teacher_mesh(devices[: dp * ep * tp * pp * t_cp], dp, tp, ep, pp, t_cp)
         if cfg.teacher.source == "cache":  # no teacher on any device: nothing to compile
             out = plan_memory.teacher_output_shapes(c, mesh, None) if out is None else out
             costs["teacher", shape] = RoleCost(0.0, 0)
@@ -113,9 +115,8 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     for shape in dict.fromkeys(x.student for x in layouts):
         dp, fsdp = shape
         c = Layout(Placement.SPLIT, (1, 1, 1), shape).apply(cfg)
-        compiled, _ = plan_memory._student(
-            c, student_mesh(devices[: dp * fsdp], dp, fsdp), out, None
-        )
+        mesh = student_mesh(devices[: dp * fsdp * s_cp], dp, fsdp, s_cp)
+        compiled, _ = plan_memory._student(c, mesh, out, None)
         figures = plan_memory._figures(compiled)
         fig = {
             "peak_bytes_per_device": figures["peak"],
@@ -211,6 +212,7 @@ def _no_layout(cfg: Config, n: int, platform: str, check) -> str:
             Placement.SPLIT,
             (t.get(DP, 1), t.get(EP, 1), t.get(TP, 1)),
             (s.get(DP, 1), s.get(FSDP, 1)),
+            fixed(cfg),
         )
         try:
             check(given.apply(cfg))
