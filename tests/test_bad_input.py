@@ -151,6 +151,7 @@ QUICKSTART_CASES = [  # the quick start as a user mistypes it: (--set overrides,
     ),
     (["mesh.student.cp=3"], "train.seq_len: 128 does not split into 2 x mesh.student.cp = 6"),
     (["pipeline.mode=ray"], "mesh.placement: auto chooses from the devices of one process"),
+    (["mesh.student.devices=[4, 5]"], "mesh.student.devices: mesh.placement auto lays the dev"),
 ]
 
 

@@ -179,6 +179,12 @@ def resolve(
     if cfg.mesh.placement != Placement.AUTO:
         return None
     check_placement_mode(cfg)
+    for role in ("teacher", "student"):  # auto lays out the devices: a list would be dropped
+        if getattr(cfg.mesh, role).devices is not None:
+            raise DistillError(
+                f"mesh.{role}.devices: mesh.placement auto lays the devices out itself; remove "
+                "the list, or set mesh.placement split or colocated"
+            )
     cfg.resolve_dtypes(devices[0].platform)  # the programs compile in the run's dtypes
     n, platform = len(devices), devices[0].platform
     layouts = candidates(cfg, n, check)
