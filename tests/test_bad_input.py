@@ -132,7 +132,7 @@ QUICKSTART_CASES = [  # the quick start as a user mistypes it: (--set overrides,
     (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer: "),
     (
         ["teacher.checkpoint=/nonexistent/teacher", "teacher.pretrain_steps=0"],
-        "teacher.checkpoint: /nonexistent/teacher is missing",
+        "teacher.checkpoint: /nonexistent/teacher has no weights and teacher.pretrain_steps is 0",
     ),
     (["student.checkpoint=/nonexistent/student"], "student.checkpoint: /nonexistent/student is"),
     (
@@ -182,6 +182,19 @@ def test_quickstart_mistakes_are_refused_alike_by_validate_and_run(
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
     assert (out / "metrics.jsonl").read_text() == "precious\n"
     assert not (tmp_path / "teacher").exists()
+
+
+def test_a_missing_download_is_named_as_missing(capsys):
+    """The laptop pipeline without its download: its teacher's shape comes from the missing
+    directory's config.json, so the line names the directory, not a shape of the default
+    teacher the student would not fit."""
+    sets = ["--set", "teacher.checkpoint=/nonexistent/Qwen3-0.6B"]
+    for command in ("validate", "run"):
+        assert main([command, "pipelines/qwen3-0.6b-laptop-chat.yaml", *sets]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "distill: error: teacher.checkpoint: /nonexistent/Qwen3-0.6B is missing (no such "
+            "file or directory); download the model there, or point teacher.checkpoint at it"
+        )
 
 
 def test_empty_data_and_missing_config(tmp_path, capsys):

@@ -105,9 +105,14 @@ def _resolve_teacher(cfg: Config) -> None:
     config.json, else distill; a Hugging Face teacher's `teacher.model` from that file."""
     teacher = cfg.teacher
     ckpt = teacher.checkpoint
+    # a teacher whose shape would come from its config.json (teacher.model unset): missing,
+    # it is named as missing, not as a mismatch with the default shape (preflight refuses a
+    # missing teacher of a shape given: `check_teacher_source`)
+    from_file = teacher.format == "hf" or not teacher.model.model_fields_set
     weights = teacher.source == "online" or cfg.student.init == "from_teacher"
     made = teacher.format != "hf" and teacher.pretrain_steps > 0  # the bootstrap makes it
-    if ckpt and "://" not in ckpt and not Path(ckpt).exists() and weights and not made:
+    local = bool(ckpt) and "://" not in ckpt
+    if local and not Path(ckpt).exists() and from_file and weights and not made:
         raise DistillError(_missing("teacher.checkpoint", ckpt))
     if teacher.format == "auto":
         local_hf = bool(ckpt) and "://" not in ckpt and hf.config_file(ckpt).is_file()
