@@ -35,6 +35,14 @@ FLUSH_S = 5.0  # at most one rewrite of a remote log per this many seconds (GCS:
 SCHEMES = ("gs",)
 
 
+def cache_dir() -> Path:
+    """Where distill keeps what it computes once per machine (placement costs, the stdlib
+    chat corpus): `$DISTILL_CACHE_DIR`, else `$XDG_CACHE_HOME/distill` (~/.cache/distill)."""
+    if os.environ.get("DISTILL_CACHE_DIR"):
+        return Path(os.environ["DISTILL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distill"
+
+
 def is_remote(path: str | os.PathLike) -> bool:
     return "://" in str(path)
 

@@ -26,6 +26,7 @@ from distill.outputs import teacher_path
 from pipelines import hooks as h
 from pipelines.divergence import Divergence
 from pipelines.loop import Loop, LoopSpec
+from pipelines.memory_guard import HostMemoryGuard
 from pipelines.sources import NoTeacher
 from student import train
 from student.executor import LocalExecutor
@@ -71,7 +72,9 @@ def bootstrap_teacher(cfg: Config, corpus: Corpus, store=None, record: dict | No
         lambda step, r: log.info("bootstrap step %d/%d loss %.4f", step, steps, r["loss"])
     )
     guard = Divergence(cfg.train.max_nonfinite_steps)
-    hooks = [*([h.Records()] if store is not None else []), report, guard, h.StopRequests()]
+    memory = HostMemoryGuard(cfg.train.min_free_host_memory_gib)
+    hooks = [*([h.Records()] if store is not None else []), report, guard, memory]
+    hooks.append(h.StopRequests())
     log.info("bootstrap: training the teacher for %d steps on %d devices", steps, mesh.size)
     t0 = time.perf_counter()
     try:

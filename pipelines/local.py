@@ -22,6 +22,7 @@ from pipelines.alpha_gate import AlphaGate
 from pipelines.divergence import Divergence
 from pipelines.evaluation import Evaluation, eval_batches
 from pipelines.loop import Loop, LoopSpec
+from pipelines.memory_guard import HostMemoryGuard
 from pipelines.on_policy import OnPolicySource, sample_score
 from pipelines.progress import distill_record
 from pipelines.sources import CacheSource, OnlineSource
@@ -35,15 +36,17 @@ def distill_hooks(
     cfg: Config, evaluate, store, source, extra: Sequence[h.Hook] = ()
 ) -> list[h.Hook]:
     """The hooks of a distillation run, local and ray modes alike: records, progress, the
-    divergence guard, evaluation (`evaluate`, a `pipelines.evaluation.Evaluation`), the
-    divergence's weight following it (`distill.alpha_gate`), checkpoints, stop requests,
-    status, the profile if asked for, then `extra` (ray's own status, tests' faults)."""
+    divergence and host-memory guards, evaluation (`evaluate`, a
+    `pipelines.evaluation.Evaluation`), the divergence's weight following it
+    (`distill.alpha_gate`), checkpoints, stop requests, status, the profile if asked for,
+    then `extra` (ray's own status, tests' faults)."""
     evaluations = h.Evaluate(evaluate, cfg.train.eval_every)
     gate = [AlphaGate(cfg.distill.alpha, evaluations)] if cfg.distill.alpha_gate else []
     hooks = [
         h.Records(),
         h.ProgressBar(cfg.run.name),
         Divergence(cfg.train.max_nonfinite_steps),
+        HostMemoryGuard(cfg.train.min_free_host_memory_gib),
         evaluations,
         *gate,
         h.Checkpoints(cfg.train.checkpoint_every),

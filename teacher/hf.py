@@ -346,9 +346,17 @@ def _staged_writer(mesh, spec, one_spec, layers: int, transposed: bool):
 
     def write(stacked, one, slot):
         one = jnp.swapaxes(one[0], -1, -2) if transposed else one[0]
-        starts = (slot[0] % n, *slot[1:], *(0,) * (stacked.ndim - len(slot)))
+        # the slot's layer is in one stage; an expert's slot (layer, expert) also in one
+        # `ep` shard of that stage's [L/pp, E/ep, ...] block: only that shard writes it
+        mine, starts = jax.lax.axis_index(PP) == slot[0] // n, [slot[0] % n]
+        for i in range(1, len(slot)):
+            local = stacked.shape[i]
+            if spec[i] is not None:
+                mine &= jax.lax.axis_index(spec[i]) == slot[i] // local
+            starts.append(slot[i] % local)
+        starts += [0] * (stacked.ndim - len(slot))
         return jax.lax.cond(
-            jax.lax.axis_index(PP) == slot[0] // n,
+            mine,
             lambda: jax.lax.dynamic_update_slice(stacked, one.astype(stacked.dtype), starts),
             lambda: stacked,
         )

@@ -158,6 +158,20 @@ def test_auto_picks_by_platform_and_dtype():
     assert resolve_backend("reference", jnp.float32, 64) == "reference"
 
 
+@pytest.mark.parametrize("widest, want", [(256, "cudnn"), (128, "blockwise")])
+def test_auto_takes_cudnn_for_heads_as_wide_as_the_gpu_allows(monkeypatch, widest, want):
+    """On CUDA (stubbed here): a 256-wide head (Qwen3.5, Gemma) goes to cuDNN on Hopper and
+    later, where cuDNN takes it, and to blockwise before; 128 and under, cuDNN on either."""
+    from distill.models import attention as attn
+
+    monkeypatch.setattr(attn, "_is_cuda", lambda: True)
+    monkeypatch.setattr(attn, "_cudnn_head_dim_max", lambda: widest)
+    assert resolve_backend("auto", jnp.bfloat16, 256) == want
+    assert resolve_backend("auto", jnp.bfloat16, 192) == want  # DeepSeek-V3's q/k heads
+    assert resolve_backend("auto", jnp.bfloat16, 128) == "cudnn"
+    assert resolve_backend("auto", jnp.bfloat16, 264) == "blockwise"
+
+
 def test_the_meshes_platform_decides_not_the_default_backend(monkeypatch):
     """On a TPU (or GPU) host asked for CPU devices (`mesh.platform: cpu`, say a plan of a
     bigger slice on simulated devices), `auto` is prefix for short rows, else blockwise in

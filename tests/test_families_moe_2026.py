@@ -117,11 +117,16 @@ def _logprobs(logits):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
 
 
-@pytest.mark.parametrize("ep, tp", [(1, 1), (2, 2), (1, 4)])
-def test_teacher_logprobs_match_transformers(family, ep, tp):
+LAYOUTS = [(1, 1, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 1), (2, 1, 2)]  # (pp, ep, tp)
+
+
+@pytest.mark.parametrize("pp, ep, tp", LAYOUTS)
+def test_teacher_logprobs_match_transformers(family, pp, ep, tp):
+    """At tp x ep layouts, and in two pipeline stages (the layers split unevenly where
+    the dense first layers and the MoE ones do not divide)."""
     name, path, want, batch = family
     cfg = hf.read_model_config(path)
-    mesh = teacher_mesh(jax.devices()[: ep * tp], 1, tp, ep)
+    mesh = teacher_mesh(jax.devices()[: pp * ep * tp], 1, tp, ep, pp)
     params = load_hf_teacher(path, cfg, mesh)
     got = make_forward(cfg, mesh, mode="logits")(params, batch)
     np.testing.assert_allclose(_logprobs(got), want, atol=2e-4, rtol=1e-4, err_msg=name)

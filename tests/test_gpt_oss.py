@@ -65,11 +65,15 @@ def test_config(gpt_oss):
     assert not cfg.rope_scaling.truncate
 
 
-@pytest.mark.parametrize("ep, tp", [(1, 1), (2, 2), (1, 4)])
-def test_teacher_logprobs_match_transformers(gpt_oss, ep, tp):
+LAYOUTS = [(1, 1, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 1), (2, 1, 2)]  # (pp, ep, tp)
+
+
+@pytest.mark.parametrize("pp, ep, tp", LAYOUTS)
+def test_teacher_logprobs_match_transformers(gpt_oss, pp, ep, tp):
+    """At tp x ep layouts, and in two pipeline stages (3 layers: 2 and 1)."""
     path, _, want, batch = gpt_oss
     cfg = hf.read_model_config(path)
-    mesh = teacher_mesh(jax.devices()[: ep * tp], 1, tp, ep)
+    mesh = teacher_mesh(jax.devices()[: pp * ep * tp], 1, tp, ep, pp)
     got = make_forward(cfg, mesh, mode="logits")(load_hf_teacher(path, cfg, mesh), batch)
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(got, jnp.float32), axis=-1))
     np.testing.assert_allclose(logp, want, atol=2e-4, rtol=1e-4)

@@ -344,3 +344,26 @@ def test_splash_over_sharded_rows_matches_reference():
     want = grad(reference, q, k, v)
     for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qk, v", [(256, 256), (192, 128)], ids=["qwen3.5-gemma", "deepseek-mla"])
+def test_wide_heads_lower_to_cudnn_on_hopper(monkeypatch, qk, v):
+    """`auto` on a Hopper GPU (the probes stubbed as one) takes cuDNN for 256-wide heads
+    and for latent attention's 192-wide queries and keys with 128-wide values, and the
+    forward and backward lower for CUDA through JAX's own shape checks to cuDNN's call."""
+    stub_gpu_probes(monkeypatch)
+    monkeypatch.setattr(attention, "_platform", "gpu")
+    monkeypatch.setattr(attention, "_cudnn_head_dim_max", lambda: 256)
+    assert attention.resolve_backend("auto", jnp.bfloat16, qk) == "cudnn"
+    b, s, h = 2, 256, 4
+    q = jax.ShapeDtypeStruct((b, s, h, qk), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, s, h, qk), jnp.bfloat16)
+    vv = jax.ShapeDtypeStruct((b, s, h, v), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((b, s), jnp.int32)
+
+    def loss(q, k, v, seg):
+        return attention.attention(q, k, v, seg, backend="cudnn").astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, vv, seg)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(KERNEL["gpu"], text)) >= 2  # the forward's call and the backward's

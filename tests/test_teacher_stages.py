@@ -207,14 +207,16 @@ def test_a_staged_run_gives_the_runs_losses(tiny_run, tmp_path, placement):
             assert abs(got[step][key] - r[key]) <= 1e-6, (step, key)
 
 
-HF_CASES = [  # (family, its test module, pp, tp): 4 Gemma 3 layers, 3 Qwen3-MoE layers
-    ("gemma3_one_kv_head_local_rope", "test_families", 2, 2),
-    ("qwen3_moe_dense_layer_norm_topk", "test_moe", 3, 2),
+HF_CASES = [  # (family, its test module, pp, ep, tp): 4 Gemma 3 layers, 3 Qwen3-MoE layers
+    ("gemma3_one_kv_head_local_rope", "test_families", 2, 1, 2),
+    ("qwen3_moe_dense_layer_norm_topk", "test_moe", 3, 1, 2),
+    # each expert's tensor written only into the ep shard of the stage that holds it
+    ("qwen3_moe_dense_layer_norm_topk", "test_moe", 2, 2, 2),
 ]
 
 
-@pytest.mark.parametrize("name, module, pp, tp", HF_CASES)
-def test_hf_teachers_load_into_their_stages(tmp_path, name, module, pp, tp):
+@pytest.mark.parametrize("name, module, pp, ep, tp", HF_CASES)
+def test_hf_teachers_load_into_their_stages(tmp_path, name, module, pp, ep, tp):
     """A transformers-built checkpoint read tensor by tensor into the staged layout (each
     stage's devices holding its own layers) gives the unstaged mesh's outputs. (With these
     O(1) weights, logits near 15, microbatches of one row differ by float32 rounding, about
@@ -233,12 +235,12 @@ def test_hf_teachers_load_into_their_stages(tmp_path, name, module, pp, tp):
     batch = hf_batch(cfg.vocab_size, b=4, s=12)
     outs = []
     for stages in (1, pp):
-        mesh = teacher_mesh(jax.devices()[: stages * tp], 1, tp, 1, stages)
+        mesh = teacher_mesh(jax.devices()[: stages * ep * tp], 1, tp, ep, stages)
         params = load_hf_teacher(tmp_path, cfg, mesh)
         wq = params["layers"]["wq"]
         assert wq.sharding.spec[0] == ("pp" if stages > 1 else None)
         shard = wq.addressable_shards[0].data
-        assert shard.shape[0] == cfg.n_layers // stages  # a stage holds its layers only
+        assert shard.shape[0] == -(-cfg.n_layers // stages)  # a stage holds its layers only
         fwd = make_forward(cfg, mesh, mode="topk", top_k=4, microbatch=2)
         outs.append(fwd(params, batch))
     got, want = outs[1], outs[0]

@@ -17,7 +17,9 @@ class DataConfig(Section):
     source: str = Field(
         ...,
         description="A file, a directory, or a glob. '{stdlib}' expands to the Python "
-        "standard library directory of the running interpreter.",
+        "standard library directory of the running interpreter; '{stdlib_chat}' is a chat "
+        "corpus made from that library's docstrings (questions on its functions and classes, "
+        "answered from their docstrings; data.format chat), written once to a cache file.",
     )
     include: list[str] = Field(
         default_factory=lambda: ["**/*"], description="Glob patterns within a directory."

@@ -268,6 +268,15 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(100, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="How many checkpoints to keep.")
     metrics_lag: int = Field(2, ge=1, description="Read step n-lag's metrics at step n.")
+    min_free_host_memory_gib: float = Field(
+        1.0,
+        ge=0,
+        description="The run stops (exit status 3) when the host memory still available "
+        "(MemAvailable, or the container's cgroup limit) falls below this many GiB after a "
+        "step, before the kernel's out-of-memory killer would end the process: its newest "
+        "checkpoint is kept and nothing of the state then is written (a save needs host "
+        "memory too). The summary records the process's peak resident memory. 0: not watched.",
+    )
     max_nonfinite_steps: int = Field(
         3,
         ge=1,

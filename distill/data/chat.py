@@ -262,11 +262,26 @@ def _specials(tokenizer) -> dict[str, str]:
     return named
 
 
+# The byte tokenizer's template (it has none saved beside it): ChatML's markers, spelled in
+# bytes, each answer and its end-of-turn marker trained.
+BYTES_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{% generation %}{{- message.content + '<|im_end|>' -}}{% endgeneration %}{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
 def load_template(cfg, tokenizer, role: str = "data", variables: dict | None = None):
     """The ``ChatTemplate`` of ``cfg.chat_template``, else the one saved beside the tokenizer
-    ``cfg.tokenizer`` names; ``role``: the config section of both (``data``; ``teacher`` for
-    a teacher tokenizer of its own), for errors; ``variables``: those it is rendered with
-    (default ``cfg.chat_template_kwargs``).
+    ``cfg.tokenizer`` names (the byte tokenizer: ``BYTES_TEMPLATE``); ``role``: the config
+    section of both (``data``; ``teacher`` for a teacher tokenizer of its own), for errors;
+    ``variables``: those it is rendered with (default ``cfg.chat_template_kwargs``).
 
     A SentencePiece model is refused: it spells the special tokens a template writes
     (``<s>``, ``[INST]``, ...) out as text, where ``transformers`` gives their ids."""
@@ -280,6 +295,9 @@ def load_template(cfg, tokenizer, role: str = "data", variables: dict | None = N
             "a chat template writes as plain text; chat data needs the model's tokenizer.json "
             "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) writes one)"
         )
+    if cfg.chat_template is None and tokenizer.kind == "bytes":  # no template of its own
+        where = "distill's ChatML (the byte tokenizer's)"
+        return ChatTemplate(BYTES_TEMPLATE, where, {}, key, variables)
     if cfg.chat_template is not None:
         path = Path(cfg.chat_template).expanduser()
         if not path.is_file():

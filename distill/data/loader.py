@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from distill.config import DataConfig
+from distill.data import stdlib_chat
 from distill.data.corpus import Corpus, PackedRows
 from distill.data.examples import load_examples
 from distill.data.packing import ExampleRows, packing_stats
@@ -106,6 +107,8 @@ def _walk(root: Path, cfg: DataConfig) -> list[Path]:
 
 def resolve_paths(cfg: DataConfig) -> list[Path]:
     """The files of ``data.source`` (file, directory or glob), in sorted, stable order."""
+    if cfg.source == stdlib_chat.PLACEHOLDER:  # written once to a cache file, then read
+        return [stdlib_chat.corpus_path()]
     source = os.path.expanduser(cfg.source.replace("{stdlib}", sysconfig.get_paths()["stdlib"]))
     path = Path(source)
     if path.is_file():

@@ -218,11 +218,22 @@ def resolve_backend(
         return "blockwise" if backend_problem("splash", softcap, mixed_windows) else "splash"
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     cudnn_ok = not backend_problem("cudnn", softcap, mixed_windows)
-    if _is_cuda() and half and head_dim % 8 == 0 and head_dim <= 128 and cudnn_ok:
+    if _is_cuda() and half and head_dim % 8 == 0 and head_dim <= _cudnn_head_dim_max() and cudnn_ok:
         return "cudnn"
     if platform() == "cpu" and seq_len is not None and seq_len <= PREFIX_MAX_SEQ:
         return "prefix"
     return "blockwise"
+
+
+def _cudnn_head_dim_max() -> int:
+    """The widest head cuDNN's fused attention takes: 256 on Hopper (compute capability 9.0)
+    and later, 128 before (JAX's own check, `check_is_flash_attention`): Qwen3.5's and
+    Gemma's 256-wide heads and DeepSeek-V3's 192 run fused on an H100 or H200."""
+    capability = getattr(jax.devices("gpu")[0], "compute_capability", None)
+    try:
+        return 256 if capability is not None and float(capability) >= 9.0 else 128
+    except ValueError:
+        return 128
 
 
 def _is_cuda() -> bool:

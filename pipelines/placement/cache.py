@@ -26,6 +26,7 @@ from pathlib import Path
 
 from distill.config import Config
 from distill.observability.metrics_log import dumps
+from distill.storage import cache_dir
 from pipelines.placement.choice import RoleCost
 
 log = logging.getLogger("distill")
@@ -33,13 +34,6 @@ log = logging.getLogger("distill")
 # Sections that do not change a program's shapes or cost.
 _IGNORED = {"run", "server", "wandb", "ray"}
 _PACKAGES = ("distill", "teacher", "student", "pipelines")
-
-
-def cache_dir() -> Path:
-    """Where distill keeps what it computes once per machine."""
-    if os.environ.get("DISTILL_CACHE_DIR"):
-        return Path(os.environ["DISTILL_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distill"
 
 
 def _code_digest() -> str:

@@ -22,6 +22,7 @@ skip it.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from distill.config import Config
 from distill.errors import DistillError
@@ -37,16 +38,35 @@ ONE_EACH = ("teacher.dp", "teacher.tp", "student.dp", "student.fsdp")  # the fal
 
 
 def available_bytes() -> int | None:
-    """The memory this machine can give the run now: Linux's `MemAvailable`; None where it
+    """The memory this machine can give the run now: Linux's `MemAvailable`, or less where
+    the process's cgroup (a container's memory limit, cgroup v2) leaves less; None where it
     is not known (then nothing is checked)."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return None
+    limit = _cgroup_room()
+    return limit if free is None else free if limit is None else min(free, limit)
+
+
+def _cgroup_room(
+    proc: Path = Path("/proc/self/cgroup"), fs: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2); None without a limit."""
+    try:
+        rel = proc.read_text().strip().split("::")[-1]
+        root = fs / rel.lstrip("/")
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((root / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def device_counts(meshes: Meshes, cfg: Config | None = None) -> dict[str, int]:
