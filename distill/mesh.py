@@ -69,6 +69,18 @@ def devices_needed(cfg: Config) -> int:
     return max([max(t, s) if colocated(cfg) else t + s] + [d + 1 for d in explicit])
 
 
+# `mesh.placement: auto` on a host without accelerators chooses among this many simulated
+# CPU devices (or as many as the axes written need, if more): the quick start's 8.
+AUTO_CPU_DEVICES = 8
+
+
+def cpu_devices_to_simulate(cfg: Config) -> int:
+    """How many CPU devices to simulate before JAX starts (only the CPU platform heeds it):
+    the devices the config asks for, at least `AUTO_CPU_DEVICES` under `auto`."""
+    need = devices_needed(cfg)
+    return max(need, AUTO_CPU_DEVICES) if cfg.mesh.placement == Placement.AUTO else need
+
+
 def teacher_shape(cfg: Config) -> dict[str, int]:
     """The inference mesh's axes and sizes: {dp: ..., ep: ..., tp: ...} (tp innermost, so
     each tensor-parallel group is a run of neighbouring devices; ep next, as the all-to-all
@@ -251,7 +263,7 @@ def check_batch_split(cfg: Config) -> None:
 def check_context(cfg: Config) -> None:
     """`mesh.student.cp` or `mesh.teacher.cp` > 1: every row splits into 2 x cp equal
     chunks (`train.seq_len`), and the run uses only what each role's context parallelism
-    is built for so far."""
+    is built for so far (under `mesh.placement: auto` every candidate keeps each role's cp)."""
     _check_role_context(cfg, "student", [
         ("distill.cross_tokenizer", cfg.cross_tokenizer() and cfg.distill.cross_tokenizer
          == "byte_path", "first_byte, mapped or uld"),
@@ -281,11 +293,6 @@ def _check_role_context(cfg: Config, role: str, own: list) -> None:
             "chunks (context parallelism); make it a multiple of that"
         )
     refused = [
-        (
-            "mesh.placement",
-            cfg.mesh.placement == Placement.AUTO,
-            "mesh.placement: split or colocated",
-        ),
         ("distill.on_policy.fraction", cfg.distill.on_policy.fraction > 0, "fraction: 0"),
         *own,
     ]

@@ -21,8 +21,7 @@ from distill.checkpoint import params_exist, save_params
 from distill.config import Config
 from distill.data.corpus import Corpus
 from distill.errors import DistillError, RunFailed
-from distill.mesh import DP, all_devices_mesh, available_devices
-from distill.models import counts
+from distill.mesh import DP, all_devices_mesh
 from distill.outputs import teacher_path
 from pipelines import hooks as h
 from pipelines.divergence import Divergence
@@ -117,39 +116,11 @@ def _save(path: str, params, record: dict | None) -> None:
         old.rmtree()
 
 
-# Bytes per parameter of a replicated CE training state: float32 weights, gradients and
-# AdamW's two moments.
-_TRAIN_BYTES_PER_PARAM = 16
-
-
-def check_bootstrap_fits(cfg: Config) -> None:
-    """One DistillError line when the teacher must be bootstrapped (no weights at
-    `teacher_path`) but its replicated training state cannot fit a device (the host's
-    memory for all simulated CPU devices together), instead of running out of memory."""
-    if cfg.teacher.pretrain_steps == 0 or (
-        params_exist(teacher_path(cfg)) and not cfg.teacher.rebootstrap
-    ):
-        return
-    devices = available_devices(cfg.mesh.platform)
-    need = counts.param_count(cfg.teacher.model) * _TRAIN_BYTES_PER_PARAM
-    if devices[0].platform == "cpu":
-        need, limit = need * len(devices), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    else:
-        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-    if limit and need > limit:
-        raise DistillError(
-            f"teacher.checkpoint: no weights at {teacher_path(cfg)}, and bootstrapping this "
-            f"{counts.param_count(cfg.teacher.model) / 1e9:.1f}B-parameter teacher "
-            f"(teacher.pretrain_steps) needs {need / 2**30:.0f} GiB of training state where "
-            f"{limit / 2**30:.0f} GiB exist; point teacher.checkpoint at its weights"
-        )
-
-
 def ensure_teacher(cfg: Config, corpus: Corpus, store=None) -> None:
     """The teacher at `teacher_path(cfg)`: reused when there (checked as preflight checks
     it), else, or with `teacher.rebootstrap`, bootstrapped and saved with the provenance
     record of the settings that made it (`teacher.provenance`)."""
-    from pipelines.teacher_checks import check_teacher_weights, teacher_record
+    from pipelines.teacher_checks import check_bootstrap_fits, check_teacher_weights, teacher_record
 
     check_teacher_weights(cfg, corpus)  # again: cache-teacher's preflight may skip it
     check_bootstrap_fits(cfg)

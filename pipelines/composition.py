@@ -87,14 +87,6 @@ EXCLUSIVE = {frozenset({"colocated", "auto"})}
 
 # Pairs `distill validate` refuses: (why, in a few words; text the refusal's line holds).
 REFUSED = {
-    frozenset({"auto", "cp"}): (
-        "auto's candidate layouts have no cp axis",
-        "mesh.placement: not supported with mesh.student.cp=2",
-    ),
-    frozenset({"auto", "pp"}): (
-        "auto's candidate layouts have no stages",
-        "mesh.placement: not supported with mesh.teacher.pp=2",
-    ),
     frozenset({"cp", "on_policy"}): (
         "generation does not run over a cp-split student",
         "distill.on_policy.fraction: not supported with mesh.student.cp=2",

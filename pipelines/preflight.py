@@ -1,12 +1,14 @@
 """Everything a user can get wrong, checked before any device work or any write.
 
-`preflight` is what `distill validate` runs, and what `distill run` runs first: the config
-against the devices, the model shapes against the meshes, the data source, the teacher
-checkpoint. Each failure is one DistillError naming the field or file.
+`preflight` is what `distill validate` runs, and what `distill run` runs first
+(`pipelines.commands.run.check_run`): the config, the teacher checkpoint, the data, then
+the layout, `mesh.placement: auto` choosing only among layouts that pass the same checks
+(`check_layout`). Each failure is one DistillError naming the field or file.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from distill import storage
@@ -22,6 +24,7 @@ from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
 from distill.handoff import check_dense_elements, check_dense_output
 from distill.mesh import (
+    Placement,
     available_devices,
     check_batch_split,
     check_context,
@@ -34,15 +37,20 @@ from distill.models import hf
 from pipelines.evaluation import check_eval_rows
 from pipelines.on_policy import check_on_policy
 from pipelines.placement import resolve
-from pipelines.teacher_checks import check_student_pin, check_teacher_weights, uses_teacher
+from pipelines.teacher_checks import (
+    check_bootstrap_fits,
+    check_student_pin,
+    check_teacher_weights,
+    uses_teacher,
+)
 from teacher import quantized
 from teacher.sharding import check_divisible
 from teacher.stages import check_stages
 
 
 def check_shapes(cfg: Config) -> None:
-    t, s = cfg.teacher.model, cfg.student_model()
-    tp = cfg.mesh.teacher.tp
+    """The model shapes and the batch against the mesh axes (a layout's checks)."""
+    t, tp = cfg.teacher.model, cfg.mesh.teacher.tp
     if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
         hf.check_checkpoint(
             cfg.teacher.checkpoint, t, tp, quantized.quantized_shapes(cfg.teacher.checkpoint)
@@ -50,6 +58,10 @@ def check_shapes(cfg: Config) -> None:
     check_divisible(t, tp, ep=cfg.mesh.teacher.ep)
     check_batch_split(cfg)
     check_teacher_split(cfg)
+
+
+def check_top_k(cfg: Config) -> None:
+    t, s = cfg.teacher.model, cfg.student_model()
     # across tokenizers the top-k are the teacher's own ids: its vocabulary bounds them
     smallest = t.vocab_size if cfg.cross_tokenizer() else min(t.vocab_size, s.vocab_size)
     if cfg.teacher.top_k is not None and cfg.teacher.top_k > smallest:
@@ -57,6 +69,29 @@ def check_shapes(cfg: Config) -> None:
             f"teacher.top_k: {cfg.teacher.top_k} exceeds the smaller model vocabulary "
             f"({smallest}; teacher {t.vocab_size}, student {s.vocab_size})"
         )
+
+
+def check_layout(cfg: Config, device) -> None:
+    """Everything a run checks of one layout (the mesh axes), `device` one of the
+    platform's: the shapes and the batch against the axes, the dense teacher output per
+    student device, the evaluation's windows. `mesh.placement: auto` runs it on every
+    candidate before it compiles any, so a run never compiles a layout it would refuse."""
+    check_shapes(cfg)
+    check_dense_output(cfg, device)
+    check_eval_rows(cfg)
+
+
+def check_config(cfg: Config) -> None:
+    """What no layout changes: the keys against the mode, context parallelism and stages,
+    a teacher behind a server, on-policy steps, the teacher's tokenizer, the top-k against
+    the vocabularies."""
+    check_context(cfg)
+    check_stages(cfg)
+    check_mode(cfg)
+    check_endpoint(cfg)  # before the checks below: their refusals would name less
+    check_on_policy(cfg)
+    check_cross_tokenizer(cfg)
+    check_top_k(cfg)
 
 
 def check_mode(cfg: Config) -> None:
@@ -107,22 +142,28 @@ def check_output_dir(cfg: Config) -> None:
         raise DistillError(f"run.output_dir: {out} exists and is not a directory")
 
 
-def preflight_shapes(cfg: Config) -> None:
-    """What `distill plan` needs: the config against the devices and the model shapes
-    against the meshes; no data read, no weights looked at."""
+def _devices(cfg: Config) -> list:
     devices = available_devices(cfg.mesh.platform)
     cfg.resolve_dtypes(devices[0].platform)
-    check_context(cfg)  # before mesh.placement: auto, which lays out dp x fsdp only
-    check_stages(cfg)  # before auto placement, whose candidates have no stages
-    resolve(cfg, devices)  # mesh.placement: auto -> the layout chosen for these devices
+    return devices
+
+
+def _lay_out(cfg: Config, devices: list, log_table: bool = True) -> str | None:
+    """`mesh.placement: auto` resolved among the layouts that pass `check_layout` (compiling
+    only those), then the layout's own checks; auto's table, or None."""
+    check = functools.partial(check_layout, device=devices[0])
+    table = resolve(cfg, devices, log_table, check)
     check_fit(cfg, len(devices), devices[0].platform)
-    check_shapes(cfg)
-    check_dense_output(cfg, devices[0])
-    check_eval_rows(cfg)
-    check_mode(cfg)
-    check_endpoint(cfg)  # before the checks below: their refusals would name less
-    check_on_policy(cfg)
-    check_cross_tokenizer(cfg)
+    check(cfg)
+    return table
+
+
+def preflight_shapes(cfg: Config, log_table: bool = True) -> str | None:
+    """What `distill plan` needs: the config against the devices and the model shapes
+    against the meshes; no data read, no weights looked at. Returns auto's table, or None."""
+    devices = _devices(cfg)
+    check_config(cfg)
+    return _lay_out(cfg, devices, log_table)
 
 
 def check_cross_tokenizer(cfg: Config) -> None:
@@ -165,12 +206,22 @@ def check_cross_tokenizer(cfg: Config) -> None:
 
 
 def preflight(cfg: Config) -> Corpus:
-    """Validate config, devices, shapes, teacher source and data, then the teacher weights
-    and the student checkpoint's teacher (`pipelines.teacher_checks`). Returns the corpus."""
-    preflight_shapes(cfg)
+    """Everything a run refuses before device work, cheapest first: the config (and a
+    layout given), the teacher source, the output directory, a teacher to bootstrap against
+    the host, the data (rows enough for a batch, vocabularies, prompts), the teacher weights
+    and the student checkpoint's teacher (`pipelines.teacher_checks`); `mesh.placement:
+    auto` compiles its candidates only after all of these. Returns the corpus."""
+    devices = _devices(cfg)
+    check_config(cfg)
+    auto = cfg.mesh.placement == Placement.AUTO
+    if not auto:  # a layout given: its checks are cheap, before the data is read
+        _lay_out(cfg, devices)
     check_teacher_source(cfg)
     check_output_dir(cfg)
+    if uses_teacher(cfg):
+        check_bootstrap_fits(cfg)
     corpus = _corpus(cfg)
+    check_rows(cfg, corpus)
     if cfg.distill.on_policy.fraction > 0 and cfg.data.format == "chat":
         prompt_set(cfg, corpus.tokenizer)  # every prompt renders
     elif cfg.distill.on_policy.fraction > 0 and cfg.data.prompt_field is not None:
@@ -178,16 +229,30 @@ def preflight(cfg: Config) -> Corpus:
     if uses_teacher(cfg):
         check_teacher_weights(cfg, corpus)
     check_student_pin(cfg)
+    if auto:  # compiles auto's candidates (those `check_layout` passes): after all else
+        _lay_out(cfg, devices)
     return corpus
+
+
+def check_rows(cfg: Config, corpus: Corpus) -> None:
+    """A training batch of distinct rows: a corpus with fewer train rows than
+    `train.batch_size` is refused (its batches would repeat rows within a step)."""
+    rows, bsz = corpus.train_rows, cfg.train.batch_size
+    if rows < bsz:
+        raise DistillError(
+            f"data.source: {rows} train rows (of train.seq_len={cfg.train.seq_len} tokens, "
+            f"after data.eval_fraction) are fewer than train.batch_size={bsz}; add data or "
+            "lower train.batch_size"
+        )
 
 
 def preflight_role(cfg: Config, role: str) -> Corpus:
     """What `distill bench --role` needs: the config's shapes and the data; the role's mesh
     against the devices is checked as it is made (`distill.mesh.role_mesh`), the other
     role's not at all, and no weights or outputs are looked at. Returns the corpus."""
-    devices = available_devices(cfg.mesh.platform)
-    cfg.resolve_dtypes(devices[0].platform)
+    devices = _devices(cfg)
     check_shapes(cfg)
+    check_top_k(cfg)
     check_context(cfg)
     if role == "student":
         check_dense_output(cfg, devices[0])

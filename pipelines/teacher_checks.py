@@ -6,9 +6,12 @@
 - A distill teacher checkpoint has `teacher.model`'s shapes (Orbax metadata).
 - A student checkpoint in `run.output_dir` goes on only with the teacher and tokenizer it
   was distilled with (`distill.identity`), unless `run.allow_teacher_change`.
+- A teacher to bootstrap (no weights at `teacher.checkpoint`) fits this host's devices.
 """
 
 from __future__ import annotations
+
+import os
 
 from distill.checkpoint import params_exist, read_meta
 from distill.config import Config
@@ -16,6 +19,8 @@ from distill.data.corpus import Corpus
 from distill.data.prepared import tokenizer_identity
 from distill.errors import DistillError
 from distill.identity import check_pinned, data_hash, run_identity
+from distill.mesh import available_devices
+from distill.models import counts
 from distill.outputs import checkpoint_dir, teacher_path
 from teacher import provenance
 
@@ -75,3 +80,31 @@ def check_student_pin(cfg: Config) -> None:
         current,
         "set run.allow_teacher_change=true to go on with it anyway, or use another run.output_dir",
     )
+
+
+# Bytes per parameter of a replicated CE training state: float32 weights, gradients and
+# AdamW's two moments.
+_TRAIN_BYTES_PER_PARAM = 16
+
+
+def check_bootstrap_fits(cfg: Config) -> None:
+    """One DistillError line when the teacher must be bootstrapped (no weights at
+    `teacher_path`) but its replicated training state cannot fit a device (the host's
+    memory for all simulated CPU devices together), instead of running out of memory."""
+    if cfg.teacher.pretrain_steps == 0 or (
+        params_exist(teacher_path(cfg)) and not cfg.teacher.rebootstrap
+    ):
+        return
+    devices = available_devices(cfg.mesh.platform)
+    need = counts.param_count(cfg.teacher.model) * _TRAIN_BYTES_PER_PARAM
+    if devices[0].platform == "cpu":
+        need, limit = need * len(devices), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    if limit and need > limit:
+        raise DistillError(
+            f"teacher.checkpoint: no weights at {teacher_path(cfg)}, and bootstrapping this "
+            f"{counts.param_count(cfg.teacher.model) / 1e9:.1f}B-parameter teacher "
+            f"(teacher.pretrain_steps) needs {need / 2**30:.0f} GiB of training state where "
+            f"{limit / 2**30:.0f} GiB exist; point teacher.checkpoint at its weights"
+        )

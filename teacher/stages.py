@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill.config import Config
 from distill.errors import DistillError
-from distill.mesh import PP, TP, Placement
+from distill.mesh import PP, TP
 from distill.models import model
 from distill.types import Batch
 
@@ -160,8 +160,9 @@ def stage_bytes(cfg: Config, microbatches: int, dtype_bytes: int) -> int:
 
 def check_stages(cfg: Config, warn: bool = True) -> None:
     """`mesh.teacher.pp` against the model and the features built for it, before any device
-    work: the layers divide into the stages; placement split or colocated (in ray mode the
-    stages are the processes of a teacher group, `mesh.teacher.hosts`).
+    work: the layers divide into the stages (in ray mode the stages are the processes of a
+    teacher group, `mesh.teacher.hosts`; under `mesh.placement: auto` every candidate keeps
+    them).
     `warn`: log a warning when one microbatch leaves the stages nothing to overlap, or a
     stage spans several hosts."""
     pp = cfg.mesh.teacher.pp
@@ -180,11 +181,6 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
             "zero layers that pass their input through", pp, layers,
             stacked_layers(layers, pp) // pp, stacked_layers(layers, pp) - layers,
         )  # fmt: skip
-    if cfg.mesh.placement == Placement.AUTO:
-        raise DistillError(
-            f"mesh.placement: not supported with mesh.teacher.pp={pp} (pipeline stages) yet; "
-            "needs mesh.placement split or colocated (auto's candidate layouts have no stages)"
-        )
     t = cfg.mesh.teacher
     if warn and t.hosts > pp:  # ray mode: stages are outermost, so a stage spans hosts
         log.warning(

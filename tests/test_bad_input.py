@@ -111,6 +111,92 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, corpus_dir, capsys, override
     assert (out / "metrics.jsonl").read_text() == "precious\n"
 
 
+QUICKSTART_CASES = [  # the quick start as a user mistypes it: (--set overrides, the line's text)
+    (["mesh.teacher.tp=3"], "teacher.model.n_heads: 8 is not divisible by mesh.teacher.tp=3"),
+    (
+        ["mesh.student.dp=3", "train.batch_size=8"],
+        "train.batch_size: 8 is not divisible by mesh.student.dp=3",
+    ),
+    (
+        ["mesh.student.dp=4", "train.batch_size=10"],
+        "train.batch_size: 10 is not divisible by mesh.student.dp=4",
+    ),
+    (
+        ["mesh.teacher.dp=4", "mesh.teacher.tp=4"],
+        "mesh.placement: auto keeps the axes written (mesh.teacher.dp=4, mesh.teacher.tp=4), "
+        "and no layout of 8 cpu device(s) with them",
+    ),
+    (["student.model.vocab_size=200"], "student.model.vocab_size: 200 is smaller than the"),
+    (["teacher.top_k=500"], "teacher.top_k: 500 exceeds the smaller model vocabulary"),
+    (["data.source=/nonexistent/corpus"], "/nonexistent/corpus"),
+    (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer: "),
+    (
+        ["teacher.checkpoint=/nonexistent/teacher", "teacher.pretrain_steps=0"],
+        "teacher.checkpoint: /nonexistent/teacher has no weights and teacher.pretrain_steps is 0",
+    ),
+    (["student.checkpoint=/nonexistent/student"], "student.checkpoint: /nonexistent/student is"),
+    (
+        ["data.max_bytes=3000", "train.batch_size=64"],
+        "train rows (of train.seq_len=128 tokens, after data.eval_fraction) are fewer than "
+        "train.batch_size=64",
+    ),
+    (["train.stepz=3"], "train.stepz: unknown key; did you mean train.steps?"),
+    (["distill.loss=forward_kll"], "distill.loss: Input should be"),
+    (["mesh.placement=colocatd"], "did you mean colocated?"),
+    (["optim.lr=-1"], "optim.lr"),
+    (["distill.alpha=2"], "distill.alpha"),
+    (
+        ["mesh.student.cp=2", "distill.on_policy.fraction=0.5"],
+        "distill.on_policy.fraction: not supported with mesh.student.cp=2",
+    ),
+    (["mesh.student.cp=3"], "train.seq_len: 128 does not split into 2 x mesh.student.cp = 6"),
+    (["pipeline.mode=ray"], "mesh.placement: auto chooses from the devices of one process"),
+    (["mesh.student.devices=[4, 5]"], "mesh.student.devices: mesh.placement auto lays the dev"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", QUICKSTART_CASES)
+def test_quickstart_mistakes_are_refused_alike_by_validate_and_run(
+    tmp_path, capsys, caplog, overrides, expected
+):
+    """`distill validate` and `distill run` of the quick start (`mesh.placement: auto`) with
+    a user's mistake: the same one line and exit status 2 from both, before auto compiles
+    or prints anything, and nothing written into an existing run.output_dir."""
+    import logging
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    sets = [f"run.output_dir={out}", f"teacher.checkpoint={tmp_path / 'teacher'}", *overrides]
+    args = ["pipelines/quickstart.yaml", *(a for o in sets for a in ("--set", o))]
+    caplog.set_level(logging.INFO)
+    lines = []
+    for command in ("validate", "run"):
+        assert main([command, *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert expected in err, err
+        lines.append(err)
+    assert lines[0] == lines[1]
+    assert "mesh.placement auto" not in caplog.text  # no candidate compiled, no table
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+    assert not (tmp_path / "teacher").exists()
+
+
+def test_a_missing_download_is_named_as_missing(capsys):
+    """The laptop pipeline without its download: its teacher's shape comes from the missing
+    directory's config.json, so the line names the directory, not a shape of the default
+    teacher the student would not fit."""
+    sets = ["--set", "teacher.checkpoint=/nonexistent/Qwen3-0.6B"]
+    for command in ("validate", "run"):
+        assert main([command, "pipelines/qwen3-0.6b-laptop-chat.yaml", *sets]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "distill: error: teacher.checkpoint: /nonexistent/Qwen3-0.6B is missing (no such "
+            "file or directory); download the model there, or point teacher.checkpoint at it"
+        )
+
+
 def test_empty_data_and_missing_config(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -132,16 +218,25 @@ def test_empty_data_and_missing_config(tmp_path, capsys):
     # validates them with tiny ones
     sorted(p for p in glob.glob("pipelines/*.yaml") if Path(p).name not in TUTORIAL_PIPELINES),
 )
-def test_every_shipped_pipeline_validates(path):
+def test_every_shipped_pipeline_validates(path, capsys):
+    """Each shipped pipeline validates, or is refused as `run` would refuse it here: a
+    real-size teacher whose weights are not on this machine, too large to bootstrap on it
+    (`teacher.pretrain_steps` stands in for its weights), in the run's one line."""
     cfg = load_config(path)
     # auto's table compiles every candidate layout (tests/test_placement.py does on a
     # tiny config): here the layout the file gives is validated
     split = ["--set", "mesh.placement=split"] if cfg.mesh.placement == "auto" else []
     if devices_needed(cfg) > len(jax.devices()):  # more CPU devices: a process of its own
         argv = [sys.executable, "-m", "pipelines.commands.cli", "validate", path, *split]
-        subprocess.run(argv, env=cli_env(devices_needed(cfg)), capture_output=True, check=True)
+        proc = subprocess.run(argv, env=cli_env(devices_needed(cfg)), capture_output=True)
+        rc, err = proc.returncode, proc.stderr.decode()
     else:
-        assert main(["validate", path, *split]) == 0
+        rc, err = main(["validate", path, *split]), capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("distill: error:")]
+    if rc != 0:
+        assert rc == 2 and len(lines) == 1, err
+        assert lines[0].startswith("distill: error: teacher.checkpoint: no weights at "), err
+        assert "-parameter teacher (teacher.pretrain_steps) needs" in lines[0], err
     assert cfg.pipeline.mode in ("local", "ray")
 
 

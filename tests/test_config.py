@@ -65,6 +65,28 @@ def test_public_key_paths_exist():
         assert p in paths, p
 
 
+@pytest.mark.parametrize(
+    "tree, line",
+    [
+        ({"trian": {}}, "config: trian: unknown key; did you mean train?"),
+        ({"mesh": {"teacher": {"tpp": 2}}}, "config: mesh.teacher.tpp: unknown key; did you mean "
+         "mesh.teacher.tp?"),
+        ({"distill": {"loss": "forward_kll"}}, "config: distill.loss: Input should be "
+         "'forward_kl', 'reverse_kl' or 'jsd'; did you mean forward_kl?"),
+        ({"mesh": {"placement": "colocatd"}}, "config: mesh.placement: Input should be 'split', "
+         "'colocated' or 'auto'; did you mean colocated?"),
+        ({"teacher": {"model": {"d_modle": 8}}}, "config: teacher.model.d_modle: unknown key; "
+         "did you mean teacher.model.d_model?"),
+    ],
+)  # fmt: skip
+def test_unknown_keys_and_values_name_the_nearest_valid_one(tree, line):
+    """`difflib.get_close_matches` over the section's field names (or the field's choices),
+    in the one line of the mistake."""
+    with pytest.raises(DistillError) as err:
+        config_from_dict({"data": {"source": "x"}, **tree})
+    assert line in str(err.value).splitlines()
+
+
 def test_every_mistake_is_reported_one_line_each():
     tree = {
         "teacher": {"modle": {"d_model": 8}},  # a typo: an unknown key
@@ -74,8 +96,8 @@ def test_every_mistake_is_reported_one_line_each():
     with pytest.raises(DistillError) as err:
         config_from_dict(tree)
     lines = str(err.value).splitlines()
-    assert "config: teacher.modle: unknown key" in lines
-    assert "config: bogus: unknown key" in lines
+    assert "config: teacher.modle: unknown key; did you mean teacher.model?" in lines
+    assert "config: bogus: unknown key" in lines  # nothing near it
     assert "config: data: required field is missing" in lines
     assert any(line.startswith("config: train.steps: ") for line in lines), lines
     assert len(lines) == 4, lines

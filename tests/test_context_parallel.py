@@ -189,7 +189,6 @@ def _config(role: str = "student", **mesh) -> Config:
 
 REFUSED = [  # (updates, the field named) for either role's cp (`mesh.teacher.cp` too)
     ({"train": {"seq_len": 36}}, "train.seq_len"),
-    ({"mesh": {"placement": "auto"}}, "mesh.placement"),
     ({"distill": {"on_policy": {"fraction": 0.5}}}, "distill.on_policy.fraction"),
 ]
 

@@ -64,6 +64,8 @@ def test_a_run_is_refused_what_exceeds_the_machine(corpus_dir, tmp_path, monkeyp
     assert "host memory: the 4 teacher + 4 student devices of this run" in err[0]
     assert "one device per role fits" in err[0] and "--set mesh.student.dp=1" in err[0]
     assert not (tmp_path / "out").exists()  # refused before anything was written
+    assert main(["validate", path]) == 2  # validate makes run's checks: the same line
+    assert capsys.readouterr().err.strip().splitlines() == err
     # the layout it names passes the same check
     cfg = Config.model_validate(_tree(corpus_dir, tmp_path, ONE_EACH))
     cfg.resolve_dtypes("cpu")

@@ -211,11 +211,12 @@ def test_the_quick_start_on_one_device_lowers(platform):
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 def test_the_quick_start_split_over_eight_lowers(platform):
-    """The shipped layout (teacher tp=4 on devices 0-3, student dp=4 on 4-7; the bootstrap
-    over all 8): the same programs lower with the platform's attention kernel, none
-    holding a ragged_dot, a host callback or float64; the teacher's tensor-parallel
+    """A split layout of 8 devices (teacher tp=4 on devices 0-3, student dp=4 on 4-7; the
+    bootstrap over all 8): the same programs lower with the platform's attention kernel,
+    none holding a ragged_dot, a host callback or float64; the teacher's tensor-parallel
     collectives span its 4 devices."""
-    cfg = load_config("pipelines/quickstart.yaml", ["mesh.placement=split"])
+    split = ["mesh.placement=split", "mesh.teacher.tp=4", "mesh.student.dp=4"]
+    cfg = load_config("pipelines/quickstart.yaml", split)
     cfg.resolve_dtypes(platform)
     cfg.train.remat, cfg.train.layer_loop = "none", "scan"
     texts = lowered(cfg, platform)

@@ -3,6 +3,7 @@
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -116,9 +117,10 @@ def test_bench_colocates_over_the_splits_devices():
     devices, each role's dp scaled; a layout the batch does not divide is one line."""
     from pipelines.bench.placements import colocated_over
 
-    cfg = load_config("pipelines/quickstart.yaml", ["mesh.placement=split"])
+    split = ["mesh.placement=split", "mesh.teacher.tp=4", "mesh.student.dp=4"]
+    cfg = load_config("pipelines/quickstart.yaml", split)
     assert colocated_over(cfg) == Layout("colocated", (2, 1, 4), (8, 1))
-    odd = load_config("pipelines/quickstart.yaml", ["train.batch_size=4"])
+    odd = load_config("pipelines/quickstart.yaml", [*split, "train.batch_size=4"])
     with pytest.raises(DistillError, match="^--colocated: colocated .*batch_size: 4 is not"):
         colocated_over(odd)  # student dp=8 does not divide 4 rows
 
@@ -191,7 +193,7 @@ def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys, 
     abstract shapes, the table printed, the choice applied to the plan."""
     path = tmp_path / "cfg.yaml"
     tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
-    tree["mesh"]["placement"] = "auto"
+    tree["mesh"] = {"placement": "auto"}  # no axis written: auto chooses them all
     tree["teacher"]["model"]["attention"] = "reference"  # compiles fastest; not what is tested
     path.write_text(json.dumps(tree))
     caplog.set_level(logging.INFO)
@@ -464,6 +466,7 @@ def test_bench_placement_measures_what_auto_then_uses(corpus_dir, tmp_path, monk
     path = tmp_path / "cfg.yaml"
     tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
     tree["teacher"]["model"]["attention"] = "reference"  # compiles fastest; not what is tested
+    tree["mesh"] = {}  # no axis written: auto's candidates are every layout of the devices
     path.write_text(json.dumps(tree))  # placement split: the cache's key ignores the layout
     assert main(["bench", str(path), "--placement", "--repeats", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -484,3 +487,72 @@ def test_bench_placement_measures_what_auto_then_uses(corpus_dir, tmp_path, monk
     assert err == [
         "distill: error: --placement: times each candidate's roles alone; not with --role, --ray"
     ]
+
+
+def test_auto_keeps_every_axis_the_user_wrote(tmp_path):
+    """Under `mesh.placement: auto` an axis written (in the YAML or by `--set`) is a
+    constraint: every candidate keeps it and auto chooses only the others; what no layout
+    can keep is refused in one line naming it, before anything compiles."""
+    import functools
+    from types import SimpleNamespace
+
+    import jax
+
+    from pipelines.placement.choice import written_axes
+    from pipelines.preflight import check_layout
+
+    free = candidates(load_config("pipelines/quickstart.yaml"), 8)
+    cfg = load_config("pipelines/quickstart.yaml", ["mesh.teacher.tp=2", "mesh.student.dp=2"])
+    assert written_axes(cfg) == {"teacher": {"tp": 2}, "student": {"dp": 2}}
+    kept = candidates(cfg, 8)
+    assert kept and set(kept) == {x for x in free if x.teacher[2] == 2 and x.student[0] == 2}
+    tree = yaml.safe_load(Path("pipelines/quickstart.yaml").read_text())
+    tree["mesh"]["teacher"] = {"tp": 2}  # written in the YAML: the same constraint
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(tree))
+    from_yaml = load_config(tmp_path / "q.yaml", ["mesh.student.dp=2"])
+    assert candidates(from_yaml, 8) == kept
+    # one device (one GPU): nothing written is colocated, every axis 1; tp=2 is refused
+    one = [SimpleNamespace(platform="gpu")]
+    quick = load_config("pipelines/quickstart.yaml")
+    placement.resolve(quick, one)
+    assert quick.mesh.placement == "colocated" and quick.mesh.teacher.tp == 1
+    with pytest.raises(DistillError) as err:
+        placement.resolve(cfg, one)
+    assert str(err.value).startswith(
+        "mesh.placement: auto keeps the axes written (mesh.teacher.tp=2, mesh.student.dp=2), "
+        "and no layout of 1 gpu device(s) with them"
+    )
+    # a written axis the model refuses: the run's own line for it
+    check = functools.partial(check_layout, device=jax.devices()[0])
+    bad = load_config("pipelines/quickstart.yaml", ["mesh.teacher.tp=3"])
+    with pytest.raises(DistillError, match=r"^teacher.model.n_heads: 8 is not divisible by mes"):
+        placement.resolve(bad, jax.devices(), check=check)
+    # a layout the run's checks refuse is no candidate: dense teacher outputs fit a student
+    # device only over 8 of them (2 rows, 3.9 GiB), not over 4 (4 rows, 7.8 GiB)
+    dense = load_config(
+        "pipelines/quickstart.yaml",
+        ["teacher.top_k=null", "teacher.model.vocab_size=128256", "train.seq_len=2048"],
+    )
+    checked = candidates(dense, 8, check)
+    assert checked and {x.student[0] * x.student[1] for x in candidates(dense, 8)} == {4, 8}
+    assert {x.student[0] * x.student[1] for x in checked} == {8}
+
+
+def test_auto_composes_with_context_parallelism(tiny_run, tmp_path):
+    """`mesh.placement: auto` with a student `cp=2` (and the teacher's `tp=2` written):
+    every candidate keeps both, auto chooses the rest, and the run trains on its choice."""
+    out = tmp_path / "out"
+    tree = json.loads(json.dumps(tiny_run.tree))
+    tree["run"]["output_dir"] = str(out)
+    tree["mesh"] = {"placement": "auto", "teacher": {"tp": 2}, "student": {"cp": 2}}
+    tree["teacher"].update(checkpoint=str(tiny_run.out / "teacher"), pretrain_steps=0)
+    tree["train"].update(steps=2, eval_every=2, checkpoint_every=2)
+    layouts = candidates(config_from_dict(tree), 8)
+    assert layouts and all(x.fixed == (1, 1, 2) and x.teacher[2] == 2 for x in layouts)
+    assert any(x.placement == "colocated" for x in layouts)
+    assert main(["run", write_config(tmp_path, tree)]) == 0
+    mesh = yaml.safe_load((out / "config.yaml").read_text())["mesh"]
+    assert mesh["placement"] in ("split", "colocated")
+    assert mesh["student"]["cp"] == 2 and mesh["teacher"]["tp"] == 2
+    assert read_summary(out)["completed"] and read_summary(out)["steps"] == 2
+    assert all(r["loss"] == r["loss"] for r in read_train(out))  # finite, not NaN

@@ -18,7 +18,7 @@ from distill.config.load import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import devices_needed, teacher_mesh
 from distill.models import model
-from pipelines import plan
+from pipelines import placement, plan
 from pipelines.commands.cli import main
 from teacher.forward import make_forward
 from teacher.sharding import shard_params
@@ -129,10 +129,10 @@ def _tree(corpus_dir, tmp_path, **teacher_mesh_):
 
 
 def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
-    """The stages multiply the inference mesh; more stages than the layers fill and auto
-    placement are refused in one line naming the field (ray mode is not: its stages are a
-    teacher group's processes, tests/test_multihost.py); one microbatch (stages that cannot
-    overlap) is a logged warning."""
+    """The stages multiply the inference mesh; more stages than the layers fill are refused
+    in one line naming the field (ray mode is not: its stages are a teacher group's
+    processes, tests/test_multihost.py); one microbatch (stages that cannot overlap) is a
+    logged warning; under auto placement every candidate keeps the stages."""
     cfg = config_from_dict(_tree(corpus_dir, tmp_path, pp=2))
     assert devices_needed(cfg) == 2 * 2 + 2  # pp x tp + the student's dp
     with caplog.at_level(logging.WARNING, logger="distill"):
@@ -140,7 +140,6 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
     assert "mesh.teacher.pp=2 with one teacher microbatch" in caplog.text
     bad = [
         ({"pp": 4}, {}, "^mesh.teacher.pp: 4 stages of 1 layers leave the last stage none"),
-        ({"pp": 2}, {"mesh": {"placement": "auto"}}, "^mesh.placement: not supported with"),
     ]
     ray = _tree(corpus_dir, tmp_path, pp=2, hosts=2)
     ray["pipeline"] = {"mode": "ray"}
@@ -150,6 +149,10 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="distill"):
         check_stages(config_from_dict(ray))
     assert "mesh.teacher.hosts=4 with mesh.teacher.pp=2: each stage spans 2 hosts" in caplog.text
+    auto = _tree(corpus_dir, tmp_path, pp=2)
+    auto["mesh"] = {"placement": "auto", "teacher": {"pp": 2}}
+    layouts = placement.candidates(config_from_dict(auto), 8)
+    assert layouts and all(x.fixed == (2, 1, 1) and x.sizes()[0] % 2 == 0 for x in layouts)
     for mesh, sections, message in bad:
         tree = _tree(corpus_dir, tmp_path, **mesh)
         for section, values in sections.items():
@@ -159,16 +162,12 @@ def test_devices_and_refusals(corpus_dir, tmp_path, caplog):
 
 
 def test_validate_and_plan_refuse_in_one_line(corpus_dir, tmp_path, capsys):
-    """`distill validate` refuses more stages than the layers fill; `distill plan`
-    refuses auto placement with stages before it resolves any candidate."""
+    """`distill validate` refuses more stages than the layers fill."""
     path = write_config(tmp_path, _tree(corpus_dir, tmp_path, pp=4))
     assert main(["validate", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("mesh.teacher.pp: 4 stages of 1 layers leave the last stage none "
                             "of teacher.model.n_layers=2; use fewer stages")  # fmt: skip
-    assert main(["plan", path, "--set", "mesh.teacher.pp=2", "--set", "mesh.placement=auto"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert "mesh.placement: not supported with mesh.teacher.pp=2" in err[-1]
 
 
 def test_plan_figures_of_the_stages(corpus_dir, tmp_path):

@@ -80,7 +80,7 @@ def config_from_dict(tree: dict) -> Config:
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
-        raise DistillError("\n".join(error_lines(e))) from None
+        raise DistillError("\n".join(error_lines(e, model=Config))) from None
     _resolve_teacher(cfg)
     _resolve_student(cfg)
     if cfg.distill.moe_aux_loss and not cfg.student_model().n_experts:  # validates it too
@@ -105,6 +105,15 @@ def _resolve_teacher(cfg: Config) -> None:
     config.json, else distill; a Hugging Face teacher's `teacher.model` from that file."""
     teacher = cfg.teacher
     ckpt = teacher.checkpoint
+    # a teacher whose shape would come from its config.json (teacher.model unset): missing,
+    # it is named as missing, not as a mismatch with the default shape (preflight refuses a
+    # missing teacher of a shape given: `check_teacher_source`)
+    from_file = teacher.format == "hf" or not teacher.model.model_fields_set
+    weights = teacher.source == "online" or cfg.student.init == "from_teacher"
+    made = teacher.format != "hf" and teacher.pretrain_steps > 0  # the bootstrap makes it
+    local = bool(ckpt) and "://" not in ckpt
+    if local and not Path(ckpt).exists() and from_file and weights and not made:
+        raise DistillError(_missing("teacher.checkpoint", ckpt))
     if teacher.format == "auto":
         local_hf = bool(ckpt) and "://" not in ckpt and hf.config_file(ckpt).is_file()
         teacher.format = "hf" if local_hf else "distill"
@@ -126,6 +135,8 @@ def _resolve_student(cfg: Config) -> None:
     ckpt = cfg.student.checkpoint
     if ckpt is None:
         return
+    if "://" not in ckpt and not Path(ckpt).exists():
+        raise DistillError(_missing("student.checkpoint", ckpt))
     if "://" in ckpt or not hf.config_file(ckpt).is_file():
         raise DistillError(
             f"student.checkpoint: {ckpt} is not a local Hugging Face directory with a config.json"
@@ -142,6 +153,13 @@ def _resolve_student(cfg: Config) -> None:
             )
     _check_student_tokenizer(cfg)
     cfg.student._pretrained = derived
+
+
+def _missing(key: str, path: str) -> str:
+    return (
+        f"{key}: {path} is missing (no such file or directory); download the model there, "
+        f"or point {key} at it"
+    )
 
 
 def _check_student_tokenizer(cfg: Config) -> None:

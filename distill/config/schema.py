@@ -70,8 +70,9 @@ class TeacherMesh(Section):
         description="Pipeline stages of the inference mesh (pp x dp x ep x tp devices): stage "
         "s holds layers [s*L/pp, (s+1)*L/pp) (divides teacher.model.n_layers); the "
         "teacher.microbatch microbatches stream through the stages, each stage's activations "
-        "sent to the next (bubble (pp-1)/(m+pp-1) with m microbatches). Placement split or "
-        "colocated; in ray mode with hosts = pp each stage is a host "
+        "sent to the next (bubble (pp-1)/(m+pp-1) with m microbatches). Placement split, "
+        "colocated or auto (which keeps the stages); in ray mode with hosts = pp each stage "
+        "is a host "
         "(docs/guides/pipeline-parallel.md).",
     )
     cp: int = Field(
@@ -82,8 +83,8 @@ class TeacherMesh(Section):
         "ring attention, the outputs leaving split by position as a student of the same cp "
         "takes them (across tokenizers: over the teacher's own rows, then gathered at the "
         "student's positions when mesh.student.cp > 1). Local and ray mode (where it may "
-        "cross the group's hosts); not yet with mesh.teacher.pp, on-policy or "
-        "mesh.placement auto.",
+        "cross the group's hosts; mesh.placement auto keeps it); not yet with "
+        "mesh.teacher.pp or on-policy.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of each teacher replica; ray mode.")
     devices: list[int] | None = Field(
@@ -110,7 +111,8 @@ class StudentMesh(Section):
         "passing key/value blocks around the cp ring (ring attention), activations per "
         "device about 1/cp. train.seq_len must divide by 2 x cp. Local and ray mode (a row's "
         "cp devices in one process: mesh.student.hosts dividing dp x fsdp), across tokenizers "
-        "too; not yet with on-policy, distill.cross_tokenizer byte_path or mesh.placement auto.",
+        "too, under mesh.placement auto (which keeps it); not yet with on-policy or "
+        "distill.cross_tokenizer byte_path.",
     )
     hosts: int = Field(1, ge=1, description="Processes (hosts) of the student group; ray mode.")
     devices: list[int] | None = Field(
@@ -132,9 +134,10 @@ class MeshConfig(Section):
         "first dp x ep x tp, the student the next dp x fsdp), working at once. colocated: "
         "both from the first device on (the same devices when their sizes agree), the "
         "teacher's forward and the student's step in turn. auto: the layout predicted fastest "
-        "on the devices present among colocated and every split the divisibility rules allow "
-        "(the mesh axes given are one candidate, kept unless another is predicted clearly "
-        "faster; `distill plan` prints the table).",
+        "on the devices present among colocated and every split the divisibility rules allow, "
+        "keeping every mesh axis written (in the YAML or by --set; auto chooses the others, "
+        "and a written axis no layout can keep is refused in one line); `distill plan` "
+        "prints the table.",
     )
 
 
@@ -424,7 +427,8 @@ class Config(Section):
         try:
             return ModelConfig(**merged)
         except ValidationError as e:
-            raise DistillError("\n".join(error_lines(e, prefix="student.model"))) from None
+            lines = error_lines(e, prefix="student.model", model=ModelConfig)
+            raise DistillError("\n".join(lines)) from None
 
     def vocab_sizes(self) -> tuple[int, ...]:  # equal, or differing by padding
         """The model vocabulary sizes over data.tokenizer's ids: (teacher's, student's), or

@@ -148,10 +148,10 @@ def load_only(sets: list[str]) -> None:
 
     from distill.allocator import keep_freed_memory
     from distill.config.load import load_config
-    from distill.mesh import devices_needed, simulate_cpu_devices
+    from distill.mesh import cpu_devices_to_simulate, simulate_cpu_devices
 
     cfg = load_config(CONFIG, sets)
-    simulate_cpu_devices(devices_needed(cfg))
+    simulate_cpu_devices(cpu_devices_to_simulate(cfg))
     keep_freed_memory()
     import jax
 

@@ -50,7 +50,9 @@ def bench_placement(cfg: Config, repeats: int) -> dict:
             f"--placement: no layout of {len(devices)} {devices[0].platform} devices that the "
             "model and train.batch_size divide"
         )
-    compiled = cached_costs(cfg, devices, lambda: compiled_costs(cfg, devices, layouts))
+    compiled = cached_costs(
+        cfg, devices, lambda: compiled_costs(cfg, devices, layouts), role_keys(layouts)
+    )
     limit = vocab_limit(corpus.tokenizer, *cfg.vocab_sizes())
     host_batch = next(corpus.train_iterator(cfg.train.batch_size, seed=cfg.run.seed))
     device_bytes = (devices[0].memory_stats() or {}).get("bytes_limit")

@@ -186,9 +186,9 @@ def _prepare_devices(cfg: Config) -> None:
     """Before JAX starts: the simulated CPU devices the meshes need, and on CPU devices host
     memory kept for reuse between steps (`distill.allocator`)."""
     from distill.allocator import keep_freed_memory, runs_on_cpu
-    from distill.mesh import devices_needed, simulate_cpu_devices
+    from distill.mesh import cpu_devices_to_simulate, simulate_cpu_devices
 
-    simulate_cpu_devices(devices_needed(cfg))
+    simulate_cpu_devices(cpu_devices_to_simulate(cfg))
     if runs_on_cpu(cfg.mesh.platform):
         keep_freed_memory()
 
@@ -259,8 +259,7 @@ def cmd_score(args: argparse.Namespace) -> None:
 def cmd_validate(args: argparse.Namespace) -> None:
     from pipelines.commands import run
 
-    cfg = _config(args)
-    meshes, corpus = run.validate(cfg)
+    cfg, meshes, corpus = run.check_run(_config(args))  # what `run` checks, no more, no less
     t, s = cfg.mesh.teacher, cfg.mesh.student
     stages = f"pp={t.pp} x " if t.pp > 1 else ""
     t_cp, s_cp = f"cp={t.cp} x " if t.cp > 1 else "", f" x cp={s.cp}" if s.cp > 1 else ""

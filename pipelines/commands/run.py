@@ -11,11 +11,11 @@ from distill import outputs
 from distill.config import Config
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
-from distill.mesh import Meshes, available_devices, build_meshes, colocated
+from distill.mesh import Meshes, build_meshes, colocated
 from distill.observability.metrics import MetricsStore
 from distill.observability.metrics_log import dumps
 from pipelines import placement
-from pipelines.bootstrap import check_bootstrap_fits, ensure_teacher
+from pipelines.bootstrap import ensure_teacher
 from pipelines.hooks import Hook
 from pipelines.plan import flops as plan_flops
 from pipelines.plan import format_plan, host_memory, plan
@@ -37,9 +37,25 @@ def _require_ray(cfg: Config) -> None:
         ) from None
 
 
-def validate(cfg: Config) -> tuple[Meshes, object]:
-    """All checks a run makes before touching devices; returns (meshes, corpus)."""
+def check_run(cfg: Config) -> tuple[Config, Meshes, object]:
+    """Everything `distill run` refuses before device work, in the order it meets them:
+    `distill validate` is this call, so what validate says is what run does. Returns (the
+    config as this process runs it: ray mode's driver view on CPU, or `cfg` resolved in
+    place; its meshes; the corpus)."""
     _require_ray(cfg)
+    host_cfg = cfg
+    if cfg.pipeline.mode == "ray":  # the driver stays on CPU; the actors own the devices
+        from pipelines.ray.mode import driver_view
+
+        host_cfg = driver_view(cfg)
+    meshes, corpus = validate(host_cfg)
+    _check_host(cfg, meshes, corpus)  # compiles both programs: after the cheaper checks
+    return host_cfg, meshes, corpus
+
+
+def validate(cfg: Config) -> tuple[Meshes, object]:
+    """The checks of `preflight`, the teacher cache, and on an accelerator the devices'
+    memory; returns (meshes, corpus). `check_run` adds the host's memory on CPU devices."""
     corpus = preflight(cfg)
     if cfg.teacher.source == "cache":  # offline: the cache must match and be long enough
         from pipelines.offline.teacher_cache import check_cache
@@ -61,8 +77,9 @@ def validate(cfg: Config) -> tuple[Meshes, object]:
 
 def _check_host(cfg: Config, meshes: Meshes, corpus) -> None:
     """Before a command loads both models into this process's CPU devices: does the sum
-    over the devices fit the machine (`pipelines.plan.host_memory`)? `validate` and `plan` leave
-    it out: they check or plan a layout for any machine, such as a GPU host's from a laptop."""
+    over the devices fit the machine (`pipelines.plan.host_memory`)? `plan` leaves it out
+    (it plans a layout for any machine, such as a GPU host's from a laptop: it prints the
+    sum instead); `validate` and `run` check it (`check_run`)."""
     if cfg.pipeline.mode == "local":
         host_memory.check_host_fits(cfg, meshes, lambda c, m: _memory(c, m, corpus.tokenizer))
 
@@ -104,16 +121,7 @@ def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
     """`distill run`: preflight, server, teacher (load or bootstrap), distil, summary.
     `extra`: hooks the distillation loop runs after its own (tests inject faults so). A run
     that diverged returns its summary with its `failure` (the caller's exit status)."""
-    host_cfg = cfg
-    _require_ray(cfg)
-    if cfg.pipeline.mode == "ray":  # the driver stays on CPU; the actors own the devices
-        from pipelines.ray.mode import driver_view
-
-        host_cfg = driver_view(cfg)
-    meshes, corpus = validate(host_cfg)
-    if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
-        check_bootstrap_fits(host_cfg)  # before anything is written
-    _check_host(cfg, meshes, corpus)  # compiles both programs: after the cheaper checks
+    host_cfg, meshes, corpus = check_run(cfg)  # nothing written before it
     p = plan(cfg, meshes)
     log.info("plan:\n%s", format_plan(p))
     outputs.write_config(cfg)
@@ -178,8 +186,7 @@ def evaluate(cfg: Config) -> dict:
             "teacher.source: endpoint: distill eval compares the student with the teacher's "
             "dense logits, which a server does not give; run it with teacher.source: online"
         )
-    meshes, corpus = validate(cfg)
-    _check_host(cfg, meshes, corpus)
+    _, meshes, corpus = check_run(cfg)
     if not has_checkpoint(outputs.checkpoint_dir(cfg)):
         where = outputs.checkpoint_dir(cfg)
         raise DistillError(f"run.output_dir: no student checkpoint in {where}")
@@ -215,10 +222,9 @@ def plan_json(cfg: Config) -> str:
     alone: no data is read and no weights are loaded (the tokenizer, if its file is here,
     only tells how much of the vocabulary is padding), so a laptop can plan a pod's run."""
     _require_ray(cfg)
-    check_stages(cfg, warn=False)  # auto's candidates have no pipeline stages
+    check_stages(cfg, warn=False)
     auto_dtypes = [r for r in ("teacher", "student") if getattr(cfg, r).dtype == "auto"]
-    table = placement.resolve(cfg, available_devices(cfg.mesh.platform), log_table=False)
-    preflight_shapes(cfg)
+    table = preflight_shapes(cfg, log_table=False)
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)

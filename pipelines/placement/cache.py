@@ -54,6 +54,8 @@ def key(cfg: Config, devices: list) -> str:
     config = cfg.model_dump(mode="json", exclude=_IGNORED)
     for layout in ("placement", "teacher", "student"):  # every candidate is costed
         config["mesh"].pop(layout)
+    t, s = cfg.mesh.teacher, cfg.mesh.student  # the axes auto keeps: in every program
+    config["mesh"]["kept"] = [t.pp, t.cp, s.cp]
     what = {
         "config": config,
         "devices": [len(devices), devices[0].platform, devices[0].device_kind],
@@ -93,10 +95,15 @@ def store_costs(cfg: Config, devices: list, costs: dict, kind: str = "compiled")
         log.warning("mesh.placement auto: the %s costs were not cached (%s)", kind, e)
 
 
-def cached_costs(cfg: Config, devices: list, compute: Callable[[], dict]) -> dict:
-    """`compute()` ({(role, shape): RoleCost}), or the costs it gave before for the same key."""
+def cached_costs(
+    cfg: Config, devices: list, compute: Callable[[], dict], needed: list | None = None
+) -> dict:
+    """`compute()` ({(role, shape): RoleCost}), or the costs it gave before for the same key
+    when they hold every (role, shape) of `needed` (the axes a config writes narrow auto's
+    candidates, so an entry may hold fewer role layouts than another config of the same
+    key needs: the new ones join it)."""
     costs = stored_costs(cfg, devices)
-    if costs is None:
-        costs = compute()
+    if costs is None or any(k not in costs for k in needed or ()):
+        costs = {**(costs or {}), **compute()}
         store_costs(cfg, devices, costs)
     return costs

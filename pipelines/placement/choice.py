@@ -2,10 +2,12 @@
 
 The candidates, on `n` devices: `colocated` (both meshes over all `n`, every teacher
 `dp x ep x tp` and student `dp x fsdp` of `n` devices) and every `split` (the teacher on
-`k` devices, the student on the other `n - k`, every layout of each), those the
+`k` devices, the student on the other `n - k`, every layout of each), those that keep
+every axis the user wrote (`written_axes`: auto chooses only the others) and that the
 divisibility rules allow (heads, vocabulary and feed-forward by `tp`, experts by `ep`, the
-batch by the teacher's `dp x ep` and the student's `dp x fsdp x grad_accum`); where none
-of `n` devices exists, those of the largest smaller count that has some.
+batch by the teacher's `dp x ep` and the student's `dp x fsdp x grad_accum`) and the run's
+other checks of a layout pass; where none of `n` devices exists, those of the largest
+smaller count that has some.
 
 Each role's cost on a layout is a `RoleCost`: its time per step and its memory per device.
 The time is measured where `distill bench --placement` timed every candidate role layout
@@ -40,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from distill.config import Config
@@ -73,20 +76,30 @@ REPLICA_SHARE = 0.05
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: the placement and both meshes' axes."""
+    """One candidate: the placement and both meshes' axes. Pipeline stages and context
+    parallelism (`mesh.teacher.pp`, `mesh.<role>.cp`) are the config's, never chosen:
+    `fixed` is (teacher pp, teacher cp, student cp), each role's devices multiplied by it."""
 
     placement: Placement  # split or colocated
     teacher: tuple[int, int, int]  # dp, ep, tp
     student: tuple[int, int]  # dp, fsdp
+    fixed: tuple[int, int, int] = (1, 1, 1)  # pp, teacher cp, student cp
+
+    def sizes(self) -> tuple[int, int]:
+        """Devices of the teacher's mesh and of the student's."""
+        pp, t_cp, s_cp = self.fixed
+        return math.prod(self.teacher) * pp * t_cp, math.prod(self.student) * s_cp
 
     def devices(self) -> int:
-        t, s = math.prod(self.teacher), math.prod(self.student)
+        t, s = self.sizes()
         return max(t, s) if self.placement == Placement.COLOCATED else t + s
 
     def label(self) -> str:
-        (dp, ep, tp), (sdp, fsdp) = self.teacher, self.student
-        t = f"dp={dp}" + (f" x ep={ep}" if ep > 1 else "") + f" x tp={tp}"
-        return f"{self.placement:<9} teacher {t} | student dp={sdp} x fsdp={fsdp}"
+        (dp, ep, tp), (sdp, fsdp), (pp, t_cp, s_cp) = self.teacher, self.student, self.fixed
+        t = (f"pp={pp} x " if pp > 1 else "") + f"dp={dp}" + (f" x ep={ep}" if ep > 1 else "")
+        t += (f" x cp={t_cp}" if t_cp > 1 else "") + f" x tp={tp}"
+        s = f"dp={sdp} x fsdp={fsdp}" + (f" x cp={s_cp}" if s_cp > 1 else "")
+        return f"{self.placement:<9} teacher {t} | student {s}"
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` with this layout's placement and axes (device lists cleared)."""
@@ -125,7 +138,12 @@ def configured(cfg: Config) -> Layout:
     t, s = cfg.mesh.teacher, cfg.mesh.student
     colocated = cfg.mesh.placement == Placement.COLOCATED
     placement = Placement.COLOCATED if colocated else Placement.SPLIT
-    return Layout(placement, (t.dp, t.ep, t.tp), (s.dp, s.fsdp))
+    return Layout(placement, (t.dp, t.ep, t.tp), (s.dp, s.fsdp), fixed(cfg))
+
+
+def fixed(cfg: Config) -> tuple[int, int, int]:
+    """The axes auto keeps as the config gives them: (teacher pp, teacher cp, student cp)."""
+    return cfg.mesh.teacher.pp, cfg.mesh.teacher.cp, cfg.mesh.student.cp
 
 
 def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -164,35 +182,76 @@ def role_layouts(cfg: Config, role: str, n: int) -> list[tuple[int, ...]]:
     return ok
 
 
-def candidates(cfg: Config, n: int) -> list[Layout]:
-    """The layouts of `n` devices: colocated over all of them first, then every split of
-    them (teacher devices ascending); if none, those of the largest smaller count that
-    has any (a device left idle)."""
+# The axes of each role auto chooses, in `Layout`'s order.
+AXES = {"teacher": (DP, EP, TP), "student": (DP, FSDP)}
+
+
+def written_axes(cfg: Config) -> dict[str, dict[str, int]]:
+    """The axes the user wrote (in the YAML or by `--set`: pydantic's `model_fields_set`),
+    per role: {"teacher": {"tp": 4}, "student": {}}. Under `auto` they are constraints: a
+    candidate keeps every one, and auto chooses only the axes left unset."""
+    return {
+        role: {a: getattr(m, a) for a in AXES[role] if a in m.model_fields_set}
+        for role, m in (("teacher", cfg.mesh.teacher), ("student", cfg.mesh.student))
+    }
+
+
+def written_keys(cfg: Config) -> str:
+    """The written axes for messages: `mesh.teacher.tp=4, mesh.student.dp=4`."""
+    keys = [f"mesh.{r}.{a}={n}" for r, axes in written_axes(cfg).items() for a, n in axes.items()]
+    return ", ".join(keys)
+
+
+def _keeps(shape: tuple[int, ...], role: str, written: dict[str, int]) -> bool:
+    return all(written.get(a, n) == n for a, n in zip(AXES[role], shape, strict=True))
+
+
+def candidates(cfg: Config, n: int, check: Callable[[Config], None] | None = None) -> list[Layout]:
+    """The layouts of `n` devices that keep the axes the user wrote (`written_axes`):
+    colocated over all of them first, then every split of them (teacher devices
+    ascending); if none, those of the largest smaller count that has any (a device left
+    idle). `check(layout_cfg)`: the run's checks of one layout (`pipelines.preflight
+    .check_layout`), which drop a candidate that raises."""
+    written, keep = written_axes(cfg), fixed(cfg)
+    per = {"teacher": keep[0] * keep[1], "student": keep[2]}  # devices a layout multiplies
     roles = {
-        (role, k): role_layouts(cfg, role, k)
+        (role, k): [
+            s for s in role_layouts(cfg, role, k // per[role]) if _keeps(s, role, written[role])
+        ]
+        if k % per[role] == 0
+        else []
         for role in ("teacher", "student")
         for k in range(1, n + 1)
     }
     for used in range(n, 0, -1):
         out = [
-            Layout(Placement.COLOCATED, a, b)
+            Layout(Placement.COLOCATED, a, b, keep)
             for a in roles["teacher", used]
             for b in roles["student", used]
         ]
         for k in range(1, used):
             out += [
-                Layout(Placement.SPLIT, a, b)
+                Layout(Placement.SPLIT, a, b, keep)
                 for a in roles["teacher", k]
                 for b in roles["student", used - k]
             ]
+        out = [x for x in out if check is None or _passes(check, x.apply(cfg))]
         if out:
             return out
     return []
 
 
+def _passes(check: Callable[[Config], None], cfg: Config) -> bool:
+    try:
+        check(cfg)
+    except DistillError:
+        return False
+    return True
+
+
 def predict(layout: Layout, teacher: RoleCost, student: RoleCost, platform: str) -> Row:
     """The candidate's row from its roles' costs (the module's prediction model)."""
-    nt, ns = math.prod(layout.teacher), math.prod(layout.student)
+    nt, ns = layout.sizes()
     if layout.placement == Placement.COLOCATED:
         per_device = colocated_bytes(teacher, student)
         host = per_device * layout.devices()
@@ -213,7 +272,7 @@ def replicated_bytes(layout: Layout, teacher: RoleCost, student: RoleCost) -> in
     first: the teacher's weights over its `dp`, the student's weights and optimizer state
     over its `dp` (`tp`, `ep` and `fsdp` split them)."""
     n = layout.devices() if layout.placement == Placement.COLOCATED else None
-    nt, ns = n or math.prod(layout.teacher), n or math.prod(layout.student)
+    nt, ns = (n, n) if n else layout.sizes()
     dt, ds = layout.teacher[0], layout.student[0]
     return teacher.resident * nt * (dt - 1) // dt + student.resident * ns * (ds - 1) // ds
 

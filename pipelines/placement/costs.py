@@ -4,12 +4,13 @@ colocated meshes; `resolve` applies auto's choice to a config (`pipelines.placem
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from distill.compiled_flops import compiled_dot_flops
 from distill.config import Config
 from distill.errors import DistillError
 from distill.handoff import teacher_output_bytes_per_step
-from distill.mesh import Placement, check_placement_mode
+from distill.mesh import DP, EP, FSDP, TP, Placement, check_placement_mode
 from pipelines.placement.cache import cached_costs, stored_costs
 from pipelines.placement.choice import (
     ROOFLINE,
@@ -20,9 +21,12 @@ from pipelines.placement.choice import (
     choose,
     colocated_bytes,
     configured,
+    fixed,
     format_table,
     host_memory_bytes,
     predict,
+    written_axes,
+    written_keys,
 )
 
 log = logging.getLogger("distill")
@@ -93,10 +97,11 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     seq = cfg.train.seq_len
     t_factor = layers_factor(cfg.teacher.model, seq)
     s_factor = layers_factor(cfg.student_model(), seq)
+    pp, t_cp, s_cp = fixed(cfg)  # kept as the config gives them (`Layout.fixed`)
     for shape in dict.fromkeys(x.teacher for x in layouts):
         dp, ep, tp = shape
         c = Layout(Placement.SPLIT, shape, (1, 1)).apply(cfg)
-        mesh = teacher_mesh(devices[: dp * ep * tp], dp, tp, ep)
+        mesh = teacher_mesh(devices[: dp * ep * tp * pp * t_cp], dp, tp, ep, pp, t_cp)
         if not cfg.teacher.loaded():  # no teacher on any device: nothing to compile
             out = plan_memory.teacher_output_shapes(c, mesh, None) if out is None else out
             costs["teacher", shape] = RoleCost(0.0, 0)
@@ -111,9 +116,8 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
     for shape in dict.fromkeys(x.student for x in layouts):
         dp, fsdp = shape
         c = Layout(Placement.SPLIT, (1, 1, 1), shape).apply(cfg)
-        compiled, _ = plan_memory._student(
-            c, student_mesh(devices[: dp * fsdp], dp, fsdp), out, None
-        )
+        mesh = student_mesh(devices[: dp * fsdp * s_cp], dp, fsdp, s_cp)
+        compiled, _ = plan_memory._student(c, mesh, out, None)
         figures = plan_memory._figures(compiled)
         fig = {
             "peak_bytes_per_device": figures["peak"],
@@ -147,7 +151,7 @@ def measured_or_compiled(cfg: Config, devices: list, layouts: list[Layout]) -> d
         )
         return compiled_costs(cfg, devices, layouts)
 
-    return cached_costs(cfg, devices, compile_them)
+    return cached_costs(cfg, devices, compile_them, role_keys(layouts))
 
 
 def ranked(cfg: Config, devices: list, layouts: list[Layout], costs: dict):
@@ -162,22 +166,31 @@ def ranked(cfg: Config, devices: list, layouts: list[Layout], costs: dict):
     return rows, choose(rows, configured(cfg), limit, host)
 
 
-def resolve(cfg: Config, devices: list, log_table: bool = True) -> str | None:
+def resolve(
+    cfg: Config,
+    devices: list,
+    log_table: bool = True,
+    check: Callable[[Config], None] | None = None,
+) -> str | None:
     """`mesh.placement: auto` resolved in place for `devices` (the chosen placement and
     axes written into `cfg.mesh`); the table of candidates (logged unless `log_table` is
     false: `distill plan` prints it once, with the plan), or None when the placement was
-    not auto."""
+    not auto. `check(layout_cfg)`: the run's checks of one layout; a candidate that fails
+    them is dropped before anything compiles, and when none is left the line says why."""
     if cfg.mesh.placement != Placement.AUTO:
         return None
     check_placement_mode(cfg)
+    for role in ("teacher", "student"):  # auto lays out the devices: a list would be dropped
+        if getattr(cfg.mesh, role).devices is not None:
+            raise DistillError(
+                f"mesh.{role}.devices: mesh.placement auto lays the devices out itself; remove "
+                "the list, or set mesh.placement split or colocated"
+            )
     cfg.resolve_dtypes(devices[0].platform)  # the programs compile in the run's dtypes
     n, platform = len(devices), devices[0].platform
-    layouts = candidates(cfg, n)
+    layouts = candidates(cfg, n, check)
     if not layouts:
-        raise DistillError(
-            f"mesh.placement: auto finds no layout of {n} {platform} devices that the model "
-            "and train.batch_size divide"
-        )
+        raise DistillError(_no_layout(cfg, n, platform, check))
     if len(layouts) == 1:  # nothing to compare (one device: colocated, every axis 1)
         chosen = layouts[0]
         table = f"mesh.placement auto: the one layout of {n} {platform} device(s): {chosen.label()}"
@@ -193,6 +206,40 @@ def resolve(cfg: Config, devices: list, log_table: bool = True) -> str | None:
     if log_table:
         log.info("%s", table)
     return table
+
+
+def _no_layout(cfg: Config, n: int, platform: str, check) -> str:
+    """Why auto has no candidate: the run's own line for the axes the user wrote (every
+    other axis 1) where that layout fails a check, or for the first candidate the checks
+    dropped; else which axes no layout keeps."""
+    written = written_axes(cfg)
+    if check is not None and any(written.values()):
+        t, s = written["teacher"], written["student"]
+        given = Layout(
+            Placement.SPLIT,
+            (t.get(DP, 1), t.get(EP, 1), t.get(TP, 1)),
+            (s.get(DP, 1), s.get(FSDP, 1)),
+            fixed(cfg),
+        )
+        try:
+            check(given.apply(cfg))
+        except DistillError as e:
+            return str(e)
+    for layout in candidates(cfg, n)[:1] if check is not None else ():  # the checks refused
+        try:
+            check(layout.apply(cfg))
+        except DistillError as e:
+            return str(e)
+    if any(written.values()):
+        return (
+            f"mesh.placement: auto keeps the axes written ({written_keys(cfg)}), and no layout "
+            f"of {n} {platform} device(s) with them passes the run's checks; leave them unset "
+            "for auto to choose, or use mesh.placement split or colocated"
+        )
+    return (
+        f"mesh.placement: auto finds no layout of {n} {platform} devices that the model, "
+        "train.batch_size and the run's checks allow"
+    )
 
 
 # -- the memory plan of colocated meshes -------------------------------------------------
