@@ -221,7 +221,8 @@ def test_empty_data_and_missing_config(tmp_path, capsys):
 def test_every_shipped_pipeline_validates(path, capsys):
     """Each shipped pipeline validates, or is refused as `run` would refuse it here: a
     real-size teacher whose weights are not on this machine, too large to bootstrap on it
-    (`teacher.pretrain_steps` stands in for its weights), in the run's one line."""
+    (`teacher.pretrain_steps` stands in for its weights), in the run's one line; a
+    real-size student of a teacher behind a server, too large for this machine's RAM."""
     cfg = load_config(path)
     # auto's table compiles every candidate layout (tests/test_placement.py does on a
     # tiny config): here the layout the file gives is validated
@@ -235,6 +236,9 @@ def test_every_shipped_pipeline_validates(path, capsys):
     lines = [line for line in err.splitlines() if line.startswith("distill: error:")]
     if rc != 0:
         assert rc == 2 and len(lines) == 1, err
+        if not cfg.teacher.loaded():  # a teacher behind a server: the student's real size
+            assert lines[0].startswith("distill: error: host memory: "), err
+            return
         assert lines[0].startswith("distill: error: teacher.checkpoint: no weights at "), err
         assert "-parameter teacher (teacher.pretrain_steps) needs" in lines[0], err
     assert cfg.pipeline.mode in ("local", "ray")
