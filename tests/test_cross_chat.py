@@ -279,14 +279,21 @@ def test_answers_found_as_they_are_or_stripped():
 
 
 def test_teacher_template_errors_name_the_key(tmp_path, bpe):
+    """A teacher tokenizer with no template beside it is one line naming the teacher's
+    keys; the byte tokenizer, which has none of its own, renders distill's ChatML."""
     student_dir = _model_dir(tmp_path / "student", bpe, "chatml")
     records = [{"messages": c} for c in CONVERSATIONS]
+    bare = tmp_path / "bare" / "tokenizer.json"
+    bare.parent.mkdir()
+    bare.write_bytes(bpe.read_bytes())
     with pytest.raises(DistillError) as info:
-        _corpus(tmp_path, student_dir, records, ByteTokenizer(),
-                TeacherConfig(tokenizer="bytes"), format="chat")  # fmt: skip
+        _corpus(tmp_path, student_dir, records, load_tokenizer(str(bare)),
+                TeacherConfig(tokenizer=str(bare)), format="chat")  # fmt: skip
     msg = str(info.value)
     assert msg.startswith("teacher.chat_template: chat data needs a chat template")
-    assert "teacher.tokenizer=bytes" in msg and len(msg.splitlines()) == 1
+    assert f"teacher.tokenizer={bare}" in msg and len(msg.splitlines()) == 1
+    _corpus(tmp_path, student_dir, records, ByteTokenizer(),
+            TeacherConfig(tokenizer="bytes"), format="chat")  # fmt: skip
 
 
 def _chat_run_config(teacher, tmp_path, bpe) -> dict:
