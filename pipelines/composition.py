@@ -67,6 +67,15 @@ FEATURES = (
     Feature("cache", "offline cache", ("teacher.source=cache", "teacher.cache_dir=<cache>")),
     Feature("ray", "ray mode", ("pipeline.mode=ray",)),
     Feature(
+        "endpoint",
+        "teacher behind a server",
+        (
+            "teacher.source=endpoint",
+            "teacher.endpoint.url=<endpoint>",
+            "teacher.endpoint.api=distill",
+        ),
+    ),  # fmt: skip
+    Feature(
         "moe_student",
         "MoE student",
         (
@@ -82,8 +91,8 @@ FEATURES = (
 NAMES = tuple(f.name for f in FEATURES)
 BY_NAME = {f.name: f for f in FEATURES}
 
-# Pairs that are not one layout of the run at all (both are values of mesh.placement).
-EXCLUSIVE = {frozenset({"colocated", "auto"})}
+# Pairs that are not one run at all (two values of mesh.placement, or of teacher.source).
+EXCLUSIVE = {frozenset({"colocated", "auto"}), frozenset({"cache", "endpoint"})}
 
 # Pairs `distill validate` refuses: (why, in a few words; text the refusal's line holds).
 REFUSED = {
@@ -98,6 +107,19 @@ REFUSED = {
     frozenset({"ray", "cache"}): (
         "the cache is read in local mode; ray's teacher actors run the teacher online",
         "teacher.source: cache is read in pipeline.mode local",
+    ),
+    frozenset({"ray", "endpoint"}): (
+        "ray mode runs its teacher in its own actors",
+        "pipeline.mode: not supported with teacher.source: endpoint",
+    ),
+    frozenset({"on_policy", "endpoint"}): (
+        "scoring the student's samples through a server is not built yet",
+        "distill.on_policy.fraction: not supported with teacher.source: endpoint",
+    ),
+    frozenset({"cross_tokenizer", "endpoint"}): (
+        "a server answers top-k log-probs; cross-tokenizer losses read the teacher's whole "
+        "distribution",
+        "teacher.top_k: a served teacher answers top-k log-probs",
     ),
     frozenset({"on_policy", "cache"}): (
         "the student's samples need the teacher online to score them",

@@ -15,10 +15,11 @@ from pipelines.commands.cli import main
 from tests.conftest import read_train, tiny_config, write_config
 
 # the pairs the default run trains (the rest: -m slow): placements, stages and experts,
-# on-policy steps, the cache and chat data
+# on-policy steps, the cache, chat data and a teacher behind a server
 DEFAULT = {
     ("colocated", "cp"), ("auto", "ep"), ("pp", "on_policy"), ("ep", "moe_student"),
     ("chat", "grad_accum"), ("cache", "microbatch"), ("cross_tokenizer", "pretrained"),
+    ("chat", "endpoint"),
 }  # fmt: skip
 
 
@@ -26,7 +27,8 @@ DEFAULT = {
 def files(tiny_run, corpus_dir, tmp_path_factory):
     """The files the features name: the tiny run's teacher, an MoE teacher bootstrapped
     here, a BPE tokenizer of the corpus, a pretrained Qwen3 student (320 ids: the BPE's or the
-    bytes'), and a ChatML template file for a tokenizer without one."""
+    bytes'), a ChatML template file for a tokenizer without one, and the tiny teacher
+    served by `distill serve`."""
     from distill.data.bpe import train_bpe
     from distill.data.chat import BYTES_TEMPLATE
 
@@ -47,7 +49,15 @@ def files(tiny_run, corpus_dir, tmp_path_factory):
     )  # fmt: skip
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(str(tmp / "student"))
     out["student"] = str(tmp / "student")
-    return out
+    # the tiny run's teacher behind `distill serve`, on a real socket
+    from distill.config.load import load_config
+    from pipelines.serve.server import TeacherServer, load_service
+
+    served = load_config(write_config(tmp, _base(corpus_dir, tmp / "served", out), "served.yaml"))
+    server = TeacherServer(load_service(served, rows=4, wait_ms=5), port=0).start()
+    out["endpoint"] = server.url
+    yield out
+    server.stop()
 
 
 def _base(corpus_dir, out, files) -> dict:
