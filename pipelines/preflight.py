@@ -205,12 +205,16 @@ def check_cross_tokenizer(cfg: Config) -> None:
             )
 
 
-def preflight(cfg: Config) -> Corpus:
+def preflight(cfg: Config, unavailable: list[str] | None = None) -> Corpus:
     """Everything a run refuses before device work, cheapest first: the config (and a
     layout given), the teacher source, the output directory, a teacher to bootstrap against
     the host, the data (rows enough for a batch, vocabularies, prompts), the teacher weights
     and the student checkpoint's teacher (`pipelines.teacher_checks`); `mesh.placement:
-    auto` compiles its candidates only after all of these. Returns the corpus."""
+    auto` compiles its candidates only after all of these. Returns the corpus.
+
+    `unavailable` (validate's): where given, a teacher this machine cannot bootstrap (no
+    weights here, too large to train here) is appended to it, as what stops a run on this
+    machine, and every other check still runs: a pod's config validates on a laptop."""
     devices = _devices(cfg)
     check_config(cfg)
     auto = cfg.mesh.placement == Placement.AUTO
@@ -219,7 +223,12 @@ def preflight(cfg: Config) -> Corpus:
     check_teacher_source(cfg)
     check_output_dir(cfg)
     if uses_teacher(cfg):
-        check_bootstrap_fits(cfg)
+        try:
+            check_bootstrap_fits(cfg)
+        except DistillError as e:
+            if unavailable is None:
+                raise
+            unavailable.append(str(e))
     corpus = _corpus(cfg)
     check_rows(cfg, corpus)
     if cfg.distill.on_policy.fraction > 0 and cfg.data.format == "chat":

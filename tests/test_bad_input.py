@@ -267,6 +267,18 @@ def test_several_config_mistakes_are_all_printed(tmp_path, capsys):
     assert "distill: error: config: data: required field is missing" in lines
 
 
+def test_validate_names_a_teacher_this_host_cannot_bootstrap_and_passes(tmp_path, capsys):
+    """The shipped 8B-to-1B pipeline without the teacher's weights validates (every other
+    check made) and prints, as its second line, the line `run` stops at on this machine."""
+    argv = ["validate", "pipelines/llama3-8b-to-1b.yaml"]
+    out_dir = ["--set", f"run.output_dir={tmp_path / 'out'}"]
+    assert main([*argv, *out_dir, "--set", f"teacher.checkpoint={tmp_path / 'teacher'}"]) == 0
+    ok, here = capsys.readouterr().out.strip().splitlines()
+    assert ok.startswith("pipelines/llama3-8b-to-1b.yaml: ok (")
+    assert here.startswith("pipelines/llama3-8b-to-1b.yaml: not runnable on this machine: ")
+    assert "teacher.checkpoint: no weights at " in here and "8.0B" in here
+
+
 def test_an_8b_teacher_is_not_bootstrapped_on_this_host(tmp_path, capsys):
     """The shipped 8B-to-1B pipeline without the teacher's weights: one line, exit 2,
     before anything is written (not an out-of-memory crash in the bootstrap)."""

@@ -259,15 +259,19 @@ def cmd_score(args: argparse.Namespace) -> None:
 def cmd_validate(args: argparse.Namespace) -> None:
     from pipelines.commands import run
 
-    cfg, meshes, corpus = run.check_run(_config(args))  # what `run` checks, no more, no less
+    unavailable: list[str] = []  # what stops a run on this machine, not the config
+    cfg, meshes, corpus = run.check_run(_config(args), unavailable)  # what `run` checks
     t, s = cfg.mesh.teacher, cfg.mesh.student
     stages = f"pp={t.pp} x " if t.pp > 1 else ""
+    experts = f"ep={t.ep} x " if t.ep > 1 else ""
     t_cp, s_cp = f"cp={t.cp} x " if t.cp > 1 else "", f" x cp={s.cp}" if s.cp > 1 else ""
     print(
         f"{args.config}: ok ({corpus.train_rows} train rows, {corpus.eval_rows} eval "
-        f"rows; teacher {stages}dp={t.dp} x {t_cp}tp={t.tp}, "
+        f"rows; teacher {stages}dp={t.dp} x {experts}{t_cp}tp={t.tp}, "
         f"student dp={s.dp} x fsdp={s.fsdp}{s_cp}, {meshes.platform})"
     )
+    for line in unavailable:  # the line `distill run` stops at here, said now
+        print(f"{args.config}: not runnable on this machine: {line}")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

@@ -37,26 +37,29 @@ def _require_ray(cfg: Config) -> None:
         ) from None
 
 
-def check_run(cfg: Config) -> tuple[Config, Meshes, object]:
+def check_run(cfg: Config, unavailable: list[str] | None = None) -> tuple[Config, Meshes, object]:
     """Everything `distill run` refuses before device work, in the order it meets them:
     `distill validate` is this call, so what validate says is what run does. Returns (the
     config as this process runs it: ray mode's driver view on CPU, or `cfg` resolved in
-    place; its meshes; the corpus)."""
+    place; its meshes; the corpus). `unavailable` (validate's): collects a teacher this
+    machine cannot bootstrap instead of raising (`preflight`); the host's memory is then
+    not checked, the run being one this machine cannot start anyway."""
     _require_ray(cfg)
     host_cfg = cfg
     if cfg.pipeline.mode == "ray":  # the driver stays on CPU; the actors own the devices
         from pipelines.ray.mode import driver_view
 
         host_cfg = driver_view(cfg)
-    meshes, corpus = validate(host_cfg)
-    _check_host(cfg, meshes, corpus)  # compiles both programs: after the cheaper checks
+    meshes, corpus = validate(host_cfg, unavailable)
+    if not unavailable:  # compiles both programs: after the cheaper checks
+        _check_host(cfg, meshes, corpus)
     return host_cfg, meshes, corpus
 
 
-def validate(cfg: Config) -> tuple[Meshes, object]:
+def validate(cfg: Config, unavailable: list[str] | None = None) -> tuple[Meshes, object]:
     """The checks of `preflight`, the teacher cache, and on an accelerator the devices'
     memory; returns (meshes, corpus). `check_run` adds the host's memory on CPU devices."""
-    corpus = preflight(cfg)
+    corpus = preflight(cfg, unavailable)
     if cfg.teacher.source == "cache":  # offline: the cache must match and be long enough
         from pipelines.offline.teacher_cache import check_cache
 
