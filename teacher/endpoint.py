@@ -30,6 +30,7 @@ from distill.data.tokenizers import Tokenizer
 from distill.errors import DistillError
 from distill.types import Batch, TeacherOutput
 from teacher.endpoint_apis import Answer, BadResponse, codec
+from teacher.endpoint_llamacpp import LlamaCpp
 
 log = logging.getLogger("distill")
 
@@ -160,7 +161,10 @@ class EndpointTeacher:
         ask = ep.top_k or self.k
         names = _names(tokenizer, vocab) if ep.api == "openai" else None
         bos = getattr(tokenizer, "bos_id", None)
-        self._codec = codec(ep.api, ask, vocab, ep.model, bos, cfg.distill.temperature, names)
+        if ep.api == "llamacpp":
+            self._codec = LlamaCpp(ask, vocab, ep.model, tokenizer)
+        else:
+            self._codec = codec(ep.api, ask, vocab, ep.model, bos, cfg.distill.temperature, names)
         self._pool = ThreadPoolExecutor(ep.concurrency, thread_name_prefix="teacher-endpoint")
         self.waited_s = 0.0  # the run's time in retry waits (the longest of parallel ones)
         self._waits: dict[int, float] = {}  # each request thread's own waits
@@ -174,7 +178,7 @@ class EndpointTeacher:
         if probe is None:
             return
         try:
-            probe(self._post)
+            probe(self._post_to if isinstance(self._codec, LlamaCpp) else self._post)
         except BadResponse as e:
             raise DistillError(
                 f"teacher.endpoint: {self.ep.url}{self._codec.path}: the first request (how "
@@ -199,14 +203,15 @@ class EndpointTeacher:
         return Pending(index, parts, fields[0].shape, self.k)
 
     def _ask(self, rows: list[np.ndarray], index: int, first_row: int):
-        body, ctx = self._codec.body(rows)
-        if not body:  # no position to learn in these rows
-            shape = rows[0].shape
-            return Answer(np.zeros((*shape, self.k), np.float32),
-                          np.zeros((*shape, self.k), np.int32), np.zeros(shape, bool))  # fmt: skip
-        raw = self._post(body)
         try:
-            return self._codec.answer(raw, ctx, rows, self.k)
+            if isinstance(self._codec, LlamaCpp):  # a request per document, its own paths
+                return _keep(self._codec.ask(rows, self._post_to), self.k)
+            body, ctx = self._codec.body(rows)
+            if not body:  # no position to learn in these rows
+                shape = rows[0].shape
+                zeros = np.zeros((*shape, self.k), np.float32)
+                return Answer(zeros, zeros.astype(np.int32), np.zeros(shape, bool))
+            return self._codec.answer(self._post(body), ctx, rows, self.k)
         except BadResponse as e:
             n = len(rows[0])
             where = f"batch {index}"
@@ -221,8 +226,11 @@ class EndpointTeacher:
                 f"{where}: {e}"
             ) from None
 
-    def _post(self, body: bytes) -> bytes:
-        ep, path = self.ep, self._codec.path
+    def _post_to(self, path: str, body: bytes) -> bytes:
+        return self._post(body, path)
+
+    def _post(self, body: bytes, path: str | None = None) -> bytes:
+        ep, path = self.ep, path or self._codec.path
         wait, waited = ep.backoff_s, 0.0
         for attempt in range(ep.retries + 1):
             try:
@@ -250,6 +258,11 @@ class EndpointTeacher:
     def close(self) -> None:
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _keep(answer: Answer, k: int) -> Answer:
+    """The `k` largest of an answer asked with teacher.endpoint.top_k >= k (sorted)."""
+    return answer._replace(logprobs=answer.logprobs[..., :k], ids=answer.ids[..., :k])
 
 
 def _names(tokenizer: Tokenizer, vocab: int):

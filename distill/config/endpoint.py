@@ -16,8 +16,9 @@ from distill.config.model import Section
 from distill.errors import DistillError
 
 API_DOC = (
-    "The server's API. openai: /v1/completions with echo and logprobs (llama.cpp's "
-    "llama-cpp-python server, vLLM); vllm: /v1/completions with vLLM's prompt_logprobs; "
+    "The server's API. openai: /v1/completions with echo and logprobs (vLLM); llamacpp: "
+    "llama-cpp-python's server (python -m llama_cpp.server), its /v1/completions with echo "
+    "and logprobs on text prompts; vllm: /v1/completions with vLLM's prompt_logprobs; "
     "sglang: SGLang's /generate with return_logprob, logprob_start_len 0 and "
     "top_logprobs_num; distill: `distill serve`'s binary top-k rows (/v1/distill/topk), the "
     "only one at the run's distill.temperature (the others give log-probs at temperature 1)."
@@ -31,7 +32,7 @@ class EndpointConfig(Section):
         description="The server's base URL, http:// or https:// (e.g. http://teacher:8000); "
         "the API's path is added to it."
     )
-    api: Literal["openai", "vllm", "sglang", "distill"] = Field(description=API_DOC)
+    api: Literal["openai", "vllm", "sglang", "llamacpp", "distill"] = Field(description=API_DOC)
     model: str | None = Field(
         None,
         description="The served model's name, sent as the request's model (vLLM's "
