@@ -22,7 +22,7 @@ from distill.data.byte_paths import BytePaths
 from distill.data.corpus import Corpus
 from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths
 from distill.data.tokenizers import vocab_limit
-from distill.models.cross_losses import CrossSpec
+from distill.models.cross.losses import CrossSpec
 from distill.observability.timing import ReadyWatcher
 from student import routing, train
 from student.alpha import AlphaSteps, alpha_steps_for

@@ -32,7 +32,7 @@ from distill import storage
 from distill.config import Config, ModelConfig
 from distill.data.tokenizers import ByteTokenizer, export_files, load_tokenizer, vocab_limit
 from distill.errors import DistillError
-from distill.models import hf, hf_config
+from distill.models import hf, hf_config, parts
 from distill.observability.metrics_log import dumps
 
 PROVENANCE = "distill.json"  # the teacher and tokenizer the exported student was distilled with
@@ -44,7 +44,7 @@ def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """distill parameters (host or device) -> Hugging Face tensor name -> [out, in] array."""
     out, views, rows = {}, {}, {}
     for name, (key, layer, transposed) in hf.weight_names(cfg).items():
-        w = np.asarray(params[key] if layer is None else params["layers"][key][layer])
+        w = np.asarray(params[key] if layer is None else _layer_slice(cfg, params, key, layer))
         base, view = hf.stored(name)
         if view is None:
             out[name] = np.ascontiguousarray(w.T if transposed else w)
@@ -52,13 +52,20 @@ def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
             rows.setdefault(base, {})[view] = w.T if transposed else w
         else:  # every other column of one fused tensor (gpt-oss's gate and up)
             views.setdefault(base, {})[view] = w
-    for base, parts in rows.items():
-        out[base] = np.ascontiguousarray(np.concatenate([parts[k] for k in sorted(parts)]))
-    for base, parts in views.items():
-        fused = np.empty((*parts[0].shape[:-1], 2 * parts[0].shape[-1]), parts[0].dtype)
-        fused[..., 0::2], fused[..., 1::2] = parts[0], parts[1]
+    for base, pieces in rows.items():
+        out[base] = np.ascontiguousarray(np.concatenate([pieces[k] for k in sorted(pieces)]))
+    for base, pieces in views.items():
+        fused = np.empty((*pieces[0].shape[:-1], 2 * pieces[0].shape[-1]), pieces[0].dtype)
+        fused[..., 0::2], fused[..., 1::2] = pieces[0], pieces[1]
         out[base] = fused
     return out
+
+
+def _layer_slice(cfg: ModelConfig, params: dict, key: str, layer) -> np.ndarray:
+    """Weight `key` of layer `layer` (or of (layer, expert)) from its stack
+    (`distill.models.parts.layer_slot`)."""
+    i, *expert = layer if isinstance(layer, tuple) else (layer,)
+    return params["layers"][key][(parts.layer_slot(cfg, key, i), *expert)]
 
 
 def write_hf(

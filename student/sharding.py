@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from distill.config import ModelConfig
 from distill.mesh import CP, DP, FSDP
-from distill.models import model
+from distill.models import model, parts
 
 # Every weight's dimensions by name ([L, ...]: the stacked layers); read with `dim_sizes`.
 WEIGHT_DIMS = {
@@ -156,6 +156,8 @@ def param_specs(cfg: ModelConfig, fsdp: int, axis=FSDP) -> dict:
             if dims is None:
                 raise KeyError(f"student.sharding: no WEIGHT_DIMS entry for {'/'.join(keys)}")
         shape = tuple(sizes[d] for d in dims)
+        if keys[0] == "layers":  # a part only some layers hold is stacked over those
+            shape = (parts.stack_size(cfg, keys[-1]), *shape[1:])
         if shape != tuple(leaf.shape):
             raise ValueError(f"{'/'.join(keys)}: WEIGHT_DIMS gives {shape}, model {leaf.shape}")
         return fsdp_spec(keys[-1], dims, sizes, fsdp, axis)

@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from distill import programs
 from distill.config import Config, DistillLossConfig, ModelConfig, OptimConfig
-from distill.models import cross_losses, model, vocab_loss
-from distill.models.cross_losses import CrossSpec
+from distill.models import model, vocab_loss
+from distill.models.cross import losses as cross_losses
+from distill.models.cross.losses import CrossSpec
 from distill.types import Batch, Continuations, TeacherOutput
 from student import optim, routing, sharding
 from student.accumulate import accumulate
@@ -218,7 +219,7 @@ def make_train_step(
     to a large finite negative, which the losses treat as zero probability. `grad_accum`:
     microbatches per step (it must divide each device's rows). `layer_loop`: see
     `unrolls`. `cross`: how to compare vocabularies when batches carry the teacher's own
-    rows (`distill.models.cross_losses`)."""
+    rows (`distill.models.cross.losses`)."""
     replicated = NamedSharding(mesh, P())
     split = batch_sharding(mesh)
     placed = state_shardings(cfg, tx, mesh)

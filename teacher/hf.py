@@ -46,7 +46,7 @@ from safetensors import safe_open
 
 from distill.config import ModelConfig
 from distill.mesh import PP, TP
-from distill.models import hf
+from distill.models import hf, parts
 from teacher import quantized, sharding, stages
 
 Index = tuple[slice, ...]
@@ -86,7 +86,7 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
                 target = targets["layers"][key]
                 slot = layer if isinstance(layer, tuple) else (layer,)  # (layer, expert)
                 stacked = params["layers"].get(key)
-                stacked = _load_layer(cfg, target, stacked, read, shape, slot, transposed)
+                stacked = _load_layer(cfg, key, target, stacked, read, shape, slot, transposed)
                 params["layers"][key] = stacked.block_until_ready()
     return params
 
@@ -126,7 +126,7 @@ def _slices(file: Path, stored: quantized.Checkpoint | None, dtype):
         yield f.get_slice
 
 
-def _load_layer(cfg: ModelConfig, target, stacked, read, shape, slot, transposed: bool):
+def _load_layer(cfg: ModelConfig, key, target, stacked, read, shape, slot, transposed: bool):
     """`stacked` (None: not made yet) with one layer's tensor (or one expert's) read into
     `slot`. With pipeline stages, only the devices of the stage holding the layer read it
     (`_in_stage`): in a group of several processes, a stage's process reads only its own
@@ -135,6 +135,8 @@ def _load_layer(cfg: ModelConfig, target, stacked, read, shape, slot, transposed
     stored = _as_stored(target, transposed, len(slot))
     read = _once_per_index(_leading(read, len(slot)))
     layers = stages.stacked_layers(cfg.n_layers, pp)  # zero layers past n_layers
+    if pp == 1:  # each part stacked over the layers holding it (`parts.apart`)
+        layers, slot = parts.stack_size(cfg, key), (parts.layer_slot(cfg, key, slot[0]), *slot[1:])
     if pp > 1:  # a leading slot per stage, read only in the layer's own
         stage = slot[0] // (layers // pp)
         stored = NamedSharding(target.mesh, P(PP, *stored.spec))
@@ -183,13 +185,13 @@ def read_hf_layers(
     hf.check_checkpoint(path, cfg, 1, quantized.quantized_shapes(path))
     needed, stored = hf.weight_names(cfg), _quantized(path)
     files = _files(path, needed, stored)
-    slot = {layer: i for i, layer in enumerate(layers)}
     parts: dict[str, dict[tuple, tuple[str, str, bool]]] = {}  # key -> {(slot[, expert]): ...}
     for name, (key, layer, transposed) in needed.items():
         i, expert = layer if isinstance(layer, tuple) else (layer, None)
-        if layer is not None and i not in slot:
+        slot = _kept_slot(cfg, key, layers, i)
+        if layer is not None and slot is None:
             continue
-        at = () if layer is None else (slot[i],) if expert is None else (slot[i], expert)
+        at = () if layer is None else (slot,) if expert is None else (slot, expert)
         parts.setdefault(key, {})[at] = (files[name], name, transposed)
     host = SingleDeviceSharding(jax.devices("cpu")[0])
     params: dict = {"layers": {}}
@@ -197,7 +199,7 @@ def read_hf_layers(
         lead = len(next(iter(kept)))  # 0: a top-level tensor; 1: a layer's; 2: an expert's
         shape = hf.hf_shape(cfg, key)
         shape = shape[::-1] if next(iter(kept.values()))[2] else shape
-        shape = (*(len(layers), cfg.n_experts)[:lead], *shape)
+        shape = (*(_kept_size(cfg, key, layers), cfg.n_experts)[:lead], *shape)
         tree = params if lead == 0 else params["layers"]
         where = (
             host if shardings is None else (shardings if lead == 0 else shardings["layers"])[key]
@@ -205,6 +207,22 @@ def read_hf_layers(
         read = _kept_slices(Path(path), kept, shape, lead, dtype, stored)
         tree[key] = _placed(shape, where, read)
     return params
+
+
+def _kept_slot(cfg: ModelConfig, key: str, layers: list[int], layer: int | None) -> int | None:
+    """Layer `layer`'s slot in the stack of weight `key` of the model made of `layers`
+    (`read_hf_layers`): its rank among the kept layers holding that weight's part
+    (`parts.apart`; the kept layers all, where each holds it); None: not kept."""
+    if layer is None or layer not in layers:
+        return None
+    holds = parts.part_layers(cfg, parts.weight_part(key))
+    return sum(holds[i] for i in layers[: layers.index(layer)])
+
+
+def _kept_size(cfg: ModelConfig, key: str, layers: list[int]) -> int:
+    """How many of the kept `layers` hold weight `key` (its stack's length)."""
+    holds = parts.part_layers(cfg, parts.weight_part(key))
+    return sum(holds[i] for i in layers)
 
 
 def _placed(shape: tuple[int, ...], where, read: Callable[[Index], np.ndarray]) -> jax.Array:

@@ -13,7 +13,7 @@ On an inference mesh with a `cp` axis each device holds T / cp of the teacher's 
 and S / cp of the student's (both in row order): the teacher's blocks go around the cp
 ring (cp - 1 `ppermute`s of one block), each device picking from each block the positions
 its student positions align to. No row is ever whole on a device. An unmatched student
-position reads teacher position 0, as `distill.models.cross_losses.at_student_positions`
+position reads teacher position 0, as `distill.models.cross.losses.at_student_positions`
 does (the loss leaves it out).
 """
 

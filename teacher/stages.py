@@ -3,7 +3,7 @@
 Stage s holds layers [s*L/pp, (s+1)*L/pp) (the layer weights' leading axis is split over
 `pp`: `teacher.sharding`; where pp does not divide the layers the stack is padded with zero
 layers, which pass their input through: `stacked_layers`), with its slice of the per-layer
-data (windows, RoPE tables, which layers are MoE: `distill.models.model.layer_data`). A dp
+data (windows, RoPE tables, which layers are MoE: `distill.models.parts.layer_data`). A dp
 group's rows run in m microbatches that stream through the stages over m + pp - 1 ticks:
 at tick t stage s runs its layers on microbatch t - s (the first stage on that
 microbatch's embeddings, the others on what the previous stage sent at the end of tick
@@ -33,7 +33,7 @@ from distill import collectives as cc
 from distill.config import Config
 from distill.errors import DistillError
 from distill.mesh import PP, TP
-from distill.models import model
+from distill.models import model, parts
 from distill.types import Batch
 
 log = logging.getLogger("distill")
@@ -48,8 +48,12 @@ def stacked_layers(n_layers: int, pp: int) -> int:
 
 
 def pad_layers(params: dict, cfg, pp: int) -> dict:
-    """`params` with the layer stack padded with zero layers to `stacked_layers` (a no-op
-    when pp divides the layers)."""
+    """`params` as stages hold them (pp > 1): every part in the one-shape stack
+    (`distill.models.parts.to_union`: every stage runs the same program) padded with zero
+    layers to `stacked_layers` (a no-op when pp divides the layers); unchanged at pp = 1."""
+    if pp == 1:
+        return params
+    params = parts.to_union(cfg, params)
     extra = stacked_layers(cfg.n_layers, pp) - cfg.n_layers
     if not extra:
         return params
@@ -58,10 +62,10 @@ def pad_layers(params: dict, cfg, pp: int) -> dict:
 
 
 def stage_data(cfg, stage: jax.Array, pp: int) -> dict | None:
-    """`model.layer_data` of stage `stage`'s layers (None when layers are alike); the zero
+    """`parts.layer_data` of stage `stage`'s layers (None when layers are alike); the zero
     layers that pad the stack (`stacked_layers`) take the last layer's, run dense where
     dense and MoE mix."""
-    data = model.layer_data(cfg)
+    data = parts.layer_data(cfg, union=True)
     n = stacked_layers(cfg.n_layers, pp) // pp
     extra = n * pp - cfg.n_layers
 
@@ -95,7 +99,7 @@ def hidden(
     the expert stats summed over layers and microbatches or None), the dp group's `rows`
     run in microbatches of `size` through the stages. `split`: r = rows / pp, stage i's
     block i of the rows; else r = rows on every stage."""
-    module = model._module(cfg, params)
+    module = model._module(cfg, params, union=True)
     pp, stage = jax.lax.axis_size(PP), jax.lax.axis_index(PP)
     rows, seq = batch.tokens.shape
     m = rows // size
@@ -111,7 +115,7 @@ def hidden(
     axes = (PP, *_varying(batch.tokens))  # what a stage's activations vary over
 
     def tick(received, t):
-        module = model._module(cfg, params)  # made in the loop's trace (NNX's rule)
+        module = model._module(cfg, params, union=True)  # made in the loop's trace (NNX's rule)
         j = jnp.clip(t - stage, 0, m - 1)  # this stage's microbatch (stale when idle)
         x = jax.lax.cond(
             stage == 0,

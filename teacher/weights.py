@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from distill.checkpoint import abstract_like, load_param_part, load_params
 from distill.config import Config
 from distill.mesh import PP, TP
-from distill.models import model
+from distill.models import model, parts
 from distill.outputs import teacher_path
 from teacher import sharding, stages
 
@@ -128,7 +128,11 @@ def _kept_from_checkpoint(path: str, mcfg, layers: list[int], shardings) -> dict
     params: dict = {key: one(key) for key in abstract if key != "layers"}
     params["layers"] = {}
     for key in abstract["layers"]:
-        kept = np.asarray(one("layers", key, placed=host))[np.asarray(layers)]
+        holds = parts.part_layers(mcfg, parts.weight_part(key))
+        slots = [parts.layer_slot(mcfg, key, i) for i in layers if holds[i]]
+        if not slots:  # a part none of the kept layers holds
+            continue
+        kept = np.asarray(one("layers", key, placed=host))[np.asarray(slots)]
         where = host if shardings is None else shardings["layers"][key]
         params["layers"][key] = jax.device_put(kept, where)
         del kept

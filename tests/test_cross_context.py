@@ -23,8 +23,9 @@ from distill.data.token_bytes import FirstBytes, VocabMap
 from distill.data.tokenizers import ByteTokenizer
 from distill.errors import DistillError
 from distill.mesh import check_context, student_mesh, teacher_mesh
-from distill.models import cross_losses, model
-from distill.models.cross_losses import CrossSpec
+from distill.models import model
+from distill.models.cross import losses as cross_losses
+from distill.models.cross.losses import CrossSpec
 from distill.types import Batch, TeacherOutput, TeacherView
 from student import train
 from student.context import Context

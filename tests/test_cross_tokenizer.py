@@ -15,7 +15,7 @@ from distill.data.byte_paths import BytePaths
 from distill.data.cross_rows import cross_splits
 from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths, token_bytes
 from distill.data.tokenizers import ByteTokenizer, load_tokenizer
-from distill.models import cross_losses as xl
+from distill.models.cross import losses as xl
 from distill.models.losses import kd_divergence
 from distill.types import TeacherOutput
 

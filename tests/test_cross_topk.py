@@ -13,8 +13,8 @@ from distill.config import DistillLossConfig
 from distill.data.byte_paths import BytePaths
 from distill.data.token_bytes import FirstBytes, VocabMap
 from distill.data.tokenizers import ByteTokenizer
-from distill.models import cross_losses as xl
-from distill.models.cross_topk import cross_topk_divergence, uld_topk_distance
+from distill.models.cross import losses as xl
+from distill.models.cross.topk import cross_topk_divergence, uld_topk_distance
 from distill.models.losses import kd_divergence
 from distill.types import TeacherOutput
 from tests.test_cross_tokenizer import (  # noqa: F401  (bpe: the fixture)

@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from distill.config import ModelConfig  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
-from distill.models import decode, hf, model, vocab_loss  # noqa: E402
+from distill.models import decode, hf, model, parts, vocab_loss  # noqa: E402
 from distill.models import losses as ref_losses  # noqa: E402
 from distill.types import Batch  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
@@ -259,7 +259,7 @@ def test_llama_with_a_window_is_refused(tmp_path):
 
 def test_default_config_is_llama():
     cfg = ModelConfig()
-    assert cfg.family == "llama" and not cfg.mixed_layers() and model.layer_data(cfg) is None
+    assert cfg.family == "llama" and not cfg.mixed_layers() and parts.layer_data(cfg) is None
     assert set(model.abstract_params(cfg)["layers"]) == set(hf.LAYER_WEIGHTS)
 
 

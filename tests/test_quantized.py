@@ -275,7 +275,7 @@ def test_mxfp4_fused_experts_load_into_the_ep_tp_layout(tmp_path):
                 sl = quantized.Strided(fused, -1, int(key == "we_up"), 2)
             shape = tuple(sl.get_shape())
             stacked = teacher_hf._load_layer(
-                cfg, targets[key], stacked, watched(sl), shape, (i,), False
+                cfg, key, targets[key], stacked, watched(sl), shape, (i,), False
             )
         assert stacked.sharding == targets[key] and stacked.dtype == ml_dtypes.bfloat16
         ref = torch.stack(want[key]).contiguous()

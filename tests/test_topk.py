@@ -15,7 +15,7 @@ from distill import limits
 from distill.config import ModelConfig
 from distill.mesh import teacher_mesh
 from distill.models import model, topk
-from distill.models.cross_losses import uld_distance
+from distill.models.cross.losses import uld_distance
 from distill.types import Batch
 from teacher.forward import make_forward
 

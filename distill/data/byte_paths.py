@@ -5,7 +5,7 @@ predict, factors into conditional next-byte distributions: after the first d byt
 token, the share of the probability of the tokens starting with those d bytes that goes
 on with each byte, plus the share of the token that is exactly those d bytes ("ends
 here"). A byte-level teacher predicts each of those bytes at its own position, so the two
-compare byte by byte (`distill.models.cross_losses.byte_path_divergence`). The tables here
+compare byte by byte (`distill.models.cross.losses.byte_path_divergence`). The tables here
 are numpy constants of the compiled step, built once per run:
 
 - `path` [Vs, D + 1]: the trie node of each student id's first d bytes (node 0: none),

@@ -1,6 +1,6 @@
 """The UTF-8 bytes each token id stands for, and the map between two vocabularies built on it.
 
-Cross-tokenizer distillation (`distill.models.cross_losses`) compares a teacher's next-token
+Cross-tokenizer distillation (`distill.models.cross.losses`) compares a teacher's next-token
 distribution with a student's over different vocabularies. Where a teacher token spells
 exactly the bytes of a student token, the two are the same event ("the text goes on with
 these bytes"), so the teacher's probability of one is the student's target for the other:

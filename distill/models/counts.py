@@ -9,22 +9,29 @@ import jax
 
 from distill.config import ModelConfig
 from distill.models import linear_attention, moe
-from distill.models.model import abstract_params, window_of
+from distill.models.model import abstract_params
+from distill.models.parts import window_of
 
 
-def stored_param_count(cfg: ModelConfig) -> int:
-    """Parameters stored: every layer of one shape (one scanned block), so where dense and
-    MoE feed-forwards mix each holds both (`unused_param_count`)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+def stored_param_count(cfg: ModelConfig, union: bool = False) -> int:
+    """Parameters stored: each part of a layer in the layers that hold it
+    (`distill.models.parts.apart`); with `union` (pipeline stages' one-shape stack) every
+    part in every layer (`unused_param_count`)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg, union)))
 
 
-def unused_param_count(cfg: ModelConfig) -> int:
-    """Stored parameters no token uses (zeros as loaded), where dense and MoE feed-forwards
-    mix (DeepSeek-V3's first_k_dense_replace, GLM-4.5, Qwen's mlp_only_layers): each MoE
-    layer's dense MLP and each dense layer's router and experts (57B of DeepSeek-V3's
-    stack); where linear-attention layers are (Qwen3.5) each linear layer's attention
-    weights and each attention layer's linear ones."""
-    layers = abstract_params(cfg)["layers"]
+def unused_param_count(cfg: ModelConfig, union: bool = False) -> int:
+    """Stored parameters no token uses: in the one-shape stack (`union`) where dense and
+    MoE feed-forwards mix (DeepSeek-V3's first_k_dense_replace, GLM-4.5, Qwen's
+    mlp_only_layers), each MoE layer's dense MLP and each dense layer's router and experts
+    (57B of DeepSeek-V3's stack), and where linear-attention layers are (Qwen3.5) each
+    linear layer's attention weights and each attention layer's linear ones; without it,
+    only the attention weights of a model whose every layer is linear."""
+    return stored_param_count(cfg, union) - param_count(cfg)
+
+
+def _union_unused(cfg: ModelConfig) -> int:
+    layers = abstract_params(cfg, union=True)["layers"]
     sizes = {k: math.prod(x.shape[1:]) for k, x in layers.items()}
     unused = linear_attention.unused_param_count(cfg, sizes)
     if not cfg.mixed_ffn():
@@ -36,8 +43,8 @@ def unused_param_count(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """The model's parameters, as its checkpoint holds them (less `unused_param_count`)."""
-    return stored_param_count(cfg) - unused_param_count(cfg)
+    """The model's parameters, as its checkpoint holds them."""
+    return stored_param_count(cfg, union=True) - _union_unused(cfg)
 
 
 def active_param_count(cfg: ModelConfig) -> int:

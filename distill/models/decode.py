@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from distill.config import ModelConfig
-from distill.models import linear_attention, model
+from distill.models import linear_attention, model, parts
 from distill.models.attention import over_rows
 from distill.models.topk import sort_descending
 from distill.types import Batch, Continuations, Prompts
@@ -79,15 +79,17 @@ def prefill(
     backend = module.backend(cfg.attention, dt, prompts.tokens.shape[1])
     attend = over_rows(backend, rows)
 
+    stacks = module.stacks()
+
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     def run_layers(x, block, layer):
-        seg, pos = prompts.segment_ids, prompts.positions
+        seg, pos, layer = prompts.segment_ids, prompts.positions, parts.with_stacks(layer, stacks)
         x, kv = block.with_kv(x, seg, pos, None, backend, layer, attend)
         return _constrain(x, rows), kv
 
     # k, v [L, B, P, KV, hd(_v)], the linear layers' caches [L, B, ...] (zeros where the
     # layer is of the other kind: each kind keeps its own layers')
-    x, ((k, v), linear) = run_layers(x, module.layers, model.layer_data(cfg))
+    x, ((k, v), linear) = run_layers(x, module.layers, module.layer_data())
     if linear is not None:
         _, attn_layers, linear_layers = layer_slots(cfg)
         k, v = k[attn_layers], v[attn_layers]
@@ -142,15 +144,18 @@ def decode_step(
     hit = jnp.arange(cache.valid.shape[1]) == index
     valid = cache.valid | (hit[None, :] & writes_b[:, None])
 
+    stacks = module.stacks()
+
     def attend(block, x, k_1l, v_1l, layer):  # one attention layer's [1, B, T, ...] cache
+        layer = parts.with_stacks(layer, stacks)
         window, rope = block.layer(layer)
-        q, k, v, gate = block.qkv(x, positions_b[:, None], rope)
+        q, k, v, gate = block.qkv(x, positions_b[:, None], rope, None, layer)
         at = (0, 0, index, 0, 0)
         k_1l = jax.lax.dynamic_update_slice(k_1l, k[None].astype(k_1l.dtype), at)
         v_1l = jax.lax.dynamic_update_slice(v_1l, v[None].astype(v_1l.dtype), at)
         o = cached_attention(
             q, k_1l[0], v_1l[0], valid, scale=cfg.scale(), softcap=cfg.attn_softcap,
-            window=window, index=index, sinks=block.sinks[...] if cfg.attn_sinks else None,
+            window=window, index=index, sinks=block.w("sinks", layer) if cfg.attn_sinks else None,
         )  # fmt: skip
         o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's output gate
         x, _ = block.finish(x, o, None, layer)
@@ -163,21 +168,21 @@ def decode_step(
             x, k_l, v_l = attend(block, x, k_l[None], v_l[None], layer)
             return x, (k_l[0], v_l[0])
 
-        x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, model.layer_data(cfg))
+        x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, module.layer_data())
         linear = None
     else:
-        x, k, v, linear = _mixed_layers(cfg, module, x, cache, attend, rows)
+        x, k, v, linear = _mixed_layers(cfg, module, x, cache, attend, rows, stacks)
     logits = model.logits(module.final(x), module.head(), cfg.final_softcap)
     return logits[:, 0], Cache(k, v, valid, linear)
 
 
-def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows):
+def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows, stacks):
     """(x, keys, values, linear caches) after every layer of a model with linear layers:
     the caches carried through the layer scan, each layer updating its slot (`layer_slots`):
     an attention layer by `attend(block, x, k, v, layer)` on the one-slot window of the
     keys and values [1, B, T, ...], a linear layer by its recurrence."""
     slots = jnp.asarray(layer_slots(cfg)[0])
-    data = model.layer_data(cfg)
+    data = module.layer_data()
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
     def run_layers(carry, block, layer, slot):
@@ -192,8 +197,9 @@ def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows):
         def recurrence(carry):
             x, k, v, linear = carry
             mine = jax.tree.map(lambda a: a[slot], linear)
-            o, mine = linear_attention.decode_mixer(block, x, mine, model.matmul)
-            x, _ = block.residual(x, o, None, layer)
+            with_stacks = parts.with_stacks(layer, stacks)
+            o, mine = linear_attention.decode_mixer(block, x, mine, model.matmul, with_stacks)
+            x, _ = block.residual(x, o, None, with_stacks)
             linear = jax.tree.map(lambda a, n: a.at[slot].set(n), linear, mine)
             return _constrain(x, rows), k, v, linear
 

@@ -361,7 +361,7 @@ def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul, stat
 
     def linear(x):
         h = cc.gather_positions(block._norm(x, block.attn_norm), tp_axis)
-        w = layer_weights(block)
+        w = layer_weights(block, layer)
         o, cache = mixer(w, h, segment_ids_bs, cfg, matmul)
         o = matmul(o, w["lin_wo"].astype(x.dtype))
         kv = zeros_like(jax.eval_shape(attn, x)[1], o)
@@ -376,16 +376,17 @@ def block_mixer(block, x_bsd, segment_ids_bs, tp_axis, layer, attn, matmul, stat
     return jax.lax.cond(layer["linear"], linear, attention, x_bsd)
 
 
-def layer_weights(block) -> dict:
-    """`block`'s linear-attention weights by name (`weight_shapes`)."""
-    return {k: getattr(block, k)[...] for k in weight_shapes(block.cfg)}
+def layer_weights(block, layer: dict | None) -> dict:
+    """`block`'s linear-attention weights by name (`weight_shapes`); `layer`: its scanned
+    data (`distill.models.model.Block.w`)."""
+    return {k: block.w(k, layer) for k in weight_shapes(block.cfg)}
 
 
-def decode_mixer(block, x_b1d, cache: Cache, matmul) -> tuple[jax.Array, Cache]:
+def decode_mixer(block, x_b1d, cache: Cache, matmul, layer=None) -> tuple[jax.Array, Cache]:
     """(the output projection [B, 1, D], the cache after it) of one token per row through
     `block`'s linear layer by the per-token recurrence (a decode step, single device)."""
     h = block._norm(x_b1d, block.attn_norm)
-    w = layer_weights(block)
+    w = layer_weights(block, layer)
     segment_ids = jnp.zeros(x_b1d.shape[:2], jnp.int32)
     o, cache = mixer(w, h, segment_ids, block.cfg, matmul, cache, chunked=False)
     return matmul(o, w["lin_wo"].astype(x_b1d.dtype)), cache

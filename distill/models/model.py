@@ -31,16 +31,14 @@ from flax import nnx
 from distill import collectives as cc
 from distill import programs
 from distill.config import ModelConfig
-from distill.models import linear_attention, mla, moe
+from distill.models import linear_attention, mla, moe, parts
 from distill.models.attention import attention, over_rows, resolve_backend
+from distill.models.parts import PARTS, apart, is_union, part_layers, weight_part
 from distill.models.rope import Rope, apply_rope, layer_rope
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-# A full-attention layer's window when layers differ: wider than any row.
-NO_WINDOW = 2**30
 
 # `train.remat`: what a block keeps for the backward pass. none: everything (no recompute);
 # block: only its input (the whole block is recomputed); dots: its matmul outputs without a
@@ -83,14 +81,37 @@ def matmul(x_bsd: jax.Array, w_df: jax.Array) -> jax.Array:
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, hd, f = cfg.d_model, cfg.hd, cfg.d_ff
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, parts: tuple[str, ...] = PARTS):
+        """One layer's weights of the `parts` (`PARTS`) it holds, as far as the model has
+        them: a scanned block holds those every layer has, a stack of the layers holding a
+        part holds only that part's (`apart`)."""
+        d, f = cfg.d_model, cfg.d_ff
         std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
 
         def norm(width):  # an effective scale of 1 whatever the offset
             return nnx.Param(jnp.full((width,), 1.0 - cfg.norm_offset, jnp.float32))
 
-        self.attn_norm = norm(d)
+        self.cfg = cfg
+        if "all" in parts:
+            self.attn_norm, self.mlp_norm = norm(d), norm(d)
+            if cfg.post_norms:
+                self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
+        if "attention" in parts:
+            self._attention_params(cfg, rngs, norm, std, out_std)
+        if "linear" in parts:  # Gated DeltaNet's, where the model has linear layers
+            for name, param in linear_attention.init_params(cfg, rngs, std, out_std).items():
+                setattr(self, name, param)
+        if "dense" in parts and cfg.has_dense_ffn():
+            self.w_gate = _normal(rngs, (d, f), std)
+            self.w_up = _normal(rngs, (d, f), std)
+            self.w_down = _normal(rngs, (f, d), out_std)
+        if "moe" in parts and cfg.n_experts:  # the router, the experts, a shared expert
+            draw = lambda shape, out: _normal(rngs, shape, out_std if out else std)  # noqa: E731
+            for name, param in moe.layer_params(cfg, draw).items():
+                setattr(self, name, param)
+
+    def _attention_params(self, cfg: ModelConfig, rngs, norm, std: float, out_std: float):
+        d, hd = cfg.d_model, cfg.hd
         if cfg.mla:
             for name, shape in mla.weight_shapes(cfg).items():
                 w = norm(shape[0]) if name in mla.NORMS else _normal(rngs, shape, std)
@@ -112,30 +133,26 @@ class Block(nnx.Module):
             self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), jnp.float32))
         if cfg.o_bias:  # added once, after the sum over tp shards
             self.bo = nnx.Param(jnp.zeros((d,), jnp.float32))
-        if cfg.post_norms:
-            self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
-        for name, param in linear_attention.init_params(cfg, rngs, std, out_std).items():
-            setattr(self, name, param)  # Gated DeltaNet's, where the model has linear layers
-        self.mlp_norm = norm(d)
-        if cfg.has_dense_ffn():
-            self.w_gate = _normal(rngs, (d, f), std)
-            self.w_up = _normal(rngs, (d, f), std)
-            self.w_down = _normal(rngs, (f, d), out_std)
-        if cfg.n_experts:  # the router, the experts, a shared expert: those the config has
-            draw = lambda shape, out: _normal(rngs, shape, out_std if out else std)  # noqa: E731
-            for name, param in moe.layer_params(cfg, draw).items():
-                setattr(self, name, param)
-        self.cfg = cfg
+
+    def w(self, name: str, layer: dict | None) -> jax.Array:
+        """This layer's weight `name`: the block's own (scanned with it), or, where only
+        some layers hold its part (`apart`), its slot of the part's stack, which the layer
+        scan passes in `layer` (`Transformer.stacks`, `layer_data`)."""
+        own = getattr(self, name, None)
+        if own is not None:
+            return own[...]
+        slot = layer[f"slot_{weight_part(name)}"]
+        return jax.lax.dynamic_index_in_dim(layer["stacks"][name], slot, keepdims=False)
 
     def _norm(self, x, scale):
         return rms_norm(x, scale[...], self.cfg.norm_eps, self.cfg.norm_offset)
 
     def _project(self, h, w, b):
-        """h @ w (+ b), split into heads [B, S, heads, hd]."""
+        """h @ w (+ b) (arrays), split into heads [B, S, heads, hd]."""
         dt = h.dtype
-        y = matmul(h, w[...].astype(dt))
+        y = matmul(h, w.astype(dt))
         if b is not None:
-            y = y + b[...].astype(dt)
+            y = y + b.astype(dt)
         return y.reshape(*h.shape[:2], -1, self.cfg.hd)
 
     def layer(self, layer: dict | None) -> tuple:
@@ -143,7 +160,7 @@ class Block(nnx.Module):
         differ in them; else static, from the config."""
         layer = layer or {}
         kind = self.cfg.attention_type()
-        window = layer["window"] if "window" in layer else window_of(self.cfg, kind)
+        window = layer["window"] if "window" in layer else parts.window_of(self.cfg, kind)
         if "inv_freq" in layer:
             return window, Rope(layer["inv_freq"], layer["rope_factor"])
         return window, layer_rope(self.cfg, 0)
@@ -155,37 +172,39 @@ class Block(nnx.Module):
         ss = cc.psum_whole(jnp.sum(y32 * y32, axis=(-2, -1), keepdims=True), tp_axis)
         width = y_bshd.shape[-2] * y_bshd.shape[-1] * cc.axis_size(tp_axis)
         y = y32 * jax.lax.rsqrt(ss / width + self.cfg.norm_eps)
-        return (y * scale[...].astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
+        return (y * scale.astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
 
-    def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None):
+    def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None, layer=None):
         """Queries [B, S, H, hd] and keys [B, S, KV, hd], values [B, S, KV, v_dim] (local
-        heads), RoPE applied, and the output gate's logits [B, S, H, hd] (else None)."""
+        heads), RoPE applied, and the output gate's logits [B, S, H, hd] (else None).
+        `layer`: this layer's scanned data (`w`)."""
         bias, normed = self.cfg.qkv_bias, self._norm(x_bsd, self.attn_norm)
+        w = functools.partial(self.w, layer=layer)
         if self.cfg.mla:
-            w = {k: getattr(self, k)[...] for k in mla.weight_shapes(self.cfg)}
-            qkv = mla.qkv(w, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
+            weights = {k: w(k) for k in mla.weight_shapes(self.cfg)}
+            qkv = mla.qkv(weights, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
             return (*qkv, None)
         h = cc.gather_positions(normed, tp_axis)
-        q, gate = self._project(h, self.wq, self.bq if bias else None), None
+        q, gate = self._project(h, w("wq"), w("bq") if bias else None), None
         if self.cfg.attn_output_gate:  # each head's hd queries, then its hd gate logits
             q, gate = jnp.split(q.reshape(*q.shape[:2], -1, 2 * self.cfg.hd), 2, axis=-1)
-        k = self._project(h, self.wk, self.bk if bias else None)
-        v = self._project(h, self.wv, self.bv if bias else None)
+        k = self._project(h, w("wk"), w("bk") if bias else None)
+        v = self._project(h, w("wv"), w("bv") if bias else None)
         if self.cfg.qk_norm and self.cfg.qk_norm_full:
-            q = self._full_norm(q, self.q_norm, tp_axis)
-            k = self._full_norm(k, self.k_norm, tp_axis)
+            q = self._full_norm(q, w("q_norm"), tp_axis)
+            k = self._full_norm(k, w("k_norm"), tp_axis)
         elif self.cfg.qk_norm:
-            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+            q, k = self._norm(q, w("q_norm")), self._norm(k, w("k_norm"))
         inter = self.cfg.rope_interleave
         q, k = apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter)
         return q, k, v, gate
 
-    def dense_ffn(self, h_bsd, tp_axis: str | None):
+    def dense_ffn(self, h_bsd, tp_axis: str | None, layer=None):
         """The gated MLP (column-parallel gate/up, row-parallel down, psum over `tp`)."""
         dt = h_bsd.dtype
-        gate = matmul(h_bsd, self.w_gate[...].astype(dt))
-        hidden = moe.glu(self.cfg)(gate, matmul(h_bsd, self.w_up[...].astype(dt)))
-        return cc.psum(matmul(hidden, self.w_down[...].astype(dt)), tp_axis)
+        w = lambda k: self.w(k, layer).astype(dt)  # noqa: E731
+        hidden = moe.glu(self.cfg)(matmul(h_bsd, w("w_gate")), matmul(h_bsd, w("w_up")))
+        return cc.psum(matmul(hidden, w("w_down")), tp_axis)
 
     def ffn(self, h_bsd, tp_axis, layer, moe_opts):
         """The feed-forward output and (tokens per expert [E], dropped assignments): the
@@ -199,15 +218,15 @@ class Block(nnx.Module):
         none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero, balance)
 
         def routed(h):
-            experts = {k: getattr(self, k) for k in moe.weight_keys(cfg)}
+            experts = {k: self.w(k, layer) for k in moe.weight_keys(cfg)}
             return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, **moe_opts)
 
         if not cfg.n_experts:
-            return self.dense_ffn(h_bsd, tp_axis), none
+            return self.dense_ffn(h_bsd, tp_axis, layer), none
         if not cfg.mixed_ffn():
             return routed(h_bsd)
         return jax.lax.cond(
-            layer["moe"], routed, lambda h: (self.dense_ffn(h, tp_axis), none), h_bsd
+            layer["moe"], routed, lambda h: (self.dense_ffn(h, tp_axis, layer), none), h_bsd
         )
 
     def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None):
@@ -216,7 +235,7 @@ class Block(nnx.Module):
         `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor (the
         teacher), layout and token_mask (the student's training step)."""
         b, s = o_bshd.shape[:2]  # x holds S/tp of them under sequence parallelism
-        o = matmul(o_bshd.reshape(b, s, -1), self.wo[...].astype(x_bsd.dtype))
+        o = matmul(o_bshd.reshape(b, s, -1), self.w("wo", layer).astype(x_bsd.dtype))
         return self.residual(x_bsd, o, tp_axis, layer, moe_opts)
 
     def residual(self, x_bsd, o_bsd, tp_axis: str | None, layer=None, moe_opts=None):
@@ -224,7 +243,7 @@ class Block(nnx.Module):
         dt = x_bsd.dtype
         o = cc.psum(o_bsd, tp_axis)
         if self.cfg.o_bias:
-            o = o + self.bo[...].astype(dt)
+            o = o + self.w("bo", layer).astype(dt)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
         h = cc.gather_positions(self._norm(x_bsd, self.mlp_norm), tp_axis)
         y, stats = self.ffn(h, tp_axis, layer, moe_opts or {})
@@ -263,14 +282,15 @@ class Block(nnx.Module):
 
         def attn(x):
             window, rope = self.layer(layer)
-            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis)
+            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis, layer)
             o = (attend or functools.partial(attention, backend=backend))(
                 q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
                 softcap=self.cfg.attn_softcap,
-                sinks=self.sinks[...] if self.cfg.attn_sinks else None,
+                sinks=self.w("sinks", layer) if self.cfg.attn_sinks else None,
             )  # fmt: skip
             o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's, per head and dim
-            return matmul(o.reshape(*o.shape[:2], -1), self.wo[...].astype(x.dtype)), (k, v)
+            wo = self.w("wo", layer).astype(x.dtype)
+            return matmul(o.reshape(*o.shape[:2], -1), wo), (k, v)
 
         args = (segment_ids_bs, tp_axis, layer, attn, matmul, states)
         o, *kv = linear_attention.block_mixer(self, x_bsd, *args)  # kv, and the cache
@@ -278,43 +298,27 @@ class Block(nnx.Module):
         return x, (tuple(kv) if states else kv[0]), stats
 
 
-def window_of(cfg: ModelConfig, kind: str) -> int | None:
-    """The window of a layer of type `kind` (None: full attention)."""
-    return cfg.sliding_window if kind == "sliding" else None
-
-
-def layer_data(cfg: ModelConfig) -> dict | None:
-    """What the layer scan feeds each block when layers differ: when windows differ,
-    window int32 [L] (`NO_WINDOW` for full layers); when windows or RoPE differ (a local
-    base, NoPE layers), inv_freq float32 [L, R/2] and rope_factor float32 [L]
-    (`distill.models.rope.Rope`); when dense and MoE feed-forwards mix, moe bool [L]; None
-    when layers are alike."""
-    data = {}
-    if cfg.mixed_windows():
-        windows = [window_of(cfg, t) or NO_WINDOW for t in cfg.types()]
-        data["window"] = jnp.asarray(windows, jnp.int32)
-    if cfg.mixed_layers():
-        tables = [layer_rope(cfg, i) for i in range(cfg.n_layers)]
-        data["inv_freq"] = jnp.stack([t.inv_freq for t in tables])
-        data["rope_factor"] = jnp.asarray([t.factor for t in tables], jnp.float32)
-    if cfg.mixed_ffn():
-        data["moe"] = jnp.asarray(cfg.moe_layers())
-    if cfg.mixed_mixers():
-        data["linear"] = jnp.asarray(cfg.linear_layers())
-    return data or None
-
-
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, union: bool = False):
+        """`layers`: the blocks scanned over all L layers, holding the parts every layer
+        holds; `<part>_layers` for each part only some hold (`apart`): its stack over those
+        layers, which the scan indexes by slot (`Block.w`). `union`: every part in
+        `layers`, zeros where a layer lacks it (pipeline stages: `to_union`)."""
+        self.cfg, self.union = cfg, union
         self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02)
+        self.apart = () if union else apart(cfg)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        def make_layers(n: int, parts: tuple[str, ...]):
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs, parts)
 
-        self.layers = make_layers(rngs)
+            return make(rngs)
+
+        self.layers = make_layers(cfg.n_layers, tuple(p for p in PARTS if p not in self.apart))
+        for part in self.apart:
+            setattr(self, f"{part}_layers", make_layers(sum(part_layers(cfg, part)), (part,)))
         self.final_norm = nnx.Param(jnp.full((cfg.d_model,), 1.0 - cfg.norm_offset, jnp.float32))
         if not cfg.tie_embeddings:
             self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
@@ -339,7 +343,7 @@ class Transformer(nnx.Module):
         backend = self.backend(attention, dt, tokens_bs.shape[1])
         attend = attend or over_rows(backend, rows)  # a kernel XLA cannot split: per device
         x, stats = self.blocks(
-            x, segment_ids_bs, positions_bs, layer_data(self.cfg), tp_axis=tp_axis,
+            x, segment_ids_bs, positions_bs, self.layer_data(), tp_axis=tp_axis,
             backend=backend, remat=remat, unroll=unroll, moe_opts=moe_opts, attend=attend,
         )  # fmt: skip
         return self.final(x), stats
@@ -359,12 +363,26 @@ class Transformer(nnx.Module):
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
+        stacks = self.stacks()
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
         def run_layers(x, block, layer):
-            return block_fn(block, x, layer)
+            return block_fn(block, x, parts.with_stacks(layer, stacks))
 
         return run_layers(x_bsd, self.layers, data)
+
+    def layer_data(self) -> dict | None:
+        """`layer_data` of this module's layers."""
+        return parts.layer_data(self.cfg, self.union)
+
+    def stacks(self) -> dict:
+        """The stacks of the parts only some layers hold (`apart`), weight name -> array
+        [layers holding it, ...]: passed whole into the layer scan, which indexes each
+        layer's slot (`Block.w`)."""
+        stacks = {}
+        for part in self.apart:
+            stacks.update(nnx.to_pure_dict(nnx.state(getattr(self, f"{part}_layers"))))
+        return stacks
 
     def embed_tokens(self, tokens_bs, tp_axis, dt) -> jax.Array:
         """Embeddings [B, S, D] in the compute dtype, times sqrt(D) in that dtype for Gemma
@@ -418,30 +436,36 @@ def logits(x_bsd: jax.Array, head_dv: jax.Array, cap: float | None = None) -> ja
 
 
 def init_params(cfg: ModelConfig, seed: int) -> Params:
-    """Freshly initialised parameters as a plain nested dict (float32)."""
-    return nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(seed))))
+    """Freshly initialised parameters as a plain nested dict (float32): every layer weight
+    in `layers` (name -> [layers holding it, ...]: `apart`, `layer_slot`)."""
+    return parts.flat(nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(seed)))))
 
 
-def abstract_params(cfg: ModelConfig) -> Params:
-    """Shapes and dtypes of the parameters, without allocating them."""
-    return nnx.to_pure_dict(_abstract(cfg)[1])  # a new dict: the cached state is untouched
+def abstract_params(cfg: ModelConfig, union: bool = False) -> Params:
+    """Shapes and dtypes of the parameters, without allocating them (`union`: laid out as
+    `to_union`)."""
+    return parts.flat(nnx.to_pure_dict(_abstract(cfg, union)[1]))  # a new dict: cache untouched
 
 
-def _abstract(cfg: ModelConfig):
+def _abstract(cfg: ModelConfig, union: bool = False):
     """(graphdef, abstract state) of the model: built once per config in a process (every
     trace of a forward needs it; `nnx.eval_shape` takes tens of milliseconds). Callers copy
     the state before changing it."""
-    return programs.cached(_split_abstract, cfg)
+    return programs.cached(_split_abstract, cfg, union)
 
 
-def _split_abstract(cfg: ModelConfig):
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+def _split_abstract(cfg: ModelConfig, union: bool):
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), union)))
 
 
-def _module(cfg: ModelConfig, params: Params) -> Transformer:
-    graphdef, state = _abstract(cfg)
+def _module(cfg: ModelConfig, params: Params, union: bool | None = None) -> Transformer:
+    """The module around `params`; `union`: whether they hold the one-shape stack
+    (`to_union`; None: read off their shapes, which a pipeline stage's slice of the stack
+    does not show: `teacher.stages` says)."""
+    union = is_union(cfg, params) if union is None else union
+    graphdef, state = _abstract(cfg, union)
     state = jax.tree.map(lambda x: x, state)  # a copy: the cached one stays abstract
-    nnx.replace_by_pure_dict(state, params)
+    nnx.replace_by_pure_dict(state, parts.nested(cfg, params, union))
     return nnx.merge(graphdef, state)
 
 

@@ -65,6 +65,9 @@ from distill.models.topk import top_k
 EXPERTS = ("we_gate", "we_up", "we_down")  # [E, ...]: split over the expert axis
 EXPERT_BIASES = ("be_gate", "be_up", "be_down")  # [E, F], [E, F], [E, D]: as their experts
 SHARED = ("ws_gate", "ws_up", "ws_down")  # every token's: never split by expert
+# Every weight an MoE layer may hold (`weight_keys`: those a model's layers do).
+ALL_KEYS = ("router", "router_bias", "router_correction", *EXPERTS, *EXPERT_BIASES, *SHARED)
+ALL_KEYS += ("shared_gate",)
 NORM_EPS = 1e-20  # transformers' DeepSeek-V3 / GLM-4.5 renormalisation epsilon (sigmoid)
 
 

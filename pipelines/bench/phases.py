@@ -29,7 +29,7 @@ from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
 from distill.mesh import Meshes
 from distill.models import model
-from distill.models.cross_losses import CrossSpec
+from distill.models.cross.losses import CrossSpec
 from distill.observability.metrics import MetricsStore
 from distill.observability.server import start_server
 from distill.outputs import teacher_path

@@ -31,8 +31,14 @@ def _dtype_bytes(cfg: Config) -> int:
 
 def expert_params(cfg: Config) -> int:
     """The teacher's routed experts' parameters (every layer's gate, up and down)."""
-    layers = model.abstract_params(cfg.teacher.model)["layers"]
+    layers = _teacher_layers(cfg)
     return sum(math.prod(x.shape) for name, x in layers.items() if name.startswith("we_"))
+
+
+def _teacher_layers(cfg: Config) -> dict:
+    """The teacher's abstract layer weights as its mesh holds them: the one-shape stack
+    over pipeline stages (`distill.models.parts.to_union`), else each part's own."""
+    return model.abstract_params(cfg.teacher.model, cfg.mesh.teacher.pp > 1)["layers"]
 
 
 def all_to_all_bytes_per_step(cfg: Config, platform: str | None = None) -> int:
@@ -91,7 +97,7 @@ def float8_weight_bytes_per_device(cfg: Config, held_bytes: int) -> int:
     rather than converted: 1 byte a value and 4 per 128 x 128 block in place of the held
     dtype's bytes."""
     t = cfg.mesh.teacher
-    layers = model.abstract_params(cfg.teacher.model)["layers"]
+    layers = _teacher_layers(cfg)
     pad = stages.stacked_layers(cfg.teacher.model.n_layers, t.pp) / cfg.teacher.model.n_layers
     per_device = sum(
         math.prod(x.shape) * pad / (t.tp * t.pp * (t.ep if k.startswith("we_") else 1))
@@ -103,7 +109,7 @@ def float8_weight_bytes_per_device(cfg: Config, held_bytes: int) -> int:
 
 def layer_params(cfg: Config) -> int:
     """The teacher's stacked layers' parameters (all but the embedding, final norm, head)."""
-    layers = model.abstract_params(cfg.teacher.model)["layers"]
+    layers = _teacher_layers(cfg)
     return sum(math.prod(x.shape) for x in layers.values())
 
 
@@ -123,8 +129,9 @@ def teacher_figures(cfg: Config) -> dict:
     pipeline stages their layers, the bubble and the bytes sent between stages per step."""
     tcfg, t, b = cfg.teacher.model, cfg.mesh.teacher, _dtype_bytes(cfg)
     experts, layers = expert_params(cfg), layer_params(cfg)
-    top = counts.stored_param_count(tcfg) - layers  # the embedding, final norm and head
-    # the layers as stored (where dense and MoE layers mix each holds both:
+    union = t.pp > 1
+    top = counts.stored_param_count(tcfg, union) - layers  # the embedding, final norm, head
+    # the layers as stored (over pp stages, where layers differ, each holds every part:
     # `counts.unused_param_count`), with the zero layers that pad the stack over pp
     pad = stages.stacked_layers(tcfg.n_layers, t.pp) / tcfg.n_layers
     experts, layers = round(experts * pad), round(layers * pad)
@@ -141,8 +148,8 @@ def teacher_figures(cfg: Config) -> dict:
     if tcfg.family in FLOAT8_FAMILIES:
         held = figures["weight_bytes_per_device"]
         figures["float8_weight_bytes_per_device"] = float8_weight_bytes_per_device(cfg, held)
-    if tcfg.mixed_ffn() or any(tcfg.linear_layers()):
-        figures["unused_params"] = counts.unused_param_count(tcfg)
+    if counts.unused_param_count(tcfg, union):
+        figures["unused_params"] = counts.unused_param_count(tcfg, union)
     if tcfg.n_experts:
         figures.update(
             active_params=counts.active_param_count(tcfg),
@@ -250,8 +257,9 @@ def format_plan(p: dict) -> str:
         if "active_params" in t
         else ""
     ) + (
-        f" (+{t['unused_params'] / 1e6:.2f}M stored unused: each layer of the one stack holds "
-        "both kinds' weights, dense MLP and experts, or attention and linear attention)"
+        f" (+{t['unused_params'] / 1e6:.2f}M stored unused: over pipeline stages each layer "
+        "of the one-shape stack holds both kinds' weights, dense MLP and experts, or "
+        "attention and linear attention)"
         if "unused_params" in t
         else ""
     )

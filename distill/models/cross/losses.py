@@ -23,7 +23,7 @@ to compare the two next-token distributions (`distill.cross_tokenizer`):
 
 Positions without a teacher match count in the cross-entropy, not in the divergence; the
 divergence is a mean over the aligned positions, and "aligned_fraction" reports their share.
-A top-k teacher (`teacher.top_k`) is compared through `distill.models.cross_topk`.
+A top-k teacher (`teacher.top_k`) is compared through `distill.models.cross.topk`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 from distill.config import DistillLossConfig
 from distill.data.byte_paths import BytePaths
 from distill.data.token_bytes import FirstBytes, VocabMap
-from distill.models.cross_topk import (
+from distill.models.cross.topk import (
     allowed_after,
     bucket_sums,
     cross_topk_divergence,

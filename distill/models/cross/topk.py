@@ -1,7 +1,7 @@
 """Cross-tokenizer divergences from a top-k teacher: its k largest log-probs at a position,
 in its own vocabulary, and the mass outside them (the tail, 1 - sum(exp(top-k))), as the
 one-vocabulary top-k (`distill.models.losses`) sends them. Each method of
-`distill.models.cross_losses` coarse-grains both distributions onto buckets the top-k
+`distill.models.cross.losses` coarse-grains both distributions onto buckets the top-k
 determine, plus one tail bucket:
 
 - ``mapped``: the student ids the top-k teacher ids spell, then the tail (the teacher's mass
