@@ -122,8 +122,9 @@ def _slices(file: Path, stored: quantized.Checkpoint | None, dtype):
     if stored is not None:
         yield functools.partial(stored.slice, dtype=dtype)
         return
+    image = hf.image_text(file.parent)
     with safe_open(file, framework="numpy") as f:
-        yield f.get_slice
+        yield lambda name: f.get_slice(hf.stored_name(name, image))
 
 
 def _load_layer(cfg: ModelConfig, key, target, stacked, read, shape, slot, transposed: bool):

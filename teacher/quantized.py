@@ -174,7 +174,11 @@ class Checkpoint:
         for file in sorted(set(hf.weight_files(self.root).values())):
             if not (self.root / file).is_file():
                 raise DistillError(f"{self.root / file}: listed in {hf.INDEX_FILE} but missing")
-            self.stored.update(read_header(self.root / file))
+            header = read_header(self.root / file)
+            if hf.image_text(self.root):  # the text model's tensors, as a text model names them
+                named = ((hf.decoder_name(n), t) for n, t in header.items())
+                header = {n: t for n, t in named if n is not None}
+            self.stored.update(header)
         self.quantized: dict[str, tuple[int, ...]] = {}  # logical name -> logical shape
         for name, t in self.stored.items():
             if self.scheme is not None and self.scheme.method == "fp8":

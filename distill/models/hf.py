@@ -281,6 +281,8 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
     every family shares are read here, the rest by the family's record
     (`distill.models.families`)."""
     kind = raw.get("model_type")
+    if families.text_of(kind) is not None:
+        raw, kind = text_config(raw, where), families.text_of(kind).model_type
     if not families.known(kind):
         raise DistillError(
             f"{where}: model_type {kind!r} ({', '.join(raw.get('architectures') or [])}) is not "
@@ -332,6 +334,19 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
         raise DistillError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
+def text_config(raw: dict, where: Path | str) -> dict:
+    """The text model's config.json keys of an image-text checkpoint (`Family.image_text`):
+    its `text_config`, with the top level's `tie_word_embeddings` (what transformers ties
+    by) where it has one."""
+    nested = raw.get("text_config")
+    if not isinstance(nested, dict):
+        raise DistillError(f"{where}: model_type {raw.get('model_type')!r} without a text_config")
+    out = {**nested, "model_type": families.text_of(raw["model_type"]).model_type}
+    if "tie_word_embeddings" in raw:
+        out["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return out
+
+
 def _windows(raw: dict, family: families.Family, where: Path) -> dict:
     """sliding_window, layer_types and the sliding layers' RoPE base, from `layer_types` when
     config.json has it, else from the family's own keys (`Family.windows`)."""
@@ -375,7 +390,18 @@ def _local_theta(raw: dict, where: Path) -> float | None:
 
 
 def weight_files(path: str | Path) -> dict[str, str]:
-    """Tensor name -> safetensors file name, from the shard index or the single file."""
+    """Tensor name as the decoder names it -> safetensors file name, from the shard index or
+    the single file: an image-text checkpoint's text model's tensors only, named as a text
+    checkpoint's (`decoder_name`)."""
+    files = stored_files(path)
+    if not image_text(path):
+        return files
+    named = ((decoder_name(name), file) for name, file in files.items())
+    return {name: file for name, file in named if name is not None}
+
+
+def stored_files(path: str | Path) -> dict[str, str]:
+    """Stored tensor name -> safetensors file name, from the shard index or the single file."""
     root = Path(path)
     if (root / INDEX_FILE).is_file():
         try:
@@ -391,6 +417,45 @@ def weight_files(path: str | Path) -> dict[str, str]:
         f"teacher.checkpoint: {root} has neither {SINGLE_FILE} nor {INDEX_FILE} (only "
         "safetensors weights are read; save with safe_serialization=True)"
     )
+
+
+# Where an image-text checkpoint (`Family.image_text`) holds its text model's tensors.
+TEXT_PREFIX = "model.language_model."
+
+
+def image_text(path: str | Path) -> bool:
+    """Whether `path` holds an image-text checkpoint whose text model is read."""
+    try:
+        kind = json.loads(config_file(path).read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    return families.text_of(kind) is not None
+
+
+def decoder_name(name: str) -> str | None:
+    """An image-text checkpoint's tensor `name` as a text checkpoint names it
+    (`model.language_model.X` -> `model.X`; the untied `lm_head.weight` as it is); None for
+    what the text decoder does not read (the vision tower, multi-token prediction)."""
+    if name.startswith(TEXT_PREFIX):
+        return "model." + name.removeprefix(TEXT_PREFIX)
+    return name if name == "lm_head.weight" else None
+
+
+def stored_name(name: str, image: bool) -> str:
+    """`decoder_name`'s inverse where `image` (an image-text checkpoint), else `name`."""
+    if image and name.startswith("model."):
+        return TEXT_PREFIX + name.removeprefix("model.")
+    return name
+
+
+def _note_unread(path: Path) -> None:
+    if image_text(path):
+        unread = [n for n in stored_files(path) if decoder_name(n) is None]
+        kinds = sorted({".".join(n.split(".")[:2]) for n in unread})
+        log.info(
+            "%s: an image-text checkpoint: reading its text model (%s*); %d tensors of %s "
+            "are not read", path, TEXT_PREFIX, len(unread), ", ".join(f"{k}.*" for k in kinds),
+        )  # fmt: skip
 
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
@@ -446,6 +511,8 @@ def check_checkpoint(
         )
     files, needed = weight_files(path), weight_names(cfg)
     _note_extra_layers(files, cfg, Path(path))
+    _note_unread(Path(path))
+    image = image_text(path)
     logical = logical or {}
     by_file: dict[str, list[str]] = {}
     for name in needed:
@@ -454,7 +521,8 @@ def check_checkpoint(
             _check_shape(Path(path), name, view_shape(logical[base], view), cfg, needed)
             continue
         if base not in files:
-            raise DistillError(f"{Path(path)}: tensor {base} is missing from the checkpoint")
+            where = stored_name(base, image)
+            raise DistillError(f"{Path(path)}: tensor {where} is missing from the checkpoint")
         by_file.setdefault(files[base], []).append(name)
     for file, names in sorted(by_file.items()):
         full = Path(path) / file
@@ -464,9 +532,9 @@ def check_checkpoint(
             present = set(f.keys())
             for name in names:
                 base, view = stored(name)
-                if base not in present:
-                    raise DistillError(f"{full}: tensor {base} is missing")
-                got = view_shape(tuple(f.get_slice(base).get_shape()), view)
+                if stored_name(base, image) not in present:
+                    raise DistillError(f"{full}: tensor {stored_name(base, image)} is missing")
+                got = view_shape(tuple(f.get_slice(stored_name(base, image)).get_shape()), view)
                 _check_shape(full, name, got, cfg, needed)
 
 

@@ -17,6 +17,6 @@ from distill.models.families import (  # noqa: F401
     qwen35,
     smollm3,
 )
-from distill.models.families.record import Family, get, known, names
+from distill.models.families.record import Family, get, known, names, text_of
 
-__all__ = ["Family", "get", "known", "names"]
+__all__ = ["Family", "get", "known", "names", "text_of"]

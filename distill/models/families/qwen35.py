@@ -5,9 +5,10 @@ partial RoPE (a quarter of head_dim 256 rotated); every RMSNorm but the linear l
 gated one scales by (1 + weight), as Gemma's. Its multimodal RoPE reduces, for text, to
 plain positions (the three position streams are equal). The mixture (`qwen3_5_moe_text`)
 has routed experts in every layer (softmax top-k, always renormalised) and a shared expert
-with a sigmoid gate, Qwen2-MoE's, saved by transformers one expert at a time. The text
-models only: the released Qwen3.5 checkpoints are `qwen3_5` / `qwen3_5_moe` image-text
-models whose text weights live under `model.language_model.` and are not read here."""
+with a sigmoid gate, Qwen2-MoE's, saved by transformers one expert at a time. The released Qwen3.5
+checkpoints are `qwen3_5` / `qwen3_5_moe` image-text models: their text model (config.json's
+`text_config`, the weights under `model.language_model.`) is read, the vision tower and the
+multi-token-prediction layer (`mtp.`) are not."""
 
 from __future__ import annotations
 
@@ -122,6 +123,7 @@ QWEN3_5_TEXT = register(
         read=_read,
         write=_write,
         windows=_windows,
+        image_text="qwen3_5",
     )
 )
 
@@ -150,5 +152,6 @@ QWEN3_5_MOE_TEXT = register(
         windows=_windows,
         accepts=frozenset({"shared_expert_intermediate_size"}),
         dense="qwen3_5_text",
+        image_text="qwen3_5_moe",
     )
 )

@@ -108,6 +108,10 @@ class Family:
     extra_layers_key: str | None = None
     exports_as: str | None = None  # the model_type written on export, when another's
     dense: str | None = None  # the family a dense student of it becomes (Mixtral: mistral)
+    # The model_type of the image-text checkpoints released around this text model (Qwen3.5:
+    # `qwen3_5`), whose config.json nests it as `text_config` and whose weights hold it
+    # under `model.language_model.`: read as this family, the vision tower left unread.
+    image_text: str | None = None
     chat: str = ""  # what its chat template does that a renderer must respect
 
 
@@ -127,6 +131,12 @@ def get(model_type: str) -> Family:
 
 def known(model_type: str | None) -> bool:
     return model_type in _REGISTRY
+
+
+def text_of(model_type: str | None) -> Family | None:
+    """The family whose text model an image-text checkpoint of `model_type` holds, if any."""
+    found = (f for f in _REGISTRY.values() if f.image_text and f.image_text == model_type)
+    return next(found, None)
 
 
 def names() -> tuple[str, ...]:

@@ -23,11 +23,13 @@ _HEADER = f"""# Model families reference
 Every `model_type` a teacher or student checkpoint may have, one record each in
 `distill/models/families/`. "Parts" are the shared pieces of the one decoder it composes
 beyond Llama's (RoPE, grouped-query attention, SwiGLU, RMSNorm). A dense student of a
-mixture of experts takes the "dense student" family. What each family was checked against
+mixture of experts takes the "dense student" family; "image-text" is the `model_type` of the
+released image-text checkpoints whose text model is read as this family (the vision tower
+is not loaded). What each family was checked against
 is in [the model-families guide](../guides/model-families.md).
 
-| `model_type` | exports as | parts beyond Llama's | dense student | chat template |
-|---|---|---|---|---|
+| `model_type` | exports as | parts beyond Llama's | dense student | image-text | chat template |
+|---|---|---|---|---|---|
 """
 
 
@@ -39,7 +41,15 @@ def families_reference() -> str:
     rows = []
     for name in families.names():
         f = families.get(name)
-        cells = (f"`{name}`", f"`{f.architecture}`", ", ".join(f.parts), f.dense or "", f.chat)
+        image = f"`{f.image_text}`" if f.image_text else ""
+        cells = (
+            f"`{name}`",
+            f"`{f.architecture}`",
+            ", ".join(f.parts),
+            f.dense or "",
+            image,
+            f.chat,
+        )
         rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return _HEADER + "\n".join(rows) + "\n"
 
