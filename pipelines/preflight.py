@@ -33,7 +33,7 @@ from distill.mesh import (
     check_placement_mode,
     check_teacher_split,
 )
-from distill.models import hf
+from distill.models.hf import files as hf_files
 from pipelines.evaluation import check_eval_rows
 from pipelines.on_policy import check_on_policy
 from pipelines.placement import resolve
@@ -52,7 +52,7 @@ def check_shapes(cfg: Config) -> None:
     """The model shapes and the batch against the mesh axes (a layout's checks)."""
     t, tp = cfg.teacher.model, cfg.mesh.teacher.tp
     if cfg.teacher.is_hf():  # errors name config.json and the weight files, headers only
-        hf.check_checkpoint(
+        hf_files.check_checkpoint(
             cfg.teacher.checkpoint, t, tp, quantized.quantized_shapes(cfg.teacher.checkpoint)
         )
     check_divisible(t, tp, ep=cfg.mesh.teacher.ep)

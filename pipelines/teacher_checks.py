@@ -57,7 +57,7 @@ def check_teacher_weights(cfg: Config, corpus: Corpus) -> None:
             )
         return
     if t.is_hf():
-        return  # shapes checked from config.json by distill.models.hf.check_checkpoint
+        return  # shapes checked from config.json by distill.models.hf.files.check_checkpoint
     if stored is not None and t.pretrain_steps > 0:
         provenance.check(stored, teacher_record(cfg, corpus), path)
     provenance.check_shapes(cfg, path)

@@ -2,7 +2,7 @@
 (`ModelConfig.family`: a pretrained student's, else its teacher's).
 
 The directory holds what `AutoModelForCausalLM.from_pretrained` (as `Qwen3ForCausalLM`,
-`Gemma3ForCausalLM`, ...: `distill.models.hf_config`) and `AutoTokenizer` load:
+`Gemma3ForCausalLM`, ...: `distill.models.hf.export`) and `AutoTokenizer` load:
 config.json, generation_config.json, the weights (float32, or bfloat16 on request: half
 the bytes; one model.safetensors, or past `MAX_SHARD_BYTES` shards with the
 model.safetensors.index.json transformers writes), the tokenizer, and
@@ -32,7 +32,8 @@ from distill import storage
 from distill.config import Config, ModelConfig
 from distill.data.tokenizers import ByteTokenizer, export_files, load_tokenizer, vocab_limit
 from distill.errors import DistillError
-from distill.models import hf, hf_config, parts
+from distill.models import hf, parts
+from distill.models.hf import export as hf_config
 from distill.observability.metrics_log import dumps
 
 PROVENANCE = "distill.json"  # the teacher and tokenizer the exported student was distilled with

@@ -47,6 +47,7 @@ from safetensors import safe_open
 from distill.config import ModelConfig
 from distill.mesh import PP, TP
 from distill.models import hf, parts
+from distill.models.hf import files as hf_files
 from teacher import quantized, sharding, stages
 
 Index = tuple[slice, ...]
@@ -59,7 +60,7 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
     weights to the compute dtype where it uses them); a dtype converts while reading.
     """
     tp = mesh.shape[TP]
-    hf.check_checkpoint(path, cfg, tp, quantized.quantized_shapes(path))
+    hf_files.check_checkpoint(path, cfg, tp, quantized.quantized_shapes(path))
     reps = max(1, tp // cfg.n_kv_heads)  # copies of each KV head, one per shard using it
     targets = sharding.shardings(cfg, mesh)
     needed, stored = hf.weight_names(cfg), _quantized(path)
@@ -94,7 +95,7 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
 def _files(path, needed: dict, stored: quantized.Checkpoint | None) -> dict[str, str]:
     """`weight_names` name -> the file holding its stored tensor."""
     if stored is None:
-        files = hf.weight_files(path)
+        files = hf_files.weight_files(path)
         return {n: files[hf.stored(n)[0]] for n in needed}
     return {n: stored.file_of(hf.stored(n)[0]) for n in needed}
 
@@ -122,9 +123,9 @@ def _slices(file: Path, stored: quantized.Checkpoint | None, dtype):
     if stored is not None:
         yield functools.partial(stored.slice, dtype=dtype)
         return
-    image = hf.image_text(file.parent)
+    image = hf_files.image_text(file.parent)
     with safe_open(file, framework="numpy") as f:
-        yield lambda name: f.get_slice(hf.stored_name(name, image))
+        yield lambda name: f.get_slice(hf_files.stored_name(name, image))
 
 
 def _load_layer(cfg: ModelConfig, key, target, stacked, read, shape, slot, transposed: bool):
@@ -183,7 +184,7 @@ def read_hf_layers(
     placed, and dropped before the next device's: beyond the arrays themselves the host
     holds one device's slice of one parameter and one layer's stored slice, never a whole
     tensor converted, nor the model (tests/test_host_copies.py)."""
-    hf.check_checkpoint(path, cfg, 1, quantized.quantized_shapes(path))
+    hf_files.check_checkpoint(path, cfg, 1, quantized.quantized_shapes(path))
     needed, stored = hf.weight_names(cfg), _quantized(path)
     files = _files(path, needed, stored)
     parts: dict[str, dict[tuple, tuple[str, str, bool]]] = {}  # key -> {(slot[, expert]): ...}

@@ -46,7 +46,8 @@ def write_checkpoint(path: Path, cfg, shard_bytes: int) -> dict:
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from distill.models import hf, hf_config
+    from distill.models import hf
+    from distill.models.hf import export as hf_config
 
     path.mkdir(parents=True, exist_ok=True)
     config = hf_config.to_hf_config(cfg, max_position_embeddings=4096, bos_id=1, eos_id=2)

@@ -124,8 +124,10 @@ def check_shapes(cfg: Config, path: str) -> None:
         meta = ckpt.metadata(path if "://" in path else os.path.abspath(path)).item_metadata
     if meta is None:
         raise DistillError(
-            f"teacher.checkpoint: {path} is not a distill (Orbax) checkpoint: it has no "
-            "readable metadata"
+            f"teacher.checkpoint: {path} holds neither a Hugging Face checkpoint (config.json "
+            "and safetensors weights) nor a distill (Orbax) checkpoint; download the "
+            "teacher's weights there, or point teacher.checkpoint at an empty directory "
+            "to bootstrap one (teacher.pretrain_steps)"
         )
     stored = _flat(getattr(meta, "tree", meta))
     wanted = _flat(model.abstract_params(cfg.teacher.model))

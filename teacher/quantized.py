@@ -45,6 +45,7 @@ import numpy as np
 
 from distill.errors import DistillError
 from distill.models import hf
+from distill.models.hf import files as hf_files
 
 METHODS = ("fp8", "mxfp4")
 MX_BLOCK = 32  # values per e8m0 scale: 16 bytes of two e2m1 nibbles
@@ -171,12 +172,13 @@ class Checkpoint:
         self.root = Path(path)
         self.scheme = read_scheme(path) if scheme is None else scheme
         self.stored: dict[str, Stored] = {}
-        for file in sorted(set(hf.weight_files(self.root).values())):
+        for file in sorted(set(hf_files.weight_files(self.root).values())):
             if not (self.root / file).is_file():
                 raise DistillError(f"{self.root / file}: listed in {hf.INDEX_FILE} but missing")
             header = read_header(self.root / file)
-            if hf.image_text(self.root):  # the text model's tensors, as a text model names them
-                named = ((hf.decoder_name(n), t) for n, t in header.items())
+            # an image-text checkpoint: the text model's tensors, as a text model names them
+            if hf_files.image_text(self.root):
+                named = ((hf_files.decoder_name(n), t) for n, t in header.items())
                 header = {n: t for n, t in named if n is not None}
             self.stored.update(header)
         self.quantized: dict[str, tuple[int, ...]] = {}  # logical name -> logical shape

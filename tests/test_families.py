@@ -347,7 +347,7 @@ def assert_export_round_trips(name, path, ref, want, batch, out, **write):
 
 
 def test_a_config_its_family_cannot_write_is_one_line():
-    from distill.models.hf_config import to_hf_config
+    from distill.models.hf.export import to_hf_config
 
     with pytest.raises(
         DistillError, match=r"student.model.qk_norm=True cannot be written as a llama"

@@ -18,7 +18,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from distill.mesh import teacher_mesh  # noqa: E402
-from distill.models import hf, hf_config  # noqa: E402
+from distill.models import hf  # noqa: E402
+from distill.models.hf import export as hf_config  # noqa: E402
+from distill.models.hf import files as hf_files  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher  # noqa: E402
 from tests.test_hf import _batch, _hf_logits  # noqa: E402
@@ -158,7 +160,7 @@ def test_the_multi_token_prediction_layer_is_skipped(tmp_path, caplog):
     save_file({**tensors, **extra}, str(tmp_path / "model.safetensors"), {"format": "pt"})
     cfg = hf.read_model_config(tmp_path)
     with caplog.at_level("INFO", logger="distill"):
-        hf.check_checkpoint(tmp_path, cfg, tp=1)
+        hf_files.check_checkpoint(tmp_path, cfg, tp=1)
     assert "skipping stored layer(s) 3 past num_hidden_layers=3" in caplog.text
 
 

@@ -344,7 +344,7 @@ def test_plan_counts_the_teacher_weights_as_held(corpus_dir, tmp_path, capsys, t
 def test_export_config_of_a_head_dim_equal_to_the_default_width():
     """head_dim set to d_model / n_heads is the same model as head_dim unset: it exports
     (its config.json says 64, read back as None) rather than failing the round trip."""
-    from distill.models import hf_config
+    from distill.models.hf import export as hf_config
 
     cfg = ModelConfig(d_model=128, n_heads=2, n_kv_heads=2, head_dim=64, d_ff=256)
     raw = hf_config.to_hf_config(cfg, max_position_embeddings=512)

@@ -121,3 +121,66 @@ def test_linear_layers_plan_memory_linear_in_the_row():
         temps.append(figures["forward_temp_bytes_per_device"])
     for a, b in zip(temps, temps[1:], strict=False):
         assert 1.8 <= b / a <= 2.2, temps
+
+
+def test_the_shipped_qwen35_layout_is_transformers_default_mixture():
+    """pipelines/qwen3.5-35b-a3b-to-4b-chat.yaml: its teacher is transformers' default
+    Qwen3_5MoeTextConfig (Qwen3.5-35B-A3B), counted alike (34.66B, built on the meta
+    device); its dense student keeps the hybrid pattern (a full layer every fourth) and
+    its width is what the YAML's comments say."""
+    from distill.config.load import load_config
+
+    cfg = load_config("pipelines/qwen3.5-35b-a3b-to-4b-chat.yaml")
+    with torch.device("meta"):
+        m = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig())
+    t = cfg.teacher.model
+    assert counts.param_count(t) == _numel(m) == pytest.approx(34.66e9, rel=1e-3)
+    s = cfg.student_model()
+    assert s.family == "qwen3_5_text" and not s.n_experts
+    assert s.types() == ("linear", "linear", "linear", "full") * 8
+    ref = transformers.Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=2560, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, intermediate_size=9216, tie_word_embeddings=True,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        m = transformers.Qwen3_5ForCausalLM(ref)
+    assert counts.param_count(s) == _numel(m) == pytest.approx(4.21e9, rel=2e-3)
+
+
+def test_the_shipped_qwen35_layout_validates_with_its_downloads_in_place(
+    tmp_path, monkeypatch, capsys
+):
+    """With the teacher's tokenizer and chat data in place (tiny stand-ins here), `validate`
+    checks everything the file sets: the teacher's directory without its weights is named
+    as such; with no teacher directory (its tokenizer elsewhere), the one line `run` stops
+    at: the 35B teacher cannot be bootstrapped on this machine."""
+    import json
+
+    from pipelines.commands.cli import main
+    from tests.test_chat import train_bpe
+    from tests.test_chat_templates import SPECIALS
+    from tests.test_chat_templates import model_dir as chat_model_dir
+    from tests.test_tutorial import ROOT, _conversations
+
+    texts = [m["content"] for c in _conversations(20) for m in c["messages"]] * 10
+    bpe = tmp_path / "bpe.json"
+    train_bpe(texts, SPECIALS, 320).save(str(bpe))
+    chat_model_dir(tmp_path / "models" / "Qwen3.5-35B-A3B", bpe, "qwen3")
+    chat_model_dir(tmp_path / "models" / "tokenizer", bpe, "qwen3")
+    (tmp_path / "data").mkdir()
+    lines = (json.dumps(c) + "\n" for c in _conversations(3000))  # 32 rows of 4,096 tokens
+    (tmp_path / "data" / "chat.jsonl").write_text("".join(lines))
+    monkeypatch.chdir(tmp_path)
+    path = ROOT / "pipelines" / "qwen3.5-35b-a3b-to-4b-chat.yaml"
+    rc = main(["validate", str(path), "--set", "mesh.platform=cpu"])
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("distill: error:")]
+    assert rc == 2 and "holds neither a Hugging Face checkpoint" in line, err
+    sets = ["--set", "teacher.checkpoint=models/none", "--set", "data.tokenizer=models/tokenizer"]
+    rc = main(["validate", str(path), "--set", "mesh.platform=cpu", *sets])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"{path}: ok (" in out, out
+    assert f"{path}: not runnable on this machine: teacher.checkpoint: no weights at " in out
+    assert "34.7B-parameter teacher (teacher.pretrain_steps) needs" in out, out

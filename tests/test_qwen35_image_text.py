@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from distill.errors import DistillError  # noqa: E402
 from distill.mesh import teacher_mesh  # noqa: E402
 from distill.models import hf, model  # noqa: E402
+from distill.models.hf import files as hf_files  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
 from tests.test_families import _logprobs, assert_documents_match, packed_batch  # noqa: E402
@@ -89,11 +90,11 @@ def test_the_text_model_is_read(released, caplog):
     cfg = hf.read_model_config(path)
     assert cfg.family == KINDS[kind][1] and cfg.types() == ("linear", "linear", "linear", "full")
     assert cfg.tie_embeddings == (kind == "qwen3_5_moe")
-    names = hf.weight_files(path)
+    names = hf_files.weight_files(path)
     assert "model.embed_tokens.weight" in names and not any("visual" in n for n in names)
     assert "mtp.fc.weight" not in names
     with caplog.at_level(logging.INFO, logger="distill"):
-        hf.check_checkpoint(path, cfg, 2)
+        hf_files.check_checkpoint(path, cfg, 2)
     assert "image-text checkpoint" in caplog.text and "model.visual.*" in caplog.text
     assert "mtp.fc.*" in caplog.text
 

@@ -12,7 +12,7 @@ from distill.config import ModelConfig
 from distill.config.load import config_from_dict
 from distill.errors import DistillError
 from distill.mesh import student_mesh
-from distill.models import model
+from distill.models import model, parts
 from pipelines.commands.cli import main
 from student import train
 from teacher.weights import student_init_params
@@ -125,3 +125,34 @@ def test_from_teacher_with_every_layer_starts_equal_to_the_teacher(corpus_dir, t
     full = step0_eval("full")
     assert full["kl"] < 1e-5 and full["top1_agreement"] == 1.0
     np.testing.assert_allclose(full["student_loss"], full["teacher_loss"], rtol=1e-5)
+
+
+HYBRID_TEACHER = dict(
+    TEACHER, n_layers=8, layer_types=["linear", "linear", "linear", "full"] * 2,
+    attn_output_gate=True, qk_norm=True, norm_offset=1.0, head_dim=8, family="qwen3_5_text",
+    linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8, linear_conv_kernel=4,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("n, kept", [(4, [0, 2, 5, 7]), (2, [0, 7]), (6, [0, 3, 4, 5, 6, 7])])
+def test_a_hybrid_teacher_is_pruned_keeping_its_pattern(corpus_dir, tmp_path, n, kept):
+    """Qwen3.5's three linear layers then one full: a pruned student keeps the pattern (its
+    layer j of the type of the teacher's j modulo 4, shifted so that it starts and ends as
+    the teacher does), from the teacher's layers of that type nearest even spacing; its
+    init weights are those layers' slices of the teacher's part stacks (each part stored
+    over the layers that hold it)."""
+    t = ModelConfig(**HYBRID_TEACHER)
+    params = model.init_params(t, 0)
+    save_params(str(tmp_path / "t"), params)
+    tree = _tree(corpus_dir, tmp_path / "out", tmp_path / "t", model={"n_layers": n})
+    tree["teacher"]["model"] = dict(HYBRID_TEACHER)
+    cfg = config_from_dict(tree)
+    s = cfg.student_model()
+    assert cfg.init_layers() == kept
+    assert s.types() == tuple(t.types()[i] for i in kept)
+    got = student_init_params(cfg)
+    for key, stack in params["layers"].items():
+        holds = parts.part_layers(t, parts.weight_part(key))
+        rows = [parts.layer_slot(t, key, i) for i in kept if holds[i]]
+        np.testing.assert_array_equal(got["layers"][key], np.asarray(stack)[rows], err_msg=key)
+        assert got["layers"][key].shape[0] == parts.stack_size(s, key)

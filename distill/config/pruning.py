@@ -6,7 +6,8 @@ layer brings what is per layer in the model config: its attention type (``layer_
 the layer's window and RoPE), whether it applies RoPE at all (``rope_layers``: SmolLM3's
 NoPE layers) and, in a mixture of experts, whether its feed-forward is the
 dense one (``dense_layers``). A student that sets these keys itself is checked against the
-kept layers instead.
+kept layers instead. Where linear-attention and full-attention layers repeat in a pattern
+(Qwen3.5: three linear, then one full), the default keeps that pattern (``hybrid_layers``).
 """
 
 from __future__ import annotations
@@ -21,16 +22,56 @@ def evenly_spaced(n: int, total: int) -> list[int]:
     return [(i * span + (n - 1) // 2) // (n - 1) for i in range(n)] if n > 1 else [0]
 
 
+def period(types: tuple[str, ...]) -> int:
+    """The length of the shortest unit the layer types repeat (the last may be cut short)."""
+    return next(p for p in range(1, len(types) + 1) if all(
+        types[i] == types[i % p] for i in range(len(types))
+    ))  # fmt: skip
+
+
+def hybrid_layers(types: tuple[str, ...], n: int) -> list[int]:
+    """``n`` of the layers of ``types`` keeping their repeating pattern: the student's layer
+    j is of the type of the teacher's (j + o) modulo its period (the first shift o whose
+    first and last layers are of the teacher's first and last types), taken from the
+    teacher's layers of that type nearest the evenly spaced position j (ties to the later
+    layer, as ``evenly_spaced`` rounds), each after the one before, leaving room for the
+    rest."""
+    p, total = period(types), len(types)
+    shifted = [[types[(j + o) % p] for j in range(n)] for o in range(p)]
+    ends = [w for w in shifted if (w[0], w[-1]) == (types[0], types[-1])]
+    want = (ends or shifted)[0]  # the pattern starting and ending as the teacher's does
+
+    def room(i: int, j: int) -> bool:  # want[j + 1:] still fits in types[i + 1:]
+        rest = iter(types[i + 1 :])
+        return all(kind in rest for kind in want[j + 1 :])
+
+    kept, last = [], -1
+    for j, kind in enumerate(want):
+        target = j * (total - 1) / max(n - 1, 1)
+        fits = [i for i in range(last + 1, total) if types[i] == kind and room(i, j)]
+        last = min(fits, key=lambda i: (abs(i - target), -i))  # ties up, as evenly_spaced
+        kept.append(last)
+    return kept
+
+
+def default_layers(t: ModelConfig, n: int) -> list[int]:
+    """The teacher layers a student of ``n`` layers keeps when none are chosen: evenly
+    spaced, or in a linear/full hybrid its pattern kept (``hybrid_layers``)."""
+    if t.mixed_mixers() and n < t.n_layers:
+        return hybrid_layers(t.types(), n)
+    return evenly_spaced(n, t.n_layers)
+
+
 def kept_layers(t: ModelConfig, n: int, chosen: list[int] | None) -> list[int]:
     """The teacher (``t``) layers a ``from_teacher`` student of ``n`` layers keeps:
-    ``chosen`` (``student.init_layers``, validated), else evenly spaced."""
+    ``chosen`` (``student.init_layers``, validated), else ``default_layers``."""
     if chosen is None:
         if n > t.n_layers:
             raise DistillError(
                 f"student.model.n_layers: {n} exceeds the teacher's {t.n_layers};"
                 " student.init: from_teacher takes a subset of the teacher's layers"
             )
-        return evenly_spaced(n, t.n_layers)
+        return default_layers(t, n)
     if len(chosen) != n:
         raise DistillError(
             f"student.init_layers: {len(chosen)} layers given, but student.model.n_layers is {n}"
@@ -52,7 +93,7 @@ def kept_layer_fields(
     n = overrides.get("n_layers", t.n_layers)
     if n == t.n_layers or not (from_teacher or n < t.n_layers):
         return {}
-    layers = kept_layers(t, n, chosen) if from_teacher else evenly_spaced(n, t.n_layers)
+    layers = kept_layers(t, n, chosen) if from_teacher else default_layers(t, n)
     out = {}
     if t.layer_types is not None and "layer_types" not in overrides:
         out["layer_types"] = tuple(t.layer_types[i] for i in layers)

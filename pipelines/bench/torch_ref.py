@@ -7,7 +7,7 @@ vocabulary + (1 - alpha) * CE on the next tokens, gradient clipping (`optim.clip
 then `torch.optim.AdamW` (`optim.lr` held constant, betas, weight decay on matrices only, as
 distill's optimizer) and `zero_grad(set_to_none=True)`. Both models are random
 transformers models of their family (`LlamaForCausalLM`, ...) in float32 with SDPA
-attention, built from the config.json distill exports (`distill.models.hf_config.
+attention, built from the config.json distill exports (`distill.models.hf.export.
 to_hf_config`), so their shapes are the teacher's and the student's.
 
 A batch is `train.batch_size` rows of `train.seq_len` + 1 random token ids (seeded by
@@ -30,7 +30,7 @@ import time
 from distill.config import Config, ModelConfig, OptimConfig
 from distill.data.tokenizers import build_tokenizer, vocab_limit
 from distill.errors import DistillError
-from distill.models import hf_config
+from distill.models.hf import export as hf_config
 
 WARMUP_STEPS = 3
 WINDOW_STEPS = 5
