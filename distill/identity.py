@@ -97,7 +97,10 @@ def data_hash(corpus) -> str:
     if getattr(corpus, "fingerprint", None):
         return corpus.fingerprint
     h = hashlib.sha256()
-    for rows in (corpus.train, corpus.eval):
+    splits = (corpus.train, corpus.eval)
+    # records routed to several teachers (`distill.data.routed`): each teacher's rows
+    every = [part for rows in splits for part in getattr(rows, "parts", [rows])]
+    for rows in every:
         h.update(str(len(rows)).encode())
         if hasattr(rows, "stream"):
             h.update(rows.stream.tobytes())

@@ -18,10 +18,11 @@ class Batch(NamedTuple):
     positions: Array  # int32 position within the document (restarts at 0 for each doc)
     mask: Array  # float32 1.0 where the target is a real next token of the same document
     teacher: Any = None  # TeacherView: the teacher's own tokens of the same text, or None
+    route: Any = None  # [B, S] int32 teacher of each position (data.teacher_field), or None
 
 
 class TeacherView(NamedTuple):
-    """The teacher's side of a cross-tokenizer row (`distill.data.cross_rows`): its own tokens
+    """The teacher's side of a cross-tokenizer row (`distill.data.cross.rows`): its own tokens
     of exactly the row's text, and where each student position's prefix ends among them."""
 
     rows: Batch  # [B, T] the teacher's packed rows (its own row length T)
@@ -50,6 +51,16 @@ class TeacherOutput(NamedTuple):
 
     logprobs: Array
     ids: Array | None = None
+
+
+class TeacherMix(NamedTuple):
+    """Several teachers' outputs for one batch (`teachers:`): `outputs` a TeacherOutput
+    each, `weights` [B, S, n] float32 each position's weight of each teacher (summing to 1:
+    one-hot of the batch's `route` when records are routed, the teachers' mixture weights
+    otherwise). The divergence is their weighted sum (`distill.models.vocab_loss`)."""
+
+    outputs: tuple
+    weights: Array
 
 
 class Prompts(NamedTuple):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 from jax.sharding import Mesh
 
@@ -28,6 +29,7 @@ from pipelines.memory_guard import HostMemoryGuard
 from pipelines.on_policy import OnPolicySource, sample_score
 from pipelines.progress import distill_record
 from pipelines.sources import CacheSource, EndpointSource, OnlineSource
+from pipelines.teachers import MultiSource
 from student.executor import LocalExecutor, student_executor
 from student.generate import sampler_for
 from teacher.endpoint import EndpointTeacher
@@ -80,35 +82,49 @@ def online_sources(
     return OnPolicySource(cfg, corpus, teacher, sampler, executor.history), samples
 
 
+def teacher_source(cfg: Config, corpus: Corpus, meshes: Meshes, executor: LocalExecutor):
+    """(the source of `cfg.teacher`'s outputs, the evaluation's sample metrics or None): the
+    cache, a server, or the teacher online on the inference mesh."""
+    if cfg.teacher.source == "cache":
+        return CacheSource(cfg), None
+    if cfg.teacher.source == "endpoint":
+        vocab = min(corpus.tokenizer.vocab_size, *cfg.vocab_sizes())  # padded ids: never
+        log.info("teacher: %s (%s API); evaluation takes the student's held-out figures "
+                 "alone (a server gives no dense logits)", cfg.teacher.endpoint.url,
+                 cfg.teacher.endpoint.api)  # fmt: skip
+        return EndpointSource(cfg, corpus, EndpointTeacher(cfg, corpus.tokenizer, vocab)), None
+    teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
+    if cfg.teachers:  # one of several: its batches alone (no on-policy steps)
+        return OnlineSource(cfg, corpus, teacher), None
+    return online_sources(cfg, corpus, teacher, executor, meshes.student)
+
+
 def distill_local(
     cfg: Config, corpus: Corpus, meshes: Meshes, store: MetricsStore, extra: Sequence[h.Hook] = ()
 ) -> dict:
     """Distil the student; returns the summary written to summary.json. `extra`: hooks
     after the run's own."""
     executor = student_executor(cfg, corpus, meshes.student, student_init_params)
-    samples = None
-    if cfg.teacher.source == "cache":
-        source = CacheSource(cfg)
-    elif cfg.teacher.source == "endpoint":
-        vocab = min(corpus.tokenizer.vocab_size, *cfg.vocab_sizes())  # padded ids: never
-        source = EndpointSource(cfg, corpus, EndpointTeacher(cfg, corpus.tokenizer, vocab))
-        log.info("teacher: %s (%s API); evaluation takes the student's held-out figures "
-                 "alone (a server gives no dense logits)", cfg.teacher.endpoint.url,
-                 cfg.teacher.endpoint.api)  # fmt: skip
+    if cfg.teachers:  # several: each its own source, in step (`pipelines.teachers`)
+        each = [teacher_source(one, corpus, meshes, executor)[0] for one in cfg.each_teacher()]
+        source, samples = MultiSource(cfg, each), None
+        log.info("teachers: %s; %s; evaluation takes the student's held-out figures alone",
+                 ", ".join(t.name for t in cfg.teachers),
+                 f"records routed by '{cfg.data.teacher_field}'" if cfg.data.teacher_field
+                 else "the divergence to each at its weight")  # fmt: skip
     else:
-        teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
-        source, samples = online_sources(cfg, corpus, teacher, executor, meshes.student)
+        source, samples = teacher_source(cfg, corpus, meshes, executor)
     evaluate = Evaluation(cfg, eval_batches(cfg, corpus), source, executor, samples)
     if meshes.platform == "cpu":  # the devices' RAM is the host's: give back one-off work's
         extra = [h.ReleaseHostMemory(cfg.train.eval_every), *extra]
     hooks = distill_hooks(cfg, evaluate, store, source, extra)
-    if isinstance(source, EndpointSource):  # a stop ends a wait for the server
-        stop = next(hk for hk in hooks if isinstance(hk, h.StopRequests))
-        source.interrupted = lambda: stop.sigterm.is_set() or store.stop_requested()
+    stop = next(hk for hk in hooks if isinstance(hk, h.StopRequests))
+    for one in getattr(source, "sources", [source]):
+        if isinstance(one, EndpointSource):  # a stop ends a wait for the server
+            one.interrupted = lambda: stop.sigterm.is_set() or store.stop_requested()
+    record = partial(distill_record, teachers=tuple(t.name for t in cfg.teachers))
     try:
-        return Loop(
-            LoopSpec.of(cfg), source, executor, hooks, record=distill_record, store=store
-        ).run()
+        return Loop(LoopSpec.of(cfg), source, executor, hooks, record=record, store=store).run()
     finally:
         source.close()
         executor.close()

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from distill.config import Config
 from distill.data.corpus import Corpus
-from distill.data.cross_samples import SampleRows
+from distill.data.cross.samples import SampleRows
 from distill.data.prompts import PromptSet, answer_prompts, prompt_set
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError

@@ -15,11 +15,13 @@ from distill import storage
 from distill.checkpoint import params_exist
 from distill.config import Config
 from distill.config.endpoint import check_endpoint
+from distill.config.teachers import check_teachers, for_each
 from distill.data.corpus import Corpus
-from distill.data.cross_examples import cross_example_corpus
-from distill.data.cross_rows import cross_corpus, row_multiple
+from distill.data.cross.examples import cross_example_corpus
+from distill.data.cross.rows import cross_corpus, row_multiple
 from distill.data.loader import load_corpus
 from distill.data.prompts import load_prompts, prompt_set
+from distill.data.routed import routed_corpus, teacher_corpus
 from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
 from distill.handoff import check_dense_elements, check_dense_output
@@ -76,7 +78,7 @@ def check_layout(cfg: Config, device) -> None:
     platform's: the shapes and the batch against the axes, the dense teacher output per
     student device, the evaluation's windows. `mesh.placement: auto` runs it on every
     candidate before it compiles any, so a run never compiles a layout it would refuse."""
-    check_shapes(cfg)
+    for_each(cfg, check_shapes)
     check_dense_output(cfg, device)
     check_eval_rows(cfg)
 
@@ -88,10 +90,11 @@ def check_config(cfg: Config) -> None:
     check_context(cfg)
     check_stages(cfg)
     check_mode(cfg)
-    check_endpoint(cfg)  # before the checks below: their refusals would name less
+    check_teachers(cfg)
+    for_each(cfg, check_endpoint)  # before the checks below: their refusals would name less
     check_on_policy(cfg)
     check_cross_tokenizer(cfg)
-    check_top_k(cfg)
+    for_each(cfg, check_top_k)
 
 
 def check_mode(cfg: Config) -> None:
@@ -220,27 +223,38 @@ def preflight(cfg: Config, unavailable: list[str] | None = None) -> Corpus:
     auto = cfg.mesh.placement == Placement.AUTO
     if not auto:  # a layout given: its checks are cheap, before the data is read
         _lay_out(cfg, devices)
-    check_teacher_source(cfg)
+    for_each(cfg, check_teacher_source)
     check_output_dir(cfg)
-    if uses_teacher(cfg):
-        try:
-            check_bootstrap_fits(cfg)
-        except DistillError as e:
-            if unavailable is None:
-                raise
-            unavailable.append(str(e))
+    for_each(cfg, lambda one: _bootstrap_fits(one, unavailable))
     corpus = _corpus(cfg)
     check_rows(cfg, corpus)
     if cfg.distill.on_policy.fraction > 0 and cfg.data.format == "chat":
         prompt_set(cfg, corpus.tokenizer)  # every prompt renders
     elif cfg.distill.on_policy.fraction > 0 and cfg.data.prompt_field is not None:
         load_prompts(cfg.data)  # the field is there, in JSONL or Parquet records
-    if uses_teacher(cfg):
-        check_teacher_weights(cfg, corpus)
+    for_each(cfg, lambda one, i: _teacher_weights(one, teacher_corpus(corpus, i)), indexed=True)
     check_student_pin(cfg)
     if auto:  # compiles auto's candidates (those `check_layout` passes): after all else
         _lay_out(cfg, devices)
     return corpus
+
+
+def _bootstrap_fits(cfg: Config, unavailable: list[str] | None) -> None:
+    """A teacher to bootstrap fits this host (`check_bootstrap_fits`); validate's
+    `unavailable` collects it instead (`preflight`)."""
+    if not uses_teacher(cfg):
+        return
+    try:
+        check_bootstrap_fits(cfg)
+    except DistillError as e:
+        if unavailable is None:
+            raise
+        unavailable.append(str(e))
+
+
+def _teacher_weights(cfg: Config, corpus: Corpus) -> None:
+    if uses_teacher(cfg):
+        check_teacher_weights(cfg, corpus)
 
 
 def check_rows(cfg: Config, corpus: Corpus) -> None:
@@ -290,9 +304,11 @@ def _corpus(cfg: Config) -> Corpus:
             )
         check_cross_top_k(cfg, teacher.vocab_size)
         check_dense_elements(cfg, getattr(corpus.train, "teacher_len", None))
+    elif cfg.data.teacher_field is not None:  # each teacher's records packed apart
+        corpus = routed_corpus(cfg.data, cfg.train.seq_len, [t.name for t in cfg.teachers])
     else:
         corpus = load_corpus(cfg.data, cfg.train.seq_len)
-    check_vocabularies(cfg, corpus.tokenizer.vocab_size)
+    for_each(cfg, lambda one: check_vocabularies(one, corpus.tokenizer.vocab_size))
     return corpus
 
 

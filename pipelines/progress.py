@@ -14,11 +14,15 @@ from student import routing
 log = logging.getLogger("distill")
 
 
-def distill_record(step: int, metrics: dict, figures: dict) -> dict:
+def distill_record(step: int, metrics: dict, figures: dict, teachers: tuple[str, ...] = ()) -> dict:
     """One metrics.jsonl training record: the step's losses and lr (host floats) plus the
     loop's own figures (tokens_per_s, teacher_ms, student_ms, busy fractions, ...); an MoE
-    student's `moe_aux_loss` and expert load (`student.routing.load_record`)."""
+    student's `moe_aux_loss` and expert load (`student.routing.load_record`); with several
+    `teachers` (their names), `kd_loss_by_teacher`: each one's divergence."""
     keys = ("loss", "ce_loss", "lr", "grad_norm")
+    by_teacher = metrics.get("kd_loss_teachers")
+    if teachers and by_teacher is not None:
+        figures = {"kd_loss_by_teacher": dict(zip(teachers, by_teacher, strict=True)), **figures}
     return {
         "step": step,
         "phase": "distill",

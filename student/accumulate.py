@@ -41,7 +41,7 @@ def accumulate(grad_fn, params, inputs, n: int, mesh, grad_shardings):
         return jax.lax.with_sharding_constraint(mb, rows)
 
     blocks = None
-    if inputs[1] is not None and isinstance(inputs[1].logprobs, tuple):
+    if isinstance(getattr(inputs[1], "logprobs", None), tuple):
         blocks, inputs = inputs[1].logprobs, (inputs[0], None)
         if len(blocks) != n:
             raise ValueError(f"a dense teacher output in {len(blocks)} blocks, {n} microbatches")

@@ -235,7 +235,7 @@ def make_train_step(
             batch, teacher_out = context.pieces((batch, teacher_out))
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if grad_accum == 1:
-            if teacher_out is not None and isinstance(teacher_out.logprobs, tuple):
+            if isinstance(getattr(teacher_out, "logprobs", None), tuple):
                 raise ValueError("a dense teacher output in blocks needs train.grad_accum > 1")
             (_, metrics), grads = grad_fn(state.params, batch, teacher_out)
         else:

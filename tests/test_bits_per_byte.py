@@ -100,7 +100,7 @@ def test_bits_per_byte_match_transformers_on_the_same_text(tmp_path):
     from distill.checkpoint import save_params
     from distill.config.load import config_from_dict
     from distill.data.bpe import train_bpe
-    from distill.data.cross_rows import cross_corpus
+    from distill.data.cross.rows import cross_corpus
     from distill.data.tokenizers import ByteTokenizer, vocab_limit
     from distill.mesh import student_mesh, teacher_mesh
     from distill.models import model

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distill.config import DataConfig, TeacherConfig
-from distill.data.cross_examples import cross_example_corpus, regions
+from distill.data.cross.examples import cross_example_corpus, regions
 from distill.data.tokenizers import ByteTokenizer, load_tokenizer
 from distill.errors import DistillError
 from tests.test_chat import (

@@ -1,4 +1,4 @@
-"""The teacher's rows of the student's own samples (`distill.data.cross_samples`): the one
+"""The teacher's rows of the student's own samples (`distill.data.cross.samples`): the one
 alignment path of the corpus rows, on rows that exist only in the student's tokens."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distill.data.cross_samples import SampleRows, spelled
+from distill.data.cross.samples import SampleRows, spelled
 from distill.data.token_bytes import token_bytes
 from distill.data.tokenizers import ByteTokenizer
 from distill.models.decode import continuation_batch, prompts_of

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from distill.config import DistillLossConfig
 from distill.data.bpe import train_bpe
 from distill.data.byte_paths import BytePaths
-from distill.data.cross_rows import cross_splits
+from distill.data.cross.rows import cross_splits
 from distill.data.token_bytes import FirstBytes, VocabMap, byte_lengths, token_bytes
 from distill.data.tokenizers import ByteTokenizer, load_tokenizer
 from distill.models.cross import losses as xl

@@ -464,3 +464,27 @@ def test_cache_teacher_and_eval_from_an_endpoint_are_refused(tiny_run, tmp_path,
         assert main([command, path]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "teacher.source: endpoint" in err[0], err
+
+
+def test_a_teacher_behind_a_server_as_one_of_two_mixes_as_the_same_teacher(
+    served, tiny_run, local_run, tmp_path
+):
+    """Several teachers (`teachers:`): the session's teacher loaded locally and the same
+    teacher behind `distill serve`, mixed at equal weights: the mixture of one distribution
+    with itself is that distribution, so every step's loss is the one-teacher local run's,
+    and each teacher's divergence is the run's."""
+    server, *_ = served
+    tree = _tree(tiny_run, tmp_path / "two")
+    tree["train"].update(STEPS)
+    local = dict(tree.pop("teacher"), name="local")
+    remote = dict(local, name="remote", source="endpoint", pretrain_steps=0)
+    remote["endpoint"] = {"url": server.url, "api": "distill"}
+    tree["teachers"] = [local, remote]
+    assert main(["run", write_config(tmp_path, tree)]) == 0
+    got = train_by_step(tmp_path / "two")
+    assert sorted(got) == sorted(local_run)
+    for step, want in local_run.items():
+        assert got[step]["loss"] == pytest.approx(want["loss"], abs=1e-5), step
+        each = got[step]["kd_loss_by_teacher"]
+        assert each["local"] == pytest.approx(want["kd_loss"], abs=1e-5), step
+        assert each["remote"] == pytest.approx(want["kd_loss"], abs=1e-5), step

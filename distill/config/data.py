@@ -38,6 +38,13 @@ class DataConfig(Section):
     text_field: str = Field(
         "text", description="The text field of JSONL records and the text column of Parquet."
     )
+    teacher_field: str | None = Field(
+        None,
+        description="Several teachers (`teachers:`): each record goes to the teacher this field "
+        "of its JSONL record / column of its Parquet row names (a record without it, or naming "
+        "no teacher, is an error naming the record); rows never mix teachers. None: every "
+        "record to all teachers, their divergences weighted (teachers[].weight).",
+    )
     prompt_field: str | None = Field(
         None,
         description="On-policy prompts: this field of the JSONL records / column of the Parquet "

@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from distill.config import RUNTIME_KEYS, Config
+from distill.config.teachers import resolve_teachers
 from distill.errors import DistillError, error_lines
 from distill.models import hf
 
@@ -81,7 +82,10 @@ def config_from_dict(tree: dict) -> Config:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise DistillError("\n".join(error_lines(e, model=Config))) from None
-    _resolve_teacher(cfg)
+    if cfg.teachers or cfg.data.teacher_field is not None:
+        resolve_teachers(cfg, _resolve_teacher)  # each, and the first as `teacher`
+    else:
+        _resolve_teacher(cfg)
     _resolve_student(cfg)
     if cfg.distill.moe_aux_loss and not cfg.student_model().n_experts:  # validates it too
         raise DistillError(

@@ -237,6 +237,23 @@ class TeacherConfig(Section):
         return self.format == "hf"
 
 
+class TeacherEntry(TeacherConfig):
+    """One of several teachers (`teachers:`): a whole teacher section, named."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="The teacher's name: what data.teacher_field's values say to route a "
+        "record to it, and its key in the records, the dashboard and /metrics.",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="Without data.teacher_field: its share of the mixture (the weights are "
+        "normalised to sum to 1). With it: not read.",
+    )
+
+
 class StudentConfig(Section):
     model: StudentModelOverrides = Field(default_factory=StudentModelOverrides)
     dtype: DType = Field("auto", description=DTYPE_DOC)
@@ -393,6 +410,14 @@ class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    teachers: list[TeacherEntry] = Field(
+        default_factory=list,
+        description="Several teachers for one student (docs/guides/several-teachers.md), each "
+        "a whole teacher section with a name: each record goes to the one its "
+        "data.teacher_field names, or, without that field, the divergence is to all of them, "
+        "weighted. The first is also `teacher` (the student's shape, from_teacher, the plan's "
+        "layout). Empty: the one `teacher`.",
+    )
     student: StudentConfig = Field(default_factory=StudentConfig)
     data: DataConfig
     distill: DistillLossConfig = Field(default_factory=DistillLossConfig)
@@ -402,6 +427,17 @@ class Config(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    def each_teacher(self) -> list[Config]:
+        """One config per teacher, whose `teacher` is that one (`teachers`), else [self]."""
+        if not self.teachers:
+            return [self]
+        return [self.model_copy(update={"teacher": t}) for t in self.teachers]
+
+    def teacher_weights(self) -> tuple[float, ...]:
+        """The teachers' mixture weights, summing to 1 (one teacher: (1.0,))."""
+        w = [t.weight for t in self.teachers] or [1.0]
+        return tuple(x / sum(w) for x in w)
 
     def cross_tokenizer(self) -> bool:
         """Whether the teacher has its own tokenizer (teacher.tokenizer, unlike data.tokenizer)."""
@@ -445,7 +481,7 @@ class Config(Section):
     def resolve_dtypes(self, platform: str) -> None:
         """Set `auto` compute dtypes for the platform the meshes are on: bfloat16 on
         accelerators, float32 on CPU (where bfloat16 matmuls are emulated and slow)."""
-        for role in (self.teacher, self.student):
+        for role in (self.teacher, *self.teachers, self.student):
             if role.dtype == "auto":
                 role.dtype = "float32" if platform == "cpu" else "bfloat16"
 

@@ -110,7 +110,7 @@ class Corpus:
     prepared corpus on demand; both have ``len`` and ``gather``, so batches are the same.
     ``fingerprint`` is the prepared corpus's stored hash of its packed streams (see
     ``distill.identity.data_hash``), None for rows in memory. ``teacher``: the teacher's
-    tokenizer when it has its own (the rows are then ``distill.data.cross_rows.CrossRows``).
+    tokenizer when it has its own (the rows are then ``distill.data.cross.rows.CrossRows``).
     """
 
     tokenizer: Tokenizer

@@ -40,7 +40,7 @@ import numpy as np
 from distill.collectives import mask_vocab
 from distill.config import DistillLossConfig
 from distill.models.losses import PADDED_LOGIT, _kl, _token_ce, fit_vocab, kd_divergence
-from distill.types import TeacherOutput
+from distill.types import TeacherMix, TeacherOutput
 
 # One chunk's float32 logits on one device, by default: a few such temporaries live at once.
 CHUNK_BYTES = 256 * 2**20
@@ -251,7 +251,7 @@ def _means(sums: Tree, mask_bs: jax.Array) -> tuple[Tree, jax.Array]:
 def kd_loss_chunked(
     x_bsd: jax.Array,
     head_dv: jax.Array,
-    teacher: TeacherOutput,
+    teacher: TeacherOutput | TeacherMix,
     targets_bs: jax.Array,
     mask_bs: jax.Array,
     cfg: DistillLossConfig,
@@ -269,17 +269,39 @@ def kd_loss_chunked(
     probability (a top-k teacher with k >= vocab_limit is then the dense divergence over the
     live ids). chunk: positions per chunk (default `default_chunk(V, B)`; under data
     parallelism pass `default_chunk(V, B // dp)`). Same metrics as `kd_loss`.
+
+    Several teachers (`distill.types.TeacherMix`): KD is the weighted sum of the divergence
+    to each teacher, position by position (its weights [B, S, n]); with forward KL its
+    gradient is that of the divergence to the mixture sum_i w_i p_i (the two differ by the
+    mixture's Jensen gap, a constant of the teachers). "kd_loss_teachers" [n]: each
+    teacher's divergence over the tokens it weighs.
     """
-    lp = jax.lax.stop_gradient(teacher.logprobs)
-    if teacher.ids is None:
-        per_token, dense = {"targets": targets_bs}, {"lp": lp}
-    else:
-        per_token, dense = {"targets": targets_bs, "lp": lp, "ids": teacher.ids}, {}
+    mix = isinstance(teacher, TeacherMix)
+    outputs = teacher.outputs if mix else (teacher,)
+    per_token, dense = {"targets": targets_bs}, {}
+    if mix:
+        per_token["w"] = jax.lax.stop_gradient(teacher.weights.astype(jnp.float32))
+    for i, out in enumerate(outputs):
+        lp = jax.lax.stop_gradient(out.logprobs)
+        if out.ids is None:
+            dense[f"lp{i}"] = lp
+        else:
+            per_token.update({f"lp{i}": lp, f"ids{i}": out.ids})
 
     def token_fn(z_bcv: jax.Array, t: Tree) -> Tree:
-        teacher_c = TeacherOutput(t["lp"], t.get("ids"))
-        kd = kd_divergence(z_bcv, teacher_c, cfg, vocab_limit=vocab_limit)
-        return {"kd": kd, "ce": _token_ce(z_bcv, t["targets"])}
+        kds = [
+            kd_divergence(z_bcv, TeacherOutput(t[f"lp{i}"], t.get(f"ids{i}")), cfg,
+                          vocab_limit=vocab_limit)
+            for i in range(len(outputs))
+        ]  # fmt: skip
+        values = {"kd": kds[0], "ce": _token_ce(z_bcv, t["targets"])}
+        if mix:  # each teacher's divergence at its weight (0 where its weight is 0)
+            w = t["w"]
+            parts = [jnp.where(w[..., i] > 0, w[..., i] * kd, 0.0) for i, kd in enumerate(kds)]
+            values["kd"] = sum(parts)
+            values.update({f"kd{i}": p for i, p in enumerate(parts)})
+            values.update({f"w{i}": w[..., i] for i in range(len(kds))})
+        return values
 
     n = jnp.maximum(jnp.sum(mask_bs.astype(jnp.float32)), 1.0)
     coef = {"kd": cfg.alpha * cfg.temperature**2 / n, "ce": (1.0 - cfg.alpha) / n}
@@ -290,7 +312,12 @@ def kd_loss_chunked(
     means, tokens = _means(sums, mask_bs)
     kd, ce = means["kd"], means["ce"]
     loss = _with_gradient_of(cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce, total)
-    return loss, {"loss": loss, "kd_loss": kd, "ce_loss": ce, "tokens": tokens}
+    metrics = {"loss": loss, "kd_loss": kd, "ce_loss": ce, "tokens": tokens}
+    if mix:  # each teacher's divergence over the tokens it weighs, weighted by them
+        metrics["kd_loss_teachers"] = jnp.stack(
+            [sums[f"kd{i}"] / jnp.maximum(sums[f"w{i}"], 1e-9) for i in range(len(outputs))]
+        )
+    return loss, metrics
 
 
 def _with_gradient_of(value: jax.Array, total: jax.Array) -> jax.Array:

@@ -438,6 +438,7 @@ _GATE_EVENTS = 20  # the alpha gate's latest changes the status lists
 _STATUS_FIGURES = (
     "loss",
     "kd_loss",
+    "kd_loss_by_teacher",
     "ce_loss",
     "lr",
     "alpha",

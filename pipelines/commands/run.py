@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from distill import outputs
 from distill.config import Config
+from distill.data.routed import teacher_corpus
 from distill.data.tokenizers import vocab_limit
 from distill.errors import DistillError
 from distill.mesh import Meshes, build_meshes, colocated
@@ -21,6 +22,7 @@ from pipelines.plan import flops as plan_flops
 from pipelines.plan import format_plan, host_memory, plan
 from pipelines.plan import memory as plan_memory
 from pipelines.preflight import preflight, preflight_shapes
+from pipelines.teacher_checks import uses_teacher
 from teacher.stages import check_stages
 
 log = logging.getLogger("distill")
@@ -143,8 +145,9 @@ def run(cfg: Config, extra: Sequence[Hook] = ()) -> dict:
     store.set_mesh(p["layout"])
     server = _start_server(cfg, store)
     try:
-        if cfg.teacher.source == "online" or cfg.student.init == "from_teacher":
-            ensure_teacher(host_cfg, corpus, store)
+        for i, one in enumerate(host_cfg.each_teacher()):  # each on its own records
+            if uses_teacher(one):
+                ensure_teacher(one, teacher_corpus(corpus, i), store)
         if cfg.pipeline.mode == "ray":
             from pipelines.ray.mode import distill_ray
 
@@ -184,6 +187,11 @@ def evaluate(cfg: Config) -> dict:
     from teacher.online import OnlineTeacher
     from teacher.weights import student_init_params
 
+    if cfg.teachers:
+        raise DistillError(
+            "teachers: distill eval compares the student with one teacher; give it a config "
+            "whose teacher: is the one to compare with"
+        )
     if cfg.teacher.source == "endpoint":
         raise DistillError(
             "teacher.source: endpoint: distill eval compares the student with the teacher's "

@@ -47,6 +47,11 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     from pipelines.sources import OnlineSource
     from teacher.online import OnlineTeacher
 
+    if cfg.teachers:
+        raise DistillError(
+            "teachers: distill cache-teacher stores one teacher's outputs; give it a config "
+            "whose teacher: is that one (a run of several teachers reads none from a cache)"
+        )
     if cfg.teacher.source == "endpoint":
         raise DistillError(
             "teacher.source: endpoint: distill cache-teacher stores the outputs of the "

@@ -222,7 +222,44 @@ def plan(cfg: Config, meshes: Meshes) -> dict:
         "bytes_per_token_between_meshes": teacher_output_bytes_per_token(cfg),
         "teacher_output_bytes_per_step": teacher_output_bytes_per_step(cfg),
         "eval": {"rows": eval_rows(cfg), "windows": eval_windows(cfg)},
+        **({"teachers": several_teachers(cfg)} if cfg.teachers else {}),
     }
+
+
+def several_teachers(cfg: Config) -> list[dict]:
+    """Each of several teachers' name, source, parameters and weight bytes per device of
+    the inference mesh (where every local one is held at once), and the bytes per token its
+    output adds between the meshes."""
+    return [
+        {
+            "name": one.teacher.name,
+            "source": one.teacher.source,
+            "params": counts.param_count(one.teacher.model),
+            "weight_bytes_per_device": (
+                teacher_figures(one)["weight_bytes_per_device"] if one.teacher.loaded() else 0
+            ),
+            "bytes_per_token_between_meshes": teacher_output_bytes_per_token(one),
+        }
+        for one in cfg.each_teacher()
+    ]
+
+
+def _teachers_line(p: dict) -> str:
+    """The several teachers' line of the plan, or ''."""
+    if "teachers" not in p:
+        return ""
+    each = ", ".join(
+        f"{t['name']} ({t['source']}) {t['params'] / 1e6:.2f}M params "
+        f"{t['weight_bytes_per_device'] / 2**20:.1f} MiB/device"
+        for t in p["teachers"]
+    )
+    held = sum(t["weight_bytes_per_device"] for t in p["teachers"])
+    between = sum(t["bytes_per_token_between_meshes"] for t in p["teachers"])
+    between += 4 * len(p["teachers"])  # each position's weights (`TeacherMix`)
+    return (
+        f"\nteachers: {each}; held together {held / 2**20:.1f} MiB/device of the inference "
+        f"mesh, every teacher's output {between} B/token between meshes"
+    )
 
 
 def _positions(p: dict) -> str:
@@ -293,7 +330,9 @@ def format_plan(p: dict) -> str:
             f"batch: {p['tokens_per_step']} tokens/step, {p['per_device_batch']} rows/device"
             f"{_positions(p)}{micro}; "
             f"teacher output {p['teacher_output']}, {p['bytes_per_token_between_meshes']} B/token, "
-            f"{mb(p['teacher_output_bytes_per_step'])}/step between meshes" + _eval(p),
+            f"{mb(p['teacher_output_bytes_per_step'])}/step between meshes"
+            + _eval(p)
+            + _teachers_line(p),
         ]
     )
 

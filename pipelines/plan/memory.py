@@ -25,7 +25,7 @@ from distill.errors import DistillError
 from distill.handoff import dense_blocks
 from distill.mesh import PP, TP, Meshes, check_context
 from distill.models import model
-from distill.types import Batch, Prompts, TeacherOutput
+from distill.types import Batch, Prompts, TeacherMix, TeacherOutput
 from pipelines.plan import flops as plan_flops
 from student import sharding as student_sharding
 from student import train
@@ -138,7 +138,10 @@ def device_memory(mesh) -> int | None:
 
 def memory(cfg: Config, meshes: Meshes, vocab_limit: int | None) -> dict:
     """The plan's memory figures (bytes per device) of both roles' compiled programs."""
-    teacher, t_out = teacher_memory(cfg, meshes.teacher, vocab_limit)
+    if cfg.teachers:
+        teacher, t_out = several_teachers_memory(cfg, meshes.teacher, vocab_limit)
+    else:
+        teacher, t_out = teacher_memory(cfg, meshes.teacher, vocab_limit)
     return {
         "teacher": teacher,
         "student": student_memory(cfg, meshes.student, t_out, vocab_limit),
@@ -152,6 +155,26 @@ def teacher_memory(cfg: Config, mesh, vocab_limit: int | None) -> tuple[dict, ob
     t = _figures(compiled)
     mem = {"forward_temp_bytes_per_device": t["temp"], "peak_bytes_per_device": t["peak"]}
     return {**mem, **plan_flops.figures(compiled, mesh, cfg, "teacher")}, out
+
+
+def several_teachers_memory(cfg: Config, mesh, vocab_limit: int | None) -> tuple[dict, object]:
+    """Several teachers (`teachers:`): the first's figures, with the peak of holding every
+    local one's weights at once on the inference mesh, their forwards run one after another
+    (each one's arguments, then the largest temporaries); the abstract output the student
+    steps on (`distill.types.TeacherMix`)."""
+    each = [(one, *teacher_memory(one, mesh, vocab_limit)) for one in cfg.each_teacher()]
+    local = [m for one, m, _ in each if one.teacher.loaded()]
+    first = dict(each[0][1])
+    if local:
+        held = sum(m["peak_bytes_per_device"] - m["forward_temp_bytes_per_device"] for m in local)
+        first["forward_temp_bytes_per_device"] = max(
+            m["forward_temp_bytes_per_device"] for m in local
+        )
+        first["peak_bytes_per_device"] = held + first["forward_temp_bytes_per_device"]
+    outs = tuple(out for _, _, out in each)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    weights = jax.ShapeDtypeStruct((b, s, len(outs)), jnp.float32)
+    return first, TeacherMix(outs, weights)
 
 
 def student_memory(cfg: Config, mesh, teacher_out, vocab_limit: int | None) -> dict:

@@ -265,7 +265,7 @@ class StudentMember(_Member):
         self._setup_sampling(cfg, corpus.tokenizer, limit)
         self._cross = None  # across tokenizers: the teacher's rows of the samples
         if corpus.teacher is not None:
-            from distill.data.cross_samples import SampleRows
+            from distill.data.cross.samples import SampleRows
 
             self._cross = SampleRows(corpus.tokenizer, corpus.teacher, corpus.train.teacher_len)
 

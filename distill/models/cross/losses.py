@@ -1,7 +1,7 @@
 """Distillation across vocabularies: a teacher and a student with different tokenizers.
 
 The teacher's dense log-probs (its own vocabulary Vt, at temperature T) arrive at the
-student's positions through the alignment of `distill.data.cross_rows`: position j of the
+student's positions through the alignment of `distill.data.cross.rows`: position j of the
 student reads the teacher's position whose text prefix ends at the same character. Two ways
 to compare the two next-token distributions (`distill.cross_tokenizer`):
 

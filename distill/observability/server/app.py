@@ -151,6 +151,16 @@ class _StoreCollector:
             if isinstance(s[f"{mesh}_busy"], int | float):
                 busy.add_metric([mesh], s[f"{mesh}_busy"])
         yield busy
+        if isinstance(s["kd_loss_by_teacher"], dict):  # several teachers
+            kd = GaugeMetricFamily(
+                "distill_teacher_kd_loss",
+                "Several teachers: the latest divergence to each.",
+                labels=["teacher"],
+            )
+            for name, value in s["kd_loss_by_teacher"].items():
+                if isinstance(value, int | float):
+                    kd.add_metric([name], value)
+            yield kd
         if isinstance(s["expert_load"], list):
             load = GaugeMetricFamily(
                 "distill_expert_load_ratio",

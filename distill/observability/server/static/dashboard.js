@@ -167,6 +167,11 @@ function renderStatus(s) {
 
   setText("loss", fmt(s.loss));
   setText("kd-loss", fmt(s.kd_loss));
+  const byTeacher = s.kd_loss_by_teacher;  // several teachers: each one's divergence
+  $("kd-by-teacher").hidden = $("kd-by-teacher-label").hidden = !byTeacher;
+  if (byTeacher) {
+    setText("kd-by-teacher", Object.entries(byTeacher).map(([n, v]) => `${n} ${fmt(v)}`).join(" · "));
+  }
   setText("ce-loss", fmt(s.ce_loss));
   setText("lr", fmt(s.lr, 3));
   setText("tokens-per-s", fmtSI(s.tokens_per_s));

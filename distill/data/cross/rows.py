@@ -49,7 +49,7 @@ class CrossRows:
 
     Holds the teacher's ids, starts and real flags [R, T + 1] and align [R, S] int32; the
     student's rows are `PackedRows`, or `ExampleRows` of conversations and pairs
-    (`distill.data.cross_examples`, whose teacher rows flag what its loss counts: `t_train`).
+    (`distill.data.cross.examples`, whose teacher rows flag what its loss counts: `t_train`).
     """
 
     def __init__(self, student: PackedRows, t_ids, t_starts, t_real, align, t_train=None):
@@ -247,9 +247,9 @@ def cross_corpus(
 ) -> Corpus:
     """Text documents tokenised by both tokenizers, held out as ``tokenize_corpus`` holds
     them out (by the student's tokens), packed into the student's rows with the teacher's
-    rows of the same text and the alignment (``distill.data.cross_rows``); the teacher's
+    rows of the same text and the alignment (``distill.data.cross.rows``); the teacher's
     rows a multiple of `multiple` long (`row_multiple`)."""
-    if cfg.prepared_dir is not None:  # (conversations and pairs: distill.data.cross_examples)
+    if cfg.prepared_dir is not None:  # (conversations and pairs: distill.data.cross.examples)
         raise DistillError(
             "teacher.tokenizer: a teacher tokenizer of its own needs the documents read here;"
             " data.prepared_dir is not supported across tokenizers yet"

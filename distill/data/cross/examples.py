@@ -24,7 +24,7 @@ a record, the teacher's tokens of the same stretch of the conversation. A record
 ``train.seq_len`` (or a window of a split one) maps its first and last student characters
 into the teacher's text (inside an answer: the same offset; elsewhere: the end of the answer
 before, or the start of the text) and keeps the teacher's tokens between them. The teacher's
-rows are padded to one length T, as text rows are (`distill.data.cross_rows`). All of this
+rows are padded to one length T, as text rows are (`distill.data.cross.rows`). All of this
 happens once, when the corpus is built, never in the training loop.
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 from distill.config import DataConfig
 from distill.data.chat import load_template
 from distill.data.corpus import Corpus
-from distill.data.cross_rows import ROW_MULTIPLE, CrossRows
+from distill.data.cross.rows import ROW_MULTIPLE, CrossRows
 from distill.data.examples import read_examples, tokenise_examples
 from distill.data.loader import held_out_records, log_packing, resolve_paths
 from distill.data.packing import ExampleRows, best_fit, fit_pieces, lay_out
@@ -204,7 +204,7 @@ def cross_example_corpus(
     as ``distill.data.loader`` holds them out (by the student's tokens), packed into the
     student's rows with the teacher's rows of the same records and the alignment.
     ``teacher_cfg``: the teacher's ``tokenizer`` and ``chat_template`` keys; the teacher's
-    rows a multiple of `multiple` long (``cross_rows.row_multiple``)."""
+    rows a multiple of `multiple` long (``distill.data.cross.rows.row_multiple``)."""
     if cfg.prepared_dir is not None:
         raise DistillError(
             "data.prepared_dir: a prepared corpus holds no teacher rows; with a teacher.tokenizer"

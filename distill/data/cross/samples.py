@@ -4,7 +4,7 @@ An on-policy row (`distill.types.Continuations`: a prompt and the student's cont
 then padding) exists only in the student's tokens. `SampleRows` turns each row back into
 text, spelled by its tokens' bytes (`distill.data.token_bytes`), with every token's
 character offsets, and builds the teacher's row of that text and the alignment by the one
-code path of the corpus rows (`distill.data.cross_rows.slot_rows`): a document of the row
+code path of the corpus rows (`distill.data.cross.rows.slot_rows`): a document of the row
 is cut where its segment id changes, at a BOS and after an EOS; a document the row enters
 or leaves mid-way has no BOS or EOS there. The teacher's rows are padded to the corpus's
 length T, so its program is the one compiled for the data's rows; a row whose text takes
@@ -18,7 +18,7 @@ import codecs
 
 import numpy as np
 
-from distill.data.cross_rows import BOS, EOS, TEXT, pad_rows, slot_rows
+from distill.data.cross.rows import BOS, EOS, TEXT, pad_rows, slot_rows
 from distill.data.packing import flagged_batch
 from distill.data.token_bytes import token_bytes
 from distill.data.tokenizers import Tokenizer
@@ -31,7 +31,7 @@ def spelled(
     """(the text `ids` spell, each id's character offsets [n, 2] int64): the UTF-8 of their
     bytes (`token_bytes`; None and ids past the table spell nothing), invalid bytes as
     U+FFFD. A token that starts or ends inside a character spans the whole character, as a
-    tokenizer's offsets do (`distill.data.cross_rows` reads such a token as ending no
+    tokenizer's offsets do (`distill.data.cross.rows` reads such a token as ending no
     prefix). `inside`: the text opens inside a character, whose tail bytes it leaves out
     (as a corpus row that opens inside one gives the teacher the text after it)."""
     pieces = [table[i] if 0 <= i < len(table) and table[i] else b"" for i in ids.tolist()]

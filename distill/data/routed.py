@@ -1,0 +1,164 @@
+"""Records routed to one of several teachers by a field of the data (`data.teacher_field`).
+
+Each teacher's records are packed into rows of their own (`distill.data.corpus.PackedRows`,
+held out as `distill.data.loader.split_documents` holds out), so a row never mixes teachers;
+`RoutedRows` serves the teachers' rows as one set of rows, each batch's `route` [B, S] giving
+the teacher index of every position (its row's). The teachers' outputs are then weighed per
+position by it (`distill.types.TeacherMix`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from distill.config import DataConfig
+from distill.data.corpus import Corpus, PackedRows
+from distill.data.loader import resolve_paths, split_documents
+from distill.data.tokenizers import build_tokenizer
+from distill.errors import DistillError
+from distill.types import Batch
+
+log = logging.getLogger("distill")
+
+
+class RoutedRows:
+    """The rows of each teacher's records, one after another: row i of the whole is row
+    i - offset[t] of teacher t's, and its batch's `route` is t at every position."""
+
+    def __init__(self, parts: list[PackedRows]):
+        self.parts = parts
+        self.offsets = np.cumsum([0, *(len(p) for p in parts)])
+        self.seq_len = parts[0].seq_len
+        self.num_tokens = sum(p.num_tokens for p in parts)
+        self.num_documents = sum(p.num_documents for p in parts)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def gather(self, rows: np.ndarray) -> Batch:
+        """The Batch of rows `rows` [B], with `route` [B, S] int32."""
+        rows = np.asarray(rows, dtype=np.int64)
+        teacher = np.searchsorted(self.offsets, rows, side="right") - 1
+        fields: list[np.ndarray] = []
+        order = np.empty(len(rows), dtype=np.int64)
+        done = 0
+        for t, part in enumerate(self.parts):
+            mine = np.flatnonzero(teacher == t)
+            if not mine.size:
+                continue
+            fields.append(part.gather(rows[mine] - self.offsets[t]))
+            order[done : done + mine.size] = mine
+            done += mine.size
+        back = np.argsort(order, kind="stable")  # the parts' rows back in the asked order
+        whole = Batch(
+            *(np.concatenate(xs)[back] for xs in zip(*(f[:5] for f in fields), strict=True))
+        )
+        route = np.broadcast_to(teacher[:, None], whole.tokens.shape).astype(np.int32)
+        return whole._replace(route=route)
+
+    def teacher_part(self, t: int) -> PackedRows:
+        return self.parts[t]
+
+
+def routed_corpus(cfg: DataConfig, seq_len: int, names: list[str]) -> Corpus:
+    """The records of data.source tokenised, each teacher's packed apart (`RoutedRows`) and
+    held out apart; every teacher needs a train and an eval row."""
+    tokenizer = build_tokenizer(cfg)
+    texts = routed_texts(cfg, names)
+    split = {"train": [], "eval": []}
+    for t, name in enumerate(names):
+        mine = [text for text, to in texts if to == t]
+        docs = list(tokenizer.encode_batch(mine)) if mine else []
+        train, held = split_documents(docs, cfg.eval_fraction, seq_len + 1) if docs else ([], [])
+        for part, ds in (("train", train), ("eval", held)):
+            rows = PackedRows(ds, seq_len, tokenizer.bos_id, tokenizer.eos_id)
+            if len(rows) < 1:
+                raise DistillError(
+                    f"data.teacher_field: the records of data.source routed to teacher "
+                    f"'{name}' give {rows.num_tokens} {part} tokens ({len(ds)} documents of "
+                    f"{len(mine)}), need at least {seq_len + 1} for one {part} row of "
+                    f"train.seq_len={seq_len}"
+                )
+            split[part].append(rows)
+    train, held = RoutedRows(split["train"]), RoutedRows(split["eval"])
+    log.info(
+        "data: %d documents routed by '%s' into %d train rows (%s)",
+        train.num_documents,
+        cfg.teacher_field,
+        len(train),
+        ", ".join(f"{n}: {len(p)}" for n, p in zip(names, train.parts, strict=True)),
+    )
+    return Corpus(tokenizer=tokenizer, train=train, eval=held)
+
+
+def routed_texts(cfg: DataConfig, names: list[str]) -> list[tuple[str, int]]:
+    """(text, teacher index) of every record of data.source with a non-empty text, in sorted
+    path order, at most data.max_bytes of text; a record whose data.teacher_field is missing
+    or names no teacher is one error naming it."""
+    index = {n: i for i, n in enumerate(names)}
+    out: list[tuple[str, int]] = []
+    budget = cfg.max_bytes
+    for path in resolve_paths(cfg):
+        for where, text, to in _records(path, cfg):
+            if to not in index:
+                got = "has none" if to is None else f"is {to!r}"
+                raise DistillError(
+                    f"data.teacher_field: {where}: its '{cfg.teacher_field}' {got}; it must "
+                    f"name one of the teachers ({', '.join(names)})"
+                )
+            if not text:
+                continue
+            if budget is not None:
+                budget -= len(text.encode("utf-8"))
+                if budget < 0:
+                    return out
+            out.append((text, index[to]))
+    if not out:
+        raise DistillError(f"data.source: '{cfg.source}' holds no text to route")
+    return out
+
+
+def _records(path: Path, cfg: DataConfig):
+    """(where, text, teacher name) of each record of a JSONL or Parquet file."""
+    text_key, to_key = cfg.text_field, cfg.teacher_field
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        for key in (text_key, to_key):
+            if key not in table.column_names:
+                raise DistillError(f"data.source: {path} has no column '{key}'")
+        texts, tos = table.column(text_key).to_pylist(), table.column(to_key).to_pylist()
+        for row, (text, to) in enumerate(zip(texts, tos, strict=True)):
+            yield f"{path} row {row}", text, to
+        return
+    if suffix not in (".jsonl", ".json"):
+        raise DistillError(
+            f"data.teacher_field: reads JSONL or Parquet records; {path} is neither (narrow "
+            "data.include)"
+        )
+    for lineno, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise DistillError(f"data.source: {where}: not valid JSON") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+            raise DistillError(f"data.source: {where}: no string field '{text_key}'")
+        yield where, record[text_key], record.get(to_key)
+
+
+def teacher_corpus(corpus: Corpus, t: int) -> Corpus:
+    """The corpus teacher `t` is bootstrapped on and checked against: its own records' rows
+    when records are routed (`RoutedRows`), else the whole corpus."""
+    if not isinstance(corpus.train, RoutedRows):
+        return corpus
+    train, held = corpus.train.parts[t], corpus.eval.parts[t]
+    return Corpus(tokenizer=corpus.tokenizer, train=train, eval=held)

@@ -1,0 +1,114 @@
+"""Several teachers for one student (`teachers:`): one source per teacher (online on the
+inference mesh, or behind an endpoint), all read in the same data order, and a source over
+them whose items carry their outputs together (`distill.types.TeacherMix`).
+
+Every teacher answers every batch: with records routed (`data.teacher_field`) each
+position's weight is 1 for its row's teacher and 0 for the others, so a teacher's work on
+another's rows is spent and unused; without routing the divergence is to all of them at
+their weights. Evaluation takes the student's held-out figures alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from distill.config import Config
+from distill.types import Batch, TeacherMix
+from pipelines.loop import Item
+
+log = logging.getLogger("distill")
+
+
+def mix_weights(cfg: Config, batch: Batch) -> np.ndarray:
+    """[B, S, n] float32: each position's weight of each teacher (summing to 1): one-hot of
+    the batch's route with records routed, else the teachers' normalised weights."""
+    n = len(cfg.teachers)
+    if batch.route is not None:
+        return np.eye(n, dtype=np.float32)[np.asarray(batch.route)]
+    w = np.asarray(cfg.teacher_weights(), np.float32)
+    return np.broadcast_to(w, (*np.shape(batch.tokens), n)).copy()
+
+
+class MultiSource:
+    """The teachers' sources in step: item n of each is batch n (the same corpus iterated
+    with the same seed), and the item handed on is the first source's batch with every
+    teacher's output (`TeacherMix`); none while the alpha gate keeps the teacher off."""
+
+    student_eval = True  # `pipelines.evaluation.Evaluation`: the student's figures alone
+
+    def __init__(self, cfg: Config, sources: list):
+        self._cfg, self.sources = cfg, sources
+        self._names = [t.name for t in cfg.teachers]
+        self._made: tuple | None = None  # (the sources' items, the item made of them)
+
+    def start(self, data_state: dict | None) -> None:
+        for s in self.sources:
+            s.start(data_state)
+        self._made = None
+
+    def submit(self) -> None:
+        for s in self.sources:
+            s.submit()
+
+    def peek(self) -> Item:
+        return self._combined(tuple(s.peek() for s in self.sources))
+
+    def pop(self) -> Item:
+        return self._combined(tuple(s.pop() for s in self.sources))
+
+    def _combined(self, items: tuple) -> Item:
+        """One item of the sources' items: the same object for the same items (the loop
+        tells a peeked item from a remade one by identity)."""
+        if self._made is not None and all(
+            a is b for a, b in zip(self._made[0], items, strict=True)
+        ):
+            return self._made[1]
+        head = items[0]
+        outs = tuple(i.teacher_out for i in items)
+        out = None
+        if all(o is not None for o in outs):
+            out = TeacherMix(outs, mix_weights(self._cfg, head.batch))
+        item = head._replace(teacher_out=out, tag=None)
+        self._made = (items, item)
+        return item
+
+    def in_flight(self) -> int:
+        return self.sources[0].in_flight()
+
+    def resume_point(self) -> dict:
+        return self.sources[0].resume_point()
+
+    def gate(self, open_: bool) -> bool:
+        for s in self.sources:
+            s.gate(open_)
+        return False
+
+    def figures(self, steps: int, since: float, step: int = 0) -> dict:
+        """teacher_ms: the teachers' summed; teacher_busy: the busiest's (they share the
+        inference mesh); each teacher's teacher_ms by name."""
+        each = [s.figures(steps, since, step) for s in self.sources]
+        busy = [f["teacher_busy"] for f in each if f.get("teacher_busy") is not None]
+        return {
+            "teacher_ms": sum(f["teacher_ms"] for f in each),
+            "teacher_busy": max(busy) if busy else None,
+            "teacher_ms_by_teacher": {
+                n: f["teacher_ms"] for n, f in zip(self._names, each, strict=True)
+            },
+        }
+
+    def eval_logits(self, batches: list):
+        return None
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
+
+
+def kd_by_teacher(cfg: Config, metrics: dict) -> dict:
+    """A step's `kd_loss_teachers` [n] as {teacher name: its divergence}, or {}."""
+    values = metrics.get("kd_loss_teachers")
+    if values is None or not cfg.teachers:
+        return {}
+    return {t.name: float(v) for t, v in zip(cfg.teachers, np.ravel(values), strict=True)}

@@ -1,0 +1,263 @@
+"""Several teachers for one student (`teachers:`): the weighted divergence against the
+hand-computed mixture, routed rows, and runs through the CLI: records routed by a field to
+two teachers bootstrapped on their own halves, the mixture of two, /metrics, and what
+validate refuses."""
+
+import json
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config, write_config
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from distill.config import DistillLossConfig
+from distill.models.vocab_loss import kd_loss_chunked
+from distill.types import TeacherMix, TeacherOutput
+
+GREEK = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+NUMBERS = "one two three four five six seven eight nine ten eleven twelve".split()
+
+
+def _case(seed=0, b=2, s=6, d=8, v=24, n=2):
+    keys = jax.random.split(jax.random.key(seed), 3 + n)
+    x = jax.random.normal(keys[0], (b, s, d))
+    head = jax.random.normal(keys[1], (d, v))
+    mask = (jax.random.uniform(keys[2], (b, s)) > 0.2).astype(jnp.float32)
+    lps = [jax.nn.log_softmax(2 * jax.random.normal(k, (b, s, v))) for k in keys[3:]]
+    return x, head, mask, lps
+
+
+def _hand_kl(p_lp, q_lp):
+    p = np.exp(p_lp)
+    return np.sum(p * (p_lp - q_lp), axis=-1)
+
+
+def test_mixture_is_the_weighted_divergence_with_the_mixture_s_gradient():
+    """Without routing (weights 0.25, 0.75 everywhere): KD is the weighted sum of each
+    teacher's forward KL, computed by hand; its gradient is that of KL(mixture || student)
+    with the mixture sum_i w_i p_i formed by hand (the two differ by a constant)."""
+    x, head, mask, lps = _case()
+    cfg = DistillLossConfig(loss="forward_kl", temperature=1.0, alpha=1.0)
+    w = np.array([0.25, 0.75], np.float32)
+    weights = jnp.broadcast_to(w, (*mask.shape, 2))
+    mix = TeacherMix(tuple(TeacherOutput(lp) for lp in lps), weights)
+    targets = jnp.zeros(mask.shape, jnp.int32)
+
+    def loss(x, head, teacher):
+        return kd_loss_chunked(x, head, teacher, targets, mask, cfg, chunk=4)
+
+    _, metrics = loss(x, head, mix)
+    q = np.asarray(jax.nn.log_softmax(x @ head))
+    m = np.asarray(mask)
+    each = [np.sum(_hand_kl(np.asarray(lp), q) * m) / m.sum() for lp in lps]
+    assert float(metrics["kd_loss"]) == pytest.approx(w @ np.array(each), rel=1e-5)
+    np.testing.assert_allclose(metrics["kd_loss_teachers"], each, rtol=1e-5)
+
+    mixture = jnp.log(w[0] * jnp.exp(lps[0]) + w[1] * jnp.exp(lps[1]))
+    g_mix = jax.grad(lambda x, h: loss(x, h, mix)[0], argnums=(0, 1))(x, head)
+    g_hand = jax.grad(lambda x, h: loss(x, h, TeacherOutput(mixture))[0], argnums=(0, 1))(x, head)
+    for a, b in zip(g_mix, g_hand, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd"])
+def test_routed_positions_take_their_own_teacher(loss):
+    """One-hot weights (records routed): the loss equals one teacher's at every position,
+    the teachers' outputs chosen position by position by hand, top-k teachers with
+    different k; each teacher's divergence is over its own positions."""
+    x, head, mask, lps = _case(seed=1)
+    cfg = DistillLossConfig(loss=loss, temperature=1.0, alpha=0.7)
+    route = np.array([[0, 0, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0]])
+    weights = jnp.asarray(np.eye(2, dtype=np.float32)[route])
+    tops = [jax.lax.top_k(lp, k) for lp, k in zip(lps, (5, 7), strict=True)]
+    outs = tuple(TeacherOutput(v, i) for v, i in tops)
+    targets = jnp.argmax(x @ head, axis=-1).astype(jnp.int32)
+    got_loss, got = kd_loss_chunked(x, head, TeacherMix(outs, weights), targets, mask, cfg, chunk=4)
+    by_teacher, m = [], np.asarray(mask)
+    for t in range(2):  # each teacher's loss with the other's positions masked out
+        own = jnp.asarray(m * (route == t))
+        _, alone = kd_loss_chunked(x, head, outs[t], targets, own, cfg, chunk=4)
+        by_teacher.append((float(alone["kd_loss"]), float(own.sum())))
+    kd = sum(v * n for v, n in by_teacher) / m.sum()
+    assert float(got["kd_loss"]) == pytest.approx(kd, rel=1e-5)
+    np.testing.assert_allclose(got["kd_loss_teachers"], [v for v, _ in by_teacher], rtol=1e-5)
+    ce = float(got["ce_loss"])
+    assert float(got_loss) == pytest.approx(0.7 * kd + 0.3 * ce, rel=1e-5)
+
+
+def test_routed_rows_keep_each_teacher_s_rows_apart():
+    from distill.data.corpus import PackedRows
+    from distill.data.routed import RoutedRows
+
+    a = PackedRows([np.arange(3, 40, dtype=np.int32)], 8, 1, 2)
+    b = PackedRows([np.arange(100, 150, dtype=np.int32)], 8, 1, 2)
+    rows = RoutedRows([a, b])
+    assert len(rows) == len(a) + len(b)
+    ask = np.array([len(a) + 1, 0, len(a), 2])
+    batch = rows.gather(ask)
+    assert batch.route[:, 0].tolist() == [1, 0, 1, 0] and (batch.route[:, 0] == batch.route.T).all()
+    np.testing.assert_array_equal(batch.tokens[0], b.gather(np.array([1])).tokens[0])
+    np.testing.assert_array_equal(batch.tokens[3], a.gather(np.array([2])).tokens[0])
+
+
+def _corpus(path, n=480):
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            domain, words = ("greek", GREEK) if i % 2 == 0 else ("numbers", NUMBERS)
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(10, 24)))
+            f.write(json.dumps({"text": text, "domain": domain}) + "\n")
+
+
+def _teachers(tmp, tree, names=("greek", "numbers")):
+    t = tree.pop("teacher")
+    return [dict(t, name=n, checkpoint=str(tmp / f"teacher-{n}")) for n in names]
+
+
+def _records(out):
+    lines = (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
+    return [r for r in lines if "kd_loss" in r and r.get("phase") == "distill"]
+
+
+def _kl_to(tmp, run_out, teacher_ckpt, data, name, capsys):
+    """`distill eval` of the student in `run_out` against the teacher at `teacher_ckpt`
+    on `data`'s held-out rows: KL(teacher || student)."""
+    from pipelines.commands.cli import main
+
+    tree = tiny_config(str(data), str(run_out))
+    tree["teacher"].update(checkpoint=str(teacher_ckpt), pretrain_steps=0)
+    tree["run"]["allow_teacher_change"] = True
+    tree["data"] = {"source": str(data), "eval_batches": 2}
+    capsys.readouterr()
+    assert main(["eval", write_config(tmp, tree, f"eval-{name}.yaml")]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kl"]
+
+
+def test_routed_teachers_each_teach_their_own_half(tmp_path, capsys):
+    """Two teachers bootstrapped on their own halves of a corpus (Greek words, number
+    words), records routed by `domain`: the student ends closer to each half's own teacher,
+    on that half's held-out rows, than a student distilled from one teacher bootstrapped on
+    the whole corpus; the records give each teacher's divergence."""
+    from pipelines.commands.cli import main
+
+    data = tmp_path / "data.jsonl"
+    _corpus(data)
+    halves = {}
+    for name in ("greek", "numbers"):
+        halves[name] = tmp_path / f"{name}.jsonl"
+        kept = [x for x in data.read_text().splitlines() if json.loads(x)["domain"] == name]
+        halves[name].write_text("\n".join(kept) + "\n")
+    train = {"steps": 100, "log_every": 50, "eval_every": 100, "checkpoint_every": 100}
+    loss = {"alpha": 0.9, "temperature": 1.0}
+    routed = tiny_config(str(data), str(tmp_path / "routed"), train=train, distill=loss)
+    routed["teacher"]["pretrain_steps"] = 100
+    routed["teachers"] = _teachers(tmp_path, routed)
+    routed["data"] = {"source": str(data), "teacher_field": "domain", "eval_batches": 1}
+    assert main(["run", write_config(tmp_path, routed, "routed.yaml")]) == 0
+    recs = _records(tmp_path / "routed")
+    assert recs and set(recs[-1]["kd_loss_by_teacher"]) == {"greek", "numbers"}
+    assert set(recs[-1]["teacher_ms_by_teacher"]) == {"greek", "numbers"}
+
+    single = tiny_config(str(data), str(tmp_path / "single"), train=train, distill=loss)
+    single["teacher"].update(pretrain_steps=100, checkpoint=str(tmp_path / "teacher-all"))
+    single["data"] = {"source": str(data), "eval_batches": 1}
+    assert main(["run", write_config(tmp_path, single, "single.yaml")]) == 0
+    for name in ("greek", "numbers"):
+        own = tmp_path / f"teacher-{name}"
+        kl_routed = _kl_to(tmp_path, tmp_path / "routed", own, halves[name], f"r-{name}", capsys)
+        kl_single = _kl_to(tmp_path, tmp_path / "single", own, halves[name], f"s-{name}", capsys)
+        print(name, kl_routed, kl_single)
+        assert kl_routed < kl_single, (name, kl_routed, kl_single)
+
+
+def test_a_mixture_of_two_teachers_runs_and_reports_each(tmp_path, corpus_dir):
+    """Without data.teacher_field every record goes to both (weights 1 and 3): the run
+    trains, its records give each teacher's divergence, and the plan counts both."""
+    from pipelines.commands.cli import main
+
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    tree["teachers"] = _teachers(tmp_path, tree, ("first", "second"))
+    tree["teachers"][1]["weight"] = 3.0
+    tree["teachers"][1]["top_k"] = 4
+    assert main(["run", write_config(tmp_path, tree)]) == 0
+    rec = _records(tmp_path / "out")[-1]
+    each = rec["kd_loss_by_teacher"]
+    assert set(each) == {"first", "second"}
+    assert rec["kd_loss"] == pytest.approx(0.25 * each["first"] + 0.75 * each["second"], rel=1e-4)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [t["name"] for t in summary["plan"]["teachers"]] == ["first", "second"]
+
+
+def _refusal(tmp_path, tree, capsys) -> str:
+    from pipelines.commands.cli import main
+
+    assert main(["validate", write_config(tmp_path, tree)]) == 2
+    return capsys.readouterr().err.strip().splitlines()[-1].removeprefix("distill: error: ")
+
+
+def test_validate_refuses_what_several_teachers_cannot_do(tmp_path, corpus_dir, capsys):
+    data = tmp_path / "data.jsonl"
+    _corpus(data, 80)
+
+    def tree(**data_keys):
+        t = tiny_config(str(data), str(tmp_path / "out"))
+        t["teachers"] = _teachers(tmp_path, t)
+        t["data"] = {"source": str(data), "eval_batches": 1, **data_keys}
+        return t
+
+    t = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    t["data"]["teacher_field"] = "domain"
+    assert "data.teacher_field: routes records" in _refusal(tmp_path, t, capsys)
+    t = tree()
+    t["teachers"][1]["name"] = "greek"
+    assert "the name 'greek' is given twice" in _refusal(tmp_path, t, capsys)
+    t = tree()
+    t["pipeline"] = {"mode": "ray"}
+    assert _refusal(tmp_path, t, capsys).startswith(
+        "pipeline.mode: not supported with several teachers"
+    )
+    t = tree()
+    t["distill"] = {"on_policy": {"fraction": 0.5}}
+    assert "distill.on_policy.fraction: not supported" in _refusal(tmp_path, t, capsys)
+    t = tree()
+    t["distill"] = {"alpha_gate": True}
+    assert "distill.alpha_gate: not supported" in _refusal(tmp_path, t, capsys)
+    t = tree(teacher_field="domain")
+    t["teachers"][1]["top_k"] = 10_000
+    assert _refusal(tmp_path, t, capsys).startswith("teachers[1].top_k: 10000 exceeds")
+    from pipelines.commands.cli import main
+
+    for command in ("eval", "cache-teacher"):
+        assert main([command, write_config(tmp_path, tree())]) == 2
+        assert (
+            capsys.readouterr()
+            .err.strip()
+            .startswith(f"distill: error: teachers: distill {command}")
+        )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(data.read_text() + json.dumps({"text": "x y", "domain": "code"}) + "\n")
+    t = tree(teacher_field="domain")
+    t["data"]["source"] = str(bad)
+    line = _refusal(tmp_path, t, capsys)
+    assert f"{bad} line 81: its 'domain' is 'code'" in line and "greek, numbers" in line
+
+
+def test_prometheus_gives_each_teacher_s_divergence():
+    from distill.observability.metrics import MetricsStore
+    from distill.observability.server import create_app
+
+    store = MetricsStore("m", total_steps=4, config={"data": {"source": "x"}}, stall_timeout_s=60)
+    store.set_phase("distill")
+    store.log({"step": 1, "loss": 1.0, "kd_loss_by_teacher": {"math": 0.5, "code": 0.25}})
+    text = TestClient(create_app(store, token=None)).get("/metrics").text
+    got = {
+        s.labels["teacher"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "distill_teacher_kd_loss"
+    }
+    assert got == {"math": 0.5, "code": 0.25}
