@@ -117,6 +117,18 @@ def test_export_round_trip(qwen35, tmp_path):
     assert hf.read_model_config(out) == cfg
 
 
+def test_a_bfloat16_export_in_shards_loads_in_transformers(qwen35, tmp_path):
+    """As every student family's (`tests.test_families_students`): bfloat16 shards of at
+    most 20 kB that transformers loads with the rounded model's log-probs and distill reads
+    back bit for bit."""
+    from tests.test_families_students import (
+        test_a_bfloat16_export_in_shards_loads_in_transformers as bfloat16_shards,
+    )
+
+    path, ref, want, batch = qwen35
+    bfloat16_shards((ref.config.model_type, path, ref, want, batch), tmp_path)
+
+
 def _prompts(live, n_rows=3, p=6, seed=2):
     """Rows of p prompt tokens: one document; a last document of 2 tokens (shorter than the
     convolution's K - 1 = 3 cached inputs); left padding."""
