@@ -190,7 +190,9 @@ def test_auto_on_cpu_prefers_layouts_that_copy_no_model():
 
 def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys, caplog):
     """`distill plan` with auto on the 8 simulated devices: every candidate compiled from
-    abstract shapes, the table printed, the choice applied to the plan."""
+    abstract shapes, the table printed once (not logged as well), the choice applied to the
+    plan, and the CPU figures labelled before they come: XLA:CPU's, in the dtypes and remat
+    compiled, `auto` dtypes and remat named as a CPU resolves them."""
     path = tmp_path / "cfg.yaml"
     tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
     tree["mesh"] = {"placement": "auto"}  # no axis written: auto chooses them all
@@ -198,11 +200,18 @@ def test_plan_prints_auto_table_and_chosen_layout(corpus_dir, tmp_path, capsys, 
     path.write_text(json.dumps(tree))
     caplog.set_level(logging.INFO)
     assert main(["plan", str(path)]) == 0
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
     assert out[0].startswith("mesh.placement auto: 9 candidates")
-    assert "candidates (predicted" not in caplog.text  # printed once, not logged as well
-    note = [line for line in out if line.startswith("note: planned on CPU devices")]
-    assert len(note) == 1 and "student.dtype auto as float32" in note[0]
+    assert captured.out.count("mesh.placement auto: 9 candidates") == 1
+    assert "candidates (predicted" not in caplog.text + captured.err  # not logged as well
+    note = [i for i, line in enumerate(out) if line.startswith("note: planned on CPU devices")]
+    assert len(note) == 1, out
+    (i,) = note
+    assert "the figures are XLA:CPU's, compiled in teacher float32, student float32" in out[i]
+    assert "student.dtype auto as float32" in out[i]
+    assert "train.remat auto as none" in out[i]
+    assert out[i + 1].startswith("memory per device")  # the label comes before the figures
     chosen = [line for line in out[1:10] if line.startswith(" ->")]
     assert len(chosen) == 1
     p = json.loads(out[-1])

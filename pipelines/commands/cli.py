@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     helps = {
         "run": "run a distillation pipeline",
-        "validate": "check the config, data and device fit without computing anything",
+        "validate": "make run's checks (config, data, teacher, device fit); compiles, runs nothing",
         "plan": "print the device split, sizes and FLOPs",
         "eval": "evaluate teacher and latest student checkpoint; prints one JSON object",
         "bench": "time each phase and the pipelined step; prints one JSON object last",

@@ -214,18 +214,21 @@ def evaluate(cfg: Config) -> dict:
     return {"step": step, **{k: result[k] for k in keys}}
 
 
-def _cpu_plan_note(cfg: Config, auto_dtypes: list[str]) -> str | None:
-    """What a CPU plan counts as a GPU or TPU would not, where the config leaves it to the
-    platform: `auto` dtypes (float32 here) and `train.remat: auto` (none here)."""
+def _cpu_plan_note(cfg: Config, auto_dtypes: list[str], auto_remat: bool) -> str:
+    """The one line that labels a CPU plan's figures: this machine's backend, the dtypes and
+    remat they were compiled in, and what the config left to the platform (`auto` dtypes:
+    float32 here; `train.remat: auto`: none here), which a GPU or TPU decides otherwise."""
     parts = [f"{r}.dtype auto as float32 (bfloat16 on a GPU or TPU)" for r in auto_dtypes]
-    if cfg.train.remat == "auto":
-        parts.append("train.remat auto as none (an accelerator's memory decides there)")
-    if not parts:
-        return None
-    return (
-        f"note: planned on CPU devices: {'; '.join(parts)}. An accelerator's figures differ: "
-        "set these fields to plan as it would"
+    if auto_remat:
+        parts.append(f"train.remat auto as {cfg.train.remat} (an accelerator's memory decides)")
+    compiled = (
+        f"teacher {cfg.teacher.dtype}, student {cfg.student.dtype}, train.remat {cfg.train.remat}"
     )
+    line = f"note: planned on CPU devices: the figures are XLA:CPU's, compiled in {compiled}"
+    if not parts:
+        return line
+    left = "; ".join(parts)
+    return f"{line} ({left}): an accelerator's differ; set these fields to plan as it would"
 
 
 def plan_json(cfg: Config) -> str:
@@ -235,18 +238,20 @@ def plan_json(cfg: Config) -> str:
     _require_ray(cfg)
     check_stages(cfg, warn=False)
     auto_dtypes = [r for r in ("teacher", "student") if getattr(cfg, r).dtype == "auto"]
+    auto_remat = cfg.train.remat == "auto"  # resolved by the memory plan below
     table = preflight_shapes(cfg, log_table=False)
     meshes = build_meshes(cfg)
     mem = _memory(cfg, meshes, _tokenizer_if_present(cfg))
     p = plan_memory.add_to_plan(plan(cfg, meshes), mem)
-    text = [format_plan(p), plan_memory.format_memory(mem), plan_flops.format_flops(p)]
+    text = [format_plan(p)]
+    if meshes.platform == "cpu":  # label the figures before they come
+        text.append(_cpu_plan_note(cfg, auto_dtypes, auto_remat))
+    text += [plan_memory.format_memory(mem), plan_flops.format_flops(p)]
     if "colocated" in mem:
         p["colocated"] = mem["colocated"]
         text.append(placement.format_colocated(mem))
     if meshes.platform == "cpu":  # the devices share this machine's RAM: their sum
         p["host_memory"] = host_memory.host_figures(meshes, mem, host_memory.available_bytes(), cfg)
         text.append(host_memory.format_host(p["host_memory"]))
-        if note := _cpu_plan_note(cfg, auto_dtypes):
-            text.append(note)
     text = "\n".join([*text, dumps(p)])
     return text if table is None else table + "\n" + text
