@@ -126,8 +126,8 @@ REFUSED = {
         "distill.on_policy.fraction: on-policy distillation needs the teacher online",
     ),
     frozenset({"cross_tokenizer", "cache"}): (
-        "the cache holds top-k outputs; cross-tokenizer losses read the teacher's whole "
-        "distribution",
+        "the cache holds top-k outputs; a dense cross-tokenizer loss (top_k null, as here) "
+        "reads the teacher's whole distribution; at a top-k the pair runs",
         "teacher.source: not supported with teacher.tokenizer=bytes",
     ),
     frozenset({"cross_tokenizer", "grad_accum"}): (

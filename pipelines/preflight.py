@@ -188,9 +188,9 @@ def check_cross_tokenizer(cfg: Config) -> None:
         ("teacher.pretrain_steps", cfg.teacher.pretrain_steps > 0,
          "a trained teacher (pretrain_steps: 0; bootstrap it in a run with its tokenizer)"),
         ("train.grad_accum", cfg.train.grad_accum > 1, "grad_accum: 1"),
-        ("teacher.source", cfg.teacher.source == "cache",
-         "teacher.source: online (a cache holds top-k outputs at the data's tokens; the "
-         "cross-tokenizer losses read the teacher's whole distribution at its own)"),
+        ("teacher.source", cfg.teacher.source == "cache" and cfg.teacher.top_k is None,
+         "teacher.top_k set, or teacher.source: online (a cache holds top-k outputs; a dense "
+         "cross-tokenizer loss reads the teacher's whole distribution at its own tokens)"),
         ("distill.on_policy.fraction",
          cfg.distill.on_policy.fraction > 0 and cfg.data.is_examples,
          "text data (a sample of chat or prompt/completion data is not re-rendered with the "
