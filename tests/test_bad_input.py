@@ -257,6 +257,10 @@ def test_set_overrides_are_typed():
     assert cfg.train.steps == 7 and cfg.optim.lr == 1e-4 and cfg.teacher.top_k is None
     assert cfg.run.name == "x y"
     assert cfg.student_model().d_model == 128 and cfg.student_model().vocab_size == 384
+    # data.source's placeholders as written in YAML files, unquoted (YAML reads {stdlib}
+    # as a one-key mapping)
+    for name in ("{stdlib}", "{stdlib_chat}"):
+        assert load_config("pipelines/quickstart.yaml", [f"data.source={name}"]).data.source == name
 
 
 def test_several_config_mistakes_are_all_printed(tmp_path, capsys):

@@ -21,11 +21,17 @@ from distill.models import hf
 
 
 def _parse_value(text: str) -> Any:
-    """`--set` values are YAML scalars: 3, 1e-3, true, null, [1, 2], 'text'."""
+    """`--set` values are YAML scalars: 3, 1e-3, true, null, [1, 2], 'text'. A braced name
+    alone (`{stdlib}`, `{stdlib_chat}`: YAML's one-key mapping {stdlib: null}) is the text
+    itself, as data.source's placeholders are written."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, dict) and len(value) == 1 and None in value.values():
+        if text.strip() == "{" + str(next(iter(value))) + "}":
+            return text.strip()
+    return value
 
 
 def apply_override(tree: dict, assignment: str) -> None:
