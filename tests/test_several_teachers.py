@@ -192,6 +192,41 @@ def test_a_mixture_of_two_teachers_runs_and_reports_each(tmp_path, corpus_dir):
     assert [t["name"] for t in summary["plan"]["teachers"]] == ["first", "second"]
 
 
+def test_routed_conversations(tmp_path):
+    """Chat records routed by `domain`: each teacher's conversations are held out and
+    packed apart (every row one teacher's, the route of every position its row's), and a
+    run over them trains with each teacher's divergence in the records."""
+    from distill.config.load import load_config
+    from pipelines.commands.cli import main
+    from pipelines.preflight import preflight
+
+    data = tmp_path / "chat.jsonl"
+    rng = random.Random(1)
+    with open(data, "w") as f:
+        for i in range(160):
+            domain, words = ("greek", GREEK) if i % 2 == 0 else ("numbers", NUMBERS)
+            ask, say = (" ".join(rng.choice(words) for _ in range(4)) for _ in range(2))
+            turns = [{"role": "user", "content": ask}, {"role": "assistant", "content": say}]
+            f.write(json.dumps({"messages": turns, "domain": domain}) + "\n")
+    tree = tiny_config(str(data), str(tmp_path / "out"))
+    tree["train"].update(seq_len=128)
+    tree["teachers"] = _teachers(tmp_path, tree)
+    tree["data"] = {"source": str(data), "format": "chat", "teacher_field": "domain",
+                    "eval_batches": 1}  # fmt: skip
+    path = write_config(tmp_path, tree)
+    corpus = preflight(load_config(path))
+    for split in (corpus.train, corpus.eval):
+        batch = split.gather(np.arange(len(split)))
+        for row, route in zip(batch.tokens, batch.route[:, 0], strict=True):
+            text = corpus.tokenizer.decode([int(t) for t in row])
+            own = GREEK if route == 0 else NUMBERS
+            other = NUMBERS if route == 0 else GREEK
+            assert any(w in text for w in own) and not any(f" {w} " in text for w in other)
+        assert set(batch.route[:, 0]) == {0, 1}
+    assert main(["run", path]) == 0
+    assert set(_records(tmp_path / "out")[-1]["kd_loss_by_teacher"]) == {"greek", "numbers"}
+
+
 def _refusal(tmp_path, tree, capsys) -> str:
     from pipelines.commands.cli import main
 

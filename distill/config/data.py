@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from distill.config.model import Section
 
@@ -115,6 +115,10 @@ class DataConfig(Section):
         description="Directory of the corpus tokenised and packed by `distill prepare`. Set: "
         "`distill prepare` writes it and runs read their rows from it, not from data.source.",
     )
+
+    # (data.teacher_field, the teacher whose records are read, every teacher's name): set by
+    # `distill.data.routed` to read one teacher's chat or pair records (`examples.records`)
+    _route: tuple[str, str, tuple[str, ...]] | None = PrivateAttr(None)
 
     @property
     def is_examples(self) -> bool:

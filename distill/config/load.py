@@ -28,9 +28,9 @@ def _parse_value(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    if isinstance(value, dict) and len(value) == 1 and None in value.values():
-        if text.strip() == "{" + str(next(iter(value))) + "}":
-            return text.strip()
+    one_name = isinstance(value, dict) and len(value) == 1 and None in value.values()
+    if one_name and text.strip() == "{" + str(next(iter(value))) + "}":
+        return text.strip()
     return value
 
 

@@ -66,9 +66,6 @@ def _refused(cfg) -> list[tuple[str, bool, str]]:
          "outputs)"),
         ("distill.alpha_gate", cfg.distill.alpha_gate,
          "the gate compares one teacher's held-out figures with the student's; set it false"),
-        ("data.teacher_field", cfg.data.teacher_field is not None and cfg.data.is_examples,
-         f"routes text records (JSONL, Parquet); data.format {cfg.data.format} records are "
-         "not routed yet (without data.teacher_field every record goes to all teachers)"),
         ("data.prepared_dir", cfg.data.teacher_field is not None and bool(cfg.data.prepared_dir),
          "routed records are read from data.source (a prepared corpus keeps no route)"),
     ]  # fmt: skip

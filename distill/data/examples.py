@@ -112,18 +112,38 @@ def records(
     cfg: DataConfig, paths: list[Path], fields: list[str], key: str, bad: BadRecords, optional=()
 ):
     """(where, record) of every JSONL line and Parquet row of ``paths``; of Parquet only the
-    columns ``fields`` (each required) and those of ``optional`` the file has."""
+    columns ``fields`` (each required) and those of ``optional`` the file has. Records
+    routed to several teachers (``DataConfig._route``): only those of one teacher, each
+    record's ``data.teacher_field`` checked to name a teacher."""
+    route = cfg._route
+    if route is not None:
+        optional = (*optional, route[0])
     for path in paths:
         suffix = path.suffix.lower()
         if suffix == ".parquet":
-            yield from _parquet_records(path, fields, key, bad, optional)
+            found = _parquet_records(path, fields, key, bad, optional)
         elif suffix in (".jsonl", ".json"):
-            yield from _jsonl_records(path, bad)
+            found = _jsonl_records(path, bad)
         else:
             raise DistillError(
                 f"data.format: {cfg.format} reads .jsonl/.json or .parquet records; {path} is"
                 " neither (narrow data.include)"
             )
+        yield from found if route is None else _routed(found, *route)
+
+
+def _routed(found, field: str, name: str, names: tuple[str, ...]):
+    """The records of `found` whose `field` is `name`; one naming no teacher is an error."""
+    for where, record in found:
+        to = record.get(field) if isinstance(record, dict) else None
+        if to not in names:
+            got = "has none" if to is None else f"is {to!r}"
+            raise DistillError(
+                f"data.teacher_field: {where}: its '{field}' {got}; it must name one of the "
+                f"teachers ({', '.join(names)})"
+            )
+        if to == name:
+            yield where, record
 
 
 def _message_problem(messages, roles: frozenset, train_on: str) -> str | None:

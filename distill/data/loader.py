@@ -379,7 +379,7 @@ def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:
     ``progress`` as for ``load_documents``: bars per file read and per document tokenised."""
     tokenizer = build_tokenizer(cfg)
     if cfg.is_examples:
-        return _example_corpus(cfg, seq_len, tokenizer)
+        return example_corpus(cfg, seq_len, tokenizer)
     docs = _encode(load_documents(cfg, tokenizer.vocab_size, progress), tokenizer, progress)
     need = seq_len + 1
     train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, need)
@@ -398,7 +398,7 @@ def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:
     return corpus
 
 
-def _example_corpus(cfg: DataConfig, seq_len: int, tokenizer: Tokenizer) -> Corpus:
+def example_corpus(cfg: DataConfig, seq_len: int, tokenizer: Tokenizer) -> Corpus:
     """Conversations or prompt/completion pairs, whole ones held out for eval, each split
     packed best-fit (``distill.data.packing``)."""
     examples, records = load_examples(cfg, resolve_paths(cfg), tokenizer)

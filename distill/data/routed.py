@@ -1,7 +1,9 @@
 """Records routed to one of several teachers by a field of the data (`data.teacher_field`).
 
-Each teacher's records are packed into rows of their own (`distill.data.corpus.PackedRows`,
-held out as `distill.data.loader.split_documents` holds out), so a row never mixes teachers;
+Text records, conversations and pairs alike: each teacher's records are read, held out and
+packed into rows of their own (`distill.data.corpus.PackedRows`, held out as
+`distill.data.loader.split_documents` holds out; conversations and pairs as
+`distill.data.loader.example_corpus` makes them), so a row never mixes teachers;
 `RoutedRows` serves the teachers' rows as one set of rows, each batch's `route` [B, S] giving
 the teacher index of every position (its row's). The teachers' outputs are then weighed per
 position by it (`distill.types.TeacherMix`).
@@ -17,7 +19,7 @@ import numpy as np
 
 from distill.config import DataConfig
 from distill.data.corpus import Corpus, PackedRows
-from distill.data.loader import resolve_paths, split_documents
+from distill.data.loader import example_corpus, resolve_paths, split_documents
 from distill.data.tokenizers import build_tokenizer
 from distill.errors import DistillError
 from distill.types import Batch
@@ -68,6 +70,8 @@ def routed_corpus(cfg: DataConfig, seq_len: int, names: list[str]) -> Corpus:
     """The records of data.source tokenised, each teacher's packed apart (`RoutedRows`) and
     held out apart; every teacher needs a train and an eval row."""
     tokenizer = build_tokenizer(cfg)
+    if cfg.is_examples:
+        return _routed_examples(cfg, seq_len, names, tokenizer)
     texts = routed_texts(cfg, names)
     split = {"train": [], "eval": []}
     for t, name in enumerate(names):
@@ -93,6 +97,29 @@ def routed_corpus(cfg: DataConfig, seq_len: int, names: list[str]) -> Corpus:
         ", ".join(f"{n}: {len(p)}" for n, p in zip(names, train.parts, strict=True)),
     )
     return Corpus(tokenizer=tokenizer, train=train, eval=held)
+
+
+def _routed_examples(cfg: DataConfig, seq_len: int, names: list[str], tokenizer) -> Corpus:
+    """Conversations or pairs, each teacher's read, held out and packed apart (as
+    `distill.data.loader.example_corpus` makes one corpus of them)."""
+    parts = []
+    for name in names:
+        one = cfg.model_copy()
+        one._route = (cfg.teacher_field, name, tuple(names))
+        try:
+            parts.append(example_corpus(one, seq_len, tokenizer))
+        except DistillError as e:
+            raise DistillError(f"data.teacher_field: the records routed to '{name}': {e}") from None
+    train = RoutedRows([c.train for c in parts])
+    log.info(
+        "data: %d %s records routed by '%s' into %d train rows (%s)",
+        train.num_documents,
+        cfg.format,
+        cfg.teacher_field,
+        len(train),
+        ", ".join(f"{n}: {len(p)}" for n, p in zip(names, train.parts, strict=True)),
+    )
+    return Corpus(tokenizer=tokenizer, train=train, eval=RoutedRows([c.eval for c in parts]))
 
 
 def routed_texts(cfg: DataConfig, names: list[str]) -> list[tuple[str, int]]:
