@@ -451,10 +451,16 @@ def test_bad_endpoint_config_gives_one_line(tiny_run, tmp_path, capsys, sets, wo
     assert len(err) == 1 and words in err[0], err
 
 
-def test_an_endpoint_config_validates_without_asking_the_server(tiny_run, tmp_path, capsys):
+def test_an_endpoint_config_validates_without_asking_the_server(tiny_run, tmp_path, capsys, caplog):
+    """...and says which keys of a local teacher it leaves unread (the tiny config's
+    mesh.teacher.tp, and a teacher.microbatch given here)."""
     tree = _tree(tiny_run, tmp_path / "out", url="http://127.0.0.1:9", api="distill")
-    assert main(["validate", write_config(tmp_path, tree)]) == 0
+    tree["teacher"]["microbatch"] = 2
+    with caplog.at_level(logging.WARNING, logger="distill"):
+        assert main(["validate", write_config(tmp_path, tree)]) == 0
     assert ": ok (" in capsys.readouterr().out
+    (line,) = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert "teacher.microbatch, mesh.teacher.tp set but not read" in line, line
 
 
 def test_cache_teacher_and_eval_from_an_endpoint_are_refused(tiny_run, tmp_path, capsys):

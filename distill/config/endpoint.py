@@ -6,6 +6,7 @@ The client is `teacher.endpoint`; the APIs' formats are `teacher.endpoint_apis`.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,9 @@ API_DOC = (
     "top_logprobs_num; distill: `distill serve`'s binary top-k rows (/v1/distill/topk), the "
     "only one at the run's distill.temperature (the others give log-probs at temperature 1)."
 )
+
+
+log = logging.getLogger("distill")
 
 
 class EndpointConfig(Section):
@@ -147,6 +151,23 @@ def check_endpoint(cfg) -> None:
         if bad:
             raise DistillError(f"{key}: not supported with teacher.source: endpoint; {why}")
     _check_access(ep)
+    _warn_unread(cfg)
+
+
+def _warn_unread(cfg) -> None:
+    """One warning naming the keys set for a local teacher that a served one leaves unread:
+    how the teacher runs is the server's (its model still gives the student's defaults)."""
+    t = cfg.teacher
+    unread = [f"teacher.{k}" for k in ("microbatch", "moe_capacity_factor")
+              if k in t.model_fields_set]  # fmt: skip
+    local = any(one.loaded() for one in cfg.teachers)  # several: the mesh is theirs too
+    if not local:
+        unread += [f"mesh.teacher.{k}" for k in sorted(cfg.mesh.teacher.model_fields_set)]
+    if unread:
+        log.warning(
+            "teacher.source: endpoint: %s set but not read (the server runs the teacher)",
+            ", ".join(unread),
+        )
 
 
 def _check_access(ep: EndpointConfig) -> None:
