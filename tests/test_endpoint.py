@@ -463,13 +463,36 @@ def test_an_endpoint_config_validates_without_asking_the_server(tiny_run, tmp_pa
     assert "teacher.microbatch, mesh.teacher.tp set but not read" in line, line
 
 
-def test_cache_teacher_and_eval_from_an_endpoint_are_refused(tiny_run, tmp_path, capsys):
+def test_eval_from_an_endpoint_is_refused(tiny_run, tmp_path, capsys):
     tree = _tree(tiny_run, tmp_path / "out", url="http://127.0.0.1:9", api="distill")
-    path = write_config(tmp_path, tree)
-    for command in ("cache-teacher", "eval"):
-        assert main([command, path]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "teacher.source: endpoint" in err[0], err
+    assert main(["eval", write_config(tmp_path, tree)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "teacher.source: endpoint" in err[0], err
+
+
+def test_a_cache_written_from_a_server_trains_as_the_local_teacher(
+    served, tiny_run, local_run, tmp_path
+):
+    """`distill cache-teacher` of a config whose teacher is behind `distill serve`: the
+    cache holds the server's top-k (its manifest names the server, its evaluation logits
+    are skipped: a server gives none); a run from it (`teacher.source: cache`) gives the
+    local teacher's run's losses step by step."""
+    server, *_ = served
+    tree = _tree(tiny_run, tmp_path / "out", url=server.url, api="distill")
+    tree["train"].update(STEPS)
+    tree["teacher"]["cache_dir"] = str(tmp_path / "cache")
+    assert main(["cache-teacher", write_config(tmp_path, tree, "cache.yaml")]) == 0
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["teacher_hash"] == f"endpoint:{server.url} distill"
+    assert manifest["steps_written"] == STEPS["steps"]
+    assert (tmp_path / "cache" / "eval.arrayrecord.skipped").is_file()
+    tree["teacher"].update(source="cache")
+    del tree["teacher"]["endpoint"]
+    assert main(["run", write_config(tmp_path, tree, "from-cache.yaml")]) == 0
+    got = train_by_step(tmp_path / "out")
+    assert sorted(got) == sorted(local_run)
+    for step, want in local_run.items():
+        assert got[step]["loss"] == pytest.approx(want["loss"], abs=1e-5), step
 
 
 def test_a_teacher_behind_a_server_as_one_of_two_mixes_as_the_same_teacher(

@@ -29,6 +29,7 @@ from pipelines.offline.teacher_cache import (
     encode,
     expected_manifest,
     read_manifest,
+    served_teacher,
     shard_name,
     small_int,
     teacher_hash,
@@ -52,12 +53,6 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
             "teachers: distill cache-teacher stores one teacher's outputs; give it a config "
             "whose teacher: is that one (a run of several teachers reads none from a cache)"
         )
-    if cfg.teacher.source == "endpoint":
-        raise DistillError(
-            "teacher.source: endpoint: distill cache-teacher stores the outputs of the "
-            "teacher it loads (teacher.checkpoint); from a server it is not built yet: set "
-            "teacher.source: online"
-        )
     if not cfg.teacher.top_k:
         raise DistillError(
             "teacher.top_k: is null; distill cache-teacher stores the top-k teacher outputs, "
@@ -69,20 +64,26 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
     t0 = time.perf_counter()
     corpus = preflight(cfg)
     meshes = build_meshes(cfg)
-    ensure_teacher(cfg, corpus)
+    served = cfg.teacher.source == "endpoint"  # a server's answers, no teacher loaded here
+    if not served:
+        ensure_teacher(cfg, corpus)
     root.mkdir(parents=True, exist_ok=True)
-    expected = expected_manifest(cfg, corpus, teacher_hash(teacher_path(cfg)), batches_per_shard)
+    thash = served_teacher(cfg) if served else teacher_hash(teacher_path(cfg))
+    expected = expected_manifest(cfg, corpus, thash, batches_per_shard)
     manifest = _continue_manifest(root, expected, cfg.train.steps)
     done, steps = manifest["steps_written"], cfg.train.steps
     teacher = None
-    if done < steps or not _has_eval(root):
+    if not served and (done < steps or not _has_eval(root)):
         teacher = OnlineTeacher(cfg, meshes.teacher, corpus.teacher_tokenizer)
-    if teacher is not None and not _has_eval(root):
+    if served and not _has_eval(root):
+        (root / (EVAL_FILE + ".skipped")).write_text("a server gives no dense logits\n")
+    elif teacher is not None and not _has_eval(root):
         _write_eval(cfg, corpus, teacher, root)
     written_now = 0
     if done < steps:
         log.info("cache-teacher: batches %d..%d into %s", done, steps, root)
-        written_now = _write_batches(cfg, OnlineSource(cfg, corpus, teacher), root, manifest)
+        source = _served_source(cfg, corpus) if served else OnlineSource(cfg, corpus, teacher)
+        written_now = _write_batches(cfg, source, root, manifest)
     vocab, seq, bsz = cfg.teacher.model.vocab_size, cfg.train.seq_len, cfg.train.batch_size
     on_disk = sum((root / s["file"]).stat().st_size for s in manifest["shards"])
     tokens = manifest["steps_written"] * bsz * seq
@@ -101,6 +102,15 @@ def cache_teacher(cfg: Config, batches_per_shard: int = BATCHES_PER_SHARD) -> di
         "teacher_hash": expected["teacher_hash"],
         "wall_time_s": time.perf_counter() - t0,
     }
+
+
+def _served_source(cfg: Config, corpus):
+    """The batches with their top-k asked of the server (`teacher.endpoint`)."""
+    from pipelines.sources import EndpointSource
+    from teacher.endpoint import EndpointTeacher
+
+    vocab = min(corpus.tokenizer.vocab_size, *cfg.vocab_sizes())
+    return EndpointSource(cfg, corpus, EndpointTeacher(cfg, corpus.tokenizer, vocab))
 
 
 def _continue_manifest(root: Path, expected: dict, steps: int) -> dict:

@@ -179,6 +179,13 @@ def teacher_hash(path: str) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def served_teacher(cfg: Config) -> str:
+    """The teacher hash of a cache written from a server (`teacher.source: endpoint`): the
+    server and the model it names, not weights read here."""
+    ep = cfg.teacher.endpoint
+    return f"endpoint:{ep.url} {ep.api} {ep.model or ''}".strip()
+
+
 def expected_manifest(cfg: Config, corpus, thash: str | None, batches_per_shard: int) -> dict:
     return {
         "format": FORMAT,
@@ -293,6 +300,8 @@ def check_cache(cfg: Config, corpus) -> dict:
         )
     path = teacher_path(cfg)
     thash = teacher_hash(path) if Path(path).is_dir() or "://" in path else None
+    if str(manifest.get("teacher_hash", "")).startswith("endpoint:"):
+        thash = None  # written from a server's answers: no weights here made it
     expected = expected_manifest(cfg, corpus, thash, manifest.get("batches_per_shard"))
     check_manifest(manifest, expected, root)
     missing = [s["file"] for s in manifest["shards"] if not (root / s["file"]).is_file()]
