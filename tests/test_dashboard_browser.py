@@ -232,3 +232,29 @@ def test_dashboard_shows_colocated_roles_on_the_same_devices(tmp_path):
     assert sorted(boxes) == sorted(want + [(str(i), "student", f"dp{i}") for i in range(4)])
     assert re.search(r'id="platform"[^>]*>[^<]*colocated \(both roles on the same devices', dom)
     assert "teacher outputs, same devices" in dom
+
+
+def test_dashboard_shows_each_teacher_s_divergence(tmp_path):
+    """Several teachers: the Training panel's "KD by teacher" row names each teacher with
+    its latest divergence; a run of one teacher keeps the row hidden."""
+    store = MetricsStore("several", total_steps=10, config=CONFIG, stall_timeout_s=60)
+    store.set_mesh(mesh_layout())
+    store.set_phase("distill")
+    store.log({"step": 2, "loss": 1.0, "kd_loss": 0.3, "ce_loss": 2.0,
+               "kd_loss_by_teacher": {"math": 0.25, "code": 0.5}})  # fmt: skip
+    handle = start_server(store, ServerConfig(port=0))
+    try:
+        dom = chromium(handle.url, tmp_path, "--dump-dom").stdout
+    finally:
+        handle.stop()
+    row = re.search(r'<dd id="kd-by-teacher"([^>]*)>([^<]*)<', dom)
+    assert row and "hidden" not in row.group(1) and row.group(2) == "math 0.25 · code 0.5", row
+    single = MetricsStore("one", total_steps=10, config=CONFIG, stall_timeout_s=60)
+    single.set_phase("distill")
+    single.log({"step": 2, "loss": 1.0, "kd_loss": 0.3, "ce_loss": 2.0})
+    handle = start_server(single, ServerConfig(port=0))
+    try:
+        dom = chromium(handle.url, tmp_path, "--dump-dom").stdout
+    finally:
+        handle.stop()
+    assert re.search(r'<dd id="kd-by-teacher"[^>]*hidden', dom)
