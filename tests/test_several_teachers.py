@@ -296,3 +296,31 @@ def test_prometheus_gives_each_teacher_s_divergence():
         if s.name == "distill_teacher_kd_loss"
     }
     assert got == {"math": 0.5, "code": 0.25}
+
+
+def test_auto_costs_every_teacher(tmp_path, corpus_dir):
+    """`mesh.placement: auto` with two teachers of one shape: their forwards cost twice one
+    teacher's, their weights are held together, and the student is compiled on both
+    outputs; `distill plan` chooses a layout with them."""
+    import jax
+
+    from distill.config.load import load_config
+    from distill.mesh import teacher_mesh
+    from pipelines.commands.cli import main
+    from pipelines.placement import costs
+    from pipelines.plan import memory as plan_memory
+
+    tree = tiny_config(str(corpus_dir), str(tmp_path / "out"))
+    tree["teachers"] = _teachers(tmp_path, tree, ("first", "second"))
+    tree["mesh"] = {"placement": "auto"}
+    cfg = load_config(write_config(tmp_path, tree))
+    cfg.resolve_dtypes("cpu")
+    mesh = teacher_mesh(jax.devices()[:2], 1, 2, 1, 1, 1)
+    one = cfg.each_teacher()[0]
+    compiled, _ = plan_memory._teacher(one, mesh, None)
+    alone = costs._teacher_cost(one, compiled, "cpu", costs.layers_factor(one.teacher.model, 32))
+    both, out = costs._several_teachers(cfg, mesh, "cpu")
+    assert both.seconds == pytest.approx(2 * alone.seconds)
+    assert both.resident == 2 * alone.resident and both.temp == alone.temp
+    assert isinstance(out, TeacherMix) and out.weights.shape == (4, 32, 2)
+    assert main(["plan", write_config(tmp_path, tree)]) == 0

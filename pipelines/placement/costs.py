@@ -102,17 +102,15 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
         dp, ep, tp = shape
         c = Layout(Placement.SPLIT, shape, (1, 1)).apply(cfg)
         mesh = teacher_mesh(devices[: dp * ep * tp * pp * t_cp], dp, tp, ep, pp, t_cp)
+        if c.teachers:  # several: each compiled, their forwards one after another
+            costs["teacher", shape], out = _several_teachers(c, mesh, platform)
+            continue
         if not cfg.teacher.loaded():  # no teacher on any device: nothing to compile
             out = plan_memory.teacher_output_shapes(c, mesh, None) if out is None else out
             costs["teacher", shape] = RoleCost(0.0, 0)
             continue
         compiled, out = plan_memory._teacher(c, mesh, None)
-        figures = plan_memory._figures(compiled)
-        fig = {
-            "peak_bytes_per_device": figures["peak"],
-            "forward_temp_bytes_per_device": figures["temp"],
-        }
-        costs["teacher", shape] = teacher_cost(c, _cost_seconds(compiled, platform, t_factor), fig)
+        costs["teacher", shape] = _teacher_cost(c, compiled, platform, t_factor)
     for shape in dict.fromkeys(x.student for x in layouts):
         dp, fsdp = shape
         c = Layout(Placement.SPLIT, (1, 1, 1), shape).apply(cfg)
@@ -125,6 +123,44 @@ def compiled_costs(cfg: Config, devices: list, layouts: list[Layout]) -> dict:
         }
         costs["student", shape] = student_cost(_cost_seconds(compiled, platform, s_factor), fig)
     return costs
+
+
+def _teacher_cost(cfg: Config, compiled, platform: str, factor: float) -> RoleCost:
+    from pipelines.plan import memory as plan_memory
+
+    figures = plan_memory._figures(compiled)
+    fig = {
+        "peak_bytes_per_device": figures["peak"],
+        "forward_temp_bytes_per_device": figures["temp"],
+    }
+    return teacher_cost(cfg, _cost_seconds(compiled, platform, factor), fig)
+
+
+def _several_teachers(cfg: Config, mesh, platform: str) -> tuple[RoleCost, object]:
+    """Several teachers on one inference mesh (`teachers:`): the seconds of their forwards
+    summed (they run one after another on every batch), every local one's weights held at
+    once with the largest temporaries; the abstract output the student steps on
+    (`distill.types.TeacherMix`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from distill.types import TeacherMix
+    from pipelines.plan import memory as plan_memory
+
+    each, outs = [], []
+    for one in cfg.each_teacher():
+        if not one.teacher.loaded():
+            outs.append(plan_memory.teacher_output_shapes(one, mesh, None))
+            continue
+        compiled, out = plan_memory._teacher(one, mesh, None)
+        factor = layers_factor(one.teacher.model, cfg.train.seq_len)
+        each.append(_teacher_cost(one, compiled, platform, factor))
+        outs.append(out)
+    resident, temp = sum(c.resident for c in each), max((c.temp for c in each), default=0)
+    cost = RoleCost(sum(c.seconds for c in each), resident + temp, resident, temp)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    weights = jax.ShapeDtypeStruct((b, s, len(outs)), jnp.float32)
+    return cost, TeacherMix(tuple(outs), weights)
 
 
 def role_keys(layouts: list[Layout]) -> list[tuple[str, tuple]]:
