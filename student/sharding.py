@@ -83,6 +83,13 @@ WEIGHT_DIMS = {
         "lin_dt_bias": ("layer", "lin_heads"),
         "lin_norm": ("layer", "lin_v_dim"),
         "lin_wo": ("layer", "lin_v", "d_model"),
+        "layer_scalar": ("layer", "one"),
+        "full_wq": ("layer", "d_model", "full_q_dim"),  # full layers of their own shapes
+        "full_wk": ("layer", "d_model", "full_kv_dim"),
+        "full_wv": ("layer", "d_model", "full_kv_dim"),
+        "full_wo": ("layer", "full_q_dim", "d_model"),
+        "full_q_norm": ("layer", "full_head_dim"),
+        "full_k_norm": ("layer", "full_head_dim"),
     },
 }
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
@@ -92,7 +99,7 @@ REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
     "k_norm", "bq", "bk", "bv", "bo", "shared_gate", "router_bias", "router_correction",
     "q_a_norm", "kv_a_norm", "sinks", "lin_conv_q", "lin_conv_k", "lin_conv_v", "lin_a_log",
-    "lin_dt_bias", "lin_norm",
+    "lin_dt_bias", "lin_norm", "layer_scalar", "full_q_norm", "full_k_norm",
 )  # fmt: skip
 
 
@@ -122,6 +129,9 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "lin_heads": cfg.linear_v_heads,
         "lin_kernel": cfg.linear_conv_kernel,
         "lin_v_dim": cfg.linear_v_dim,
+        "full_q_dim": cfg.n_heads * cfg.kind_hd("full"),
+        "full_kv_dim": cfg.kind_kv_heads("full") * cfg.kind_hd("full"),
+        "full_head_dim": cfg.kind_hd("full"),
     }
 
 

@@ -61,7 +61,6 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
     """
     tp = mesh.shape[TP]
     hf_files.check_checkpoint(path, cfg, tp, quantized.quantized_shapes(path))
-    reps = max(1, tp // cfg.n_kv_heads)  # copies of each KV head, one per shard using it
     targets = sharding.shardings(cfg, mesh)
     needed, stored = hf.weight_names(cfg), _quantized(path)
     files = _files(path, needed, stored)
@@ -74,8 +73,8 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
         with _slices(Path(path) / file, stored, dtype) as get_slice:
             for name in by_file[file]:
                 key, layer, transposed = needed[name]
-                key_reps = reps if key in sharding.kv_keys(cfg) else 1
-                read = _reader(_tensor(get_slice, name), key_reps, cfg.hd, dtype)
+                key_reps, hd = sharding.kv_layout(cfg, key, tp)  # copies of each KV head
+                read = _reader(_tensor(get_slice, name), key_reps, hd, dtype)
                 shape = _stored_shape(cfg, key, key_reps)
                 if layer is None:  # transposed on the host, one device's slice at a time
                     layout = shape[::-1] if transposed else shape

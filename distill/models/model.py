@@ -31,10 +31,10 @@ from flax import nnx
 from distill import collectives as cc
 from distill import programs
 from distill.config import ModelConfig
-from distill.models import linear_attention, mla, moe, parts
+from distill.models import ffn, full_layers, linear_attention, mla, moe, parts
 from distill.models.attention import attention, over_rows, resolve_backend
 from distill.models.parts import PARTS, apart, is_union, part_layers, weight_part
-from distill.models.rope import Rope, apply_rope, layer_rope
+from distill.models.rope import Rope, apply_rope, layer_rope, rope_table
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
@@ -96,8 +96,15 @@ class Block(nnx.Module):
             self.attn_norm, self.mlp_norm = norm(d), norm(d)
             if cfg.post_norms:
                 self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
-        if "attention" in parts:
+            if cfg.layer_scalar:
+                self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32))
+        if "attention" in parts and (not cfg.full_apart() or "sliding" in cfg.types()):
             self._attention_params(cfg, rngs, norm, std, out_std)
+        if "full" in parts and cfg.full_apart() and "full" in cfg.types():
+            for name, shape in full_layers.weight_shapes(cfg).items():
+                out = name == "full_wo"
+                w = norm(shape[0]) if name in full_layers.NORMS else None
+                setattr(self, name, w or _normal(rngs, shape, out_std if out else std))
         if "linear" in parts:  # Gated DeltaNet's, where the model has linear layers
             for name, param in linear_attention.init_params(cfg, rngs, std, out_std).items():
                 setattr(self, name, param)
@@ -147,18 +154,21 @@ class Block(nnx.Module):
     def _norm(self, x, scale):
         return rms_norm(x, scale[...], self.cfg.norm_eps, self.cfg.norm_offset)
 
-    def _project(self, h, w, b):
+    def _project(self, h, w, b, hd: int | None = None):
         """h @ w (+ b) (arrays), split into heads [B, S, heads, hd]."""
         dt = h.dtype
         y = matmul(h, w.astype(dt))
         if b is not None:
             y = y + b.astype(dt)
-        return y.reshape(*h.shape[:2], -1, self.cfg.hd)
+        return y.reshape(*h.shape[:2], -1, hd or self.cfg.hd)
 
-    def layer(self, layer: dict | None) -> tuple:
+    def layer(self, layer: dict | None, kind: str | None = None) -> tuple:
         """(window, `Rope`) of this layer: from `layer`, its scanned data, where layers
-        differ in them; else static, from the config."""
+        differ in them; else static, from the config or the layer's `kind` (full layers of
+        their own shapes, `distill.models.full_layers`)."""
         layer = layer or {}
+        if kind is not None:
+            return parts.window_of(self.cfg, kind), rope_table(self.cfg, kind)
         kind = self.cfg.attention_type()
         window = layer["window"] if "window" in layer else parts.window_of(self.cfg, kind)
         if "inv_freq" in layer:
@@ -174,22 +184,28 @@ class Block(nnx.Module):
         y = y32 * jax.lax.rsqrt(ss / width + self.cfg.norm_eps)
         return (y * scale.astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
 
-    def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None, layer=None):
+    def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None, layer=None, kind=None):
         """Queries [B, S, H, hd] and keys [B, S, KV, hd], values [B, S, KV, v_dim] (local
         heads), RoPE applied, and the output gate's logits [B, S, H, hd] (else None).
-        `layer`: this layer's scanned data (`w`)."""
+        `layer`: this layer's scanned data (`w`); `kind`: its type where full layers have
+        shapes of their own (`distill.models.full_layers`)."""
         bias, normed = self.cfg.qkv_bias, self._norm(x_bsd, self.attn_norm)
-        w = functools.partial(self.w, layer=layer)
+        w = lambda name: self.w(full_layers.key(self.cfg, name, kind), layer)  # noqa: E731
+        hd = self.cfg.kind_hd(kind) if kind else self.cfg.hd
         if self.cfg.mla:
             weights = {k: w(k) for k in mla.weight_shapes(self.cfg)}
             qkv = mla.qkv(weights, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
             return (*qkv, None)
         h = cc.gather_positions(normed, tp_axis)
-        q, gate = self._project(h, w("wq"), w("bq") if bias else None), None
+        q, gate = self._project(h, w("wq"), w("bq") if bias else None, hd), None
         if self.cfg.attn_output_gate:  # each head's hd queries, then its hd gate logits
             q, gate = jnp.split(q.reshape(*q.shape[:2], -1, 2 * self.cfg.hd), 2, axis=-1)
-        k = self._project(h, w("wk"), w("bk") if bias else None)
-        v = self._project(h, w("wv"), w("bv") if bias else None)
+        k = self._project(h, w("wk"), w("bk") if bias else None, hd)
+        if kind == "full" and self.cfg.attn_k_eq_v:  # the keys' projection (`values`)
+            v = k
+        else:
+            v = self._project(h, w("wv"), w("bv") if bias else None, hd)
+        v = full_layers.values(self.cfg, kind, k, v, self.cfg.norm_eps)
         if self.cfg.qk_norm and self.cfg.qk_norm_full:
             q = self._full_norm(q, w("q_norm"), tp_axis)
             k = self._full_norm(k, w("k_norm"), tp_axis)
@@ -199,35 +215,7 @@ class Block(nnx.Module):
         q, k = apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter)
         return q, k, v, gate
 
-    def dense_ffn(self, h_bsd, tp_axis: str | None, layer=None):
-        """The gated MLP (column-parallel gate/up, row-parallel down, psum over `tp`)."""
-        dt = h_bsd.dtype
-        w = lambda k: self.w(k, layer).astype(dt)  # noqa: E731
-        hidden = moe.glu(self.cfg)(matmul(h_bsd, w("w_gate")), matmul(h_bsd, w("w_up")))
-        return cc.psum(matmul(hidden, w("w_down")), tp_axis)
-
-    def ffn(self, h_bsd, tp_axis, layer, moe_opts):
-        """The feed-forward output and (tokens per expert [E], dropped assignments): the
-        dense MLP, the routed experts (`distill.models.moe`), or in a model mixing both,
-        the one this layer's scanned flag picks (`jax.lax.cond`: one compiled block)."""
-        cfg = self.cfg
-        zero = jnp.zeros_like(h_bsd[0, 0, 0], jnp.int32)  # varying over the mesh as h is
-        balance = None
-        if moe_opts.get("token_mask") is not None:  # the student's load-balancing sums
-            balance = (jnp.zeros((cfg.n_experts,), jnp.float32),) * 2
-        none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero, balance)
-
-        def routed(h):
-            experts = {k: self.w(k, layer) for k in moe.weight_keys(cfg)}
-            return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, **moe_opts)
-
-        if not cfg.n_experts:
-            return self.dense_ffn(h_bsd, tp_axis, layer), none
-        if not cfg.mixed_ffn():
-            return routed(h_bsd)
-        return jax.lax.cond(
-            layer["moe"], routed, lambda h: (self.dense_ffn(h, tp_axis, layer), none), h_bsd
-        )
+    matmul = staticmethod(matmul)  # the model's (`distill.models.ffn`)
 
     def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None):
         """(the block's output, expert stats) from its input and its attention output: the
@@ -246,8 +234,11 @@ class Block(nnx.Module):
             o = o + self.w("bo", layer).astype(dt)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
         h = cc.gather_positions(self._norm(x_bsd, self.mlp_norm), tp_axis)
-        y, stats = self.ffn(h, tp_axis, layer, moe_opts or {})
-        return x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y), stats
+        y, stats = ffn.block_ffn(self, h, tp_axis, layer, moe_opts or {})
+        x_bsd = x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y)
+        if self.cfg.layer_scalar:  # Gemma 4: the whole stream, times the layer's scalar
+            x_bsd = x_bsd * self.layer_scalar[...].astype(dt)
+        return x_bsd, stats
 
     def __call__(
         self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None, moe_opts=None,
@@ -280,18 +271,21 @@ class Block(nnx.Module):
         paired with the linear layer's decode cache, `with_kv`), its expert stats).
         `attend`: attention in place of `attention` with `backend` (`hidden`)."""
 
-        def attn(x):
-            window, rope = self.layer(layer)
-            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis, layer)
+        def attn(x, kind=None):
+            window, rope = self.layer(layer, kind)
+            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis, layer, kind)
             o = (attend or functools.partial(attention, backend=backend))(
                 q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
                 softcap=self.cfg.attn_softcap,
                 sinks=self.w("sinks", layer) if self.cfg.attn_sinks else None,
             )  # fmt: skip
             o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's, per head and dim
-            wo = self.w("wo", layer).astype(x.dtype)
+            wo = self.w(full_layers.key(self.cfg, "wo", kind), layer).astype(x.dtype)
             return matmul(o.reshape(*o.shape[:2], -1), wo), (k, v)
 
+        if self.cfg.full_apart():  # each kind its own attention (`full_layers.mixer`)
+            kinds = functools.partial(full_layers.mixer, self.cfg, attn=attn, layer=layer)
+            attn = functools.partial(kinds, states=states)
         args = (segment_ids_bs, tp_axis, layer, attn, matmul, states)
         o, *kv = linear_attention.block_mixer(self, x_bsd, *args)  # kv, and the cache
         x, stats = self.residual(x_bsd, o, tp_axis, layer, moe_opts)
@@ -399,7 +393,7 @@ class Transformer(nnx.Module):
         windows."""
         cfg = self.cfg
         return resolve_backend(
-            attention, dt, cfg.hd, seq_len,
+            attention, dt, max(cfg.hd, cfg.kind_hd("full")), seq_len,
             softcap=cfg.attn_softcap is not None, mixed_windows=cfg.mixed_windows(),
         )  # fmt: skip
 

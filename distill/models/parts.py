@@ -22,10 +22,11 @@ NO_WINDOW = 2**30
 
 
 # The parts of a layer's weights, by which layers hold them: the norms every layer, the
-# attention's the attention layers, Gated DeltaNet's the linear ones, the gated MLP's the
-# dense feed-forward layers, the router's and experts' the MoE ones (`part_layers`).
-PARTS = ("all", "attention", "linear", "dense", "moe")
-_ALL_LAYERS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm")
+# attention's the attention layers (but full layers of their own shapes, which hold the
+# `full` part's: Gemma 4), Gated DeltaNet's the linear ones, the gated MLP's the dense
+# feed-forward layers, the router's and experts' the MoE ones (`part_layers`).
+PARTS = ("all", "attention", "full", "linear", "dense", "moe")
+_ALL_LAYERS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "layer_scalar")
 _DENSE_FFN = ("w_gate", "w_up", "w_down")
 
 
@@ -35,6 +36,8 @@ def weight_part(key: str) -> str:
         return "all"
     if key.startswith("lin_"):
         return "linear"
+    if key.startswith("full_"):
+        return "full"
     if key in _DENSE_FFN:
         return "dense"
     return "moe" if key in moe.ALL_KEYS else "attention"
@@ -43,9 +46,11 @@ def weight_part(key: str) -> str:
 def part_layers(cfg: ModelConfig, part: str) -> tuple[bool, ...]:
     """Per layer, whether it holds `part`'s weights."""
     linear, routed = cfg.linear_layers(), cfg.moe_layers()
+    full = tuple(cfg.full_apart() and t == "full" for t in cfg.types())
     return {
         "all": (True,) * cfg.n_layers,
-        "attention": tuple(not x for x in linear),
+        "attention": tuple(not (x or f) for x, f in zip(linear, full, strict=True)),
+        "full": full,
         "linear": linear,
         "dense": tuple(not x for x in routed),
         "moe": routed,
@@ -116,19 +121,23 @@ def layer_data(cfg: ModelConfig, union: bool = False) -> dict | None:
     """What the layer scan feeds each block when layers differ: when windows differ,
     window int32 [L] (`NO_WINDOW` for full layers); when windows or RoPE differ (a local
     base, NoPE layers), inv_freq float32 [L, R/2] and rope_factor float32 [L]
-    (`distill.models.rope.Rope`); when dense and MoE feed-forwards mix, moe bool [L]; when
-    linear and attention layers mix, linear bool [L]; for each part only some layers hold
-    (`apart`; not in the one-shape stack, `union`), slot_<part> int32 [L]: each layer's
-    index in that part's stack (0 in a layer without it, which never reads it). None when
-    layers are alike."""
+    (`distill.models.rope.Rope`); where full layers have shapes of their own (Gemma 4),
+    instead full bool [L] (each kind's window and RoPE static in its branch); when dense
+    and MoE feed-forwards mix, moe bool [L]; when linear and attention layers mix, linear
+    bool [L]; for each part only some layers hold (`apart`; not in the one-shape stack,
+    `union`), slot_<part> int32 [L]: each layer's index in that part's stack (0 in a layer
+    without it, which never reads it). None when layers are alike."""
     data = {}
     for part in () if union else apart(cfg):
         holds = np.asarray(part_layers(cfg, part))
         data[f"slot_{part}"] = jnp.asarray(np.maximum(np.cumsum(holds) - 1, 0), jnp.int32)
-    if cfg.mixed_windows():
+    if cfg.full_apart():  # each kind's window and RoPE are static in its own branch
+        if 0 < sum(part_layers(cfg, "full")) < cfg.n_layers:
+            data["full"] = jnp.asarray(part_layers(cfg, "full"))
+    elif cfg.mixed_windows():
         windows = [window_of(cfg, t) or NO_WINDOW for t in cfg.types()]
         data["window"] = jnp.asarray(windows, jnp.int32)
-    if cfg.mixed_layers():
+    if cfg.mixed_layers() and not cfg.full_apart():
         tables = [layer_rope(cfg, i) for i in range(cfg.n_layers)]
         data["inv_freq"] = jnp.stack([t.inv_freq for t in tables])
         data["rope_factor"] = jnp.asarray([t.factor for t in tables], jnp.float32)

@@ -89,6 +89,7 @@ class Family:
     writes_layer_types: bool = True  # whether its config.json says `layer_types`
     sliding_flag: bool = False  # Qwen's `use_sliding_window` / `max_window_layers`
     rope_per_layer_type: bool = False  # Gemma 3: `rope_parameters` per layer type
+    proportional_rope: bool = False  # Gemma 4: its full layers' `proportional` rope_type
     tied_by_default: bool = False  # tie_word_embeddings when config.json does not say
     activation_key: str = "hidden_act"  # Gemma: hidden_activation
     # config.json switches the shared reader refuses (biases, shared experts) that this

@@ -116,6 +116,8 @@ def layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
         names.update(QK_NORMS)
     if cfg.attn_sinks:
         names["sinks"] = ("self_attn.sinks", False)
+    if cfg.layer_scalar:
+        names["layer_scalar"] = ("layer_scalar", False)
     return names
 
 
@@ -140,10 +142,9 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     moe_layers = cfg.moe_layers()
     family = families.get(cfg.family)
     prefix, experts = family.moe_prefix, family.expert_names
-    for i, linear in enumerate(cfg.linear_layers()):
-        for key, (name, transposed) in families.qwen35.mixer_weights(
-            cfg, linear, layer_weights(cfg)
-        ).items():
+    for i, (linear, kind) in enumerate(zip(cfg.linear_layers(), cfg.types(), strict=True)):
+        layer = families.gemma4.hf_names(cfg, kind, layer_weights(cfg))
+        for key, (name, transposed) in families.qwen35.mixer_weights(cfg, linear, layer).items():
             if not (moe_layers[i] and key in DENSE_FFN):
                 names[f"model.layers.{i}.{name}"] = (key, i, transposed)
         if not moe_layers[i]:
@@ -175,6 +176,8 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     full = cfg.qk_norm_full
     if key.startswith("lin_"):
         return families.qwen35.hf_shape(cfg, key)
+    if key.startswith(families.gemma4.PREFIX):
+        return families.gemma4.hf_shape(cfg, key)
     return {
         "embed": (v, d),
         "final_norm": (d,),
@@ -194,6 +197,7 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "wo": (d, cfg.n_heads * cfg.v_dim),
         "bo": (d,),
         "sinks": (cfg.n_heads,),
+        "layer_scalar": (1,),
         "wq_a": (cfg.q_lora_rank, d),
         "q_a_norm": (cfg.q_lora_rank,),
         "wq_b": (q, cfg.q_lora_rank),
@@ -219,16 +223,22 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------- config.json
 
 
-def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None, float]:
+def _rope(raw: dict, where: Path, proportional: bool) -> tuple[float, RopeScaling | None, float]:
     """(theta, scaling, partial rotary factor) from either layout: transformers 5
     `rope_parameters` (the full layers' when it has one per layer type), or the older
-    top-level `rope_theta` with an optional `rope_scaling`."""
+    top-level `rope_theta` with an optional `rope_scaling`. `proportional`: the family's
+    full layers may say `proportional` (Gemma 4, `ModelConfig.rope_proportional`)."""
     params = raw.get("rope_parameters")
     if params is not None and "full_attention" in params:
         params = params["full_attention"]
     if params is None:
         params = {"rope_theta": raw.get("rope_theta", 10000.0), **(raw.get("rope_scaling") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
+    if proportional and kind == "proportional":
+        if params.get("factor", 1.0) != 1.0:
+            raise DistillError(f"{where}: proportional RoPE factor={params['factor']!r} "
+                               "is not supported (only 1)")  # fmt: skip
+        kind = "default"
     if kind not in ROPE_TYPES:
         raise DistillError(
             f"{where}: RoPE type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
@@ -303,7 +313,7 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
     for key, bad in unsupported.items():
         if bad and key not in family.accepts:
             raise DistillError(f"{where}: {key}={raw[key]!r} is not supported by this decoder")
-    theta, scaling, partial = _rope(raw, where)
+    theta, scaling, partial = _rope(raw, where, family.proportional_rope)
     try:
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim")

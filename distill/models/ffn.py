@@ -1,0 +1,43 @@
+"""A block's feed-forward: the gated MLP (column-parallel gate and up, row-parallel down,
+summed over `tp`), the routed experts (`distill.models.moe`), or in a model mixing both,
+the one its layer's scanned flag picks (`jax.lax.cond`: one compiled block)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from distill import collectives as cc
+from distill.models import moe
+
+
+def dense(block, h_bsd, tp_axis: str | None, layer=None):
+    """The gated MLP of `block` (`distill.models.model.Block`) on h [B, S, D]."""
+    dt = h_bsd.dtype
+    w = lambda k: block.w(k, layer).astype(dt)  # noqa: E731
+    matmul = block.matmul
+    hidden = moe.glu(block.cfg)(matmul(h_bsd, w("w_gate")), matmul(h_bsd, w("w_up")))
+    return cc.psum(matmul(hidden, w("w_down")), tp_axis)
+
+
+def block_ffn(block, h_bsd, tp_axis, layer, moe_opts):
+    """The feed-forward output and the expert stats (tokens per expert [E], dropped
+    assignments): the dense MLP, the routed experts, or the one `layer["moe"]` picks."""
+    cfg = block.cfg
+    zero = jnp.zeros_like(h_bsd[0, 0, 0], jnp.int32)  # varying over the mesh as h is
+    balance = None
+    if moe_opts.get("token_mask") is not None:  # the student's load-balancing sums
+        balance = (jnp.zeros((cfg.n_experts,), jnp.float32),) * 2
+    none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero, balance)
+
+    def routed(h):
+        experts = {k: block.w(k, layer) for k in moe.weight_keys(cfg)}
+        return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, **moe_opts)
+
+    if not cfg.n_experts:
+        return dense(block, h_bsd, tp_axis, layer), none
+    if not cfg.mixed_ffn():
+        return routed(h_bsd)
+    return jax.lax.cond(
+        layer["moe"], routed, lambda h: (dense(block, h, tp_axis, layer), none), h_bsd
+    )
