@@ -32,6 +32,7 @@ WEIGHT_DIMS = {
     "embed": ("vocab", "d_model"),
     "lm_head": ("d_model", "vocab"),
     "final_norm": ("d_model",),
+    "ple_proj_norm": ("ple_dim",),
     "layers": {
         "attn_norm": ("layer", "d_model"),
         "wq": ("layer", "d_model", "q_out"),  # n_heads * head_dim, twice with an output gate
@@ -90,6 +91,11 @@ WEIGHT_DIMS = {
         "full_wo": ("layer", "full_q_dim", "d_model"),
         "full_q_norm": ("layer", "full_head_dim"),
         "full_k_norm": ("layer", "full_head_dim"),
+        "ple_embed": ("layer", "vocab", "ple_dim"),  # Gemma 4's per-layer inputs
+        "ple_model_proj": ("layer", "d_model", "ple_dim"),
+        "ple_gate": ("layer", "d_model", "ple_dim"),
+        "ple_proj": ("layer", "ple_dim", "d_model"),
+        "ple_norm": ("layer", "d_model"),
     },
 }
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
@@ -99,7 +105,8 @@ REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
     "k_norm", "bq", "bk", "bv", "bo", "shared_gate", "router_bias", "router_correction",
     "q_a_norm", "kv_a_norm", "sinks", "lin_conv_q", "lin_conv_k", "lin_conv_v", "lin_a_log",
-    "lin_dt_bias", "lin_norm", "layer_scalar", "full_q_norm", "full_k_norm",
+    "lin_dt_bias", "lin_norm", "layer_scalar", "full_q_norm", "full_k_norm", "ple_norm",
+    "ple_proj_norm",
 )  # fmt: skip
 
 
@@ -132,6 +139,7 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "full_q_dim": cfg.n_heads * cfg.kind_hd("full"),
         "full_kv_dim": cfg.kind_kv_heads("full") * cfg.kind_hd("full"),
         "full_head_dim": cfg.kind_hd("full"),
+        "ple_dim": cfg.per_layer_input,
     }
 
 

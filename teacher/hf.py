@@ -106,6 +106,8 @@ def _tensor(get_slice, name: str):
     sl = get_slice(base)
     if isinstance(view, tuple):  # rows [start, stop) (`hf.ROWS`)
         return quantized.Strided(sl, 0, view[0], 1, view[1])
+    if isinstance(view, slice):  # columns [start, stop) (`hf.COLS`)
+        return quantized.Strided(sl, -1, view.start, 1, view.stop)
     return sl if view is None else quantized.Strided(sl, -1, view, 2)
 
 

@@ -89,6 +89,13 @@ LAYER_SPECS = {
     "lin_norm": P(None, None),  # [L, dv] per head, the same on every shard
     "lin_wo": P(None, TP, None),  # [L, Hv*dv, D]
     "layer_scalar": P(None, None),  # [L, 1] Gemma 4's scalar per layer
+    # Gemma 4's per-layer inputs: the table vocabulary-parallel as the embedding, the rest
+    # replicated (computed on every shard's positions: no collective but the table's)
+    "ple_embed": P(None, TP, None),  # [L, V, P]
+    "ple_model_proj": P(None, None, None),  # [L, D, P]
+    "ple_gate": P(None, None, None),  # [L, D, P]
+    "ple_proj": P(None, None, None),  # [L, P, D]
+    "ple_norm": P(None, None),  # [L, D]
 }
 # Full layers of their own shapes (Gemma 4, `distill.models.full_layers`): as the others'.
 LAYER_SPECS.update({f"full_{k}": LAYER_SPECS[k] for k in ("wq", "wk", "wv", "wo", "q_norm",
@@ -158,6 +165,8 @@ def param_specs(cfg: ModelConfig, pp: int = 1) -> dict:
     }
     if not cfg.tie_embeddings:
         specs["lm_head"] = P(None, TP)  # [D, V] vocab-parallel
+    if cfg.per_layer_input:
+        specs["ple_proj_norm"] = P(None)
     return specs
 
 

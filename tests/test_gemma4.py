@@ -4,15 +4,23 @@ wide, `global_head_dim`, and with `attention_k_eq_v` one KV head of their own an
 from the keys' projection; random O(1) weights, each layer's `layer_scalar` too) read by
 distill's loader gives transformers' log-probabilities on a packed batch (each document
 against transformers run on it alone) as the teacher at tp = 1, 2 and 4 (at 4 the KV heads
-replicated over shards) and as the single-device student."""
+replicated over shards) and as the single-device student; with per-layer input embeddings
+(`hidden_size_per_layer_input`) too."""
 
+import functools
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
 from distill.errors import DistillError  # noqa: E402
-from distill.models import counts, hf, model  # noqa: E402
+from distill.models import counts, decode, hf, model  # noqa: E402
+from distill.types import Prompts  # noqa: E402
 from teacher.forward import make_forward  # noqa: E402
 from teacher.hf import load_hf_teacher, read_hf_layers  # noqa: E402
 from tests.test_families import (  # noqa: E402
@@ -37,6 +45,13 @@ CASES = {  # name: config keys beyond COMMON
     "k_eq_v_softcap": dict(
         attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=3.0
     ),
+    # per-layer input embeddings (a table of 8 per layer and token), k_eq_v's full layers
+    "per_layer_inputs": dict(
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=96,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    ),  # fmt: skip
     # full layers wider only; untied head; the RoPE bases and proportion set
     "wide_full_untied": dict(
         tie_word_embeddings=False,
@@ -84,10 +99,11 @@ def test_config_reads_the_full_layers_shapes(gemma4):
     cfg = hf.read_model_config(path)
     assert cfg.family == "gemma4_text" and cfg.types() == ("sliding", "sliding", "full") * 2
     assert (cfg.hd, cfg.kind_hd("full"), cfg.global_head_dim) == (8, 16, 16)
-    k_eq_v = name == "k_eq_v_softcap"
+    k_eq_v = name != "wide_full_untied"
     assert cfg.attn_k_eq_v == k_eq_v and cfg.kind_kv_heads("full") == (1 if k_eq_v else 2)
     assert cfg.norm_offset == 0 and cfg.scale() == 1.0 and cfg.v_norm and cfg.layer_scalar
     assert cfg.full_apart() and cfg.rope_proportional
+    assert cfg.per_layer_input == (8 if name == "per_layer_inputs" else 0)
     assert cfg.tie_embeddings == ref.config.tie_word_embeddings
     buffers = sum(b.numel() for n, b in ref.named_buffers() if n.endswith("layer_scalar"))
     assert counts.param_count(cfg) == sum(p.numel() for p in ref.parameters()) + buffers
@@ -116,7 +132,7 @@ def test_student_model_matches_transformers(gemma4, attention):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input=8"),
+        (dict(hidden_size_per_layer_input=8), "vocab_size_per_layer_input=262144 other"),
         (dict(num_kv_shared_layers=2), "num_kv_shared_layers=2"),
         (dict(enable_moe_block=True), "enable_moe_block=True"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
@@ -137,7 +153,52 @@ def test_global_head_dim_keys_read_as_per_layer_config(gemma4, tmp_path):
     name, path, ref, _, _ = gemma4
     cfg = hf.read_model_config(path)
     released = dict(per_layer_config=None, global_head_dim=16)
-    if name == "k_eq_v_softcap":
+    if cfg.attn_k_eq_v:
         released["num_global_key_value_heads"] = 1
     other = _edit(path, tmp_path / "released", **released)
     assert hf.read_model_config(other) == cfg
+
+
+def test_decode_with_a_cache_per_kind_matches_the_full_forward(gemma4):
+    """Prefill then one token at a time: each step's logits are the full forward's at that
+    position, the sliding and the full layers each in a cache of their own shapes."""
+    _, path, _, _, batch = gemma4
+    cfg = hf.read_model_config(path)
+    params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
+    tokens = batch.tokens[:1]
+    seg, pos = jnp.ones_like(tokens), jnp.arange(tokens.shape[1])[None]
+    full = np.asarray(model.apply(cfg, params, tokens, seg, pos))
+    p, total = 7, tokens.shape[1]
+    prompt = Prompts(tokens[:, :p], seg[:, :p], pos[:, :p])
+    logits, cache = decode.prefill(cfg, params, prompt, total, dtype="float32")
+    assert cache.k.shape[0] == 4 and cache.full[0].shape[0] == 2  # layers of each kind
+    assert cache.full[0].shape[-2:] == (cfg.kind_kv_heads("full"), 16)
+    np.testing.assert_allclose(logits, full[:, p - 1], atol=1e-4, rtol=1e-4)
+    step = jax.jit(functools.partial(decode.decode_step, cfg, dtype="float32"))
+    for i in range(p, total):
+        logits, cache = step(params, tokens[:, i], pos[:, i], jnp.int32(i), jnp.ones(1, bool),
+                             cache)  # fmt: skip
+        np.testing.assert_allclose(logits, full[:, i], atol=1e-4, rtol=1e-4, err_msg=str(i))
+
+
+def test_greedy_generation_equals_transformers(gemma4):
+    """`decode.generate` at temperature 0 gives transformers' `generate(do_sample=False)`
+    token for token on each row's last document (two documents in a row, left padding),
+    past the sliding window."""
+    from tests.test_qwen35 import _prompts
+
+    _, path, ref, _, _ = gemma4
+    cfg = hf.read_model_config(path)
+    params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
+    prompts, n = _prompts(80), 10
+    run = jax.jit(lambda p, pr: decode.generate(cfg, p, pr, jax.random.key(0), max_new_tokens=n,
+                                                temperature=0))  # fmt: skip
+    tokens, valid, _ = run(params, prompts)
+    assert bool(jnp.all(valid))
+    for row in range(prompts.tokens.shape[0]):
+        seg = np.asarray(prompts.segment_ids[row])
+        ids = torch.from_numpy(np.asarray(prompts.tokens[row])[seg == seg[-1]][None]).long()
+        with torch.no_grad():
+            out = ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, attention_mask=torch.ones_like(ids))  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(tokens[row]), out[0, ids.shape[1] :].numpy())

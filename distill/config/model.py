@@ -286,6 +286,13 @@ class ModelConfig(Section, ModelViews):
         "nonzero, rotate-half pairs (i, i + hd/2)); sliding layers' the default over their "
         "whole head at rope_local_theta.",
     )
+    per_layer_input: int = Field(
+        0,
+        ge=0,
+        description="Per-layer input embeddings' width (Gemma 4's hidden_size_per_layer_input, "
+        "`distill.models.per_layer_inputs`): after its feed-forward each layer adds a gated "
+        "signal of the token (a table of its own) and of the input embeddings; 0: none.",
+    )
     linear_k_heads: int = Field(
         16, ge=1, description="Linear layers: query/key heads (linear_num_key_heads)."
     )

@@ -31,7 +31,7 @@ from flax import nnx
 from distill import collectives as cc
 from distill import programs
 from distill.config import ModelConfig
-from distill.models import ffn, full_layers, linear_attention, mla, moe, parts
+from distill.models import ffn, full_layers, linear_attention, mla, moe, parts, per_layer_inputs
 from distill.models.attention import attention, over_rows, resolve_backend
 from distill.models.parts import PARTS, apart, is_union, part_layers, weight_part
 from distill.models.rope import Rope, apply_rope, layer_rope, rope_table
@@ -91,6 +91,7 @@ class Block(nnx.Module):
         def norm(width):  # an effective scale of 1 whatever the offset
             return nnx.Param(jnp.full((width,), 1.0 - cfg.norm_offset, jnp.float32))
 
+        draw = lambda shape, out: _normal(rngs, shape, out_std if out else std)  # noqa: E731
         self.cfg = cfg
         if "all" in parts:
             self.attn_norm, self.mlp_norm = norm(d), norm(d)
@@ -98,6 +99,8 @@ class Block(nnx.Module):
                 self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
             if cfg.layer_scalar:
                 self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32))
+            for name, param in per_layer_inputs.init_params(cfg, draw, norm).items():
+                setattr(self, name, param)
         if "attention" in parts and (not cfg.full_apart() or "sliding" in cfg.types()):
             self._attention_params(cfg, rngs, norm, std, out_std)
         if "full" in parts and cfg.full_apart() and "full" in cfg.types():
@@ -113,7 +116,6 @@ class Block(nnx.Module):
             self.w_up = _normal(rngs, (d, f), std)
             self.w_down = _normal(rngs, (f, d), out_std)
         if "moe" in parts and cfg.n_experts:  # the router, the experts, a shared expert
-            draw = lambda shape, out: _normal(rngs, shape, out_std if out else std)  # noqa: E731
             for name, param in moe.layer_params(cfg, draw).items():
                 setattr(self, name, param)
 
@@ -217,13 +219,14 @@ class Block(nnx.Module):
 
     matmul = staticmethod(matmul)  # the model's (`distill.models.ffn`)
 
-    def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None):
+    def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None, kind=None):
         """(the block's output, expert stats) from its input and its attention output: the
         output projection, the residuals and the feed-forward (with Gemma's post-norms).
         `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor (the
         teacher), layout and token_mask (the student's training step)."""
         b, s = o_bshd.shape[:2]  # x holds S/tp of them under sequence parallelism
-        o = matmul(o_bshd.reshape(b, s, -1), self.w("wo", layer).astype(x_bsd.dtype))
+        wo = self.w(full_layers.key(self.cfg, "wo", kind), layer)  # `kind`: as `qkv`'s
+        o = matmul(o_bshd.reshape(b, s, -1), wo.astype(x_bsd.dtype))
         return self.residual(x_bsd, o, tp_axis, layer, moe_opts)
 
     def residual(self, x_bsd, o_bsd, tp_axis: str | None, layer=None, moe_opts=None):
@@ -236,6 +239,8 @@ class Block(nnx.Module):
         h = cc.gather_positions(self._norm(x_bsd, self.mlp_norm), tp_axis)
         y, stats = ffn.block_ffn(self, h, tp_axis, layer, moe_opts or {})
         x_bsd = x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y)
+        if self.cfg.per_layer_input:
+            x_bsd = per_layer_inputs.add(self, x_bsd, layer, tp_axis)
         if self.cfg.layer_scalar:  # Gemma 4: the whole stream, times the layer's scalar
             x_bsd = x_bsd * self.layer_scalar[...].astype(dt)
         return x_bsd, stats
@@ -316,6 +321,8 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.Param(jnp.full((cfg.d_model,), 1.0 - cfg.norm_offset, jnp.float32))
         if not cfg.tie_embeddings:
             self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
+        if cfg.per_layer_input:  # shared by every layer's per-layer input
+            self.ple_proj_norm = nnx.Param(jnp.full((cfg.per_layer_input,), 1.0 - cfg.norm_offset))
 
     def hidden(
         self, tokens_bs, segment_ids_bs, positions_bs, *, tp_axis, dtype, remat, attention,
@@ -339,17 +346,19 @@ class Transformer(nnx.Module):
         x, stats = self.blocks(
             x, segment_ids_bs, positions_bs, self.layer_data(), tp_axis=tp_axis,
             backend=backend, remat=remat, unroll=unroll, moe_opts=moe_opts, attend=attend,
+            inputs=per_layer_inputs.layer_inputs(self, tokens_bs, x),
         )  # fmt: skip
         return self.final(x), stats
 
     def blocks(
         self, x_bsd, segment_ids_bs, positions_bs, data, *, tp_axis, backend, remat="none",
-        unroll=False, moe_opts=None, attend=None,
+        unroll=False, moe_opts=None, attend=None, inputs=None,
     ):  # fmt: skip
         """(x [B, S, D] through the stacked layers this module holds, expert stats per
         layer): one block scanned over them with `data` (`layer_data` of those layers, or
         None when layers are alike). A pipeline stage holds a run of the layers and passes
-        their slice of the data (`teacher.stages`). `attend`: as `hidden`'s."""
+        their slice of the data (`teacher.stages`). `attend`: as `hidden`'s; `inputs`: what
+        each layer's per-layer input is made of (`per_layer_inputs.layer_inputs`)."""
 
         def block_fn(block, x, layer):
             args = (tp_axis, backend, layer, moe_opts, attend)
@@ -361,7 +370,8 @@ class Transformer(nnx.Module):
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
         def run_layers(x, block, layer):
-            return block_fn(block, x, parts.with_stacks(layer, stacks))
+            layer = per_layer_inputs.with_inputs(parts.with_stacks(layer, stacks), inputs)
+            return block_fn(block, x, layer)
 
         return run_layers(x_bsd, self.layers, data)
 

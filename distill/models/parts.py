@@ -26,7 +26,8 @@ NO_WINDOW = 2**30
 # `full` part's: Gemma 4), Gated DeltaNet's the linear ones, the gated MLP's the dense
 # feed-forward layers, the router's and experts' the MoE ones (`part_layers`).
 PARTS = ("all", "attention", "full", "linear", "dense", "moe")
-_ALL_LAYERS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "layer_scalar")
+_ALL_LAYERS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "layer_scalar",
+               "ple_embed", "ple_model_proj", "ple_gate", "ple_proj", "ple_norm")  # fmt: skip
 _DENSE_FFN = ("w_gate", "w_up", "w_down")
 
 

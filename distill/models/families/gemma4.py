@@ -10,27 +10,31 @@ default on the sliding ones at their own base.
 config.json says the full layers' shapes either as `global_head_dim` and
 `num_global_key_value_heads` (the released checkpoints) or as transformers'
 `per_layer_config` (overrides per layer index, as transformers 5.25 writes it). What this
-decoder does not run is refused in one line naming the key: per-layer input embeddings
-(`hidden_size_per_layer_input`), KV sharing (`num_kv_shared_layers`), the MoE block
-(`enable_moe_block`), bidirectional attention (`use_bidirectional_attention: all`)."""
+decoder does not run is refused in one line naming the key: KV sharing
+(`num_kv_shared_layers`), the MoE block (`enable_moe_block`), bidirectional attention
+(`use_bidirectional_attention: all`), a per-layer input table of another vocabulary
+(`vocab_size_per_layer_input`). Per-layer input embeddings (`hidden_size_per_layer_input`)
+are `distill.models.per_layer_inputs`."""
 
 from __future__ import annotations
 
 from distill.errors import DistillError
+from distill.models.families.qwen35 import ROWS
 from distill.models.families.record import Family, register
+
+COLS = "%"  # a name `stored{COLS}a:b`: the columns [a, b) (`distill.models.families.views`)
 
 DEFAULT_HEAD_DIM = 256  # transformers' Gemma4TextConfig defaults, where config.json is silent
 DEFAULT_GLOBAL_HEAD_DIM = 512
 DEFAULT_PER_LAYER_WIDTH = 256  # hidden_size_per_layer_input
+DEFAULT_VOCAB = 262_144  # vocab_size_per_layer_input
 # config.json keys with a value this decoder cannot run yet: key -> whether the value is
 # refused (transformers' default where absent).
 REFUSED = {
-    "hidden_size_per_layer_input": lambda v: bool(v),
     "num_kv_shared_layers": lambda v: bool(v),
     "enable_moe_block": lambda v: bool(v),
     "use_bidirectional_attention": lambda v: v not in (None, "vision"),
 }
-_DEFAULTS = {"hidden_size_per_layer_input": DEFAULT_PER_LAYER_WIDTH}
 
 
 def layer_types(raw: dict, n: int) -> list[str]:
@@ -75,9 +79,13 @@ def _full_shapes(raw: dict, where, types: list[str]) -> tuple[int, int]:
 
 def _read(raw: dict, where) -> dict:
     for key, refused in REFUSED.items():
-        value = raw.get(key, _DEFAULTS.get(key))
-        if refused(value):
-            raise DistillError(f"{where}: {key}={value!r} is not supported by this decoder")
+        if refused(raw.get(key)):
+            raise DistillError(f"{where}: {key}={raw[key]!r} is not supported by this decoder")
+    per_layer = raw.get("hidden_size_per_layer_input", DEFAULT_PER_LAYER_WIDTH) or 0
+    table = raw.get("vocab_size_per_layer_input", DEFAULT_VOCAB)
+    if per_layer and table != raw["vocab_size"]:  # one table row per token id, as the embedding
+        raise DistillError(f"{where}: vocab_size_per_layer_input={table!r} other than "
+                           f"vocab_size={raw['vocab_size']} is not supported")  # fmt: skip
     n = raw["num_hidden_layers"]
     types = layer_types(raw, n)
     hd = raw.get("head_dim") or DEFAULT_HEAD_DIM
@@ -102,6 +110,7 @@ def _read(raw: dict, where) -> dict:
         if proportional
         else 1.0,
         "final_softcap": raw.get("final_logit_softcapping"),
+        "per_layer_input": per_layer,
     }
     if "sliding" in types:
         keys["layer_types"] = tuple(types)
@@ -123,7 +132,8 @@ def _write(cfg) -> dict:
         "attention_k_eq_v": cfg.attn_k_eq_v,
         "num_global_key_value_heads": cfg.global_kv_heads,
         "final_logit_softcapping": cfg.final_softcap,
-        "hidden_size_per_layer_input": 0,
+        "hidden_size_per_layer_input": cfg.per_layer_input,
+        "vocab_size_per_layer_input": cfg.vocab_size,
         "num_kv_shared_layers": 0,
         "enable_moe_block": False,
     }
@@ -135,6 +145,31 @@ PREFIX = "full_"
 # The attention weights a full layer holds under its own names (`PREFIX` + the name).
 ATTENTION_KEYS = ("wq", "wk", "wv", "wo", "q_norm", "k_norm")
 NORMS = ("full_q_norm", "full_k_norm")
+
+
+def per_layer_names(cfg, i: int) -> dict[str, tuple[str, bool]]:
+    """Layer `i`'s per-layer-input tensors (`distill.models.per_layer_inputs`): Hugging Face
+    name -> (distill key, transposed); its slices of the packed table and projection (the
+    columns, rows [i * P, (i + 1) * P)) and its own gate, projection and norm."""
+    p, at = cfg.per_layer_input, f"{i * cfg.per_layer_input}:{(i + 1) * cfg.per_layer_input}"
+    if not p:
+        return {}
+    layer = f"model.layers.{i}."
+    return {
+        f"model.embed_tokens_per_layer.weight{COLS}{at}": ("ple_embed", False),
+        f"model.per_layer_model_projection.weight{ROWS}{at}": ("ple_model_proj", True),
+        f"{layer}per_layer_input_gate.weight": ("ple_gate", True),
+        f"{layer}per_layer_projection.weight": ("ple_proj", True),
+        f"{layer}post_per_layer_input_norm.weight": ("ple_norm", False),
+    }
+
+
+def per_layer_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The per-layer-input tensors as transformers stores them (a layer's slice of the
+    packed ones), and the shared norm's."""
+    d, v, p = cfg.d_model, cfg.vocab_size, cfg.per_layer_input
+    return {"ple_embed": (v, p), "ple_model_proj": (p, d), "ple_gate": (p, d),
+            "ple_proj": (d, p), "ple_norm": (d,), "ple_proj_norm": (p,)}  # fmt: skip
 
 
 def key(cfg, name: str, kind: str | None) -> str:

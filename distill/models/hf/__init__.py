@@ -26,6 +26,7 @@ from distill.config import ModelConfig, RopeScaling
 from distill.errors import DistillError
 from distill.models import families
 from distill.models.families.views import (  # noqa: F401  (hf.stored, hf.VIEW: the names' home before)
+    COLS,
     FUSED_BIASES,
     FUSED_EXPERTS,
     ROWS,
@@ -139,6 +140,8 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     for key, (name, transposed) in TOP_WEIGHTS.items():
         if key != "lm_head" or not cfg.tie_embeddings:
             names[name] = (key, None, transposed)
+    if cfg.per_layer_input:  # Gemma 4's norm shared by the per-layer inputs
+        names["model.per_layer_projection_norm.weight"] = ("ple_proj_norm", None, False)
     moe_layers = cfg.moe_layers()
     family = families.get(cfg.family)
     prefix, experts = family.moe_prefix, family.expert_names
@@ -147,6 +150,8 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
         for key, (name, transposed) in families.qwen35.mixer_weights(cfg, linear, layer).items():
             if not (moe_layers[i] and key in DENSE_FFN):
                 names[f"model.layers.{i}.{name}"] = (key, i, transposed)
+        for name, (key, transposed) in families.gemma4.per_layer_names(cfg, i).items():
+            names[name] = (key, i, transposed)
         if not moe_layers[i]:
             continue
         for key, (name, transposed) in router_weights(cfg).items():
@@ -178,6 +183,8 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         return families.qwen35.hf_shape(cfg, key)
     if key.startswith(families.gemma4.PREFIX):
         return families.gemma4.hf_shape(cfg, key)
+    if key.startswith("ple_"):
+        return families.gemma4.per_layer_shapes(cfg)[key]
     return {
         "embed": (v, d),
         "final_norm": (d,),

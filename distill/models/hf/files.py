@@ -170,4 +170,5 @@ def _check_shape(where: Path, name: str, got: tuple, cfg: ModelConfig, needed: d
     if tuple(got) != want:
         base, view = stored(name)
         part = "" if view is None else f" (its {'even' if view == 0 else 'odd'} columns)"
+        part = f" (its columns {view.start}:{view.stop})" if isinstance(view, slice) else part
         raise DistillError(f"{where}: {base}{part} has shape {tuple(got)}, config.json says {want}")
