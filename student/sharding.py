@@ -91,6 +91,9 @@ WEIGHT_DIMS = {
         "full_wo": ("layer", "full_q_dim", "d_model"),
         "full_q_norm": ("layer", "full_head_dim"),
         "full_k_norm": ("layer", "full_head_dim"),
+        "wide_gate": ("layer", "d_model", "d_ff_wide"),  # Gemma 4's KV-sharing layers'
+        "wide_up": ("layer", "d_model", "d_ff_wide"),
+        "wide_down": ("layer", "d_ff_wide", "d_model"),
         "ple_embed": ("layer", "vocab", "ple_dim"),  # Gemma 4's per-layer inputs
         "ple_model_proj": ("layer", "d_model", "ple_dim"),
         "ple_gate": ("layer", "d_model", "ple_dim"),
@@ -125,6 +128,7 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "kv_latent": (cfg.kv_lora_rank or 0) + (cfg.qk_rope_head_dim or 0),
         "kv_b_dim": cfg.n_heads * ((cfg.qk_nope_head_dim or 0) + cfg.v_dim),
         "d_ff": cfg.d_ff,
+        "d_ff_wide": 2 * cfg.d_ff,
         "head_dim": cfg.hd,
         "heads": cfg.n_heads,
         "experts": cfg.n_experts,

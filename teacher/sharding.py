@@ -100,6 +100,7 @@ LAYER_SPECS = {
 # Full layers of their own shapes (Gemma 4, `distill.models.full_layers`): as the others'.
 LAYER_SPECS.update({f"full_{k}": LAYER_SPECS[k] for k in ("wq", "wk", "wv", "wo", "q_norm",
                                                            "k_norm")})  # fmt: skip
+LAYER_SPECS.update({f"wide_{k}": LAYER_SPECS[f"w_{k}"] for k in ("gate", "up", "down")})
 # OLMoE's query/key norms span all heads' features: split over tp as the projections.
 FULL_QK_NORM_SPECS = {"q_norm": P(None, TP), "k_norm": P(None, TP)}
 

@@ -52,6 +52,16 @@ CASES = {  # name: config keys beyond COMMON
         attention_k_eq_v=True,
         num_global_key_value_heads=1,
     ),  # fmt: skip
+    # the last three layers (sliding, sliding, full) take keys and values from layers 1 and
+    # 2, their MLPs twice as wide; per-layer inputs too
+    "kv_sharing_wide_mlp": dict(
+        num_kv_shared_layers=3,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=96,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    ),  # fmt: skip
     # full layers wider only; untied head; the RoPE bases and proportion set
     "wide_full_untied": dict(
         tie_word_embeddings=False,
@@ -103,7 +113,9 @@ def test_config_reads_the_full_layers_shapes(gemma4):
     assert cfg.attn_k_eq_v == k_eq_v and cfg.kind_kv_heads("full") == (1 if k_eq_v else 2)
     assert cfg.norm_offset == 0 and cfg.scale() == 1.0 and cfg.v_norm and cfg.layer_scalar
     assert cfg.full_apart() and cfg.rope_proportional
-    assert cfg.per_layer_input == (8 if name == "per_layer_inputs" else 0)
+    assert cfg.per_layer_input == (0 if name in ("k_eq_v_softcap", "wide_full_untied") else 8)
+    shared = name == "kv_sharing_wide_mlp"
+    assert (cfg.kv_shared_layers, cfg.wide_mlp) == ((3, True) if shared else (0, False))
     assert cfg.tie_embeddings == ref.config.tie_word_embeddings
     buffers = sum(b.numel() for n, b in ref.named_buffers() if n.endswith("layer_scalar"))
     assert counts.param_count(cfg) == sum(p.numel() for p in ref.parameters()) + buffers
@@ -124,7 +136,10 @@ def test_student_model_matches_transformers(gemma4, attention):
     name, path, _, want, batch = gemma4
     cfg = hf.read_model_config(path).model_copy(update={"attention": attention})
     params = read_hf_layers(path, cfg, list(range(cfg.n_layers)))
-    assert params["layers"]["full_wk"].shape[0] == 2  # the full layers' own stack
+    layers = params["layers"]  # the full layers' own stacks, the sharing ones without keys
+    assert layers["full_wq"].shape[0] == 2 and layers["full_wk"].shape[0] == 2 - (
+        name == "kv_sharing_wide_mlp"
+    )
     got = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions)
     assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
 
@@ -133,7 +148,7 @@ def test_student_model_matches_transformers(gemma4, attention):
     "changes, match",
     [
         (dict(hidden_size_per_layer_input=8), "vocab_size_per_layer_input=262144 other"),
-        (dict(num_kv_shared_layers=2), "num_kv_shared_layers=2"),
+        (dict(num_kv_shared_layers=6), "num_kv_shared_layers=6 leaves no layer"),
         (dict(enable_moe_block=True), "enable_moe_block=True"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
         (dict(per_layer_config={"0": {"head_dim": 16}}), r"per_layer_config\[0\]"),

@@ -293,6 +293,18 @@ class ModelConfig(Section, ModelViews):
         "`distill.models.per_layer_inputs`): after its feed-forward each layer adds a gated "
         "signal of the token (a table of its own) and of the input embeddings; 0: none.",
     )
+    kv_shared_layers: int = Field(
+        0,
+        ge=0,
+        description="The last this many layers take their keys and values from the last "
+        "earlier layer of their type and hold no key/value weights (Gemma 4's "
+        "num_kv_shared_layers); 0: every layer its own.",
+    )
+    wide_mlp: bool = Field(
+        False,
+        description="The KV-sharing layers' MLP is 2 * d_ff wide (Gemma 4's "
+        "use_double_wide_mlp); with kv_shared_layers.",
+    )
     linear_k_heads: int = Field(
         16, ge=1, description="Linear layers: query/key heads (linear_num_key_heads)."
     )
@@ -387,6 +399,7 @@ class ModelConfig(Section, ModelViews):
             raise ValueError(
                 f"global_kv_heads: {self.global_kv_heads} does not divide n_heads {self.n_heads}"
             )
+        self._check_kv_sharing()
         if not self.full_apart():
             return
         unsupported = {
@@ -404,6 +417,21 @@ class ModelConfig(Section, ModelViews):
                     f"{key}: not with full layers of their own shapes (global_head_dim, "
                     "global_kv_heads, attn_k_eq_v)"
                 )
+
+    def _check_kv_sharing(self) -> None:
+        """Each type of the KV-sharing layers has an earlier layer of its own to share."""
+        n, shared = self.n_layers, self.kv_shared_layers
+        if shared >= n:
+            raise ValueError(f"kv_shared_layers: {shared} leaves none of the {n} layers to share")
+        types = self.types()
+        missing = sorted(set(types[n - shared :]) - set(types[: n - shared]))
+        if shared and missing:
+            raise ValueError(
+                f"kv_shared_layers: {shared} shares {missing[0]} layers' keys and values, but "
+                f"no earlier {missing[0]} layer has its own"
+            )
+        if self.wide_mlp and not shared:
+            raise ValueError("wide_mlp: widens the KV-sharing layers' MLP; kv_shared_layers is 0")
 
     def _check_rope_and_mla(self) -> None:
         mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

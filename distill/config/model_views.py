@@ -60,10 +60,27 @@ class ModelViews:
     def full_apart(self) -> bool:
         """Whether full-attention layers hold attention weights of their own shapes (Gemma
         4: another head width, other KV heads, values from the keys' projection): a part of
-        their own (`distill.models.parts`), run beside the sliding layers'."""
-        return (
-            self.global_head_dim is not None or self.global_kv_heads is not None or self.attn_k_eq_v
-        )
+        their own (`distill.models.parts`), run beside the sliding layers'; with KV sharing
+        too, each kind sharing its own in its branch."""
+        own = self.global_head_dim is not None or self.global_kv_heads is not None
+        return own or self.attn_k_eq_v or self.kv_shared_layers > 0
+
+    def kv_shared(self) -> tuple[bool, ...]:
+        """Per layer, whether it takes its keys and values from an earlier layer (the last
+        `kv_shared_layers`)."""
+        return tuple(i >= self.n_layers - self.kv_shared_layers for i in range(self.n_layers))
+
+    def kv_stores(self) -> tuple[bool, ...]:
+        """Per layer, whether later layers share its keys and values: the last layer of
+        each type before the sharing ones (none without sharing)."""
+        first, types = self.n_layers - self.kv_shared_layers, self.types()
+        last = {t: i for i, t in enumerate(types[:first])}
+        stores = set(last.values()) if self.kv_shared_layers else set()
+        return tuple(i in stores for i in range(self.n_layers))
+
+    def wide_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its MLP is twice as wide (`wide_mlp`: the sharing layers)."""
+        return tuple(self.wide_mlp and s for s in self.kv_shared())
 
     def kind_hd(self, kind: str) -> int:
         """The head width of a layer of type `kind` (full layers' may be their own)."""

@@ -86,16 +86,19 @@ def prefill(
     stacks, inputs = module.stacks(), per_layer_inputs.layer_inputs(module, prompts.tokens, x)
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-    def run_layers(x, block, layer):
+    def run_layers(carry, block, layer):  # x, and what KV-sharing layers take (or None)
         layer = per_layer_inputs.with_inputs(parts.with_stacks(layer, stacks), inputs)
-        x, kv = block.with_kv(x, prompts.segment_ids, prompts.positions, None, backend, layer,
-                              attend)  # fmt: skip
-        return _constrain(x, rows), kv
+        x, kv, _, shared = block.run(
+            carry[0], prompts.segment_ids, prompts.positions, None, backend, layer,
+            attend=attend, states=True, shared=carry[1],
+        )  # fmt: skip
+        return (_constrain(x, rows), shared), kv
 
     # k, v [L, B, P, KV, hd(_v)], the linear layers' caches [L, B, ...] (zeros where the
     # layer is of the other kind: each kind keeps its own layers'); full layers of their own
     # shapes: a pair (k, v) per kind (`full_layers.kinds`)
-    x, (kv, linear) = run_layers(x, module.layers, module.layer_data())
+    shared = full_layers.no_shared(module, x, prompts.positions) if cfg.kv_shared_layers else None
+    (x, _), (kv, linear) = run_layers((x, shared), module.layers, module.layer_data())
     full = None
     if cfg.full_apart():  # a pair per kind: each keeps its own layers'
         _, at = full_layers.slots(cfg)
@@ -162,10 +165,14 @@ def decode_step(
     stacks = module.stacks()
     inputs = per_layer_inputs.layer_inputs(module, tokens_b[:, None], x)
 
-    def attend(block, x, k_1l, v_1l, layer, kind=None):  # one layer's [1, B, T, ...] cache
+    def attend(block, x, k_1l, v_1l, layer, kind=None, shared=None):  # a [1, B, T, ...] cache
+        """(x, the layer's cache, what KV-sharing layers take after it: `kind`, `shared`
+        as `full_layers.qkv`'s, None without sharing)."""
         layer = per_layer_inputs.with_inputs(parts.with_stacks(layer, stacks), inputs)
         window, rope = block.layer(layer, kind)
-        q, k, v, gate = block.qkv(x, positions_b[:, None], rope, None, layer, kind)
+        q, k, v, gate = block.qkv(x, positions_b[:, None], rope, None, layer, kind, shared)
+        if shared is not None:
+            shared = full_layers.share(layer, shared, kind, full_layers.kinds(cfg), (k, v))
         at = (0, 0, index, 0, 0)
         k_1l = jax.lax.dynamic_update_slice(k_1l, k[None].astype(k_1l.dtype), at)
         v_1l = jax.lax.dynamic_update_slice(v_1l, v[None].astype(v_1l.dtype), at)
@@ -175,7 +182,7 @@ def decode_step(
         )  # fmt: skip
         o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's output gate
         x, _ = block.finish(x, o, None, layer, kind=kind)
-        return _constrain(x, rows), k_1l, v_1l
+        return _constrain(x, rows), k_1l, v_1l, shared
 
     if cfg.full_apart():
         x, (k, v), full = _kinds_layers(cfg, module, x, cache, attend)
@@ -185,7 +192,7 @@ def decode_step(
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))
         def run_layers(x, block, k_l, v_l, layer):
-            x, k_l, v_l = attend(block, x, k_l[None], v_l[None], layer)
+            x, k_l, v_l, _ = attend(block, x, k_l[None], v_l[None], layer)
             return x, (k_l[0], v_l[0])
 
         x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, module.layer_data())
@@ -209,7 +216,7 @@ def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows, stack
         def attention(carry):
             x, k, v, linear = carry
             k_l, v_l = (jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0) for c in (k, v))
-            x, k_l, v_l = attend(block, x, k_l, v_l, layer)
+            x, k_l, v_l, _ = attend(block, x, k_l, v_l, layer)
             k, v = (jax.lax.dynamic_update_slice_in_dim(c, new, slot, axis=0)
                     for c, new in ((k, k_l), (v, v_l)))  # fmt: skip
             return x, k, v, linear
@@ -234,26 +241,32 @@ def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows, stack
 
 def _kinds_layers(cfg: ModelConfig, module, x, cache: Cache, attend):
     """(x, the sliding layers' (or the one kind's) keys and values, the full layers' or
-    None) after every layer of a model whose full layers have shapes of their own
+    None) after every layer of a model whose layers run per kind
     (`distill.models.full_layers`): each kind's cache carried through the layer scan, each
-    layer updating its slot of its own kind's by `attend(block, x, k, v, layer, kind)`."""
+    layer updating its slot of its own kind's by `attend(block, x, k, v, layer, kind,
+    shared)`, and under KV sharing the token's keys and values the sharing layers take
+    (which write them to caches of their own: each equals its source's)."""
     kinds = full_layers.kinds(cfg)
     slots = jnp.asarray(full_layers.slots(cfg)[0])
     caches = ((cache.k, cache.v), *((cache.full,) if len(kinds) > 1 else ()))
+    shared = None
+    if cfg.kv_shared_layers:  # [B, 1, KV, hd] per kind, of the token
+        shared = tuple(tuple(jnp.zeros((x.shape[0], 1, *c.shape[-2:]), x.dtype) for c in kv)
+                       for kv in caches)  # fmt: skip
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
     def run_layers(carry, block, layer, slot):
         def one(kind):
             def run(carry):
-                x, caches = carry
+                x, caches, shared = carry
                 k, v = caches[kinds.index(kind)]
                 k_l, v_l = (jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0) for c in (k, v))
-                x, k_l, v_l = attend(block, x, k_l, v_l, layer, kind)
+                x, k_l, v_l, shared = attend(block, x, k_l, v_l, layer, kind, shared)
                 k, v = (jax.lax.dynamic_update_slice_in_dim(c, new, slot, axis=0)
                         for c, new in ((k, k_l), (v, v_l)))  # fmt: skip
                 caches = tuple((k, v) if i == kinds.index(kind) else c
                                for i, c in enumerate(caches))  # fmt: skip
-                return x, caches
+                return x, caches, shared
 
             return run
 
@@ -261,7 +274,7 @@ def _kinds_layers(cfg: ModelConfig, module, x, cache: Cache, attend):
             return one(kinds[0])(carry), None
         return jax.lax.cond(layer["full"], one("full"), one("sliding"), carry), None
 
-    (x, caches), _ = run_layers((x, caches), module.layers, module.layer_data(), slots)
+    (x, caches, _), _ = run_layers((x, caches, shared), module.layers, module.layer_data(), slots)
     return x, caches[0], (caches[1] if len(kinds) > 1 else None)
 
 

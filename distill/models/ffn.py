@@ -10,14 +10,25 @@ import jax.numpy as jnp
 from distill import collectives as cc
 from distill.models import moe
 
+DENSE = ("w_gate", "w_up", "w_down")
+WIDE = ("wide_gate", "wide_up", "wide_down")  # Gemma 4's KV-sharing layers', 2 * d_ff wide
+
 
 def dense(block, h_bsd, tp_axis: str | None, layer=None):
-    """The gated MLP of `block` (`distill.models.model.Block`) on h [B, S, D]."""
+    """The gated MLP of `block` (`distill.models.model.Block`) on h [B, S, D]; where some
+    layers' are wide, the one `layer["wide"]` picks."""
+    if not any(block.cfg.wide_layers()):
+        return _glu(block, h_bsd, tp_axis, layer, DENSE)
+    run = lambda names: lambda h: _glu(block, h, tp_axis, layer, names)  # noqa: E731
+    return jax.lax.cond(layer["wide"], run(WIDE), run(DENSE), h_bsd)
+
+
+def _glu(block, h_bsd, tp_axis, layer, names: tuple[str, str, str]):
     dt = h_bsd.dtype
     w = lambda k: block.w(k, layer).astype(dt)  # noqa: E731
-    matmul = block.matmul
-    hidden = moe.glu(block.cfg)(matmul(h_bsd, w("w_gate")), matmul(h_bsd, w("w_up")))
-    return cc.psum(matmul(hidden, w("w_down")), tp_axis)
+    matmul, (gate, up, down) = block.matmul, names
+    hidden = moe.glu(block.cfg)(matmul(h_bsd, w(gate)), matmul(h_bsd, w(up)))
+    return cc.psum(matmul(hidden, w(down)), tp_axis)
 
 
 def block_ffn(block, h_bsd, tp_axis, layer, moe_opts):

@@ -101,47 +101,21 @@ class Block(nnx.Module):
                 self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32))
             for name, param in per_layer_inputs.init_params(cfg, draw, norm).items():
                 setattr(self, name, param)
-        if "attention" in parts and (not cfg.full_apart() or "sliding" in cfg.types()):
-            self._attention_params(cfg, rngs, norm, std, out_std)
-        if "full" in parts and cfg.full_apart() and "full" in cfg.types():
-            for name, shape in full_layers.weight_shapes(cfg).items():
-                out = name == "full_wo"
-                w = norm(shape[0]) if name in full_layers.NORMS else None
-                setattr(self, name, w or _normal(rngs, shape, out_std if out else std))
+        for name, make in full_layers.attention_weights(cfg, norm, draw).items():
+            if weight_part(name) in parts:  # drawn only where held
+                setattr(self, name, make())
         if "linear" in parts:  # Gated DeltaNet's, where the model has linear layers
             for name, param in linear_attention.init_params(cfg, rngs, std, out_std).items():
                 setattr(self, name, param)
         if "dense" in parts and cfg.has_dense_ffn():
-            self.w_gate = _normal(rngs, (d, f), std)
-            self.w_up = _normal(rngs, (d, f), std)
-            self.w_down = _normal(rngs, (f, d), out_std)
+            self.w_gate, self.w_up, self.w_down = draw((d, f), 0), draw((d, f), 0), draw((f, d), 1)
+        if "wide" in parts and any(cfg.wide_layers()):  # Gemma 4's sharing layers', 2 * d_ff
+            f = 2 * f
+            self.wide_gate, self.wide_up = draw((d, f), 0), draw((d, f), 0)
+            self.wide_down = draw((f, d), 1)
         if "moe" in parts and cfg.n_experts:  # the router, the experts, a shared expert
             for name, param in moe.layer_params(cfg, draw).items():
                 setattr(self, name, param)
-
-    def _attention_params(self, cfg: ModelConfig, rngs, norm, std: float, out_std: float):
-        d, hd = cfg.d_model, cfg.hd
-        if cfg.mla:
-            for name, shape in mla.weight_shapes(cfg).items():
-                w = norm(shape[0]) if name in mla.NORMS else _normal(rngs, shape, std)
-                setattr(self, name, w)
-        else:  # with an output gate, each head's queries then its gate
-            self.wq = _normal(rngs, (d, cfg.n_heads * hd * (2 if cfg.attn_output_gate else 1)), std)
-            self.wk = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
-            self.wv = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
-        if cfg.qkv_bias:
-            self.bq = nnx.Param(jnp.zeros((cfg.n_heads * hd,), jnp.float32))
-            self.bk = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
-            self.bv = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
-        if cfg.qk_norm:  # OLMoE's span all heads' features, the others' each head's
-            full = cfg.qk_norm_full
-            self.q_norm = norm(cfg.n_heads * hd if full else hd)
-            self.k_norm = norm(cfg.n_kv_heads * hd if full else hd)
-        self.wo = _normal(rngs, (cfg.n_heads * cfg.v_dim, d), out_std)
-        if cfg.attn_sinks:  # gpt-oss: a logit per query head in its softmax denominator
-            self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), jnp.float32))
-        if cfg.o_bias:  # added once, after the sum over tp shards
-            self.bo = nnx.Param(jnp.zeros((d,), jnp.float32))
 
     def w(self, name: str, layer: dict | None) -> jax.Array:
         """This layer's weight `name`: the block's own (scanned with it), or, where only
@@ -186,28 +160,28 @@ class Block(nnx.Module):
         y = y32 * jax.lax.rsqrt(ss / width + self.cfg.norm_eps)
         return (y * scale.astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
 
-    def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None, layer=None, kind=None):
+    def qkv(
+        self, x_bsd, positions_bs, rope: Rope, tp_axis=None, layer=None, kind=None, shared=None
+    ):  # fmt: skip
         """Queries [B, S, H, hd] and keys [B, S, KV, hd], values [B, S, KV, v_dim] (local
         heads), RoPE applied, and the output gate's logits [B, S, H, hd] (else None).
         `layer`: this layer's scanned data (`w`); `kind`: its type where full layers have
-        shapes of their own (`distill.models.full_layers`)."""
+        shapes of their own, `shared` the keys and values sharing layers take
+        (`distill.models.full_layers.qkv`)."""
+        if kind is not None:
+            return full_layers.qkv(self, x_bsd, positions_bs, rope, tp_axis, layer, kind, shared)
         bias, normed = self.cfg.qkv_bias, self._norm(x_bsd, self.attn_norm)
-        w = lambda name: self.w(full_layers.key(self.cfg, name, kind), layer)  # noqa: E731
-        hd = self.cfg.kind_hd(kind) if kind else self.cfg.hd
+        w = functools.partial(self.w, layer=layer)
         if self.cfg.mla:
             weights = {k: w(k) for k in mla.weight_shapes(self.cfg)}
             qkv = mla.qkv(weights, normed, positions_bs, rope, self.cfg, tp_axis, rms_norm, matmul)
             return (*qkv, None)
         h = cc.gather_positions(normed, tp_axis)
-        q, gate = self._project(h, w("wq"), w("bq") if bias else None, hd), None
+        q, gate = self._project(h, w("wq"), w("bq") if bias else None), None
         if self.cfg.attn_output_gate:  # each head's hd queries, then its hd gate logits
             q, gate = jnp.split(q.reshape(*q.shape[:2], -1, 2 * self.cfg.hd), 2, axis=-1)
-        k = self._project(h, w("wk"), w("bk") if bias else None, hd)
-        if kind == "full" and self.cfg.attn_k_eq_v:  # the keys' projection (`values`)
-            v = k
-        else:
-            v = self._project(h, w("wv"), w("bv") if bias else None, hd)
-        v = full_layers.values(self.cfg, kind, k, v, self.cfg.norm_eps)
+        k = self._project(h, w("wk"), w("bk") if bias else None)
+        v = self._project(h, w("wv"), w("bv") if bias else None)
         if self.cfg.qk_norm and self.cfg.qk_norm_full:
             q = self._full_norm(q, w("q_norm"), tp_axis)
             k = self._full_norm(k, w("k_norm"), tp_axis)
@@ -250,7 +224,7 @@ class Block(nnx.Module):
         attend=None,
     ):  # fmt: skip
         """(the block's output, expert stats: tokens per expert, dropped assignments)."""
-        x, _, stats = self.run(
+        x, _, stats, _ = self.run(
             x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts, attend
         )
         return x, stats
@@ -262,7 +236,7 @@ class Block(nnx.Module):
         `distill.models.linear_attention.Cache`, None in a model without linear layers)):
         a prefill fills the decode caches with them. `layer`: this layer's scanned data
         (`layer_data`), None when layers are alike. `attend`: as `run`'s."""
-        x, kv, _ = self.run(
+        x, kv, _, _ = self.run(
             x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, attend=attend,
             states=True,
         )  # fmt: skip
@@ -270,15 +244,17 @@ class Block(nnx.Module):
 
     def run(
         self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts=None,
-        attend=None, states=False,
+        attend=None, states=False, shared=None,
     ):  # fmt: skip
         """(the block's output, its keys and values (zeros in a linear layer; with `states`
-        paired with the linear layer's decode cache, `with_kv`), its expert stats).
-        `attend`: attention in place of `attention` with `backend` (`hidden`)."""
+        paired with the linear layer's decode cache, `with_kv`), its expert stats, the keys
+        and values KV-sharing layers take after it (`shared`, the ones before it: Gemma 4,
+        `distill.models.full_layers`; None without sharing)). `attend`: attention in place
+        of `attention` with `backend` (`hidden`)."""
 
         def attn(x, kind=None):
             window, rope = self.layer(layer, kind)
-            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis, layer, kind)
+            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis, layer, kind, shared)
             o = (attend or functools.partial(attention, backend=backend))(
                 q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
                 softcap=self.cfg.attn_softcap,
@@ -288,13 +264,15 @@ class Block(nnx.Module):
             wo = self.w(full_layers.key(self.cfg, "wo", kind), layer).astype(x.dtype)
             return matmul(o.reshape(*o.shape[:2], -1), wo), (k, v)
 
-        if self.cfg.full_apart():  # each kind its own attention (`full_layers.mixer`)
-            kinds = functools.partial(full_layers.mixer, self.cfg, attn=attn, layer=layer)
-            attn = functools.partial(kinds, states=states)
-        args = (segment_ids_bs, tp_axis, layer, attn, matmul, states)
-        o, *kv = linear_attention.block_mixer(self, x_bsd, *args)  # kv, and the cache
+        if self.cfg.full_apart():  # each kind its own attention; no linear layers
+            o, kv, shared = full_layers.mixer(self.cfg, x_bsd, attn, layer, states, shared)
+            kv = (kv, None) if states else kv
+        else:
+            args = (segment_ids_bs, tp_axis, layer, attn, matmul, states)
+            o, *kv = linear_attention.block_mixer(self, x_bsd, *args)  # kv, and the cache
+            kv = tuple(kv) if states else kv[0]
         x, stats = self.residual(x_bsd, o, tp_axis, layer, moe_opts)
-        return x, (tuple(kv) if states else kv[0]), stats
+        return x, kv, stats, shared
 
 
 class Transformer(nnx.Module):
@@ -360,9 +338,13 @@ class Transformer(nnx.Module):
         their slice of the data (`teacher.stages`). `attend`: as `hidden`'s; `inputs`: what
         each layer's per-layer input is made of (`per_layer_inputs.layer_inputs`)."""
 
-        def block_fn(block, x, layer):
+        sharing = bool(self.cfg.kv_shared_layers)
+
+        def block_fn(block, carry, layer):  # the carry: x, and what KV-sharing layers take
+            x, shared = carry if sharing else (carry, None)
             args = (tp_axis, backend, layer, moe_opts, attend)
-            return block(x, segment_ids_bs, positions_bs, *args)
+            x, _, stats, shared = block.run(x, segment_ids_bs, positions_bs, *args, shared=shared)
+            return ((x, shared) if sharing else x), stats
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
@@ -373,7 +355,11 @@ class Transformer(nnx.Module):
             layer = per_layer_inputs.with_inputs(parts.with_stacks(layer, stacks), inputs)
             return block_fn(block, x, layer)
 
-        return run_layers(x_bsd, self.layers, data)
+        if not sharing:
+            return run_layers(x_bsd, self.layers, data)
+        start = full_layers.no_shared(self, x_bsd, positions_bs)
+        (x, _), stats = run_layers((x_bsd, start), self.layers, data)
+        return x, stats
 
     def layer_data(self) -> dict | None:
         """`layer_data` of this module's layers."""

@@ -10,11 +10,13 @@ default on the sliding ones at their own base.
 config.json says the full layers' shapes either as `global_head_dim` and
 `num_global_key_value_heads` (the released checkpoints) or as transformers'
 `per_layer_config` (overrides per layer index, as transformers 5.25 writes it). What this
-decoder does not run is refused in one line naming the key: KV sharing
-(`num_kv_shared_layers`), the MoE block (`enable_moe_block`), bidirectional attention
-(`use_bidirectional_attention: all`), a per-layer input table of another vocabulary
-(`vocab_size_per_layer_input`). Per-layer input embeddings (`hidden_size_per_layer_input`)
-are `distill.models.per_layer_inputs`."""
+decoder does not run is refused in one line naming the key: the MoE block
+(`enable_moe_block`), bidirectional attention (`use_bidirectional_attention: all`), a
+per-layer input table of another vocabulary (`vocab_size_per_layer_input`). Per-layer input
+embeddings (`hidden_size_per_layer_input`) are `distill.models.per_layer_inputs`; the last
+`num_kv_shared_layers` layers take their keys and values from the last earlier layer of
+their type (`distill.models.full_layers`), with `use_double_wide_mlp` an MLP twice as
+wide."""
 
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ DEFAULT_VOCAB = 262_144  # vocab_size_per_layer_input
 # config.json keys with a value this decoder cannot run yet: key -> whether the value is
 # refused (transformers' default where absent).
 REFUSED = {
-    "num_kv_shared_layers": lambda v: bool(v),
     "enable_moe_block": lambda v: bool(v),
     "use_bidirectional_attention": lambda v: v not in (None, "vision"),
 }
@@ -88,6 +89,10 @@ def _read(raw: dict, where) -> dict:
                            f"vocab_size={raw['vocab_size']} is not supported")  # fmt: skip
     n = raw["num_hidden_layers"]
     types = layer_types(raw, n)
+    shared = raw.get("num_kv_shared_layers") or 0
+    if shared >= n:
+        raise DistillError(f"{where}: num_kv_shared_layers={shared} leaves no layer its own "
+                           f"keys and values (num_hidden_layers={n})")  # fmt: skip
     hd = raw.get("head_dim") or DEFAULT_HEAD_DIM
     kv = raw.get("num_key_value_heads") or raw["num_attention_heads"]
     global_hd, global_kv = _full_shapes(raw, where, types)
@@ -111,6 +116,8 @@ def _read(raw: dict, where) -> dict:
         else 1.0,
         "final_softcap": raw.get("final_logit_softcapping"),
         "per_layer_input": per_layer,
+        "kv_shared_layers": shared,
+        "wide_mlp": bool(raw.get("use_double_wide_mlp")) and shared > 0,
     }
     if "sliding" in types:
         keys["layer_types"] = tuple(types)
@@ -134,7 +141,8 @@ def _write(cfg) -> dict:
         "final_logit_softcapping": cfg.final_softcap,
         "hidden_size_per_layer_input": cfg.per_layer_input,
         "vocab_size_per_layer_input": cfg.vocab_size,
-        "num_kv_shared_layers": 0,
+        "num_kv_shared_layers": cfg.kv_shared_layers,
+        "use_double_wide_mlp": cfg.wide_mlp,
         "enable_moe_block": False,
     }
 
@@ -145,6 +153,8 @@ PREFIX = "full_"
 # The attention weights a full layer holds under its own names (`PREFIX` + the name).
 ATTENTION_KEYS = ("wq", "wk", "wv", "wo", "q_norm", "k_norm")
 NORMS = ("full_q_norm", "full_k_norm")
+KV_KEYS = ("wk", "wv", "k_norm")  # what a KV-sharing layer does not hold
+DENSE_KEYS = ("w_gate", "w_up", "w_down")  # a wide layer's: `wide_gate`, ...
 
 
 def per_layer_names(cfg, i: int) -> dict[str, tuple[str, bool]]:
@@ -209,18 +219,22 @@ def hf_shape(cfg, name: str) -> tuple[int, ...]:
     return shape[::-1] if len(shape) == 2 else shape
 
 
-def hf_names(cfg, kind: str, names: dict) -> dict:
-    """A layer's weight names (`distill.models.hf.layer_weights`): in a full layer apart,
+def hf_names(cfg, i: int, names: dict) -> dict:
+    """Layer `i`'s weight names (`distill.models.hf.layer_weights`): in a full layer apart,
     its attention weights under their `full_` keys (no value projection under
-    `attn_k_eq_v`)."""
-    if kind != "full" or not cfg.full_apart():
-        return names
+    `attn_k_eq_v`); in a KV-sharing layer no key or value weights; in a wide one its MLP
+    under the `wide_` keys."""
+    full = cfg.types()[i] == "full" and cfg.full_apart()
     out = {}
     for name, value in names.items():
-        if name in ATTENTION_KEYS:
+        if cfg.kv_shared()[i] and name in KV_KEYS:
+            continue
+        if full and name in ATTENTION_KEYS:
             if name == "wv" and cfg.attn_k_eq_v:
                 continue
             name = PREFIX + name
+        if cfg.wide_layers()[i] and name in DENSE_KEYS:
+            name = "wide_" + name.removeprefix("w_")
         out[name] = value
     return out
 

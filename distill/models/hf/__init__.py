@@ -145,8 +145,8 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     moe_layers = cfg.moe_layers()
     family = families.get(cfg.family)
     prefix, experts = family.moe_prefix, family.expert_names
-    for i, (linear, kind) in enumerate(zip(cfg.linear_layers(), cfg.types(), strict=True)):
-        layer = families.gemma4.hf_names(cfg, kind, layer_weights(cfg))
+    for i, linear in enumerate(cfg.linear_layers()):
+        layer = families.gemma4.hf_names(cfg, i, layer_weights(cfg))
         for key, (name, transposed) in families.qwen35.mixer_weights(cfg, linear, layer).items():
             if not (moe_layers[i] and key in DENSE_FFN):
                 names[f"model.layers.{i}.{name}"] = (key, i, transposed)
@@ -214,6 +214,9 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "w_gate": (f, d),
         "w_up": (f, d),
         "w_down": (d, f),
+        "wide_gate": (2 * f, d),  # Gemma 4's KV-sharing layers' (`use_double_wide_mlp`)
+        "wide_up": (2 * f, d),
+        "wide_down": (d, 2 * f),
         "router": (cfg.n_experts, d),
         "router_bias": (cfg.n_experts,),
         "router_correction": (cfg.n_experts,),
