@@ -217,3 +217,130 @@ def test_greedy_generation_equals_transformers(gemma4):
             out = ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
                                pad_token_id=0, attention_mask=torch.ones_like(ids))  # fmt: skip
         np.testing.assert_array_equal(np.asarray(tokens[row]), out[0, ids.shape[1] :].numpy())
+
+
+def pruned_gemma4(path, kept: list[int]):
+    """The transformers Gemma 4 saved at `path` with only its layers `kept`: its config's
+    per-layer keys (layer_types, per_layer_config, num_kv_shared_layers) of those layers,
+    their weights, and their slices of the packed per-layer tables."""
+    import json
+    import re
+
+    full = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    )
+    raw = json.loads((path / "config.json").read_text())
+    n, shared = raw["num_hidden_layers"], raw.get("num_kv_shared_layers") or 0
+    over = raw.get("per_layer_config") or {}
+    raw.update(
+        num_hidden_layers=len(kept), layer_types=[raw["layer_types"][i] for i in kept],
+        num_kv_shared_layers=sum(i >= n - shared for i in kept),
+        per_layer_config={str(j): over[str(i)] for j, i in enumerate(kept) if str(i) in over},
+    )  # fmt: skip
+    for key in ("model_type", "transformers_version", "architectures"):
+        raw.pop(key, None)
+    small = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**raw))
+    p = raw.get("hidden_size_per_layer_input") or 0
+    cols = np.concatenate([np.arange(i * p, (i + 1) * p) for i in kept]).astype(np.int64)
+    weights = {}
+    for key, value in full.state_dict().items():
+        layer = re.match(r"model\.layers\.(\d+)\.(.*)", key)
+        if key == "model.embed_tokens_per_layer.weight":
+            weights[key] = value[:, cols]
+        elif key == "model.per_layer_model_projection.weight":
+            weights[key] = value[cols]
+        elif layer is None:
+            weights[key] = value
+        elif int(layer[1]) in kept:
+            weights[f"model.layers.{kept.index(int(layer[1]))}.{layer[2]}"] = value
+    small.load_state_dict(weights)
+    return small.eval()
+
+
+def test_a_pruned_student_keeps_the_layer_pattern(gemma4, corpus_dir, tmp_path):
+    """student.init: from_teacher with fewer layers: by default 3 of the 6 (0, 3, 5: two
+    sliding, then the full last one, as the teacher's pattern runs); under KV sharing 5
+    chosen (0, 1, 2, 3, 5: the kept sharing layers 3 and 5 take layers 1's and 2's keys and
+    values, as in the teacher). The kept layers bring their kinds, per-layer inputs and
+    sharing, and the student's log-probs are transformers' model pruned alike."""
+    from distill.config.load import config_from_dict
+    from tests.test_hf import _cfg_tree
+
+    name, path, ref, want_full, batch = gemma4
+    tree = _cfg_tree(corpus_dir, tmp_path / "out", path)
+    tree["mesh"]["teacher"]["tp"] = 1
+    sharing = name == "kv_sharing_wide_mlp"
+    student = {"init": "from_teacher", "model": {"n_layers": 5 if sharing else 3}}
+    tree["student"] = {**student, **({"init_layers": [0, 1, 2, 3, 5]} if sharing else {})}
+    cfg = config_from_dict(tree)
+    kept, s = cfg.init_layers(), cfg.student_model()
+    assert kept == ([0, 1, 2, 3, 5] if sharing else [0, 3, 5])
+    assert s.types() == tuple(cfg.teacher.model.types()[i] for i in kept)
+    assert s.kv_shared_layers == (2 if sharing else 0)
+    params = read_hf_layers(path, cfg.teacher.model, kept)
+    got = model.apply(s, params, batch.tokens, batch.segment_ids, batch.positions)
+    want = per_document_logprobs(pruned_gemma4(path, kept), batch)
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
+    assert not np.allclose(want, want_full)  # pruning changed it
+
+
+def test_a_student_starts_from_the_checkpoint(gemma4, corpus_dir, tmp_path):
+    """student.checkpoint: the student's model and weights are the checkpoint's."""
+    from distill.config.load import config_from_dict
+    from teacher.weights import student_init_params
+    from tests.test_hf import _cfg_tree
+
+    name, path, _, want, batch = gemma4
+    tree = _cfg_tree(corpus_dir, tmp_path, path)
+    tree["student"] = {"checkpoint": str(path), "model": {"attention": "blockwise"}}
+    cfg = config_from_dict(tree)
+    s = cfg.student_model()
+    assert s.model_copy(update={"attention": "auto"}) == hf.read_model_config(path)
+    got = model.apply(s, student_init_params(cfg), batch.tokens, batch.segment_ids, batch.positions)
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
+
+
+def test_export_round_trips_through_transformers(gemma4, tmp_path):
+    """`student.export.write_hf`: transformers loads the export as `Gemma4ForCausalLM` with
+    the original's log-probs, and it reads back as the same config."""
+    from tests.test_families import assert_export_round_trips
+
+    got = assert_export_round_trips(*gemma4, tmp_path / "export")
+    assert got.config.layer_types == gemma4[2].config.layer_types
+
+
+def test_student_steps_on_dp_x_fsdp_equal_one_device(tmp_path):
+    """Two distillation steps of a fresh student of the checkpoint's config on dp = 2 x
+    fsdp = 2 (the student's table splits its per-kind, per-layer-input and wide-MLP
+    weights over fsdp) equal the steps on one device: losses, and parameters after SGD
+    (after one step to 1e-7; the second's summation orders move them by 1e-5, a ten
+    thousandth of the step's update)."""
+    import optax
+
+    from distill.config import DistillLossConfig
+    from distill.types import TeacherOutput
+    from student import train
+    from tests.test_generate import _mesh as student_mesh
+
+    save_gemma4(tmp_path, CASES["kv_sharing_wide_mlp"])  # the case with every part
+    cfg, batch = hf.read_model_config(tmp_path), packed_batch()
+    params = jax.device_get(model.init_params(cfg, 0))  # host arrays: the steps donate
+    rows = jax.tree.map(lambda x: np.concatenate([x, x[::-1]]), batch)  # 4 rows
+    rng = np.random.default_rng(0)
+    vals, ids = jax.lax.top_k(jax.nn.log_softmax(rng.normal(size=(4, 24, 96)) * 3), 8)
+    teacher = TeacherOutput(np.asarray(vals, np.float32), np.asarray(ids, np.int32))
+
+    def run(dp, fsdp):
+        mesh, tx = student_mesh(dp, fsdp), optax.sgd(0.1)
+        step = train.make_train_step(cfg, tx, mesh, loss_cfg=DistillLossConfig(alpha=0.5),
+                                     lr_schedule=lambda _: 0.1)  # fmt: skip
+        state, losses = train.init_state(cfg, tx, 0, mesh, params), []
+        for _ in range(2):
+            state, metrics = step(state, rows, teacher)
+            losses.append(float(metrics["loss"]))
+        return jax.device_get(state.params), losses
+
+    (one, l1), (four, l4) = run(1, 1), run(2, 2)
+    np.testing.assert_allclose(l4, l1, rtol=2e-6)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-4)
