@@ -344,3 +344,26 @@ def test_student_steps_on_dp_x_fsdp_equal_one_device(tmp_path):
     np.testing.assert_allclose(l4, l1, rtol=2e-6)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_the_image_text_checkpoint_reads_as_its_text_model(tmp_path):
+    """A `gemma4` checkpoint (`Gemma4ForConditionalGeneration`, as Gemma 4 is released;
+    here without vision or audio towers): its `text_config` and the weights under
+    `model.language_model.` read as `gemma4_text`, giving the model's log-probs on text."""
+    torch.manual_seed(0)
+    text = {**COMMON, **CASES["kv_sharing_wide_mlp"]}
+    config = transformers.Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    m = transformers.Gemma4ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.3)
+    m.save_pretrained(str(tmp_path))
+    ref = type(m).from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager")
+    cfg = hf.read_model_config(tmp_path)
+    assert cfg.family == "gemma4_text" and cfg.kv_shared_layers == 3 and cfg.per_layer_input == 8
+    batch = packed_batch()
+    params = read_hf_layers(tmp_path, cfg, list(range(cfg.n_layers)))
+    got = model.apply(cfg, params, batch.tokens, batch.segment_ids, batch.positions)
+    text_model = type("Text", (), {"config": ref.config.text_config, "__call__": ref.eval()})()
+    want = per_document_logprobs(text_model, batch)  # reads the vocabulary off the config
+    assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg="image-text")

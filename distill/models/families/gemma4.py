@@ -7,6 +7,8 @@ their own (`global_head_dim`), with `attention_k_eq_v` their own KV heads
 (`distill.models.full_layers`); transformers' proportional RoPE on the full layers, the
 default on the sliding ones at their own base.
 
+The released checkpoints are `gemma4` image-text models: their text model (`text_config`,
+the weights under `model.language_model.`) is read, the vision and audio towers are not.
 config.json says the full layers' shapes either as `global_head_dim` and
 `num_global_key_value_heads` (the released checkpoints) or as transformers'
 `per_layer_config` (overrides per layer index, as transformers 5.25 writes it). What this
@@ -262,5 +264,6 @@ GEMMA4 = register(
         tied_by_default=True,
         activation_key="hidden_activation",
         accepts=frozenset({"use_bidirectional_attention"}),
+        image_text="gemma4",
     )
 )
