@@ -367,3 +367,29 @@ def test_the_image_text_checkpoint_reads_as_its_text_model(tmp_path):
     text_model = type("Text", (), {"config": ref.config.text_config, "__call__": ref.eval()})()
     want = per_document_logprobs(text_model, batch)  # reads the vocabulary off the config
     assert_documents_match(_logprobs(got), want, batch, atol=2e-4, rtol=1e-4, err_msg="image-text")
+
+
+def test_pipeline_stages_match_transformers_or_are_one_line(gemma4, corpus_dir, tmp_path):
+    """mesh.teacher.pp = 2 (three layers a stage, each its own kinds): without per-layer
+    inputs or KV sharing the staged teacher's log-probs are transformers'; with them
+    refused before any device work, naming the key (a later stage would need the tokens
+    and input embeddings, or an earlier stage's keys and values)."""
+    from distill.config.load import config_from_dict
+    from distill.mesh import teacher_mesh
+    from teacher.stages import check_stages
+    from tests.test_hf import _cfg_tree
+
+    name, path, _, want, batch = gemma4
+    tree = _cfg_tree(corpus_dir, tmp_path, path)
+    tree["mesh"]["teacher"].update(pp=2, tp=1)
+    cfg = config_from_dict(tree)
+    if cfg.teacher.model.per_layer_input:  # the case sharing keys has per-layer inputs too
+        with pytest.raises(DistillError, match=r"mesh.teacher.pp: 2 stages with per-layer input "
+                           r"embeddings \(teacher.model.per_layer_input"):  # fmt: skip
+            check_stages(cfg)
+        return
+    check_stages(cfg)
+    mesh = teacher_mesh(jax.devices()[:4], 1, 2, 1, 2)
+    params = load_hf_teacher(path, cfg.teacher.model, mesh)
+    got = make_forward(cfg.teacher.model, mesh, mode="dense", microbatch=1)(params, batch)
+    assert_documents_match(np.asarray(got[0]), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
