@@ -1,11 +1,17 @@
-"""Full-attention layers of their own shapes (Gemma 4: `ModelConfig.full_apart`): a head
-width of their own (`global_head_dim`, 512 where the sliding layers' is 256), KV heads of
-their own (`global_kv_heads`) and values that are the keys' projection (`attn_k_eq_v`).
-Their attention weights are a part of their own (`distill.models.parts`: `full_wq`,
-`full_wk`, ... stacked over the full layers), and a block runs either kind's attention as
-its layer's `full` flag picks (`jax.lax.cond`: one compiled block), each kind's window and
-RoPE static in its branch. Keys and values leave a branch as a pair per kind, zeros of the
-other kind's shapes, so that a prefill keeps each kind's cache (`distill.models.decode`).
+"""Attention layers that run per kind (Gemma 4: `ModelConfig.full_apart`). Full layers of
+their own shapes: a head width of their own (`global_head_dim`, 512 where the sliding
+layers' is 256), KV heads of their own (`global_kv_heads`) and values that are the keys'
+projection (`attn_k_eq_v`). Their attention weights are a part of their own
+(`distill.models.parts`: `full_wq`, `full_wk`, ... stacked over the full layers), and a
+block runs either kind's attention as its layer's `full` flag picks (`jax.lax.cond`: one
+compiled block), each kind's window and RoPE static in its branch. Keys and values leave a
+branch as a pair per kind, zeros of the other kind's shapes, so that a prefill keeps each
+kind's cache (`distill.models.decode`).
+
+KV sharing (`kv_shared_layers`): the last layers take their kind's keys and values from the
+last earlier layer of that kind (`ModelConfig.kv_stores`) and hold no key or value weights
+(parts `kv` and `full_kv`); the layer scan carries one pair per kind from those layers to
+the sharing ones (`no_shared`, `share`, `qkv`), as a decode step carries the token's.
 """
 
 from __future__ import annotations
