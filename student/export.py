@@ -43,22 +43,27 @@ DTYPES = ("float32", "bfloat16")  # the exported weights' dtype (`--dtype`)
 
 def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """distill parameters (host or device) -> Hugging Face tensor name -> [out, in] array."""
-    out, views, rows, cols = {}, {}, {}, {}
+    out, views, rows, cols, halves = {}, {}, {}, {}, {}
     for name, (key, layer, transposed) in hf.weight_names(cfg).items():
         w = np.asarray(params[key] if layer is None else _layer_slice(cfg, params, key, layer))
+        w = np.swapaxes(w, -1, -2) if transposed else w  # [in, out] -> [out, in]
         base, view = hf.stored(name)
         if view is None:
-            out[name] = np.ascontiguousarray(w.T if transposed else w)
+            out[name] = np.ascontiguousarray(w)
         elif isinstance(view, tuple):  # rows of one fused tensor (Qwen3.5's in_proj_qkv)
-            rows.setdefault(base, {})[view] = w.T if transposed else w
+            rows.setdefault(base, {})[view] = w
         elif isinstance(view, slice):  # columns of one (Gemma 4's per-layer embeddings)
-            cols.setdefault(base, {})[view.start] = w.T if transposed else w
+            cols.setdefault(base, {})[view.start] = w
+        elif isinstance(view, range):  # each expert's rows (Gemma 4's gate and up halves)
+            halves.setdefault(base, {})[view.start] = w
         else:  # every other column of one fused tensor (gpt-oss's gate and up)
             views.setdefault(base, {})[view] = w
     for base, pieces in rows.items():
         out[base] = np.ascontiguousarray(np.concatenate([pieces[k] for k in sorted(pieces)]))
-    for base, pieces in cols.items():
-        out[base] = np.concatenate([pieces[k] for k in sorted(pieces)], axis=-1)
+    for base, pieces in cols.items():  # contiguous: concatenate keeps the pieces' strides
+        out[base] = np.ascontiguousarray(np.concatenate([pieces[k] for k in sorted(pieces)], -1))
+    for base, pieces in halves.items():
+        out[base] = np.ascontiguousarray(np.concatenate([pieces[k] for k in sorted(pieces)], 1))
     for base, pieces in views.items():
         fused = np.empty((*pieces[0].shape[:-1], 2 * pieces[0].shape[-1]), pieces[0].dtype)
         fused[..., 0::2], fused[..., 1::2] = pieces[0], pieces[1]

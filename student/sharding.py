@@ -99,6 +99,11 @@ WEIGHT_DIMS = {
         "ple_gate": ("layer", "d_model", "ple_dim"),
         "ple_proj": ("layer", "ple_dim", "d_model"),
         "ple_norm": ("layer", "d_model"),
+        "post_dense_norm": ("layer", "d_model"),  # Gemma 4's MoE block
+        "pre_moe_norm": ("layer", "d_model"),
+        "post_moe_norm": ("layer", "d_model"),
+        "router_scale": ("layer", "d_model"),
+        "router_expert_scale": ("layer", "experts"),
     },
 }
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
@@ -109,7 +114,8 @@ REPLICATED = (
     "k_norm", "bq", "bk", "bv", "bo", "shared_gate", "router_bias", "router_correction",
     "q_a_norm", "kv_a_norm", "sinks", "lin_conv_q", "lin_conv_k", "lin_conv_v", "lin_a_log",
     "lin_dt_bias", "lin_norm", "layer_scalar", "full_q_norm", "full_k_norm", "ple_norm",
-    "ple_proj_norm",
+    "ple_proj_norm", "post_dense_norm", "pre_moe_norm", "post_moe_norm", "router_scale",
+    "router_expert_scale",
 )  # fmt: skip
 
 

@@ -96,6 +96,12 @@ LAYER_SPECS = {
     "ple_gate": P(None, None, None),  # [L, D, P]
     "ple_proj": P(None, None, None),  # [L, P, D]
     "ple_norm": P(None, None),  # [L, D]
+    # Gemma 4's MoE block: its two sides' norms and its router's scales, replicated
+    "post_dense_norm": P(None, None),
+    "pre_moe_norm": P(None, None),
+    "post_moe_norm": P(None, None),
+    "router_scale": P(None, None),  # [L, D]
+    "router_expert_scale": P(None, None),  # [L, E]
 }
 # Full layers of their own shapes (Gemma 4, `distill.models.full_layers`): as the others'.
 LAYER_SPECS.update({f"full_{k}": LAYER_SPECS[k] for k in ("wq", "wk", "wv", "wo", "q_norm",

@@ -62,6 +62,15 @@ CASES = {  # name: config keys beyond COMMON
         attention_k_eq_v=True,
         num_global_key_value_heads=1,
     ),  # fmt: skip
+    # the MoE block: a dense MLP and 4 routed experts (top-2) side by side in every layer
+    "moe_block": dict(
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=16,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    ),  # fmt: skip
     # full layers wider only; untied head; the RoPE bases and proportion set
     "wide_full_untied": dict(
         tie_word_embeddings=False,
@@ -110,10 +119,14 @@ def test_config_reads_the_full_layers_shapes(gemma4):
     assert cfg.family == "gemma4_text" and cfg.types() == ("sliding", "sliding", "full") * 2
     assert (cfg.hd, cfg.kind_hd("full"), cfg.global_head_dim) == (8, 16, 16)
     k_eq_v = name != "wide_full_untied"
+    assert (cfg.n_experts, cfg.moe_beside_dense) == (
+        (4, True) if name == "moe_block" else (0, False)
+    )
     assert cfg.attn_k_eq_v == k_eq_v and cfg.kind_kv_heads("full") == (1 if k_eq_v else 2)
     assert cfg.norm_offset == 0 and cfg.scale() == 1.0 and cfg.v_norm and cfg.layer_scalar
     assert cfg.full_apart() and cfg.rope_proportional
-    assert cfg.per_layer_input == (0 if name in ("k_eq_v_softcap", "wide_full_untied") else 8)
+    plain = ("k_eq_v_softcap", "wide_full_untied", "moe_block")
+    assert cfg.per_layer_input == (0 if name in plain else 8)
     shared = name == "kv_sharing_wide_mlp"
     assert (cfg.kv_shared_layers, cfg.wide_mlp) == ((3, True) if shared else (0, False))
     assert cfg.tie_embeddings == ref.config.tie_word_embeddings
@@ -149,7 +162,6 @@ def test_student_model_matches_transformers(gemma4, attention):
     [
         (dict(hidden_size_per_layer_input=8), "vocab_size_per_layer_input=262144 other"),
         (dict(num_kv_shared_layers=6), "num_kv_shared_layers=6 leaves no layer"),
-        (dict(enable_moe_block=True), "enable_moe_block=True"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
         (dict(per_layer_config={"0": {"head_dim": 16}}), r"per_layer_config\[0\]"),
     ],
@@ -309,10 +321,12 @@ def test_export_round_trips_through_transformers(gemma4, tmp_path):
     assert got.config.layer_types == gemma4[2].config.layer_types
 
 
-def test_student_steps_on_dp_x_fsdp_equal_one_device(tmp_path):
+@pytest.mark.parametrize("case", ["kv_sharing_wide_mlp", "moe_block"])
+def test_student_steps_on_dp_x_fsdp_equal_one_device(tmp_path, case):
     """Two distillation steps of a fresh student of the checkpoint's config on dp = 2 x
     fsdp = 2 (the student's table splits its per-kind, per-layer-input and wide-MLP
-    weights over fsdp) equal the steps on one device: losses, and parameters after SGD
+    weights over fsdp; the MoE block's experts split over fsdp, its router reading the
+    residual) equal the steps on one device: losses, and parameters after SGD
     (after one step to 1e-7; the second's summation orders move them by 1e-5, a ten
     thousandth of the step's update)."""
     import optax
@@ -322,7 +336,7 @@ def test_student_steps_on_dp_x_fsdp_equal_one_device(tmp_path):
     from student import train
     from tests.test_generate import _mesh as student_mesh
 
-    save_gemma4(tmp_path, CASES["kv_sharing_wide_mlp"])  # the case with every part
+    save_gemma4(tmp_path, CASES[case])  # every dense part; the MoE block (experts over fsdp)
     cfg, batch = hf.read_model_config(tmp_path), packed_batch()
     params = jax.device_get(model.init_params(cfg, 0))  # host arrays: the steps donate
     rows = jax.tree.map(lambda x: np.concatenate([x, x[::-1]]), batch)  # 4 rows
@@ -393,3 +407,19 @@ def test_pipeline_stages_match_transformers_or_are_one_line(gemma4, corpus_dir, 
     params = load_hf_teacher(path, cfg.teacher.model, mesh)
     got = make_forward(cfg.teacher.model, mesh, mode="dense", microbatch=1)(params, batch)
     assert_documents_match(np.asarray(got[0]), want, batch, atol=2e-4, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("ep, tp", [(2, 1), (2, 2)])
+def test_the_moe_block_over_ep_matches_transformers(tmp_path, ep, tp):
+    """The MoE block's teacher with its experts split over `ep` (dispatched to their
+    devices and back) gives transformers' log-probs on the packed batch."""
+    from distill.mesh import teacher_mesh
+
+    ref = save_gemma4(tmp_path, CASES["moe_block"])
+    batch = packed_batch()
+    cfg = hf.read_model_config(tmp_path)
+    mesh = teacher_mesh(jax.devices()[: ep * tp], 1, tp, ep)
+    params = load_hf_teacher(tmp_path, cfg, mesh)
+    got = make_forward(cfg, mesh, mode="logits")(params, batch)
+    assert_documents_match(_logprobs(got), per_document_logprobs(ref, batch), batch, atol=2e-4,
+                           rtol=1e-4, err_msg=f"ep={ep} tp={tp}")  # fmt: skip

@@ -207,6 +207,22 @@ class ModelConfig(Section, ModelViews):
         description="In an MoE model, the layers whose feed-forward is the dense one (d_ff) "
         "(Qwen's mlp_only_layers and decoder_sparse_step).",
     )
+    moe_beside_dense: bool = Field(
+        False,
+        description="Gemma 4's MoE block: each MoE layer runs the dense MLP (d_ff) and the "
+        "routed experts side by side, each on its own norm of the residual and normed after, "
+        "and sums them (enable_moe_block).",
+    )
+    router_norm: bool = Field(
+        False,
+        description="The router's input is the residual RMS-normed without a scale, times a "
+        "learned scale [D] (`router_scale`) and 1/sqrt(D) (Gemma 4).",
+    )
+    expert_scale: bool = Field(
+        False,
+        description="Each chosen expert's weight, after renormalising, times a learned scale "
+        "of its expert (`router_expert_scale` [E], Gemma 4's per_expert_scale).",
+    )
     partial_rotary_factor: float = Field(
         1.0,
         gt=0,

@@ -119,8 +119,9 @@ class ModelViews:
         return tuple(bool(self.n_experts) and i not in dense for i in range(self.n_layers))
 
     def has_dense_ffn(self) -> bool:
-        """Whether any layer runs the dense feed-forward (every layer of a dense model)."""
-        return not all(self.moe_layers())
+        """Whether any layer runs the dense feed-forward (every layer of a dense model, and
+        every one of Gemma 4's MoE block, `moe_beside_dense`)."""
+        return not all(self.moe_layers()) or self.moe_beside_dense
 
     def mixed_ffn(self) -> bool:
         """Whether dense and MoE feed-forwards alternate (then a per-layer flag is scanned)."""

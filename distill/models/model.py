@@ -99,6 +99,9 @@ class Block(nnx.Module):
                 self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
             if cfg.layer_scalar:
                 self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32))
+            if cfg.moe_beside_dense:  # Gemma 4's MoE block: each side's norms
+                self.post_dense_norm, self.pre_moe_norm, self.post_moe_norm = (
+                    norm(d), norm(d), norm(d))  # fmt: skip
             for name, param in per_layer_inputs.init_params(cfg, draw, norm).items():
                 setattr(self, name, param)
         for name, make in full_layers.attention_weights(cfg, norm, draw).items():
@@ -211,7 +214,7 @@ class Block(nnx.Module):
             o = o + self.w("bo", layer).astype(dt)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
         h = cc.gather_positions(self._norm(x_bsd, self.mlp_norm), tp_axis)
-        y, stats = ffn.block_ffn(self, h, tp_axis, layer, moe_opts or {})
+        y, stats = ffn.block_ffn(self, h, tp_axis, layer, moe_opts or {}, x_bsd)
         x_bsd = x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y)
         if self.cfg.per_layer_input:
             x_bsd = per_layer_inputs.add(self, x_bsd, layer, tp_axis)

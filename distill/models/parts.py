@@ -29,7 +29,8 @@ NO_WINDOW = 2**30
 # wide in its sharing layers), the router's and experts' the MoE ones (`part_layers`).
 PARTS = ("all", "attention", "kv", "full", "full_kv", "linear", "dense", "wide", "moe")
 _ALL_LAYERS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "layer_scalar",
-               "ple_embed", "ple_model_proj", "ple_gate", "ple_proj", "ple_norm")  # fmt: skip
+               "ple_embed", "ple_model_proj", "ple_gate", "ple_proj", "ple_norm",
+               "post_dense_norm", "pre_moe_norm", "post_moe_norm")  # fmt: skip
 _DENSE_FFN = ("w_gate", "w_up", "w_down")
 WIDE_FFN = ("wide_gate", "wide_up", "wide_down")  # the same as a wide layer's
 _KV = ("wk", "wv", "bk", "bv", "k_norm")
@@ -65,8 +66,14 @@ def part_layers(cfg: ModelConfig, part: str) -> tuple[bool, ...]:
         "full": full,
         "full_kv": own(full),
         "linear": linear,
-        "dense": tuple(not (x or w) for x, w in zip(routed, cfg.wide_layers(), strict=True)),
-        "wide": tuple(not x and w for x, w in zip(routed, cfg.wide_layers(), strict=True)),
+        "dense": tuple(
+            (not x or cfg.moe_beside_dense) and not w
+            for x, w in zip(routed, cfg.wide_layers(), strict=True)
+        ),  # fmt: skip
+        "wide": tuple(
+            (not x or cfg.moe_beside_dense) and w
+            for x, w in zip(routed, cfg.wide_layers(), strict=True)
+        ),  # fmt: skip
         "moe": routed,
     }[part]
 

@@ -35,7 +35,6 @@ DEFAULT_VOCAB = 262_144  # vocab_size_per_layer_input
 # config.json keys with a value this decoder cannot run yet: key -> whether the value is
 # refused (transformers' default where absent).
 REFUSED = {
-    "enable_moe_block": lambda v: bool(v),
     "use_bidirectional_attention": lambda v: v not in (None, "vision"),
 }
 
@@ -121,6 +120,12 @@ def _read(raw: dict, where) -> dict:
         "kv_shared_layers": shared,
         "wide_mlp": bool(raw.get("use_double_wide_mlp")) and shared > 0,
     }
+    if raw.get("enable_moe_block"):  # a dense MLP and routed experts in every layer
+        keys.update(
+            n_experts=raw["num_experts"], experts_per_token=raw["top_k_experts"],
+            d_ff_expert=raw["moe_intermediate_size"], norm_topk_prob=True,
+            moe_beside_dense=True, router_norm=True, expert_scale=True,
+        )  # fmt: skip
     if "sliding" in types:
         keys["layer_types"] = tuple(types)
     if not raw.get("hidden_activation") and not raw.get("hidden_act"):
@@ -145,7 +150,10 @@ def _write(cfg) -> dict:
         "vocab_size_per_layer_input": cfg.vocab_size,
         "num_kv_shared_layers": cfg.kv_shared_layers,
         "use_double_wide_mlp": cfg.wide_mlp,
-        "enable_moe_block": False,
+        "enable_moe_block": bool(cfg.n_experts),
+        "num_experts": cfg.n_experts or None,
+        "top_k_experts": cfg.experts_per_token if cfg.n_experts else None,
+        "moe_intermediate_size": cfg.f_expert if cfg.n_experts else None,
     }
 
 
@@ -265,5 +273,9 @@ GEMMA4 = register(
         activation_key="hidden_activation",
         accepts=frozenset({"use_bidirectional_attention"}),
         image_text="gemma4",
+        fused_experts=True,  # `experts.gate_up_proj` halves and `experts.down_proj`
+        fused_halves=True,
+        moe_prefix="",  # `model.layers.{i}.router.proj`, `model.layers.{i}.experts.`
+        router_name="router.proj",
     )
 )

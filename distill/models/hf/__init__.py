@@ -65,6 +65,11 @@ GEMMA_NORMS = {
     "mlp_norm": ("pre_feedforward_layernorm.weight", False),
     "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
 }
+GEMMA4_MOE_NORMS = {
+    "post_dense_norm": ("post_feedforward_layernorm_1.weight", False),
+    "pre_moe_norm": ("pre_feedforward_layernorm_2.weight", False),
+    "post_moe_norm": ("post_feedforward_layernorm_2.weight", False),
+}
 QKV_BIASES = {
     "bq": ("self_attn.q_proj.bias", False),
     "bk": ("self_attn.k_proj.bias", False),
@@ -119,6 +124,8 @@ def layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
         names["sinks"] = ("self_attn.sinks", False)
     if cfg.layer_scalar:
         names["layer_scalar"] = ("layer_scalar", False)
+    if cfg.moe_beside_dense:  # Gemma 4's MoE block: its dense MLP's and experts' norms
+        names.update(GEMMA4_MOE_NORMS)
     return names
 
 
@@ -127,6 +134,10 @@ def router_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     logit bias (gpt-oss) or selection-only correction bias (DeepSeek-V3) where it has one."""
     name = families.get(cfg.family).router_name
     names = {"router": (f"{name}.weight", True)}
+    if cfg.router_norm:  # Gemma 4's router: `router.proj`, its input scale beside it
+        names["router_scale"] = (f"{name.rpartition('.')[0]}.scale", False)
+    if cfg.expert_scale:
+        names["router_expert_scale"] = (f"{name.rpartition('.')[0]}.per_expert_scale", False)
     if cfg.router_bias:
         names["router_bias"] = (f"{name}.bias", False)
     if cfg.router_correction_bias:
@@ -148,7 +159,7 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     for i, linear in enumerate(cfg.linear_layers()):
         layer = families.gemma4.hf_names(cfg, i, layer_weights(cfg))
         for key, (name, transposed) in families.qwen35.mixer_weights(cfg, linear, layer).items():
-            if not (moe_layers[i] and key in DENSE_FFN):
+            if not (moe_layers[i] and key in DENSE_FFN) or cfg.moe_beside_dense:
                 names[f"model.layers.{i}.{name}"] = (key, i, transposed)
         for name, (key, transposed) in families.gemma4.per_layer_names(cfg, i).items():
             names[name] = (key, i, transposed)
@@ -159,9 +170,9 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
         for key, name in family.shared_names.items() if cfg.f_shared else ():
             if key != "shared_gate" or cfg.shared_expert_gate:
                 names[f"model.layers.{i}.{prefix}{name}"] = (key, i, True)
-        if family.fused_experts:  # one [E, ...] tensor a layer, already [in, out]
+        if family.fused_experts:  # one [E, ...] tensor a layer, [in, out] but Gemma 4's
             for key, name in fused_expert_names(cfg).items():
-                names[f"model.layers.{i}.{prefix}experts.{name}"] = (key, i, False)
+                names[f"model.layers.{i}.{prefix}experts.{name}"] = (key, i, family.fused_halves)
             continue
         for j in range(cfg.n_experts):  # an expert's weight: its layer and expert, (i, j)
             for key, name in experts.items():
@@ -174,7 +185,10 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     fused experts a layer's [E, in, out] (a view's: its columns)."""
     d, v, f, fe, fs = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.f_expert, cfg.f_shared
     e = cfg.n_experts
-    if families.get(cfg.family).fused_experts and key in {**FUSED_EXPERTS, **FUSED_BIASES}:
+    family = families.get(cfg.family)
+    if family.fused_halves and key in FUSED_EXPERTS:  # each expert [out, in]
+        return {"we_gate": (e, fe, d), "we_up": (e, fe, d), "we_down": (e, d, fe)}[key]
+    if family.fused_experts and key in {**FUSED_EXPERTS, **FUSED_BIASES}:
         fused = {"we_gate": (e, d, fe), "we_up": (e, d, fe), "we_down": (e, fe, d)}
         return {**fused, "be_gate": (e, fe), "be_up": (e, fe), "be_down": (e, d)}[key]
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
@@ -205,6 +219,11 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "bo": (d,),
         "sinks": (cfg.n_heads,),
         "layer_scalar": (1,),
+        "post_dense_norm": (d,),
+        "pre_moe_norm": (d,),
+        "post_moe_norm": (d,),
+        "router_scale": (d,),
+        "router_expert_scale": (e,),
         "wq_a": (cfg.q_lora_rank, d),
         "q_a_norm": (cfg.q_lora_rank,),
         "wq_b": (q, cfg.q_lora_rank),
