@@ -136,7 +136,10 @@ def write_hf(
     for name, content in files.items():
         (out / name).write_text(dumps(content, indent=2, ensure_ascii=False) + "\n")
     as_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    tensors = {k: v.astype(np.float32).astype(as_dtype) for k, v in hf_tensors(cfg, params).items()}
+    tensors = {  # C order: safetensors writes an array's buffer as it lies
+        k: np.ascontiguousarray(v.astype(np.float32).astype(as_dtype))
+        for k, v in hf_tensors(cfg, params).items()
+    }
     save_tensors(out, tensors, max_shard_bytes)
     return out
 

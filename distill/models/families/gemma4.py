@@ -12,9 +12,10 @@ the weights under `model.language_model.`) is read, the vision and audio towers 
 config.json says the full layers' shapes either as `global_head_dim` and
 `num_global_key_value_heads` (the released checkpoints) or as transformers'
 `per_layer_config` (overrides per layer index, as transformers 5.25 writes it). What this
-decoder does not run is refused in one line naming the key: the MoE block
-(`enable_moe_block`), bidirectional attention (`use_bidirectional_attention: all`), a
-per-layer input table of another vocabulary (`vocab_size_per_layer_input`). Per-layer input
+decoder does not run is refused in one line naming the key: bidirectional attention
+(`use_bidirectional_attention: all`), a per-layer input table of another vocabulary
+(`vocab_size_per_layer_input`). The MoE block (`enable_moe_block`) runs the dense MLP and the
+routed experts side by side (`distill.models.ffn.beside`). Per-layer input
 embeddings (`hidden_size_per_layer_input`) are `distill.models.per_layer_inputs`; the last
 `num_kv_shared_layers` layers take their keys and values from the last earlier layer of
 their type (`distill.models.full_layers`), with `use_double_wide_mlp` an MLP twice as
@@ -264,6 +265,10 @@ GEMMA4 = register(
             "proportional partial RoPE on full layers, local RoPE base",
             "sliding window every n-th full",
             "final soft-cap",
+            "per-layer input embeddings",
+            "KV sharing across the last layers",
+            "double-wide MLP",
+            "MoE block (dense MLP beside routed experts)",
         ),  # fmt: skip
         read=_read,
         write=_write,
