@@ -164,6 +164,10 @@ def test_student_model_matches_transformers(gemma4, attention):
         (dict(num_kv_shared_layers=6), "num_kv_shared_layers=6 leaves no layer"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
         (dict(per_layer_config={"0": {"head_dim": 16}}), r"per_layer_config\[0\]"),
+        (
+            dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}),
+            "rope_parameters.full_attention rope_type 'yarn'",
+        ),
     ],
 )
 def test_what_it_cannot_run_is_one_line_naming_the_key(tmp_path, changes, match):

@@ -99,7 +99,11 @@ def _read(raw: dict, where) -> dict:
     kv = raw.get("num_key_value_heads") or raw["num_attention_heads"]
     global_hd, global_kv = _full_shapes(raw, where, types)
     full_rope = (raw.get("rope_parameters") or {}).get("full_attention") or {}
-    proportional = full_rope.get("rope_type", "proportional") == "proportional"
+    kind = full_rope.get("rope_type", "proportional")
+    if kind not in ("proportional", "default"):  # scalings other families read
+        raise DistillError(f"{where}: rope_parameters.full_attention rope_type {kind!r} is not "
+                           "supported for gemma4_text (proportional or default)")  # fmt: skip
+    proportional = kind == "proportional"
     keys = {
         "head_dim": hd,
         "post_norms": True,
