@@ -293,7 +293,8 @@ class ModelConfig(Section, ModelViews):
     layer_scalar: bool = Field(
         False,
         description="Each layer's output (the whole residual stream) times a stored scalar "
-        "of its own (Gemma 4's layer_scalar).",
+        "of its own (Gemma 4's layer_scalar: a buffer in transformers, not trained here "
+        "either: no gradient, no decay).",
     )
     rope_proportional: bool = Field(
         False,

@@ -3,7 +3,8 @@
 DeepSeek-V3 change (biases, query/key norms, norm offset and placement, activation,
 embedding scale, soft-caps, sliding windows, RoPE per layer type, partial or interleaved
 RoPE, latent attention) is data in `ModelConfig`; a parameter exists only where its family
-has it.
+has it. Gemma 4's layers of two kinds, per-layer inputs and KV sharing are
+`distill.models.full_layers` and `distill.models.per_layer_inputs`.
 
 Parallelism enters as an argument, not a copy: `tp_axis=None` is the plain single-device
 model (the student, and the reference in tests); `tp_axis="tp"` runs the same code inside
@@ -218,8 +219,8 @@ class Block(nnx.Module):
         x_bsd = x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y)
         if self.cfg.per_layer_input:
             x_bsd = per_layer_inputs.add(self, x_bsd, layer, tp_axis)
-        if self.cfg.layer_scalar:  # Gemma 4: the whole stream, times the layer's scalar
-            x_bsd = x_bsd * self.layer_scalar[...].astype(dt)
+        if self.cfg.layer_scalar:  # Gemma 4: the stream times the layer's scalar, a buffer
+            x_bsd = x_bsd * jax.lax.stop_gradient(self.layer_scalar[...]).astype(dt)
         return x_bsd, stats
 
     def __call__(
