@@ -33,8 +33,8 @@ DEFAULT_HEAD_DIM = 256  # transformers' Gemma4TextConfig defaults, where config.
 DEFAULT_GLOBAL_HEAD_DIM = 512
 DEFAULT_PER_LAYER_WIDTH = 256  # hidden_size_per_layer_input
 DEFAULT_VOCAB = 262_144  # vocab_size_per_layer_input
-# config.json keys with a value this decoder cannot run yet: key -> whether the value is
-# refused (transformers' default where absent).
+# config.json keys with a value this decoder does not run: key -> whether the value is
+# refused (`vision`, the released checkpoints' value, is causal for text).
 REFUSED = {
     "use_bidirectional_attention": lambda v: v not in (None, "vision"),
 }
