@@ -43,18 +43,27 @@ DTYPES = ("float32", "bfloat16")  # the exported weights' dtype (`--dtype`)
 
 def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """distill parameters (host or device) -> Hugging Face tensor name -> [out, in] array."""
-    out, views, rows = {}, {}, {}
+    out, views, rows, cols, halves = {}, {}, {}, {}, {}
     for name, (key, layer, transposed) in hf.weight_names(cfg).items():
         w = np.asarray(params[key] if layer is None else _layer_slice(cfg, params, key, layer))
+        w = np.swapaxes(w, -1, -2) if transposed else w  # [in, out] -> [out, in]
         base, view = hf.stored(name)
         if view is None:
-            out[name] = np.ascontiguousarray(w.T if transposed else w)
+            out[name] = np.ascontiguousarray(w)
         elif isinstance(view, tuple):  # rows of one fused tensor (Qwen3.5's in_proj_qkv)
-            rows.setdefault(base, {})[view] = w.T if transposed else w
+            rows.setdefault(base, {})[view] = w
+        elif isinstance(view, slice):  # columns of one (Gemma 4's per-layer embeddings)
+            cols.setdefault(base, {})[view.start] = w
+        elif isinstance(view, range):  # each expert's rows (Gemma 4's gate and up halves)
+            halves.setdefault(base, {})[view.start] = w
         else:  # every other column of one fused tensor (gpt-oss's gate and up)
             views.setdefault(base, {})[view] = w
     for base, pieces in rows.items():
         out[base] = np.ascontiguousarray(np.concatenate([pieces[k] for k in sorted(pieces)]))
+    for base, pieces in cols.items():  # contiguous: concatenate keeps the pieces' strides
+        out[base] = np.ascontiguousarray(np.concatenate([pieces[k] for k in sorted(pieces)], -1))
+    for base, pieces in halves.items():
+        out[base] = np.ascontiguousarray(np.concatenate([pieces[k] for k in sorted(pieces)], 1))
     for base, pieces in views.items():
         fused = np.empty((*pieces[0].shape[:-1], 2 * pieces[0].shape[-1]), pieces[0].dtype)
         fused[..., 0::2], fused[..., 1::2] = pieces[0], pieces[1]
@@ -103,6 +112,9 @@ def write_hf(
         params = dict(params, embed=np.asarray(params["embed"])[:limit])
         if "lm_head" in params:
             params["lm_head"] = np.asarray(params["lm_head"])[:, :limit]
+        if "ple_embed" in params["layers"]:  # Gemma 4's per-layer tables [L, V, P]
+            table = np.asarray(params["layers"]["ple_embed"])[:, :limit]
+            params["layers"] = dict(params["layers"], ple_embed=table)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id, **(special or {})}
@@ -124,7 +136,10 @@ def write_hf(
     for name, content in files.items():
         (out / name).write_text(dumps(content, indent=2, ensure_ascii=False) + "\n")
     as_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    tensors = {k: v.astype(np.float32).astype(as_dtype) for k, v in hf_tensors(cfg, params).items()}
+    tensors = {  # C order: safetensors writes an array's buffer as it lies
+        k: np.ascontiguousarray(v.astype(np.float32).astype(as_dtype))
+        for k, v in hf_tensors(cfg, params).items()
+    }
     save_tensors(out, tensors, max_shard_bytes)
     return out
 

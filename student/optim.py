@@ -19,8 +19,9 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-# Never decayed: DeepSeek's selection-only router bias, which no gradient trains.
-NO_DECAY = ("router_correction",)
+# Never decayed: DeepSeek's selection-only router bias and Gemma 4's layer scalars, which no
+# gradient trains (transformers' buffers), and Gemma 4's router scales, vectors as norms are.
+NO_DECAY = ("router_correction", "layer_scalar", "router_scale", "router_expert_scale")
 
 
 def decay_mask(params):

@@ -32,6 +32,7 @@ WEIGHT_DIMS = {
     "embed": ("vocab", "d_model"),
     "lm_head": ("d_model", "vocab"),
     "final_norm": ("d_model",),
+    "ple_proj_norm": ("ple_dim",),
     "layers": {
         "attn_norm": ("layer", "d_model"),
         "wq": ("layer", "d_model", "q_out"),  # n_heads * head_dim, twice with an output gate
@@ -83,6 +84,26 @@ WEIGHT_DIMS = {
         "lin_dt_bias": ("layer", "lin_heads"),
         "lin_norm": ("layer", "lin_v_dim"),
         "lin_wo": ("layer", "lin_v", "d_model"),
+        "layer_scalar": ("layer", "one"),
+        "full_wq": ("layer", "d_model", "full_q_dim"),  # full layers of their own shapes
+        "full_wk": ("layer", "d_model", "full_kv_dim"),
+        "full_wv": ("layer", "d_model", "full_kv_dim"),
+        "full_wo": ("layer", "full_q_dim", "d_model"),
+        "full_q_norm": ("layer", "full_head_dim"),
+        "full_k_norm": ("layer", "full_head_dim"),
+        "wide_gate": ("layer", "d_model", "d_ff_wide"),  # Gemma 4's KV-sharing layers'
+        "wide_up": ("layer", "d_model", "d_ff_wide"),
+        "wide_down": ("layer", "d_ff_wide", "d_model"),
+        "ple_embed": ("layer", "vocab", "ple_dim"),  # Gemma 4's per-layer inputs
+        "ple_model_proj": ("layer", "d_model", "ple_dim"),
+        "ple_gate": ("layer", "d_model", "ple_dim"),
+        "ple_proj": ("layer", "ple_dim", "d_model"),
+        "ple_norm": ("layer", "d_model"),
+        "post_dense_norm": ("layer", "d_model"),  # Gemma 4's MoE block
+        "pre_moe_norm": ("layer", "d_model"),
+        "post_moe_norm": ("layer", "d_model"),
+        "router_scale": ("layer", "d_model"),
+        "router_expert_scale": ("layer", "experts"),
     },
 }
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down")
@@ -92,7 +113,9 @@ REPLICATED = (
     "attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
     "k_norm", "bq", "bk", "bv", "bo", "shared_gate", "router_bias", "router_correction",
     "q_a_norm", "kv_a_norm", "sinks", "lin_conv_q", "lin_conv_k", "lin_conv_v", "lin_a_log",
-    "lin_dt_bias", "lin_norm",
+    "lin_dt_bias", "lin_norm", "layer_scalar", "full_q_norm", "full_k_norm", "ple_norm",
+    "ple_proj_norm", "post_dense_norm", "pre_moe_norm", "post_moe_norm", "router_scale",
+    "router_expert_scale",
 )  # fmt: skip
 
 
@@ -111,6 +134,7 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "kv_latent": (cfg.kv_lora_rank or 0) + (cfg.qk_rope_head_dim or 0),
         "kv_b_dim": cfg.n_heads * ((cfg.qk_nope_head_dim or 0) + cfg.v_dim),
         "d_ff": cfg.d_ff,
+        "d_ff_wide": 2 * cfg.d_ff,
         "head_dim": cfg.hd,
         "heads": cfg.n_heads,
         "experts": cfg.n_experts,
@@ -122,6 +146,10 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
         "lin_heads": cfg.linear_v_heads,
         "lin_kernel": cfg.linear_conv_kernel,
         "lin_v_dim": cfg.linear_v_dim,
+        "full_q_dim": cfg.n_heads * cfg.kind_hd("full"),
+        "full_kv_dim": cfg.kind_kv_heads("full") * cfg.kind_hd("full"),
+        "full_head_dim": cfg.kind_hd("full"),
+        "ple_dim": cfg.per_layer_input,
     }
 
 

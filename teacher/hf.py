@@ -61,7 +61,6 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
     """
     tp = mesh.shape[TP]
     hf_files.check_checkpoint(path, cfg, tp, quantized.quantized_shapes(path))
-    reps = max(1, tp // cfg.n_kv_heads)  # copies of each KV head, one per shard using it
     targets = sharding.shardings(cfg, mesh)
     needed, stored = hf.weight_names(cfg), _quantized(path)
     files = _files(path, needed, stored)
@@ -74,8 +73,8 @@ def load_hf_teacher(path: str | Path, cfg: ModelConfig, mesh, *, dtype=None) -> 
         with _slices(Path(path) / file, stored, dtype) as get_slice:
             for name in by_file[file]:
                 key, layer, transposed = needed[name]
-                key_reps = reps if key in sharding.kv_keys(cfg) else 1
-                read = _reader(_tensor(get_slice, name), key_reps, cfg.hd, dtype)
+                key_reps, hd = sharding.kv_layout(cfg, key, tp)  # copies of each KV head
+                read = _reader(_tensor(get_slice, name), key_reps, hd, dtype)
                 shape = _stored_shape(cfg, key, key_reps)
                 if layer is None:  # transposed on the host, one device's slice at a time
                     layout = shape[::-1] if transposed else shape
@@ -107,6 +106,10 @@ def _tensor(get_slice, name: str):
     sl = get_slice(base)
     if isinstance(view, tuple):  # rows [start, stop) (`hf.ROWS`)
         return quantized.Strided(sl, 0, view[0], 1, view[1])
+    if isinstance(view, slice):  # columns [start, stop) (`hf.COLS`)
+        return quantized.Strided(sl, -1, view.start, 1, view.stop)
+    if isinstance(view, range):  # each expert's rows [start, stop) (`hf.HALVES`)
+        return quantized.Strided(sl, 1, view.start, 1, view.stop)
     return sl if view is None else quantized.Strided(sl, -1, view, 2)
 
 
@@ -147,7 +150,7 @@ def _load_layer(cfg: ModelConfig, key, target, stacked, read, shape, slot, trans
     else:
         one = jax.make_array_from_callback((*lead, *shape), stored, read)
     if stacked is None:
-        layout = shape[::-1] if transposed else shape
+        layout = _swap(shape) if transposed else shape
         outer = (layers, cfg.n_experts)[: len(slot)]
         stacked = jnp.zeros((*outer, *layout), one.dtype, device=target)
     if pp > 1:
@@ -200,7 +203,7 @@ def read_hf_layers(
     for key, kept in parts.items():
         lead = len(next(iter(kept)))  # 0: a top-level tensor; 1: a layer's; 2: an expert's
         shape = hf.hf_shape(cfg, key)
-        shape = shape[::-1] if next(iter(kept.values()))[2] else shape
+        shape = _swap(shape) if next(iter(kept.values()))[2] else shape
         shape = (*(_kept_size(cfg, key, layers), cfg.n_experts)[:lead], *shape)
         tree = params if lead == 0 else params["layers"]
         where = (
@@ -261,17 +264,23 @@ def _kept_slices(
         ranges = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
         out = np.zeros(tuple(map(len, ranges)), dtype)
         inner = tuple(index[lead:])
-        at_stored = inner[::-1] if transposed else inner
+        at_stored = _swap(inner) if transposed else inner
         for at in itertools.product(*(enumerate(r) for r in ranges[:lead])):
             part = kept.get(tuple(i for _, i in at))
             if part is None:
                 continue
             with _slices(root / part[0], stored, dtype) as get_slice:
                 x = _tensor(get_slice, part[1])[at_stored]  # only this slice's bytes are read
-            out[tuple(j for j, _ in at)] = x.T if transposed else x
+            out[tuple(j for j, _ in at)] = np.swapaxes(x, -1, -2) if transposed else x
         return out
 
     return read
+
+
+def _swap(axes: tuple) -> tuple:
+    """`axes` (a shape or an index) with its last two swapped: a stored [out, in] tensor's
+    (or each expert's of a fused [E, out, in] one) in distill's [in, out] layout."""
+    return (*axes[:-2], axes[-1], axes[-2]) if len(axes) >= 2 else tuple(axes)
 
 
 def _stored_shape(cfg: ModelConfig, key: str, reps: int) -> tuple[int, ...]:

@@ -88,17 +88,45 @@ LAYER_SPECS = {
     "lin_dt_bias": P(None, TP),
     "lin_norm": P(None, None),  # [L, dv] per head, the same on every shard
     "lin_wo": P(None, TP, None),  # [L, Hv*dv, D]
+    "layer_scalar": P(None, None),  # [L, 1] Gemma 4's scalar per layer
+    # Gemma 4's per-layer inputs: the table vocabulary-parallel as the embedding, the rest
+    # replicated (computed on every shard's positions: no collective but the table's)
+    "ple_embed": P(None, TP, None),  # [L, V, P]
+    "ple_model_proj": P(None, None, None),  # [L, D, P]
+    "ple_gate": P(None, None, None),  # [L, D, P]
+    "ple_proj": P(None, None, None),  # [L, P, D]
+    "ple_norm": P(None, None),  # [L, D]
+    # Gemma 4's MoE block: its two sides' norms and its router's scales, replicated
+    "post_dense_norm": P(None, None),
+    "pre_moe_norm": P(None, None),
+    "post_moe_norm": P(None, None),
+    "router_scale": P(None, None),  # [L, D]
+    "router_expert_scale": P(None, None),  # [L, E]
 }
+# Full layers of their own shapes (Gemma 4, `distill.models.full_layers`): as the others'.
+LAYER_SPECS.update({f"full_{k}": LAYER_SPECS[k] for k in ("wq", "wk", "wv", "wo", "q_norm",
+                                                           "k_norm")})  # fmt: skip
+LAYER_SPECS.update({f"wide_{k}": LAYER_SPECS[f"w_{k}"] for k in ("gate", "up", "down")})
 # OLMoE's query/key norms span all heads' features: split over tp as the projections.
 FULL_QK_NORM_SPECS = {"q_norm": P(None, TP), "k_norm": P(None, TP)}
 
 # The layer weights whose columns are KV heads: repeated when there are fewer than `tp`.
-KV_KEYS = ("wk", "wv", "bk", "bv")
+KV_KEYS = ("wk", "wv", "bk", "bv", "full_wk", "full_wv")
 
 
 def kv_keys(cfg: ModelConfig) -> tuple[str, ...]:
     """`KV_KEYS`, and OLMoE's key norm, which spans the KV heads' features."""
     return (*KV_KEYS, "k_norm") if cfg.qk_norm_full else KV_KEYS
+
+
+def kv_layout(cfg: ModelConfig, key: str, tp: int) -> tuple[int, int]:
+    """(copies of each KV head, head width) of layer weight `key` on `tp` shards: each KV
+    head once per shard using it where there are fewer than `tp` (`expand_kv_heads`), for
+    the KV heads and width of the layers holding it (a full layer's may be its own)."""
+    kind = "full" if key.startswith("full_") else "sliding"
+    if key not in kv_keys(cfg):
+        return 1, cfg.kind_hd(kind)
+    return max(1, tp // cfg.kind_kv_heads(kind)), cfg.kind_hd(kind)
 
 
 # [B, S] batch fields: rows split over dp and ep, replicated over tp (and pp: every stage
@@ -144,6 +172,8 @@ def param_specs(cfg: ModelConfig, pp: int = 1) -> dict:
     }
     if not cfg.tie_embeddings:
         specs["lm_head"] = P(None, TP)  # [D, V] vocab-parallel
+    if cfg.per_layer_input:
+        specs["ple_proj_norm"] = P(None)
     return specs
 
 
@@ -176,11 +206,12 @@ def check_divisible(cfg: ModelConfig, tp: int, where: str = "teacher.model", ep:
         value = cfg.f_expert if field == "d_ff_expert" else getattr(cfg, field)
         if value % tp:
             raise DistillError(f"{where}.{field}: {value} is not divisible by mesh.teacher.tp={tp}")
-    kv = cfg.n_kv_heads
-    if kv % tp and tp % kv:
-        raise DistillError(
-            f"{where}.n_kv_heads: {kv} must divide or be a multiple of mesh.teacher.tp={tp}"
-        )
+    kvs = {"n_kv_heads": cfg.n_kv_heads, "global_kv_heads": cfg.global_kv_heads}
+    for field, kv in kvs.items():
+        if kv is not None and kv % tp and tp % kv:
+            raise DistillError(
+                f"{where}.{field}: {kv} must divide or be a multiple of mesh.teacher.tp={tp}"
+            )
 
 
 def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
@@ -189,18 +220,16 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
     Query head h uses KV head h // (H / KV); with H/tp query heads per shard, shard i uses
     KV head i * KV // tp, which is what `repeat` by tp // KV puts at position i.
     """
-    if cfg.n_kv_heads >= tp:
-        return params
-    reps, hd = tp // cfg.n_kv_heads, cfg.hd
 
-    def rep(w):  # [L, D, KV*hd] -> [L, D, tp*hd] (a bias: [L, KV*hd] -> [L, tp*hd])
+    def rep(w, reps, hd):  # [L, D, KV*hd] -> [L, D, tp*hd] (a bias: [L, KV*hd] -> [L, tp*hd])
         lead = w.shape[:-1]
-        return jnp.repeat(w.reshape(*lead, cfg.n_kv_heads, hd), reps, axis=-2).reshape(*lead, -1)
+        return jnp.repeat(w.reshape(*lead, -1, hd), reps, axis=-2).reshape(*lead, -1)
 
     layers = dict(params["layers"])
     for key in kv_keys(cfg):
-        if key in layers:
-            layers[key] = rep(layers[key])
+        reps, hd = kv_layout(cfg, key, tp)
+        if key in layers and reps > 1:
+            layers[key] = rep(layers[key], reps, hd)
     return dict(params, layers=layers)
 
 

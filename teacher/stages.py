@@ -173,6 +173,17 @@ def check_stages(cfg: Config, warn: bool = True) -> None:
     if pp == 1:
         return
     layers = cfg.teacher.model.n_layers
+    gemma4 = {  # each layer reads the tokens and input embeddings; the last layers take
+        # their keys and values from earlier ones, in another stage
+        "per_layer_input": "per-layer input embeddings",
+        "kv_shared_layers": "keys and values shared across layers",
+    }
+    for key, what in gemma4.items():
+        if getattr(cfg.teacher.model, key):
+            raise DistillError(
+                f"mesh.teacher.pp: {pp} stages with {what} (teacher.model.{key}: Gemma 4's) "
+                "is not supported; mesh.teacher.pp: 1"
+            )
     per = stacked_layers(layers, pp) // pp
     if (pp - 1) * per >= layers:
         raise DistillError(

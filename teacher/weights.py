@@ -52,7 +52,8 @@ def load_teacher(cfg: Config, mesh) -> dict:
     padded = stages.stacked_layers(mcfg.n_layers, pp) != mcfg.n_layers
     if padded:  # read whole over pp, then padded with zero layers and split (small teachers)
         target = sharding.shardings(mcfg, mesh, pp=1)
-    expand = mcfg.n_kv_heads < mesh.shape[TP]
+    kvs = (mcfg.n_kv_heads, mcfg.global_kv_heads or mcfg.n_kv_heads)
+    expand = min(kvs) < mesh.shape[TP]
     if expand:  # stored with n_kv_heads KV heads: read those replicated, then repeat per shard
         rep = NamedSharding(mesh, P())
         kv = {k: rep for k in sharding.KV_KEYS if k in target["layers"]}

@@ -1,10 +1,11 @@
 """The small open models students are made of, against transformers: SmolLM3 (layers
-without RoPE) and Gemma 4 text. For each, a tiny random model saved by transformers is read
-by distill's loader and gives transformers' log-probabilities on a packed batch (each
-document against transformers run on it alone) as the teacher at tp=1 and tp=2 and as the
-single-device student under every attention kernel; its cached decode equals the full
-forward and its greedy generation equals transformers' token for token; it exports in its
-own family with equal log-probabilities; a student starts from it and is pruned from it."""
+without RoPE; Gemma 4 text is tests/test_gemma4.py's). For each, a tiny random model
+saved by transformers is read by distill's loader and gives transformers'
+log-probabilities on a packed batch (each document against transformers run on it alone)
+as the teacher at tp=1 and tp=2 and as the single-device student under every attention
+kernel; its cached decode equals the full forward and its greedy generation equals
+transformers' token for token; it exports in its own family with equal log-probabilities;
+a student starts from it and is pruned from it."""
 
 import copy
 import json

@@ -6,12 +6,12 @@ A teacher's `teacher.model` is a `ModelConfig`; a student's is the teacher's wit
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from distill.config.rope import RopeScaling, Section, yarn_mscale
+from distill.config.model_views import ModelViews
+from distill.config.rope import RopeScaling, Section
 from distill.models import families
 
 # The attention kernels (`distill.models.attention.BACKENDS` is read from this) and compute
@@ -48,7 +48,7 @@ LayerType = Literal["full", "sliding", "linear"]
 RUNTIME_KEYS = ("attention",)
 
 
-class ModelConfig(Section):
+class ModelConfig(Section, ModelViews):
     """One decoder for every family: RoPE, grouped-query attention, a gated MLP, RMSNorm.
 
     The defaults are Llama; the other families (Mistral, Qwen2/3, Gemma 2/3) differ only in
@@ -207,6 +207,22 @@ class ModelConfig(Section):
         description="In an MoE model, the layers whose feed-forward is the dense one (d_ff) "
         "(Qwen's mlp_only_layers and decoder_sparse_step).",
     )
+    moe_beside_dense: bool = Field(
+        False,
+        description="Gemma 4's MoE block: each MoE layer runs the dense MLP (d_ff) and the "
+        "routed experts side by side, each on its own norm of the residual and normed after, "
+        "and sums them (enable_moe_block).",
+    )
+    router_norm: bool = Field(
+        False,
+        description="The router's input is the residual RMS-normed without a scale, times a "
+        "learned scale [D] (`router_scale`) and 1/sqrt(D) (Gemma 4).",
+    )
+    expert_scale: bool = Field(
+        False,
+        description="Each chosen expert's weight, after renormalising, times a learned scale "
+        "of its expert (`router_expert_scale` [E], Gemma 4's per_expert_scale).",
+    )
     partial_rotary_factor: float = Field(
         1.0,
         gt=0,
@@ -252,6 +268,59 @@ class ModelConfig(Section):
         description="Attention's output times sigmoid of a per-head gate that q_proj also "
         "projects (Qwen3.5: q_proj is 2 * n_heads * head_dim wide, each head's queries then "
         "its gate).",
+    )
+    global_head_dim: int | None = Field(
+        None,
+        ge=1,
+        description="Full-attention layers' head width where it is their own (Gemma 4's "
+        "global_head_dim); None: head_dim. Full layers with a width, KV heads or values of "
+        "their own hold attention weights of their own shapes (`full_wq`, ...).",
+    )
+    global_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        description="Full-attention layers' key/value heads where they are their own (Gemma "
+        "4's num_global_key_value_heads, under attention_k_eq_v); None: n_kv_heads.",
+    )
+    attn_k_eq_v: bool = Field(
+        False,
+        description="Full-attention layers have no value projection: their values are the "
+        "keys' projection before the key norm and RoPE (Gemma 4's attention_k_eq_v).",
+    )
+    v_norm: bool = Field(
+        False, description="RMSNorm without a scale over each value head (Gemma 4)."
+    )
+    layer_scalar: bool = Field(
+        False,
+        description="Each layer's output (the whole residual stream) times a stored scalar "
+        "of its own (Gemma 4's layer_scalar: a buffer in transformers, not trained here "
+        "either: no gradient, no decay).",
+    )
+    rope_proportional: bool = Field(
+        False,
+        description="Gemma 4's RoPE: full layers' is transformers' proportional (frequencies "
+        "theta^(-2i/hd) over the whole head, the first int(hd * partial_rotary_factor / 2) "
+        "nonzero, rotate-half pairs (i, i + hd/2)); sliding layers' the default over their "
+        "whole head at rope_local_theta.",
+    )
+    per_layer_input: int = Field(
+        0,
+        ge=0,
+        description="Per-layer input embeddings' width (Gemma 4's hidden_size_per_layer_input, "
+        "`distill.models.per_layer_inputs`): after its feed-forward each layer adds a gated "
+        "signal of the token (a table of its own) and of the input embeddings; 0: none.",
+    )
+    kv_shared_layers: int = Field(
+        0,
+        ge=0,
+        description="The last this many layers take their keys and values from the last "
+        "earlier layer of their type and hold no key/value weights (Gemma 4's "
+        "num_kv_shared_layers); 0: every layer its own.",
+    )
+    wide_mlp: bool = Field(
+        False,
+        description="The KV-sharing layers' MLP is 2 * d_ff wide (Gemma 4's "
+        "use_double_wide_mlp); with kv_shared_layers.",
     )
     linear_k_heads: int = Field(
         16, ge=1, description="Linear layers: query/key heads (linear_num_key_heads)."
@@ -317,6 +386,7 @@ class ModelConfig(Section):
             if bad:
                 raise ValueError(f"dense_layers: layer {bad[0]} is not in 0..{self.n_layers - 1}")
             self._check_groups()
+        self._check_full_layers()
         softcap = self.attn_softcap is not None
         problem = backend_problem(self.attention, softcap, self.mixed_windows())
         if problem:
@@ -338,6 +408,47 @@ class ModelConfig(Section):
                 f"experts_per_token: {self.experts_per_token} exceeds the "
                 f"{self.topk_group * (e // g)} experts of topk_group {self.topk_group} groups"
             )
+
+    def _check_full_layers(self) -> None:
+        """Full layers of their own shapes (`full_apart`) come with grouped-query attention
+        only, without linear layers, per-layer RoPE or the features no such family has."""
+        if self.global_kv_heads is not None and self.n_heads % self.global_kv_heads:
+            raise ValueError(
+                f"global_kv_heads: {self.global_kv_heads} does not divide n_heads {self.n_heads}"
+            )
+        self._check_kv_sharing()
+        if not self.full_apart():
+            return
+        unsupported = {
+            "kv_lora_rank": self.mla,
+            "layer_types": "linear" in self.types(),
+            "rope_layers": self.rope_layers is not None,
+            "qkv_bias": self.qkv_bias,
+            "qk_norm_full": self.qk_norm_full,
+            "attn_output_gate": self.attn_output_gate,
+            "attn_sinks": self.attn_sinks,
+        }
+        for key, bad in unsupported.items():
+            if bad:
+                raise ValueError(
+                    f"{key}: not with full layers of their own shapes (global_head_dim, "
+                    "global_kv_heads, attn_k_eq_v)"
+                )
+
+    def _check_kv_sharing(self) -> None:
+        """Each type of the KV-sharing layers has an earlier layer of its own to share."""
+        n, shared = self.n_layers, self.kv_shared_layers
+        if shared >= n:
+            raise ValueError(f"kv_shared_layers: {shared} leaves none of the {n} layers to share")
+        types = self.types()
+        missing = sorted(set(types[n - shared :]) - set(types[: n - shared]))
+        if shared and missing:
+            raise ValueError(
+                f"kv_shared_layers: {shared} shares {missing[0]} layers' keys and values, but "
+                f"no earlier {missing[0]} layer has its own"
+            )
+        if self.wide_mlp and not shared:
+            raise ValueError("wide_mlp: widens the KV-sharing layers' MLP; kv_shared_layers is 0")
 
     def _check_rope_and_mla(self) -> None:
         mla_keys = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -361,99 +472,7 @@ class ModelConfig(Section):
                 raise ValueError(
                     "partial_rotary_factor: latent attention rotates qk_rope_head_dim dims"
                 )
-        if self.rope_dim % 2 or self.rope_dim == 0:
+        if not self.rope_proportional and (self.rope_dim % 2 or self.rope_dim == 0):
             raise ValueError(
                 f"RoPE rotates {self.rope_dim} dims of each head; it needs an even number"
             )
-
-    @property
-    def mla(self) -> bool:
-        """Whether attention is multi-head latent attention (`kv_lora_rank` set)."""
-        return self.kv_lora_rank is not None
-
-    @property
-    def hd(self) -> int:
-        """Each query and key head's width (latent attention: nope + rope dims)."""
-        if self.mla:
-            return self.qk_nope_head_dim + self.qk_rope_head_dim
-        return self.head_dim or self.d_model // self.n_heads
-
-    @property
-    def v_dim(self) -> int:
-        """Each value head's width: `hd` but under latent attention."""
-        return self.v_head_dim if self.mla else self.hd
-
-    @property
-    def rope_dim(self) -> int:
-        """The dims of each query and key head that RoPE rotates (the first ones, or under
-        latent attention the last qk_rope_head_dim)."""
-        if self.mla:
-            return self.qk_rope_head_dim
-        return int(self.hd * self.partial_rotary_factor)
-
-    def types(self) -> tuple[str, ...]:
-        """Every layer's attention type, full or sliding."""
-        if self.layer_types is not None:
-            return self.layer_types
-        return ("sliding" if self.sliding_window else "full",) * self.n_layers
-
-    def ropes(self) -> tuple[bool, ...]:
-        """Per layer, whether it applies RoPE (a NoPE layer does not)."""
-        return self.rope_layers if self.rope_layers is not None else (True,) * self.n_layers
-
-    def mixed_windows(self) -> bool:
-        """Whether attention layers differ in window (full and sliding); linear layers have
-        none."""
-        return len(set(self.types()) - {"linear"}) > 1
-
-    def mixed_layers(self) -> bool:
-        """Whether layers differ in window or RoPE (then each layer's are scanned data)."""
-        return self.mixed_windows() or len(set(self.ropes())) > 1
-
-    def linear_layers(self) -> tuple[bool, ...]:
-        """Per layer, whether it is a linear-attention layer."""
-        return tuple(t == "linear" for t in self.types())
-
-    def mixed_mixers(self) -> bool:
-        """Whether linear and attention layers alternate (then a per-layer flag is scanned)."""
-        return len(set(self.linear_layers())) > 1
-
-    def attention_type(self) -> str:
-        """The attention layers' type when they are all alike (full when every layer is
-        linear)."""
-        kinds = [t for t in self.types() if t != "linear"]
-        return kinds[0] if kinds else "full"
-
-    @property
-    def f_expert(self) -> int:
-        return self.d_ff_expert or self.d_ff
-
-    @property
-    def f_shared(self) -> int:
-        """The shared expert's hidden width; 0: none (always 0 without routed experts)."""
-        return self.d_ff_shared if self.n_experts else 0
-
-    def moe_layers(self) -> tuple[bool, ...]:
-        """Per layer, whether its feed-forward is the routed mixture of experts."""
-        dense = set(self.dense_layers)
-        return tuple(bool(self.n_experts) and i not in dense for i in range(self.n_layers))
-
-    def has_dense_ffn(self) -> bool:
-        """Whether any layer runs the dense feed-forward (every layer of a dense model)."""
-        return not all(self.moe_layers())
-
-    def mixed_ffn(self) -> bool:
-        """Whether dense and MoE feed-forwards alternate (then a per-layer flag is scanned)."""
-        return len(set(self.moe_layers())) > 1
-
-    def scale(self) -> float:
-        """The attention score scale: `query_scale`, else 1/sqrt(hd), under latent attention
-        with YaRN's mscale_all_dim times its mscale squared (transformers' DeepSeek-V3
-        `yarn_apply_mscale`)."""
-        if self.query_scale is not None:
-            return self.query_scale
-        scale = 1 / math.sqrt(self.hd)
-        rope = self.rope_scaling
-        if self.mla and rope is not None and rope.type == "yarn" and rope.mscale_all_dim:
-            scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
-        return scale

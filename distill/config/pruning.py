@@ -4,10 +4,12 @@ A ``student.init: from_teacher`` student keeps a subset of the teacher's layers
 (``student.init_layers``, else evenly spaced, the first and last included), and each kept
 layer brings what is per layer in the model config: its attention type (``layer_types``:
 the layer's window and RoPE), whether it applies RoPE at all (``rope_layers``: SmolLM3's
-NoPE layers) and, in a mixture of experts, whether its feed-forward is the
-dense one (``dense_layers``). A student that sets these keys itself is checked against the
-kept layers instead. Where linear-attention and full-attention layers repeat in a pattern
-(Qwen3.5: three linear, then one full), the default keeps that pattern (``hybrid_layers``).
+NoPE layers), in a mixture of experts whether its feed-forward is the
+dense one (``dense_layers``), and whether it shares an earlier layer's keys and values
+(``kv_shared_layers``: Gemma 4's, the last layers'). A student that sets these keys itself
+is checked against the kept layers instead. Where linear-attention and full-attention
+layers repeat in a pattern (Qwen3.5: three linear, then one full), or sliding and full ones
+have shapes of their own (Gemma 4), the default keeps that pattern (``hybrid_layers``).
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ def hybrid_layers(types: tuple[str, ...], n: int) -> list[int]:
 
 def default_layers(t: ModelConfig, n: int) -> list[int]:
     """The teacher layers a student of ``n`` layers keeps when none are chosen: evenly
-    spaced, or in a linear/full hybrid its pattern kept (``hybrid_layers``)."""
-    if t.mixed_mixers() and n < t.n_layers:
+    spaced, or in a linear/full hybrid, or where sliding and full layers have shapes of
+    their own (Gemma 4: its last layer full), its pattern kept (``hybrid_layers``)."""
+    kinds = t.mixed_mixers() or (t.full_apart() and t.mixed_windows())
+    if kinds and n < t.n_layers:
         return hybrid_layers(t.types(), n)
     return evenly_spaced(n, t.n_layers)
 
@@ -101,6 +105,8 @@ def kept_layer_fields(
         out["rope_layers"] = tuple(t.rope_layers[i] for i in layers)
     if from_teacher and t.n_experts and "dense_layers" not in overrides:
         out["dense_layers"] = tuple(j for j, i in enumerate(layers) if not t.moe_layers()[i])
+    if t.kv_shared_layers and "kv_shared_layers" not in overrides:  # the kept sharing ones
+        out["kv_shared_layers"] = sum(t.kv_shared()[i] for i in layers)
     return out
 
 
@@ -108,7 +114,8 @@ def init_layers(t: ModelConfig, s: ModelConfig, chosen: list[int] | None) -> lis
     """The teacher layers a ``from_teacher`` student ``s`` starts from, checked: the
     student has the teacher's width and the kept layers' per-layer keys."""
     for key in ModelConfig.model_fields:
-        per_layer = ("n_layers", "layer_types", "rope_layers", "dense_layers", *RUNTIME_KEYS)
+        per_layer = ("n_layers", "layer_types", "rope_layers", "dense_layers",
+                     "kv_shared_layers", *RUNTIME_KEYS)  # fmt: skip
         if key not in per_layer and getattr(s, key) != getattr(t, key):
             raise DistillError(
                 f"student.model.{key}: {getattr(s, key)} differs from the teacher's "
@@ -126,6 +133,12 @@ def init_layers(t: ModelConfig, s: ModelConfig, chosen: list[int] | None) -> lis
         raise DistillError(
             f"student.model.layer_types: {list(s.types())} are not the kept teacher layers' "
             f"types {list(want)} (student.init: from_teacher)"
+        )
+    shared = sum(t.kv_shared()[i] for i in layers)
+    if s.kv_shared_layers != shared:
+        raise DistillError(
+            f"student.model.kv_shared_layers: {s.kv_shared_layers} is not the {shared} kept "
+            "teacher layers that share keys and values (student.init: from_teacher)"
         )
     ropes = tuple(t.ropes()[i] for i in layers)
     if s.ropes() != ropes:

@@ -13,7 +13,8 @@ from distill.models import families
 MOE_KEYS = (
     "n_experts", "experts_per_token", "d_ff_expert", "norm_topk_prob", "dense_layers",
     "d_ff_shared", "shared_expert_gate", "router_score", "router_bias", "router_correction_bias",
-    "n_group", "topk_group", "routed_scale", "expert_bias",
+    "n_group", "topk_group", "routed_scale", "expert_bias", "moe_beside_dense", "router_norm",
+    "expert_scale",
 )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import math
 import jax
 
 from distill.config import ModelConfig
-from distill.models import linear_attention, moe
+from distill.models import linear_attention, parts
 from distill.models.model import abstract_params
 from distill.models.parts import window_of
 
@@ -31,15 +31,14 @@ def unused_param_count(cfg: ModelConfig, union: bool = False) -> int:
 
 
 def _union_unused(cfg: ModelConfig) -> int:
+    """The one-shape stack's parameters no token uses: each part's weights in the layers
+    that do not hold it (`distill.models.parts.part_layers`)."""
     layers = abstract_params(cfg, union=True)["layers"]
-    sizes = {k: math.prod(x.shape[1:]) for k, x in layers.items()}
-    unused = linear_attention.unused_param_count(cfg, sizes)
-    if not cfg.mixed_ffn():
-        return unused
-    n_moe = sum(cfg.moe_layers())
-    size = lambda keys: sum(sizes[k] for k in keys)  # noqa: E731
-    dense_mlp, routed = size(("w_gate", "w_up", "w_down")), size(moe.weight_keys(cfg))
-    return unused + n_moe * dense_mlp + (cfg.n_layers - n_moe) * routed
+    unused = 0
+    for key, x in layers.items():
+        held = sum(parts.part_layers(cfg, parts.weight_part(key)))
+        unused += (cfg.n_layers - held) * math.prod(x.shape[1:])
+    return unused
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -86,5 +85,10 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Attention's FLOPs per token over the whole causal square (not halved), keys S or a
     sliding layer's min(window, S): per layer QK^T 2 * keys * H * hd, PV 2 * keys * H *
     v_dim; linear layers have none (`linear_attention.layer_flops_per_token`)."""
-    keys = sum(min(window_of(cfg, t) or seq_len, seq_len) for t in cfg.types() if t != "linear")
-    return 2.0 * keys * cfg.n_heads * (cfg.hd + cfg.v_dim)
+    total = 0
+    for t in cfg.types():
+        if t != "linear":  # a full layer's heads may be wider (Gemma 4's global_head_dim)
+            apart = t == "full" and cfg.full_apart()
+            width = cfg.kind_hd(t) + (cfg.kind_hd(t) if apart else cfg.v_dim)
+            total += min(window_of(cfg, t) or seq_len, seq_len) * width
+    return 2.0 * total * cfg.n_heads

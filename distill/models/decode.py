@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from distill.config import ModelConfig
-from distill.models import linear_attention, model, parts
+from distill.models import full_layers, linear_attention, model, parts, per_layer_inputs
 from distill.models.attention import over_rows
 from distill.models.topk import sort_descending
 from distill.types import Batch, Continuations, Prompts
@@ -53,6 +53,10 @@ class Cache(NamedTuple):
     valid: jax.Array  # [B, T] bool: entries a decode step may attend to
     # Each linear layer's state and convolution tails [L_linear, B, ...]; None without.
     linear: linear_attention.Cache | None = None
+    # Where full layers have shapes of their own (Gemma 4, `distill.models.full_layers`) and
+    # sliding layers are beside them: the full layers' keys and values [L_full, B, T, ...],
+    # k and v above holding the sliding layers'; None otherwise.
+    full: tuple[jax.Array, jax.Array] | None = None
 
 
 def layer_slots(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -79,17 +83,30 @@ def prefill(
     backend = module.backend(cfg.attention, dt, prompts.tokens.shape[1])
     attend = over_rows(backend, rows)
 
-    stacks = module.stacks()
+    stacks, inputs = module.stacks(), per_layer_inputs.layer_inputs(module, prompts.tokens, x)
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-    def run_layers(x, block, layer):
-        seg, pos, layer = prompts.segment_ids, prompts.positions, parts.with_stacks(layer, stacks)
-        x, kv = block.with_kv(x, seg, pos, None, backend, layer, attend)
-        return _constrain(x, rows), kv
+    def run_layers(carry, block, layer):  # x, and what KV-sharing layers take (or None)
+        layer = per_layer_inputs.with_inputs(parts.with_stacks(layer, stacks), inputs)
+        x, kv, _, shared = block.run(
+            carry[0], prompts.segment_ids, prompts.positions, None, backend, layer,
+            attend=attend, states=True, shared=carry[1],
+        )  # fmt: skip
+        return (_constrain(x, rows), shared), kv
 
     # k, v [L, B, P, KV, hd(_v)], the linear layers' caches [L, B, ...] (zeros where the
-    # layer is of the other kind: each kind keeps its own layers')
-    x, ((k, v), linear) = run_layers(x, module.layers, module.layer_data())
+    # layer is of the other kind: each kind keeps its own layers'); full layers of their own
+    # shapes: a pair (k, v) per kind (`full_layers.kinds`)
+    shared = full_layers.no_shared(module, x, prompts.positions) if cfg.kv_shared_layers else None
+    (x, _), (kv, linear) = run_layers((x, shared), module.layers, module.layer_data())
+    full = None
+    if cfg.full_apart():  # a pair per kind: each keeps its own layers'
+        _, at = full_layers.slots(cfg)
+        kinds = full_layers.kinds(cfg)
+        pairs = [tuple(a[at[kind]] for a in pair) for kind, pair in zip(kinds, kv, strict=True)]
+        (k, v), full = pairs[0], (pairs[1] if len(pairs) > 1 else None)
+    else:
+        k, v = kv
     if linear is not None:
         _, attn_layers, linear_layers = layer_slots(cfg)
         k, v = k[attn_layers], v[attn_layers]
@@ -100,7 +117,8 @@ def prefill(
     seg = prompts.segment_ids
     last_doc = (seg == seg[:, -1:]) & (seg != 0)
     valid = jnp.pad(last_doc, ((0, 0), (0, total - p)))
-    return logits, Cache(jnp.pad(k, pad), jnp.pad(v, pad), valid, linear)
+    full = None if full is None else tuple(jnp.pad(a, pad) for a in full)
+    return logits, Cache(jnp.pad(k, pad), jnp.pad(v, pad), valid, linear, full)
 
 
 def cached_attention(
@@ -145,11 +163,16 @@ def decode_step(
     valid = cache.valid | (hit[None, :] & writes_b[:, None])
 
     stacks = module.stacks()
+    inputs = per_layer_inputs.layer_inputs(module, tokens_b[:, None], x)
 
-    def attend(block, x, k_1l, v_1l, layer):  # one attention layer's [1, B, T, ...] cache
-        layer = parts.with_stacks(layer, stacks)
-        window, rope = block.layer(layer)
-        q, k, v, gate = block.qkv(x, positions_b[:, None], rope, None, layer)
+    def attend(block, x, k_1l, v_1l, layer, kind=None, shared=None):  # a [1, B, T, ...] cache
+        """(x, the layer's cache, what KV-sharing layers take after it: `kind`, `shared`
+        as `full_layers.qkv`'s, None without sharing)."""
+        layer = per_layer_inputs.with_inputs(parts.with_stacks(layer, stacks), inputs)
+        window, rope = block.layer(layer, kind)
+        q, k, v, gate = block.qkv(x, positions_b[:, None], rope, None, layer, kind, shared)
+        if shared is not None:
+            shared = full_layers.share(layer, shared, kind, full_layers.kinds(cfg), (k, v))
         at = (0, 0, index, 0, 0)
         k_1l = jax.lax.dynamic_update_slice(k_1l, k[None].astype(k_1l.dtype), at)
         v_1l = jax.lax.dynamic_update_slice(v_1l, v[None].astype(v_1l.dtype), at)
@@ -158,14 +181,18 @@ def decode_step(
             window=window, index=index, sinks=block.w("sinks", layer) if cfg.attn_sinks else None,
         )  # fmt: skip
         o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's output gate
-        x, _ = block.finish(x, o, None, layer)
-        return _constrain(x, rows), k_1l, v_1l
+        x, _ = block.finish(x, o, None, layer, kind=kind)
+        return _constrain(x, rows), k_1l, v_1l, shared
 
+    if cfg.full_apart():
+        x, (k, v), full = _kinds_layers(cfg, module, x, cache, attend)
+        logits = model.logits(module.final(x), module.head(), cfg.final_softcap)
+        return logits[:, 0], Cache(k, v, valid, None, full)
     if cache.linear is None:
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))
         def run_layers(x, block, k_l, v_l, layer):
-            x, k_l, v_l = attend(block, x, k_l[None], v_l[None], layer)
+            x, k_l, v_l, _ = attend(block, x, k_l[None], v_l[None], layer)
             return x, (k_l[0], v_l[0])
 
         x, (k, v) = run_layers(x, module.layers, cache.k, cache.v, module.layer_data())
@@ -189,7 +216,7 @@ def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows, stack
         def attention(carry):
             x, k, v, linear = carry
             k_l, v_l = (jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0) for c in (k, v))
-            x, k_l, v_l = attend(block, x, k_l, v_l, layer)
+            x, k_l, v_l, _ = attend(block, x, k_l, v_l, layer)
             k, v = (jax.lax.dynamic_update_slice_in_dim(c, new, slot, axis=0)
                     for c, new in ((k, k_l), (v, v_l)))  # fmt: skip
             return x, k, v, linear
@@ -210,6 +237,45 @@ def _mixed_layers(cfg: ModelConfig, module, x, cache: Cache, attend, rows, stack
     carry = (x, cache.k, cache.v, cache.linear)
     carry, _ = run_layers(carry, module.layers, data, slots)
     return carry
+
+
+def _kinds_layers(cfg: ModelConfig, module, x, cache: Cache, attend):
+    """(x, the sliding layers' (or the one kind's) keys and values, the full layers' or
+    None) after every layer of a model whose layers run per kind
+    (`distill.models.full_layers`): each kind's cache carried through the layer scan, each
+    layer updating its slot of its own kind's by `attend(block, x, k, v, layer, kind,
+    shared)`, and under KV sharing the token's keys and values the sharing layers take
+    (which write them to caches of their own: each equals its source's)."""
+    kinds = full_layers.kinds(cfg)
+    slots = jnp.asarray(full_layers.slots(cfg)[0])
+    caches = ((cache.k, cache.v), *((cache.full,) if len(kinds) > 1 else ()))
+    shared = None
+    if cfg.kv_shared_layers:  # [B, 1, KV, hd] per kind, of the token
+        shared = tuple(tuple(jnp.zeros((x.shape[0], 1, *c.shape[-2:]), x.dtype) for c in kv)
+                       for kv in caches)  # fmt: skip
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+    def run_layers(carry, block, layer, slot):
+        def one(kind):
+            def run(carry):
+                x, caches, shared = carry
+                k, v = caches[kinds.index(kind)]
+                k_l, v_l = (jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0) for c in (k, v))
+                x, k_l, v_l, shared = attend(block, x, k_l, v_l, layer, kind, shared)
+                k, v = (jax.lax.dynamic_update_slice_in_dim(c, new, slot, axis=0)
+                        for c, new in ((k, k_l), (v, v_l)))  # fmt: skip
+                caches = tuple((k, v) if i == kinds.index(kind) else c
+                               for i, c in enumerate(caches))  # fmt: skip
+                return x, caches, shared
+
+            return run
+
+        if len(kinds) == 1:
+            return one(kinds[0])(carry), None
+        return jax.lax.cond(layer["full"], one("full"), one("sliding"), carry), None
+
+    (x, caches, _), _ = run_layers((x, caches, shared), module.layers, module.layer_data(), slots)
+    return x, caches[0], (caches[1] if len(kinds) > 1 else None)
 
 
 def sample(logits_bv, key, *, temperature: float, top_p: float, vocab_limit: int | None):

@@ -3,7 +3,8 @@
 DeepSeek-V3 change (biases, query/key norms, norm offset and placement, activation,
 embedding scale, soft-caps, sliding windows, RoPE per layer type, partial or interleaved
 RoPE, latent attention) is data in `ModelConfig`; a parameter exists only where its family
-has it.
+has it. Gemma 4's layers of two kinds, per-layer inputs and KV sharing are
+`distill.models.full_layers` and `distill.models.per_layer_inputs`.
 
 Parallelism enters as an argument, not a copy: `tp_axis=None` is the plain single-device
 model (the student, and the reference in tests); `tp_axis="tp"` runs the same code inside
@@ -31,10 +32,10 @@ from flax import nnx
 from distill import collectives as cc
 from distill import programs
 from distill.config import ModelConfig
-from distill.models import linear_attention, mla, moe, parts
+from distill.models import ffn, full_layers, linear_attention, mla, moe, parts, per_layer_inputs
 from distill.models.attention import attention, over_rows, resolve_backend
 from distill.models.parts import PARTS, apart, is_union, part_layers, weight_part
-from distill.models.rope import Rope, apply_rope, layer_rope
+from distill.models.rope import Rope, apply_rope, layer_rope, rope_table
 
 Params = dict  # nested dict of arrays, the layout of `nnx.to_pure_dict(nnx.state(model))`
 
@@ -91,48 +92,34 @@ class Block(nnx.Module):
         def norm(width):  # an effective scale of 1 whatever the offset
             return nnx.Param(jnp.full((width,), 1.0 - cfg.norm_offset, jnp.float32))
 
+        draw = lambda shape, out: _normal(rngs, shape, out_std if out else std)  # noqa: E731
         self.cfg = cfg
         if "all" in parts:
             self.attn_norm, self.mlp_norm = norm(d), norm(d)
             if cfg.post_norms:
                 self.post_attn_norm, self.post_mlp_norm = norm(d), norm(d)
-        if "attention" in parts:
-            self._attention_params(cfg, rngs, norm, std, out_std)
+            if cfg.layer_scalar:
+                self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32))
+            if cfg.moe_beside_dense:  # Gemma 4's MoE block: each side's norms
+                self.post_dense_norm, self.pre_moe_norm, self.post_moe_norm = (
+                    norm(d), norm(d), norm(d))  # fmt: skip
+            for name, param in per_layer_inputs.init_params(cfg, draw, norm).items():
+                setattr(self, name, param)
+        for name, make in full_layers.attention_weights(cfg, norm, draw).items():
+            if weight_part(name) in parts:  # drawn only where held
+                setattr(self, name, make())
         if "linear" in parts:  # Gated DeltaNet's, where the model has linear layers
             for name, param in linear_attention.init_params(cfg, rngs, std, out_std).items():
                 setattr(self, name, param)
         if "dense" in parts and cfg.has_dense_ffn():
-            self.w_gate = _normal(rngs, (d, f), std)
-            self.w_up = _normal(rngs, (d, f), std)
-            self.w_down = _normal(rngs, (f, d), out_std)
+            self.w_gate, self.w_up, self.w_down = draw((d, f), 0), draw((d, f), 0), draw((f, d), 1)
+        if "wide" in parts and any(cfg.wide_layers()):  # Gemma 4's sharing layers', 2 * d_ff
+            f = 2 * f
+            self.wide_gate, self.wide_up = draw((d, f), 0), draw((d, f), 0)
+            self.wide_down = draw((f, d), 1)
         if "moe" in parts and cfg.n_experts:  # the router, the experts, a shared expert
-            draw = lambda shape, out: _normal(rngs, shape, out_std if out else std)  # noqa: E731
             for name, param in moe.layer_params(cfg, draw).items():
                 setattr(self, name, param)
-
-    def _attention_params(self, cfg: ModelConfig, rngs, norm, std: float, out_std: float):
-        d, hd = cfg.d_model, cfg.hd
-        if cfg.mla:
-            for name, shape in mla.weight_shapes(cfg).items():
-                w = norm(shape[0]) if name in mla.NORMS else _normal(rngs, shape, std)
-                setattr(self, name, w)
-        else:  # with an output gate, each head's queries then its gate
-            self.wq = _normal(rngs, (d, cfg.n_heads * hd * (2 if cfg.attn_output_gate else 1)), std)
-            self.wk = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
-            self.wv = _normal(rngs, (d, cfg.n_kv_heads * hd), std)
-        if cfg.qkv_bias:
-            self.bq = nnx.Param(jnp.zeros((cfg.n_heads * hd,), jnp.float32))
-            self.bk = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
-            self.bv = nnx.Param(jnp.zeros((cfg.n_kv_heads * hd,), jnp.float32))
-        if cfg.qk_norm:  # OLMoE's span all heads' features, the others' each head's
-            full = cfg.qk_norm_full
-            self.q_norm = norm(cfg.n_heads * hd if full else hd)
-            self.k_norm = norm(cfg.n_kv_heads * hd if full else hd)
-        self.wo = _normal(rngs, (cfg.n_heads * cfg.v_dim, d), out_std)
-        if cfg.attn_sinks:  # gpt-oss: a logit per query head in its softmax denominator
-            self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), jnp.float32))
-        if cfg.o_bias:  # added once, after the sum over tp shards
-            self.bo = nnx.Param(jnp.zeros((d,), jnp.float32))
 
     def w(self, name: str, layer: dict | None) -> jax.Array:
         """This layer's weight `name`: the block's own (scanned with it), or, where only
@@ -147,18 +134,21 @@ class Block(nnx.Module):
     def _norm(self, x, scale):
         return rms_norm(x, scale[...], self.cfg.norm_eps, self.cfg.norm_offset)
 
-    def _project(self, h, w, b):
+    def _project(self, h, w, b, hd: int | None = None):
         """h @ w (+ b) (arrays), split into heads [B, S, heads, hd]."""
         dt = h.dtype
         y = matmul(h, w.astype(dt))
         if b is not None:
             y = y + b.astype(dt)
-        return y.reshape(*h.shape[:2], -1, self.cfg.hd)
+        return y.reshape(*h.shape[:2], -1, hd or self.cfg.hd)
 
-    def layer(self, layer: dict | None) -> tuple:
+    def layer(self, layer: dict | None, kind: str | None = None) -> tuple:
         """(window, `Rope`) of this layer: from `layer`, its scanned data, where layers
-        differ in them; else static, from the config."""
+        differ in them; else static, from the config or the layer's `kind` (full layers of
+        their own shapes, `distill.models.full_layers`)."""
         layer = layer or {}
+        if kind is not None:
+            return parts.window_of(self.cfg, kind), rope_table(self.cfg, kind)
         kind = self.cfg.attention_type()
         window = layer["window"] if "window" in layer else parts.window_of(self.cfg, kind)
         if "inv_freq" in layer:
@@ -174,10 +164,16 @@ class Block(nnx.Module):
         y = y32 * jax.lax.rsqrt(ss / width + self.cfg.norm_eps)
         return (y * scale.astype(jnp.float32).reshape(y.shape[-2:])).astype(y_bshd.dtype)
 
-    def qkv(self, x_bsd, positions_bs, rope: Rope, tp_axis=None, layer=None):
+    def qkv(
+        self, x_bsd, positions_bs, rope: Rope, tp_axis=None, layer=None, kind=None, shared=None
+    ):  # fmt: skip
         """Queries [B, S, H, hd] and keys [B, S, KV, hd], values [B, S, KV, v_dim] (local
         heads), RoPE applied, and the output gate's logits [B, S, H, hd] (else None).
-        `layer`: this layer's scanned data (`w`)."""
+        `layer`: this layer's scanned data (`w`); `kind`: its type where full layers have
+        shapes of their own, `shared` the keys and values sharing layers take
+        (`distill.models.full_layers.qkv`)."""
+        if kind is not None:
+            return full_layers.qkv(self, x_bsd, positions_bs, rope, tp_axis, layer, kind, shared)
         bias, normed = self.cfg.qkv_bias, self._norm(x_bsd, self.attn_norm)
         w = functools.partial(self.w, layer=layer)
         if self.cfg.mla:
@@ -199,43 +195,16 @@ class Block(nnx.Module):
         q, k = apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter)
         return q, k, v, gate
 
-    def dense_ffn(self, h_bsd, tp_axis: str | None, layer=None):
-        """The gated MLP (column-parallel gate/up, row-parallel down, psum over `tp`)."""
-        dt = h_bsd.dtype
-        w = lambda k: self.w(k, layer).astype(dt)  # noqa: E731
-        hidden = moe.glu(self.cfg)(matmul(h_bsd, w("w_gate")), matmul(h_bsd, w("w_up")))
-        return cc.psum(matmul(hidden, w("w_down")), tp_axis)
+    matmul = staticmethod(matmul)  # the model's (`distill.models.ffn`)
 
-    def ffn(self, h_bsd, tp_axis, layer, moe_opts):
-        """The feed-forward output and (tokens per expert [E], dropped assignments): the
-        dense MLP, the routed experts (`distill.models.moe`), or in a model mixing both,
-        the one this layer's scanned flag picks (`jax.lax.cond`: one compiled block)."""
-        cfg = self.cfg
-        zero = jnp.zeros_like(h_bsd[0, 0, 0], jnp.int32)  # varying over the mesh as h is
-        balance = None
-        if moe_opts.get("token_mask") is not None:  # the student's load-balancing sums
-            balance = (jnp.zeros((cfg.n_experts,), jnp.float32),) * 2
-        none = moe.ExpertLoad(jnp.broadcast_to(zero, (cfg.n_experts,)), zero, balance)
-
-        def routed(h):
-            experts = {k: self.w(k, layer) for k in moe.weight_keys(cfg)}
-            return moe.moe_ffn(h, experts, cfg, tp_axis=tp_axis, **moe_opts)
-
-        if not cfg.n_experts:
-            return self.dense_ffn(h_bsd, tp_axis, layer), none
-        if not cfg.mixed_ffn():
-            return routed(h_bsd)
-        return jax.lax.cond(
-            layer["moe"], routed, lambda h: (self.dense_ffn(h, tp_axis, layer), none), h_bsd
-        )
-
-    def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None):
+    def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None, kind=None):
         """(the block's output, expert stats) from its input and its attention output: the
         output projection, the residuals and the feed-forward (with Gemma's post-norms).
         `moe_opts`: `distill.models.moe.moe_ffn`'s ep_axis and capacity_factor (the
         teacher), layout and token_mask (the student's training step)."""
         b, s = o_bshd.shape[:2]  # x holds S/tp of them under sequence parallelism
-        o = matmul(o_bshd.reshape(b, s, -1), self.w("wo", layer).astype(x_bsd.dtype))
+        wo = self.w(full_layers.key(self.cfg, "wo", kind), layer)  # `kind`: as `qkv`'s
+        o = matmul(o_bshd.reshape(b, s, -1), wo.astype(x_bsd.dtype))
         return self.residual(x_bsd, o, tp_axis, layer, moe_opts)
 
     def residual(self, x_bsd, o_bsd, tp_axis: str | None, layer=None, moe_opts=None):
@@ -246,15 +215,20 @@ class Block(nnx.Module):
             o = o + self.w("bo", layer).astype(dt)
         x_bsd = x_bsd + (self._norm(o, self.post_attn_norm) if self.cfg.post_norms else o)
         h = cc.gather_positions(self._norm(x_bsd, self.mlp_norm), tp_axis)
-        y, stats = self.ffn(h, tp_axis, layer, moe_opts or {})
-        return x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y), stats
+        y, stats = ffn.block_ffn(self, h, tp_axis, layer, moe_opts or {}, x_bsd)
+        x_bsd = x_bsd + (self._norm(y, self.post_mlp_norm) if self.cfg.post_norms else y)
+        if self.cfg.per_layer_input:
+            x_bsd = per_layer_inputs.add(self, x_bsd, layer, tp_axis)
+        if self.cfg.layer_scalar:  # Gemma 4: the stream times the layer's scalar, a buffer
+            x_bsd = x_bsd * jax.lax.stop_gradient(self.layer_scalar[...]).astype(dt)
+        return x_bsd, stats
 
     def __call__(
         self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer=None, moe_opts=None,
         attend=None,
     ):  # fmt: skip
         """(the block's output, expert stats: tokens per expert, dropped assignments)."""
-        x, _, stats = self.run(
+        x, _, stats, _ = self.run(
             x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts, attend
         )
         return x, stats
@@ -266,7 +240,7 @@ class Block(nnx.Module):
         `distill.models.linear_attention.Cache`, None in a model without linear layers)):
         a prefill fills the decode caches with them. `layer`: this layer's scanned data
         (`layer_data`), None when layers are alike. `attend`: as `run`'s."""
-        x, kv, _ = self.run(
+        x, kv, _, _ = self.run(
             x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, attend=attend,
             states=True,
         )  # fmt: skip
@@ -274,28 +248,35 @@ class Block(nnx.Module):
 
     def run(
         self, x_bsd, segment_ids_bs, positions_bs, tp_axis, backend, layer, moe_opts=None,
-        attend=None, states=False,
+        attend=None, states=False, shared=None,
     ):  # fmt: skip
         """(the block's output, its keys and values (zeros in a linear layer; with `states`
-        paired with the linear layer's decode cache, `with_kv`), its expert stats).
-        `attend`: attention in place of `attention` with `backend` (`hidden`)."""
+        paired with the linear layer's decode cache, `with_kv`), its expert stats, the keys
+        and values KV-sharing layers take after it (`shared`, the ones before it: Gemma 4,
+        `distill.models.full_layers`; None without sharing)). `attend`: attention in place
+        of `attention` with `backend` (`hidden`)."""
 
-        def attn(x):
-            window, rope = self.layer(layer)
-            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis, layer)
+        def attn(x, kind=None):
+            window, rope = self.layer(layer, kind)
+            q, k, v, gate = self.qkv(x, positions_bs, rope, tp_axis, layer, kind, shared)
             o = (attend or functools.partial(attention, backend=backend))(
                 q, k, v, segment_ids_bs, scale=self.cfg.scale(), window=window,
                 softcap=self.cfg.attn_softcap,
                 sinks=self.w("sinks", layer) if self.cfg.attn_sinks else None,
             )  # fmt: skip
             o = o if gate is None else o * jax.nn.sigmoid(gate)  # Qwen3.5's, per head and dim
-            wo = self.w("wo", layer).astype(x.dtype)
+            wo = self.w(full_layers.key(self.cfg, "wo", kind), layer).astype(x.dtype)
             return matmul(o.reshape(*o.shape[:2], -1), wo), (k, v)
 
-        args = (segment_ids_bs, tp_axis, layer, attn, matmul, states)
-        o, *kv = linear_attention.block_mixer(self, x_bsd, *args)  # kv, and the cache
+        if self.cfg.full_apart():  # each kind its own attention; no linear layers
+            o, kv, shared = full_layers.mixer(self.cfg, x_bsd, attn, layer, states, shared)
+            kv = (kv, None) if states else kv
+        else:
+            args = (segment_ids_bs, tp_axis, layer, attn, matmul, states)
+            o, *kv = linear_attention.block_mixer(self, x_bsd, *args)  # kv, and the cache
+            kv = tuple(kv) if states else kv[0]
         x, stats = self.residual(x_bsd, o, tp_axis, layer, moe_opts)
-        return x, (tuple(kv) if states else kv[0]), stats
+        return x, kv, stats, shared
 
 
 class Transformer(nnx.Module):
@@ -322,6 +303,8 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.Param(jnp.full((cfg.d_model,), 1.0 - cfg.norm_offset, jnp.float32))
         if not cfg.tie_embeddings:
             self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
+        if cfg.per_layer_input:  # shared by every layer's per-layer input
+            self.ple_proj_norm = nnx.Param(jnp.full((cfg.per_layer_input,), 1.0 - cfg.norm_offset))
 
     def hidden(
         self, tokens_bs, segment_ids_bs, positions_bs, *, tp_axis, dtype, remat, attention,
@@ -345,21 +328,27 @@ class Transformer(nnx.Module):
         x, stats = self.blocks(
             x, segment_ids_bs, positions_bs, self.layer_data(), tp_axis=tp_axis,
             backend=backend, remat=remat, unroll=unroll, moe_opts=moe_opts, attend=attend,
+            inputs=per_layer_inputs.layer_inputs(self, tokens_bs, x),
         )  # fmt: skip
         return self.final(x), stats
 
     def blocks(
         self, x_bsd, segment_ids_bs, positions_bs, data, *, tp_axis, backend, remat="none",
-        unroll=False, moe_opts=None, attend=None,
+        unroll=False, moe_opts=None, attend=None, inputs=None,
     ):  # fmt: skip
         """(x [B, S, D] through the stacked layers this module holds, expert stats per
         layer): one block scanned over them with `data` (`layer_data` of those layers, or
         None when layers are alike). A pipeline stage holds a run of the layers and passes
-        their slice of the data (`teacher.stages`). `attend`: as `hidden`'s."""
+        their slice of the data (`teacher.stages`). `attend`: as `hidden`'s; `inputs`: what
+        each layer's per-layer input is made of (`per_layer_inputs.layer_inputs`)."""
 
-        def block_fn(block, x, layer):
+        sharing = bool(self.cfg.kv_shared_layers)
+
+        def block_fn(block, carry, layer):  # the carry: x, and what KV-sharing layers take
+            x, shared = carry if sharing else (carry, None)
             args = (tp_axis, backend, layer, moe_opts, attend)
-            return block(x, segment_ids_bs, positions_bs, *args)
+            x, _, stats, shared = block.run(x, segment_ids_bs, positions_bs, *args, shared=shared)
+            return ((x, shared) if sharing else x), stats
 
         if remat != "none":  # recompute each block in the backward pass, saving per policy
             block_fn = nnx.remat(block_fn, policy=REMAT_POLICIES[remat])
@@ -367,9 +356,14 @@ class Transformer(nnx.Module):
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
         def run_layers(x, block, layer):
-            return block_fn(block, x, parts.with_stacks(layer, stacks))
+            layer = per_layer_inputs.with_inputs(parts.with_stacks(layer, stacks), inputs)
+            return block_fn(block, x, layer)
 
-        return run_layers(x_bsd, self.layers, data)
+        if not sharing:
+            return run_layers(x_bsd, self.layers, data)
+        start = full_layers.no_shared(self, x_bsd, positions_bs)
+        (x, _), stats = run_layers((x_bsd, start), self.layers, data)
+        return x, stats
 
     def layer_data(self) -> dict | None:
         """`layer_data` of this module's layers."""
@@ -399,7 +393,7 @@ class Transformer(nnx.Module):
         windows."""
         cfg = self.cfg
         return resolve_backend(
-            attention, dt, cfg.hd, seq_len,
+            attention, dt, max(cfg.hd, cfg.kind_hd("full")), seq_len,
             softcap=cfg.attn_softcap is not None, mixed_windows=cfg.mixed_windows(),
         )  # fmt: skip
 

@@ -67,7 +67,7 @@ EXPERT_BIASES = ("be_gate", "be_up", "be_down")  # [E, F], [E, F], [E, D]: as th
 SHARED = ("ws_gate", "ws_up", "ws_down")  # every token's: never split by expert
 # Every weight an MoE layer may hold (`weight_keys`: those a model's layers do).
 ALL_KEYS = ("router", "router_bias", "router_correction", *EXPERTS, *EXPERT_BIASES, *SHARED)
-ALL_KEYS += ("shared_gate",)
+ALL_KEYS += ("shared_gate", "router_scale", "router_expert_scale")
 NORM_EPS = 1e-20  # transformers' DeepSeek-V3 / GLM-4.5 renormalisation epsilon (sigmoid)
 
 
@@ -75,6 +75,8 @@ def weight_keys(cfg) -> tuple[str, ...]:
     """The layer weights an MoE layer of `cfg` reads: the router (its bias, its selection
     bias), the experts (their biases), the shared expert with its gate, as the model has."""
     keys = ["router"]
+    keys += ["router_scale"] if cfg.router_norm else []
+    keys += ["router_expert_scale"] if cfg.expert_scale else []
     keys += ["router_bias"] if cfg.router_bias else []
     keys += ["router_correction"] if cfg.router_correction_bias else []
     keys += [*EXPERTS, *(EXPERT_BIASES if cfg.expert_bias else ())]
@@ -94,16 +96,15 @@ def layer_params(cfg, normal) -> dict:
         "we_gate": (e, d, fe), "we_up": (e, d, fe), "we_down": (e, fe, d),
         "be_gate": (e, fe), "be_up": (e, fe), "be_down": (e, d),
         "ws_gate": (d, fs), "ws_up": (d, fs), "ws_down": (fs, d), "shared_gate": (d, 1),
+        "router_scale": (d,), "router_expert_scale": (e,),
     }  # fmt: skip
     zeros = ("router_bias", "router_correction", *EXPERT_BIASES)
-    out = ("we_down", "ws_down")
+    ones, out = ("router_scale", "router_expert_scale"), ("we_down", "ws_down")
 
     def param(k):
-        return (
-            nnx.Param(jnp.zeros(shapes[k], jnp.float32))
-            if k in zeros
-            else normal(shapes[k], k in out)
-        )
+        if k in zeros or k in ones:
+            return nnx.Param(jnp.full(shapes[k], float(k in ones), jnp.float32))
+        return normal(shapes[k], k in out)
 
     return {k: param(k) for k in weight_keys(cfg)}
 
@@ -151,7 +152,11 @@ class Layout(NamedTuple):
 def scores(h_td: jax.Array, p: dict, cfg) -> jax.Array:
     """The router's expert scores [T, E] float32: softmax or sigmoid (`router_score`) of
     the logits h @ router (+ router_bias), computed in float32 as transformers' routers."""
-    logits = h_td.astype(jnp.float32) @ p["router"][...].astype(jnp.float32)
+    h32 = h_td.astype(jnp.float32)
+    if "router_scale" in p:  # Gemma 4: the input RMS-normed, scaled, over sqrt(D)
+        h32 = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + cfg.norm_eps)
+        h32 = h32 * p["router_scale"][...].astype(jnp.float32) * h32.shape[-1] ** -0.5
+    logits = h32 @ p["router"][...].astype(jnp.float32)
     if "router_bias" in p:
         logits = logits + p["router_bias"][...].astype(jnp.float32)
     if cfg.router_score == "sigmoid":
@@ -175,6 +180,8 @@ def route(h_td: jax.Array, p: dict, cfg):
     if cfg.norm_topk_prob:
         eps = NORM_EPS if cfg.router_score == "sigmoid" else 0.0
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
+    if "router_expert_scale" in p:  # Gemma 4: each chosen expert's own scale
+        weights = weights * p["router_expert_scale"][...].astype(jnp.float32)[ids]
     return (weights * cfg.routed_scale if cfg.routed_scale != 1.0 else weights), ids
 
 
@@ -220,7 +227,7 @@ def _slots(ids_a, weights_a, n_local: int, n_shards: int, cap: int, slots: int):
 
 def moe_ffn(
     h_bsd, p: dict, cfg, *, tp_axis, ep_axis=None, capacity_factor=None, token_mask=None,
-    layout: Layout | None = None, kernel: str | None = None,
+    layout: Layout | None = None, kernel: str | None = None, router_input=None,
 ):  # fmt: skip
     """The mixture of experts' output [B, S, D] on h [B, S, D] (the normed residual) and
     its `ExpertLoad` (tokens per expert [E] routed from these rows, assignments dropped,
@@ -230,15 +237,17 @@ def moe_ffn(
     expert's ws_gate, ws_up [D, Fs/tp], ws_down [Fs/tp, D] (shared_gate [D, 1]).
     `layout`: run per device of a GSPMD program (`Layout`; then `p` holds whole weights).
     `kernel`: the grouped matmul (`distill.models.experts.grouped.KERNELS`; None: the
-    platform's)."""
+    platform's). `router_input` [B, S, D]: what the router reads, where it is not h (Gemma
+    4's MoE block routes on the residual)."""
     if layout is not None:
-        return _per_device(h_bsd, p, cfg, layout, token_mask, kernel)
+        return _per_device(h_bsd, p, cfg, layout, token_mask, kernel, router_input)
     b, s, d = h_bsd.shape
     t, k = b * s, cfg.experts_per_token
     n_local = p["we_gate"].shape[0]
     n_shards = n_local and cfg.n_experts // n_local
     h, gated = h_bsd.reshape(t, d), glu(cfg)
-    weights, ids = route(h, p, cfg)
+    r = h if router_input is None else router_input.reshape(t, d)
+    weights, ids = route(r, p, cfg)
     experts = _experts(p, cfg, tp_axis)
     if capacity_factor is not None:
         out, dropped = _capacity(h, weights, ids, experts, cfg, capacity_factor, ep_axis, gated)
@@ -253,7 +262,7 @@ def moe_ffn(
         out = out + _shared(h, p, gated)
     out = cc.psum(out.astype(h.dtype).reshape(b, s, d), tp_axis)  # [b, S/tp, D] under SP
     load = jnp.bincount(ids.reshape(-1), length=cfg.n_experts)
-    balance = None if token_mask is None else _balance(h, p, cfg, ids, token_mask)
+    balance = None if token_mask is None else _balance(r, p, cfg, ids, token_mask)
     return out, ExpertLoad(load, dropped, balance)
 
 
@@ -349,7 +358,7 @@ def balance_loss(balance, tokens, n_moe_layers: int, n_experts: int) -> jax.Arra
     return n_experts * jnp.sum((counts / rows) * (probs / rows))
 
 
-def _per_device(h_bsd, p: dict, cfg, layout: Layout, token_mask, kernel):
+def _per_device(h_bsd, p: dict, cfg, layout: Layout, token_mask, kernel, router_input=None):
     """`moe_ffn` on each device's own rows of a GSPMD program, its experts split over
     `layout.experts` (the expert axis of the dispatch) or gathered; the counts summed over
     the devices' rows."""
@@ -357,16 +366,17 @@ def _per_device(h_bsd, p: dict, cfg, layout: Layout, token_mask, kernel):
     split = (*EXPERTS, *EXPERT_BIASES)
     specs = {k: jax.P(ax) if ax is not None and k in split else jax.P() for k in p}
     mask = jnp.ones(h_bsd.shape[:2], jnp.float32) if token_mask is None else token_mask
+    routed = router_input is not None
 
-    def local(h, p, m):
+    def local(h, r, p, m):
         y, load = moe_ffn(
-            h, p, cfg, tp_axis=None, ep_axis=ax,
-            token_mask=None if token_mask is None else m, kernel=kernel,
+            h, p, cfg, tp_axis=None, ep_axis=ax, token_mask=None if token_mask is None else m,
+            kernel=kernel, router_input=r if routed else None,
         )  # fmt: skip
         return y, jax.tree.map(lambda x: jax.lax.psum(x, layout.rows), load)
 
     every = ExpertLoad(jax.P(), jax.P(), None if token_mask is None else (jax.P(), jax.P()))
     run = jax.shard_map(
-        local, mesh=layout.mesh, in_specs=(rows, specs, rows), out_specs=(rows, every)
+        local, mesh=layout.mesh, in_specs=(rows, rows, specs, rows), out_specs=(rows, every)
     )
-    return run(h_bsd, p, mask.astype(jnp.float32))
+    return run(h_bsd, router_input if routed else h_bsd, p, mask.astype(jnp.float32))

@@ -22,11 +22,18 @@ NO_WINDOW = 2**30
 
 
 # The parts of a layer's weights, by which layers hold them: the norms every layer, the
-# attention's the attention layers, Gated DeltaNet's the linear ones, the gated MLP's the
-# dense feed-forward layers, the router's and experts' the MoE ones (`part_layers`).
-PARTS = ("all", "attention", "linear", "dense", "moe")
-_ALL_LAYERS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm")
+# attention's the attention layers (but full layers of their own shapes, which hold the
+# `full` part's: Gemma 4), their keys' and values' projections (`kv`, `full_kv`) those of
+# them that do not share an earlier layer's (Gemma 4's KV sharing), Gated DeltaNet's the
+# linear ones, the gated MLP's the dense feed-forward layers (`wide`: Gemma 4's twice as
+# wide in its sharing layers), the router's and experts' the MoE ones (`part_layers`).
+PARTS = ("all", "attention", "kv", "full", "full_kv", "linear", "dense", "wide", "moe")
+_ALL_LAYERS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "layer_scalar",
+               "ple_embed", "ple_model_proj", "ple_gate", "ple_proj", "ple_norm",
+               "post_dense_norm", "pre_moe_norm", "post_moe_norm")  # fmt: skip
 _DENSE_FFN = ("w_gate", "w_up", "w_down")
+WIDE_FFN = ("wide_gate", "wide_up", "wide_down")  # the same as a wide layer's
+_KV = ("wk", "wv", "bk", "bv", "k_norm")
 
 
 def weight_part(key: str) -> str:
@@ -35,19 +42,38 @@ def weight_part(key: str) -> str:
         return "all"
     if key.startswith("lin_"):
         return "linear"
+    if key.startswith("full_"):
+        return "full_kv" if key.removeprefix("full_") in _KV else "full"
     if key in _DENSE_FFN:
         return "dense"
+    if key in WIDE_FFN:
+        return "wide"
+    if key in _KV:
+        return "kv"
     return "moe" if key in moe.ALL_KEYS else "attention"
 
 
 def part_layers(cfg: ModelConfig, part: str) -> tuple[bool, ...]:
     """Per layer, whether it holds `part`'s weights."""
-    linear, routed = cfg.linear_layers(), cfg.moe_layers()
+    linear, routed, shared = cfg.linear_layers(), cfg.moe_layers(), cfg.kv_shared()
+    full = tuple(cfg.full_apart() and t == "full" for t in cfg.types())
+    attention = tuple(not (x or f) for x, f in zip(linear, full, strict=True))
+    own = lambda holds: tuple(h and not s for h, s in zip(holds, shared, strict=True))  # noqa: E731
     return {
         "all": (True,) * cfg.n_layers,
-        "attention": tuple(not x for x in linear),
+        "attention": attention,
+        "kv": own(attention),
+        "full": full,
+        "full_kv": own(full),
         "linear": linear,
-        "dense": tuple(not x for x in routed),
+        "dense": tuple(
+            (not x or cfg.moe_beside_dense) and not w
+            for x, w in zip(routed, cfg.wide_layers(), strict=True)
+        ),  # fmt: skip
+        "wide": tuple(
+            (not x or cfg.moe_beside_dense) and w
+            for x, w in zip(routed, cfg.wide_layers(), strict=True)
+        ),  # fmt: skip
         "moe": routed,
     }[part]
 
@@ -116,24 +142,34 @@ def layer_data(cfg: ModelConfig, union: bool = False) -> dict | None:
     """What the layer scan feeds each block when layers differ: when windows differ,
     window int32 [L] (`NO_WINDOW` for full layers); when windows or RoPE differ (a local
     base, NoPE layers), inv_freq float32 [L, R/2] and rope_factor float32 [L]
-    (`distill.models.rope.Rope`); when dense and MoE feed-forwards mix, moe bool [L]; when
-    linear and attention layers mix, linear bool [L]; for each part only some layers hold
-    (`apart`; not in the one-shape stack, `union`), slot_<part> int32 [L]: each layer's
-    index in that part's stack (0 in a layer without it, which never reads it). None when
-    layers are alike."""
+    (`distill.models.rope.Rope`); where full layers have shapes of their own (Gemma 4),
+    instead full bool [L] (each kind's window and RoPE static in its branch); when dense
+    and MoE feed-forwards mix, moe bool [L]; under KV sharing kv_shared and kv_store bool
+    [L] (`ModelConfig.kv_shared`, `kv_stores`), and where some MLPs are wide, wide bool
+    [L]; when linear and attention layers mix, linear bool [L]; for each part only some
+    layers hold (`apart`; not in the one-shape stack, `union`), slot_<part> int32 [L]: each
+    layer's index in that part's stack (0 in a layer without it, which never reads it).
+    None when layers are alike."""
     data = {}
     for part in () if union else apart(cfg):
         holds = np.asarray(part_layers(cfg, part))
         data[f"slot_{part}"] = jnp.asarray(np.maximum(np.cumsum(holds) - 1, 0), jnp.int32)
-    if cfg.mixed_windows():
+    if cfg.full_apart():  # each kind's window and RoPE are static in its own branch
+        if 0 < sum(part_layers(cfg, "full")) < cfg.n_layers:
+            data["full"] = jnp.asarray(part_layers(cfg, "full"))
+    elif cfg.mixed_windows():
         windows = [window_of(cfg, t) or NO_WINDOW for t in cfg.types()]
         data["window"] = jnp.asarray(windows, jnp.int32)
-    if cfg.mixed_layers():
+    if cfg.mixed_layers() and not cfg.full_apart():
         tables = [layer_rope(cfg, i) for i in range(cfg.n_layers)]
         data["inv_freq"] = jnp.stack([t.inv_freq for t in tables])
         data["rope_factor"] = jnp.asarray([t.factor for t in tables], jnp.float32)
     if cfg.mixed_ffn():
         data["moe"] = jnp.asarray(cfg.moe_layers())
+    if cfg.kv_shared_layers:  # the layers sharing keys and values, and those they share
+        data["kv_shared"], data["kv_store"] = map(jnp.asarray, (cfg.kv_shared(), cfg.kv_stores()))
+    if len(set(cfg.wide_layers())) > 1:
+        data["wide"] = jnp.asarray(cfg.wide_layers())
     if cfg.mixed_mixers():
         data["linear"] = jnp.asarray(cfg.linear_layers())
     return data or None

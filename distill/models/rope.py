@@ -67,12 +67,28 @@ def _yarn(inv_freq: jax.Array, dim: int, theta: float, scaling: RopeScaling) -> 
 
 def rope_table(cfg: ModelConfig, kind: str) -> Rope:
     """The RoPE of a layer of type `kind`: sliding layers use `rope_local_theta`, unscaled,
-    when it is set."""
+    when it is set; under `rope_proportional` (Gemma 4) each kind's over its own head."""
+    if cfg.rope_proportional:
+        return _proportional(cfg, kind)
     if kind == "sliding" and cfg.rope_local_theta is not None:
         return Rope(rope_frequencies(cfg.rope_dim, cfg.rope_local_theta, None), 1.0)
     scaling = cfg.rope_scaling
     factor = 1.0 if scaling is None else scaling.yarn_attention_factor()
     return Rope(rope_frequencies(cfg.rope_dim, cfg.rope_theta, scaling), factor)
+
+
+def _proportional(cfg: ModelConfig, kind: str) -> Rope:
+    """Gemma 4's RoPE (transformers' `_compute_proportional_rope_parameters`): a sliding
+    layer's the default over its whole head at `rope_local_theta`; a full layer's over its
+    whole head hd too, frequencies theta^(-2i/hd) for the first int(hd * factor // 2) pairs
+    and zero (unrotated) for the rest, so that rotate-half pairs dims (i, i + hd/2)."""
+    hd = cfg.kind_hd(kind)
+    if kind == "sliding":
+        theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+        return Rope(rope_frequencies(hd, theta), 1.0)
+    angles = int(cfg.partial_rotary_factor * hd // 2)
+    rotated = 1.0 / (cfg.rope_theta ** (jnp.arange(0, 2 * angles, 2, dtype=jnp.float32) / hd))
+    return Rope(jnp.concatenate([rotated, jnp.zeros((hd // 2 - angles,), jnp.float32)]), 1.0)
 
 
 def layer_rope(cfg: ModelConfig, i: int) -> Rope:

@@ -89,6 +89,7 @@ class Family:
     writes_layer_types: bool = True  # whether its config.json says `layer_types`
     sliding_flag: bool = False  # Qwen's `use_sliding_window` / `max_window_layers`
     rope_per_layer_type: bool = False  # Gemma 3: `rope_parameters` per layer type
+    proportional_rope: bool = False  # Gemma 4: its full layers' `proportional` rope_type
     tied_by_default: bool = False  # tie_word_embeddings when config.json does not say
     activation_key: str = "hidden_act"  # Gemma: hidden_activation
     # config.json switches the shared reader refuses (biases, shared experts) that this
@@ -103,6 +104,10 @@ class Family:
     # (`experts.gate_up_proj` [E, D, 2F], gate and up interleaved, `experts.down_proj`
     # [E, F, D], and their biases), rather than one tensor per expert.
     fused_experts: bool = False
+    # Fused experts as transformers' Gemma 4 stores them: `experts.gate_up_proj` [E, 2F, D]
+    # (each expert's gate rows, then its up rows), `experts.down_proj` [E, D, F], each
+    # expert [out, in] (read transposed).
+    fused_halves: bool = False
     # config.json's count of extra layers stored past num_hidden_layers that the decoder
     # does not run (DeepSeek-V3's multi-token prediction), skipped on load.
     extra_layers_key: str | None = None

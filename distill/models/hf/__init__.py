@@ -26,6 +26,7 @@ from distill.config import ModelConfig, RopeScaling
 from distill.errors import DistillError
 from distill.models import families
 from distill.models.families.views import (  # noqa: F401  (hf.stored, hf.VIEW: the names' home before)
+    COLS,
     FUSED_BIASES,
     FUSED_EXPERTS,
     ROWS,
@@ -63,6 +64,11 @@ GEMMA_NORMS = {
     "post_attn_norm": ("post_attention_layernorm.weight", False),
     "mlp_norm": ("pre_feedforward_layernorm.weight", False),
     "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
+GEMMA4_MOE_NORMS = {
+    "post_dense_norm": ("post_feedforward_layernorm_1.weight", False),
+    "pre_moe_norm": ("pre_feedforward_layernorm_2.weight", False),
+    "post_moe_norm": ("post_feedforward_layernorm_2.weight", False),
 }
 QKV_BIASES = {
     "bq": ("self_attn.q_proj.bias", False),
@@ -116,6 +122,10 @@ def layer_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
         names.update(QK_NORMS)
     if cfg.attn_sinks:
         names["sinks"] = ("self_attn.sinks", False)
+    if cfg.layer_scalar:
+        names["layer_scalar"] = ("layer_scalar", False)
+    if cfg.moe_beside_dense:  # Gemma 4's MoE block: its dense MLP's and experts' norms
+        names.update(GEMMA4_MOE_NORMS)
     return names
 
 
@@ -124,6 +134,10 @@ def router_weights(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     logit bias (gpt-oss) or selection-only correction bias (DeepSeek-V3) where it has one."""
     name = families.get(cfg.family).router_name
     names = {"router": (f"{name}.weight", True)}
+    if cfg.router_norm:  # Gemma 4's router: `router.proj`, its input scale beside it
+        names["router_scale"] = (f"{name.rpartition('.')[0]}.scale", False)
+    if cfg.expert_scale:
+        names["router_expert_scale"] = (f"{name.rpartition('.')[0]}.per_expert_scale", False)
     if cfg.router_bias:
         names["router_bias"] = (f"{name}.bias", False)
     if cfg.router_correction_bias:
@@ -137,15 +151,18 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     for key, (name, transposed) in TOP_WEIGHTS.items():
         if key != "lm_head" or not cfg.tie_embeddings:
             names[name] = (key, None, transposed)
+    if cfg.per_layer_input:  # Gemma 4's norm shared by the per-layer inputs
+        names["model.per_layer_projection_norm.weight"] = ("ple_proj_norm", None, False)
     moe_layers = cfg.moe_layers()
     family = families.get(cfg.family)
     prefix, experts = family.moe_prefix, family.expert_names
     for i, linear in enumerate(cfg.linear_layers()):
-        for key, (name, transposed) in families.qwen35.mixer_weights(
-            cfg, linear, layer_weights(cfg)
-        ).items():
-            if not (moe_layers[i] and key in DENSE_FFN):
+        layer = families.gemma4.hf_names(cfg, i, layer_weights(cfg))
+        for key, (name, transposed) in families.qwen35.mixer_weights(cfg, linear, layer).items():
+            if not (moe_layers[i] and key in DENSE_FFN) or cfg.moe_beside_dense:
                 names[f"model.layers.{i}.{name}"] = (key, i, transposed)
+        for name, (key, transposed) in families.gemma4.per_layer_names(cfg, i).items():
+            names[name] = (key, i, transposed)
         if not moe_layers[i]:
             continue
         for key, (name, transposed) in router_weights(cfg).items():
@@ -153,9 +170,9 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
         for key, name in family.shared_names.items() if cfg.f_shared else ():
             if key != "shared_gate" or cfg.shared_expert_gate:
                 names[f"model.layers.{i}.{prefix}{name}"] = (key, i, True)
-        if family.fused_experts:  # one [E, ...] tensor a layer, already [in, out]
+        if family.fused_experts:  # one [E, ...] tensor a layer, [in, out] but Gemma 4's
             for key, name in fused_expert_names(cfg).items():
-                names[f"model.layers.{i}.{prefix}experts.{name}"] = (key, i, False)
+                names[f"model.layers.{i}.{prefix}experts.{name}"] = (key, i, family.fused_halves)
             continue
         for j in range(cfg.n_experts):  # an expert's weight: its layer and expert, (i, j)
             for key, name in experts.items():
@@ -168,13 +185,20 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     fused experts a layer's [E, in, out] (a view's: its columns)."""
     d, v, f, fe, fs = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.f_expert, cfg.f_shared
     e = cfg.n_experts
-    if families.get(cfg.family).fused_experts and key in {**FUSED_EXPERTS, **FUSED_BIASES}:
+    family = families.get(cfg.family)
+    if family.fused_halves and key in FUSED_EXPERTS:  # each expert [out, in]
+        return {"we_gate": (e, fe, d), "we_up": (e, fe, d), "we_down": (e, d, fe)}[key]
+    if family.fused_experts and key in {**FUSED_EXPERTS, **FUSED_BIASES}:
         fused = {"we_gate": (e, d, fe), "we_up": (e, d, fe), "we_down": (e, fe, d)}
         return {**fused, "be_gate": (e, fe), "be_up": (e, fe), "be_down": (e, d)}[key]
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
     full = cfg.qk_norm_full
     if key.startswith("lin_"):
         return families.qwen35.hf_shape(cfg, key)
+    if key.startswith(families.gemma4.PREFIX):
+        return families.gemma4.hf_shape(cfg, key)
+    if key.startswith("ple_"):
+        return families.gemma4.per_layer_shapes(cfg)[key]
     return {
         "embed": (v, d),
         "final_norm": (d,),
@@ -194,6 +218,12 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "wo": (d, cfg.n_heads * cfg.v_dim),
         "bo": (d,),
         "sinks": (cfg.n_heads,),
+        "layer_scalar": (1,),
+        "post_dense_norm": (d,),
+        "pre_moe_norm": (d,),
+        "post_moe_norm": (d,),
+        "router_scale": (d,),
+        "router_expert_scale": (e,),
         "wq_a": (cfg.q_lora_rank, d),
         "q_a_norm": (cfg.q_lora_rank,),
         "wq_b": (q, cfg.q_lora_rank),
@@ -203,6 +233,9 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "w_gate": (f, d),
         "w_up": (f, d),
         "w_down": (d, f),
+        "wide_gate": (2 * f, d),  # Gemma 4's KV-sharing layers' (`use_double_wide_mlp`)
+        "wide_up": (2 * f, d),
+        "wide_down": (d, 2 * f),
         "router": (cfg.n_experts, d),
         "router_bias": (cfg.n_experts,),
         "router_correction": (cfg.n_experts,),
@@ -219,16 +252,22 @@ def hf_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------- config.json
 
 
-def _rope(raw: dict, where: Path) -> tuple[float, RopeScaling | None, float]:
+def _rope(raw: dict, where: Path, proportional: bool) -> tuple[float, RopeScaling | None, float]:
     """(theta, scaling, partial rotary factor) from either layout: transformers 5
     `rope_parameters` (the full layers' when it has one per layer type), or the older
-    top-level `rope_theta` with an optional `rope_scaling`."""
+    top-level `rope_theta` with an optional `rope_scaling`. `proportional`: the family's
+    full layers may say `proportional` (Gemma 4, `ModelConfig.rope_proportional`)."""
     params = raw.get("rope_parameters")
     if params is not None and "full_attention" in params:
         params = params["full_attention"]
     if params is None:
         params = {"rope_theta": raw.get("rope_theta", 10000.0), **(raw.get("rope_scaling") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
+    if proportional and kind == "proportional":
+        if params.get("factor", 1.0) != 1.0:
+            raise DistillError(f"{where}: proportional RoPE factor={params['factor']!r} "
+                               "is not supported (only 1)")  # fmt: skip
+        kind = "default"
     if kind not in ROPE_TYPES:
         raise DistillError(
             f"{where}: RoPE type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
@@ -303,7 +342,7 @@ def model_config_from_raw(raw: dict, where: Path | str) -> ModelConfig:
     for key, bad in unsupported.items():
         if bad and key not in family.accepts:
             raise DistillError(f"{where}: {key}={raw[key]!r} is not supported by this decoder")
-    theta, scaling, partial = _rope(raw, where)
+    theta, scaling, partial = _rope(raw, where, family.proportional_rope)
     try:
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim")

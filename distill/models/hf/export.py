@@ -84,6 +84,8 @@ def _rope(cfg: ModelConfig, family: families.Family) -> dict:
     except for a family with a local base of its own (Gemma 3): transformers 5's
     per-layer-type `rope_parameters`."""
     scaling = _scaling(cfg)
+    if cfg.rope_proportional:  # Gemma 4's per-layer-type rope_parameters: its family's
+        return {}
     if cfg.partial_rotary_factor != 1:  # only transformers 5's layout says it (GLM-4.5)
         partial = {"partial_rotary_factor": cfg.partial_rotary_factor}
         return {"rope_parameters": {"rope_type": "default", **(scaling or {}),

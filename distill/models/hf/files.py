@@ -130,11 +130,12 @@ def check_checkpoint(
     for key, value in sizes.items():
         if value % tp:
             raise DistillError(f"{where}: {key}={value} is not divisible by mesh.teacher.tp={tp}")
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        raise DistillError(
-            f"{where}: num_key_value_heads={cfg.n_kv_heads} must divide or be a multiple of "
-            f"mesh.teacher.tp={tp}"
-        )
+    kvs = {"num_key_value_heads": cfg.n_kv_heads, "num_global_key_value_heads": cfg.global_kv_heads}
+    for key, kv in kvs.items():
+        if kv is not None and kv % tp and tp % kv:
+            raise DistillError(
+                f"{where}: {key}={kv} must divide or be a multiple of mesh.teacher.tp={tp}"
+            )
     files, needed = weight_files(path), weight_names(cfg)
     _note_extra_layers(files, cfg, Path(path))
     _note_unread(Path(path))
@@ -169,4 +170,5 @@ def _check_shape(where: Path, name: str, got: tuple, cfg: ModelConfig, needed: d
     if tuple(got) != want:
         base, view = stored(name)
         part = "" if view is None else f" (its {'even' if view == 0 else 'odd'} columns)"
+        part = f" (its columns {view.start}:{view.stop})" if isinstance(view, slice) else part
         raise DistillError(f"{where}: {base}{part} has shape {tuple(got)}, config.json says {want}")
