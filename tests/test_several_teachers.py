@@ -324,3 +324,37 @@ def test_auto_costs_every_teacher(tmp_path, corpus_dir):
     assert both.resident == 2 * alone.resident and both.temp == alone.temp
     assert isinstance(out, TeacherMix) and out.weights.shape == (4, 32, 2)
     assert main(["plan", write_config(tmp_path, tree)]) == 0
+
+
+def test_a_stopped_run_of_two_teachers_resumes_with_the_uninterrupted_losses(tmp_path, corpus_dir):
+    """A mixed run of two teachers stopped after step 3 (the dashboard's stop) resumes
+    from its checkpoint: every step's loss is the uninterrupted run's (both teachers'
+    sources restart at the checkpoint's data position, in step)."""
+    from distill.config.load import load_config
+    from pipelines.commands import run
+    from pipelines.commands.cli import main
+    from pipelines.hooks import Every
+    from tests.conftest import train_by_step
+
+    def tree(out):
+        t = tiny_config(str(corpus_dir), str(tmp_path / out))
+        t["teachers"] = _teachers(tmp_path, t, ("first", "second"))
+        t["teachers"][1]["weight"] = 2.0
+        t["train"].update(steps=6, log_every=1, checkpoint_every=1, eval_every=100)
+        return t
+
+    assert main(["run", write_config(tmp_path, tree("whole"), "whole.yaml")]) == 0
+    path = write_config(tmp_path, tree("resumed"), "resumed.yaml")
+
+    def stop(loop, step):
+        if step == 3:
+            loop.store.request_stop()
+
+    summary = run.run(load_config(path), extra=[Every(stop, event="after_dispatch")])
+    assert not summary["completed"] and summary["steps"] < 6
+    assert main(["run", path]) == 0
+    whole, resumed = train_by_step(tmp_path / "whole"), train_by_step(tmp_path / "resumed")
+    assert sorted(resumed) == sorted(whole) == [1, 2, 3, 4, 5, 6]
+    for step, want in whole.items():
+        assert resumed[step]["loss"] == pytest.approx(want["loss"], abs=1e-6), step
+        assert resumed[step]["kd_loss_by_teacher"] == pytest.approx(want["kd_loss_by_teacher"])
