@@ -195,7 +195,10 @@ class Block(nnx.Module):
         q, k = apply_rope(q, positions_bs, rope, inter), apply_rope(k, positions_bs, rope, inter)
         return q, k, v, gate
 
-    matmul = staticmethod(matmul)  # the model's (`distill.models.ffn`)
+    @staticmethod
+    def matmul(x_bsd: jax.Array, w_df: jax.Array) -> jax.Array:
+        """The module's `matmul`, looked up at each call (`distill.models.ffn` calls it)."""
+        return matmul(x_bsd, w_df)
 
     def finish(self, x_bsd, o_bshd, tp_axis: str | None, layer=None, moe_opts=None, kind=None):
         """(the block's output, expert stats) from its input and its attention output: the
