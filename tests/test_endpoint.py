@@ -517,3 +517,47 @@ def test_a_teacher_behind_a_server_as_one_of_two_mixes_as_the_same_teacher(
         each = got[step]["kd_loss_by_teacher"]
         assert each["local"] == pytest.approx(want["kd_loss"], abs=1e-5), step
         assert each["remote"] == pytest.approx(want["kd_loss"], abs=1e-5), step
+
+
+SERVED = "pipelines/qwen3-8b-served.yaml"
+STUDENTS = ("pipelines/qwen3-8b-to-1.7b-endpoint.yaml", "pipelines/qwen3-8b-to-0.6b-endpoint.yaml")
+TINY_TEACHER = dict(
+    vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64
+)  # fmt: skip
+
+
+def test_the_shipped_served_teacher_answers_both_shipped_students(tmp_path):
+    """The shipped example at the tests' size: `distill serve`'s config (a tiny Qwen3
+    checkpoint saved by transformers in place of Qwen3-8B) behind a real socket, and both
+    shipped students distilling from it in turn with api: distill (their own layouts
+    shrunk to these devices), each run's every step trained."""
+    import transformers
+
+    teacher = tmp_path / "Qwen3-tiny"
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(str(teacher))
+    served = load_config(SERVED, [
+        f"teacher.checkpoint={teacher}", "data.tokenizer=bytes", "mesh.teacher.tp=2",
+        "teacher.dtype=float32", "train.seq_len=64", "train.batch_size=4",
+    ])  # fmt: skip
+    server = TeacherServer(load_service(served, wait_ms=5), port=0).start()
+    try:
+        for i, path in enumerate(STUDENTS):
+            sets = [
+                f"teacher.endpoint.url={server.url}", "teacher.endpoint.api=distill",
+                *(f"teacher.model.{k}={v}" for k, v in TINY_TEACHER.items()),
+                "student.model.d_model=16", "student.model.n_layers=1",
+                "student.model.n_heads=2", "student.model.n_kv_heads=1", "student.model.d_ff=32",
+                "mesh.student.fsdp=2", "train.steps=2", "train.batch_size=4",
+                "train.seq_len=64", "train.grad_accum=1", "train.eval_every=2",
+                "train.checkpoint_every=2", "train.log_every=1", "data.max_bytes=200000",
+                f"run.output_dir={tmp_path / f'student{i}'}", "server.port=0",
+            ]  # fmt: skip
+            args = [x for s in sets for x in ("--set", s)]
+            assert main(["run", path, *args]) == 0, path
+            assert sorted(train_by_step(tmp_path / f"student{i}")) == [1, 2]
+    finally:
+        server.stop()

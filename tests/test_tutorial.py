@@ -30,8 +30,9 @@ PAGE = ROOT / "docs" / "guides" / "tutorial.md"
 # The tutorial's pipelines: they name model directories a user downloads, so they are
 # validated here with tiny ones (tests/test_bad_input.py skips them).
 PIPELINES = ("qwen3-8b-to-1.7b-chat.yaml", "qwen3-0.6b-laptop-chat.yaml")
-# Validated with tiny stand-ins of their downloads elsewhere (tests/test_qwen35_counts.py).
-WITH_DOWNLOADS = ("qwen3.5-35b-a3b-to-4b-chat.yaml",)
+# Validated with tiny stand-ins of their downloads elsewhere (tests/test_qwen35_counts.py;
+# the served teacher's config, which `distill serve` reads: tests/test_endpoint.py).
+WITH_DOWNLOADS = ("qwen3.5-35b-a3b-to-4b-chat.yaml", "qwen3-8b-served.yaml")
 SMALL = [  # every config-taking command: tiny shapes, few steps, no fixed port
     "train.steps=4", "train.batch_size=8", "train.seq_len=64", "train.grad_accum=1",
     "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4",
