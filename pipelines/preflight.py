@@ -24,7 +24,7 @@ from distill.data.prompts import load_prompts, prompt_set
 from distill.data.routed import routed_corpus, teacher_corpus
 from distill.data.tokenizers import Tokenizer, load_tokenizer
 from distill.errors import DistillError
-from distill.handoff import check_dense_elements, check_dense_output
+from distill.handoff import check_dense_elements, check_dense_output, dense_blocks
 from distill.mesh import (
     Placement,
     available_devices,
@@ -73,12 +73,25 @@ def check_top_k(cfg: Config) -> None:
         )
 
 
+def check_several_dense(cfg: Config) -> None:
+    """Several teachers: a dense output handed over in blocks (one per microbatch,
+    `distill.handoff.dense_blocks`) is not combined with the others' yet."""
+    for i, one in enumerate(cfg.each_teacher()):
+        if cfg.teachers and dense_blocks(one) > 1:
+            raise DistillError(
+                f"teachers[{i}].top_k: null makes a dense output too large for one array a "
+                f"device ({dense_blocks(one)} blocks, one per train.grad_accum microbatch), "
+                "which several teachers do not combine yet; set its top_k"
+            )
+
+
 def check_layout(cfg: Config, device) -> None:
     """Everything a run checks of one layout (the mesh axes), `device` one of the
     platform's: the shapes and the batch against the axes, the dense teacher output per
     student device, the evaluation's windows. `mesh.placement: auto` runs it on every
     candidate before it compiles any, so a run never compiles a layout it would refuse."""
     for_each(cfg, check_shapes)
+    check_several_dense(cfg)
     check_dense_output(cfg, device)
     check_eval_rows(cfg)
 

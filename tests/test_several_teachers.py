@@ -264,6 +264,11 @@ def test_validate_refuses_what_several_teachers_cannot_do(tmp_path, corpus_dir, 
     t = tree(teacher_field="domain")
     t["teachers"][1]["top_k"] = 10_000
     assert _refusal(tmp_path, t, capsys).startswith("teachers[1].top_k: 10000 exceeds")
+    t = tree()
+    t["teachers"][0].update(top_k=None)
+    t["teachers"][0]["model"] = {**t["teachers"][0]["model"], "vocab_size": 2**20}
+    t["train"].update(seq_len=1024, grad_accum=2)
+    assert _refusal(tmp_path, t, capsys).startswith("teachers[0].top_k: null makes a dense output")
     from pipelines.commands.cli import main
 
     for command in ("eval", "cache-teacher"):
