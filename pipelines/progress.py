@@ -22,7 +22,8 @@ def distill_record(step: int, metrics: dict, figures: dict, teachers: tuple[str,
     keys = ("loss", "ce_loss", "lr", "grad_norm")
     by_teacher = metrics.get("kd_loss_teachers")
     if teachers and by_teacher is not None:
-        figures = {"kd_loss_by_teacher": dict(zip(teachers, by_teacher, strict=True)), **figures}
+        each = {n: None if v != v else v for n, v in zip(teachers, by_teacher, strict=True)}
+        figures = {"kd_loss_by_teacher": each, **figures}  # None: no rows of that teacher
     return {
         "step": step,
         "phase": "distill",

@@ -40,6 +40,9 @@ class QueueSource:
         self._queue: deque[Item] = deque()
         self.loads = LoadWindow(dropping)
         self._taught: deque[bool] = deque(maxlen=4096)  # whether recent pops had an output
+        # which batches this source's teacher works on (one of several teachers on batches
+        # of one teacher's rows: `pipelines.teachers`); None: every batch
+        self.wants: Callable[[Batch], bool] | None = None
 
     def start(self, data_state: dict | None) -> None:
         self._it = self._iterator_fn()
@@ -85,6 +88,10 @@ class QueueSource:
     def eval_logits(self, batches: list):
         return None
 
+    def teaches(self, batch: Batch) -> bool:
+        """Whether this source's teacher works on `batch` (`wants`)."""
+        return self.wants is None or self.wants(batch)
+
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
@@ -115,7 +122,9 @@ class OnlineSource(QueueSource):
         return False
 
     def _work(self, batch: Batch) -> tuple:
-        return (batch, *self.teacher.output(batch)) if self._open else (batch, None, None)
+        if self._open and self.teaches(batch):
+            return (batch, *self.teacher.output(batch))
+        return batch, None, None
 
     def pop(self) -> Item:
         self._settle()
@@ -128,7 +137,7 @@ class OnlineSource(QueueSource):
     def _settle(self) -> None:
         """The oldest batch as the gate now wants it: its output made now, or dropped."""
         head = self._queue[0]
-        if (head.teacher_out is not None) != self._open:
+        if (head.teacher_out is not None) != (self._open and self.teaches(head.batch)):
             _, out, load = self._work(head.batch)
             if out is not None:
                 self._watch.watch(out)
@@ -169,6 +178,8 @@ class EndpointSource(QueueSource):
         return False
 
     def _work(self, batch: Batch) -> tuple:
+        if not self.teaches(batch):
+            return batch, None, None
         index = self._it.get_state()["next_index"] - 1  # the batch just read
         return batch, self.teacher.output(batch, index), None
 

@@ -2,10 +2,11 @@
 inference mesh, or behind an endpoint), all read in the same data order, and a source over
 them whose items carry their outputs together (`distill.types.TeacherMix`).
 
-Every teacher answers every batch: with records routed (`data.teacher_field`) each
-position's weight is 1 for its row's teacher and 0 for the others, so a teacher's work on
-another's rows is spent and unused; without routing the divergence is to all of them at
-their weights. Evaluation takes the student's held-out figures alone.
+With records routed (`data.teacher_field`) each position's weight is 1 for its row's
+teacher and 0 for the others; a teacher works only on batches holding rows of its own (every
+batch under `data.teacher_batches: mixed`, its own batches under `grouped`), the others'
+outputs then zeros of no weight. Without routing the divergence is to all of them at their
+weights. Evaluation takes the student's held-out figures alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import numpy as np
 
 from distill.config import Config
-from distill.types import Batch, TeacherMix
+from distill.types import Batch, TeacherMix, TeacherOutput
 from pipelines.loop import Item
 
 log = logging.getLogger("distill")
@@ -42,6 +43,10 @@ class MultiSource:
         self._cfg, self.sources = cfg, sources
         self._names = [t.name for t in cfg.teachers]
         self._made: tuple | None = None  # (the sources' items, the item made of them)
+        self._empty: dict[int, TeacherOutput] = {}  # each teacher's output of no weight
+        if cfg.data.teacher_field is not None:  # each teacher works on batches with its rows
+            for i, s in enumerate(sources):
+                s.wants = lambda batch, i=i: bool(np.any(np.asarray(batch.route) == i))
 
     def start(self, data_state: dict | None) -> None:
         for s in self.sources:
@@ -68,11 +73,23 @@ class MultiSource:
         head = items[0]
         outs = tuple(i.teacher_out for i in items)
         out = None
-        if all(o is not None for o in outs):
+        if any(o is not None for o in outs):  # none: the alpha gate keeps the teachers off
+            shape = np.shape(head.batch.tokens)
+            outs = tuple(self._no_weight(i, shape) if o is None else o for i, o in enumerate(outs))
             out = TeacherMix(outs, mix_weights(self._cfg, head.batch))
         item = head._replace(teacher_out=out, tag=None)
         self._made = (items, item)
         return item
+
+    def _no_weight(self, i: int, shape: tuple) -> TeacherOutput:
+        """Teacher i's output for a batch without its rows (its weight 0 everywhere): zeros
+        of its top-k's shapes, made once."""
+        if i not in self._empty:
+            k = self._cfg.teachers[i].top_k
+            self._empty[i] = TeacherOutput(
+                np.zeros((*shape, k), np.float32), np.zeros((*shape, k), np.int32)
+            )
+        return self._empty[i]
 
     def in_flight(self) -> int:
         return self.sources[0].in_flight()

@@ -363,3 +363,54 @@ def test_a_stopped_run_of_two_teachers_resumes_with_the_uninterrupted_losses(tmp
     for step, want in whole.items():
         assert resumed[step]["loss"] == pytest.approx(want["loss"], abs=1e-6), step
         assert resumed[step]["kd_loss_by_teacher"] == pytest.approx(want["kd_loss_by_teacher"])
+
+
+def test_grouped_batches_are_one_teacher_s_rows_in_proportion():
+    from distill.data.corpus import PackedRows
+    from distill.data.routed import RoutedRows
+
+    a = PackedRows([np.arange(3, 400, dtype=np.int32)], 8, 1, 2)  # 49 rows: 12 batches of 4
+    b = PackedRows([np.arange(3, 200, dtype=np.int32)], 8, 1, 2)  # 24 rows: 6 batches
+    rows = RoutedRows([a, b], grouped=True)
+    ids = rows.grouped_row_ids(4, seed=0)
+    one_round = [np.asarray(ids[i]) for i in range(18)]
+    teachers = [int(np.searchsorted(rows.offsets, r[0], side="right") - 1) for r in one_round]
+    assert teachers.count(0) == 12 and teachers.count(1) == 6
+    assert "0, 0, 0, 0" not in str(teachers)  # spread: b's batches among a's
+    for r, t in zip(one_round, teachers, strict=True):
+        assert ((r >= rows.offsets[t]) & (r < rows.offsets[t + 1])).all()
+    for t in (0, 1):  # a round takes each row of a teacher once at most
+        mine = np.concatenate([r for r, u in zip(one_round, teachers, strict=True) if u == t])
+        assert len(set(mine.tolist())) == len(mine)
+    again = [np.asarray(ids[i]) for i in range(18, 36)]
+    assert any((x != y).any() for x, y in zip(one_round, again, strict=True))  # a new order
+
+
+def test_grouped_batches_run_only_their_own_teacher(tmp_path, monkeypatch):
+    """`data.teacher_batches: grouped`: each batch is one teacher's rows and only that
+    teacher's forward runs on it; the other's divergence is absent (None) from a step's
+    record where its weight is 0, and the run trains."""
+    from distill.config.load import load_config
+    from pipelines.commands import run
+    from teacher.online import OnlineTeacher
+
+    data = tmp_path / "data.jsonl"
+    _corpus(data)
+    tree = tiny_config(str(data), str(tmp_path / "out"))
+    tree["teachers"] = _teachers(tmp_path, tree)
+    tree["data"] = {"source": str(data), "teacher_field": "domain",
+                    "teacher_batches": "grouped", "eval_batches": 1}  # fmt: skip
+    tree["train"].update(steps=8, log_every=1, eval_every=100)
+    calls = []
+    output = OnlineTeacher.output
+
+    def counted(self, batch):
+        calls.append(sorted(set(np.asarray(batch.route)[:, 0].tolist())))
+        return output(self, batch)
+
+    monkeypatch.setattr(OnlineTeacher, "output", counted)
+    run.run(load_config(write_config(tmp_path, tree)))
+    assert calls and all(len(c) == 1 for c in calls), calls  # one teacher's rows a forward
+    assert len(calls) <= 8 + 2  # a forward a batch (the loop reads ahead by its prefetch)
+    recs = _records(tmp_path / "out")
+    assert all(sum(v is None for v in r["kd_loss_by_teacher"].values()) == 1 for r in recs)

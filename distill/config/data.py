@@ -45,6 +45,13 @@ class DataConfig(Section):
         "no teacher, is an error naming the record); rows never mix teachers. None: every "
         "record to all teachers, their divergences weighted (teachers[].weight).",
     )
+    teacher_batches: Literal["mixed", "grouped"] = Field(
+        "mixed",
+        description="With data.teacher_field: mixed: each batch draws rows of every "
+        "teacher's records, and every teacher runs on every batch; grouped: each batch is one "
+        "teacher's rows (the teachers' batches interleaved in proportion to their rows), and "
+        "only that teacher runs on it.",
+    )
     prompt_field: str | None = Field(
         None,
         description="On-policy prompts: this field of the JSONL records / column of the Parquet "

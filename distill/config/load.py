@@ -88,7 +88,7 @@ def config_from_dict(tree: dict) -> Config:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise DistillError("\n".join(error_lines(e, model=Config))) from None
-    if cfg.teachers or cfg.data.teacher_field is not None:
+    if cfg.teachers or cfg.data.teacher_field is not None or cfg.data.teacher_batches != "mixed":
         resolve_teachers(cfg, _resolve_teacher)  # each, and the first as `teacher`
     else:
         _resolve_teacher(cfg)

@@ -18,11 +18,13 @@ def resolve_teachers(cfg, resolve: Callable) -> None:
     them must be that first one (as a run's own config.yaml writes it). The alpha gate,
     which compares one teacher's held-out figures with the student's, is off unless set."""
     if not cfg.teachers:
-        if cfg.data.teacher_field is not None:
-            raise DistillError(
-                "data.teacher_field: routes records to one of several teachers; set teachers: "
-                "(two or more) or remove it"
-            )
+        for key, given in (("teacher_field", cfg.data.teacher_field is not None),
+                           ("teacher_batches", cfg.data.teacher_batches != "mixed")):  # fmt: skip
+            if given:
+                raise DistillError(
+                    f"data.{key}: routes records to one of several teachers; set teachers: "
+                    "(two or more) or remove it"
+                )
         return
     names = [t.name for t in cfg.teachers]
     if len(names) < 2:
@@ -66,6 +68,11 @@ def _refused(cfg) -> list[tuple[str, bool, str]]:
          "outputs)"),
         ("distill.alpha_gate", cfg.distill.alpha_gate,
          "the gate compares one teacher's held-out figures with the student's; set it false"),
+        ("data.teacher_batches",
+         cfg.data.teacher_batches == "grouped"
+         and (cfg.data.teacher_field is None or any(t.top_k is None for t in cfg.teachers)),
+         "grouped batches need data.teacher_field and every teacher's top_k (a teacher's "
+         "batches without its rows take zeros of its top-k's shape)"),
         ("data.prepared_dir", cfg.data.teacher_field is not None and bool(cfg.data.prepared_dir),
          "routed records are read from data.source (a prepared corpus keeps no route)"),
     ]  # fmt: skip

@@ -140,7 +140,10 @@ class Corpus:
 
     def train_row_ids(self, batch_size: int, seed: int) -> grain.MapDataset:
         """The row ids [batch_size] of each batch of ``train_dataset``, without reading the
-        rows (a process that needs only some rows of a batch reads those)."""
+        rows (a process that needs only some rows of a batch reads those). Records routed
+        to several teachers in batches of one teacher each: `RoutedRows.grouped_row_ids`."""
+        if getattr(self.train, "grouped", False):
+            return self.train.grouped_row_ids(batch_size, seed)
         return (
             grain.MapDataset.range(self.train_rows)
             .shuffle(seed=_shuffle_seed(seed))

@@ -11,10 +11,12 @@ position by it (`distill.types.TeacherMix`).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
 
+import grain
 import numpy as np
 
 from distill.config import DataConfig
@@ -31,8 +33,8 @@ class RoutedRows:
     """The rows of each teacher's records, one after another: row i of the whole is row
     i - offset[t] of teacher t's, and its batch's `route` is t at every position."""
 
-    def __init__(self, parts: list[PackedRows]):
-        self.parts = parts
+    def __init__(self, parts: list[PackedRows], grouped: bool = False):
+        self.parts, self.grouped = parts, grouped
         self.offsets = np.cumsum([0, *(len(p) for p in parts)])
         self.seq_len = parts[0].seq_len
         self.num_tokens = sum(p.num_tokens for p in parts)
@@ -62,8 +64,31 @@ class RoutedRows:
         route = np.broadcast_to(teacher[:, None], whole.tokens.shape).astype(np.int32)
         return whole._replace(route=route)
 
-    def teacher_part(self, t: int) -> PackedRows:
-        return self.parts[t]
+    def grouped_row_ids(self, batch_size: int, seed: int) -> grain.MapDataset:
+        """The row ids [batch_size] of each batch, every batch one teacher's rows
+        (`data.teacher_batches: grouped`): each teacher's rows in an order of its own each
+        round, cut into whole batches; a round holds every teacher's batches, spread
+        evenly in proportion to their counts. Batch i is addressable directly, as
+        `distill.data.corpus.Corpus.train_row_ids`'s are."""
+        per = [len(p) // batch_size for p in self.parts]
+        order = sorted(((k + 0.5) / n, t) for t, n in enumerate(per) for k in range(n))
+        schedule = np.array([t for _, t in order])
+        within = np.zeros(len(schedule), np.int64)  # the batch's index among its teacher's
+        for t in range(len(per)):
+            mine = schedule == t
+            within[mine] = np.arange(mine.sum())
+
+        @functools.lru_cache(maxsize=2 * len(per))
+        def order_of(t: int, round_: int) -> np.ndarray:
+            return np.random.default_rng([seed, t, round_]).permutation(len(self.parts[t]))
+
+        def rows(i: int, _) -> np.ndarray:
+            round_, j = divmod(i, len(schedule))
+            t, k = int(schedule[j]), int(within[j])
+            ids = order_of(t, round_)[k * batch_size : (k + 1) * batch_size]
+            return ids + self.offsets[t]
+
+        return grain.MapDataset.range(len(schedule)).repeat(None).map_with_index(rows)
 
 
 def routed_corpus(cfg: DataConfig, seq_len: int, names: list[str]) -> Corpus:
@@ -88,7 +113,8 @@ def routed_corpus(cfg: DataConfig, seq_len: int, names: list[str]) -> Corpus:
                     f"train.seq_len={seq_len}"
                 )
             split[part].append(rows)
-    train, held = RoutedRows(split["train"]), RoutedRows(split["eval"])
+    grouped = cfg.teacher_batches == "grouped"
+    train, held = RoutedRows(split["train"], grouped), RoutedRows(split["eval"])
     log.info(
         "data: %d documents routed by '%s' into %d train rows (%s)",
         train.num_documents,
@@ -110,7 +136,7 @@ def _routed_examples(cfg: DataConfig, seq_len: int, names: list[str], tokenizer)
             parts.append(example_corpus(one, seq_len, tokenizer))
         except DistillError as e:
             raise DistillError(f"data.teacher_field: the records routed to '{name}': {e}") from None
-    train = RoutedRows([c.train for c in parts])
+    train = RoutedRows([c.train for c in parts], cfg.teacher_batches == "grouped")
     log.info(
         "data: %d %s records routed by '%s' into %d train rows (%s)",
         train.num_documents,

@@ -314,8 +314,13 @@ def kd_loss_chunked(
     loss = _with_gradient_of(cfg.alpha * cfg.temperature**2 * kd + (1.0 - cfg.alpha) * ce, total)
     metrics = {"loss": loss, "kd_loss": kd, "ce_loss": ce, "tokens": tokens}
     if mix:  # each teacher's divergence over the tokens it weighs, weighted by them
-        metrics["kd_loss_teachers"] = jnp.stack(
-            [sums[f"kd{i}"] / jnp.maximum(sums[f"w{i}"], 1e-9) for i in range(len(outputs))]
+        metrics["kd_loss_teachers"] = jnp.stack(  # NaN: a teacher of no weight this step
+            [
+                jnp.where(
+                    sums[f"w{i}"] > 0, sums[f"kd{i}"] / jnp.maximum(sums[f"w{i}"], 1e-9), jnp.nan
+                )
+                for i in range(len(outputs))
+            ]
         )
     return loss, metrics
 
