@@ -11,15 +11,11 @@ weights. Evaluation takes the student's held-out figures alone.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from distill.config import Config
 from distill.types import Batch, TeacherMix, TeacherOutput
 from pipelines.loop import Item
-
-log = logging.getLogger("distill")
 
 
 def mix_weights(cfg: Config, batch: Batch) -> np.ndarray:
@@ -121,11 +117,3 @@ class MultiSource:
     def close(self) -> None:
         for s in self.sources:
             s.close()
-
-
-def kd_by_teacher(cfg: Config, metrics: dict) -> dict:
-    """A step's `kd_loss_teachers` [n] as {teacher name: its divergence}, or {}."""
-    values = metrics.get("kd_loss_teachers")
-    if values is None or not cfg.teachers:
-        return {}
-    return {t.name: float(v) for t, v in zip(cfg.teachers, np.ravel(values), strict=True)}

@@ -4,12 +4,9 @@ refused by validate before any device work). docs/guides/several-teachers.md."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from distill.errors import DistillError
-
-log = logging.getLogger("distill")
 
 
 def resolve_teachers(cfg, resolve: Callable) -> None:

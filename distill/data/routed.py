@@ -80,7 +80,8 @@ class RoutedRows:
 
         @functools.lru_cache(maxsize=2 * len(per))
         def order_of(t: int, round_: int) -> np.ndarray:
-            return np.random.default_rng([seed, t, round_]).permutation(len(self.parts[t]))
+            rng = np.random.default_rng([seed % 2**63, t, round_])  # any run.seed
+            return rng.permutation(len(self.parts[t]))
 
         def rows(i: int, _) -> np.ndarray:
             round_, j = divmod(i, len(schedule))
