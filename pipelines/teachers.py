@@ -6,16 +6,23 @@ With records routed (`data.teacher_field`) each position's weight is 1 for its r
 teacher and 0 for the others; a teacher works only on batches holding rows of its own (every
 batch under `data.teacher_batches: mixed`, its own batches under `grouped`), the others'
 outputs then zeros of no weight. Without routing the divergence is to all of them at their
-weights. Evaluation takes the student's held-out figures alone.
+weights. Evaluation compares the student with their combination, as one teacher (routed:
+each row's own; mixed: the weighted mixture), where every teacher is local.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from distill.config import Config
+from distill.handoff import eval_windows
 from distill.types import Batch, TeacherMix, TeacherOutput
 from pipelines.loop import Item
+from teacher.online import OnlineTeacher
 
 
 def mix_weights(cfg: Config, batch: Batch) -> np.ndarray:
@@ -33,7 +40,7 @@ class MultiSource:
     with the same seed), and the item handed on is the first source's batch with every
     teacher's output (`TeacherMix`); none while the alpha gate keeps the teacher off."""
 
-    student_eval = True  # `pipelines.evaluation.Evaluation`: the student's figures alone
+    student_eval = True  # a teacher behind a server: the student's held-out figures alone
 
     def __init__(self, cfg: Config, sources: list):
         self._cfg, self.sources = cfg, sources
@@ -112,8 +119,38 @@ class MultiSource:
         }
 
     def eval_logits(self, batches: list):
-        return None
+        """The teachers' held-out logits as one teacher's, each eval chunk's (as
+        `teacher.online.OnlineTeacher.eval_logits`): with records routed each row's own
+        teacher's log-probs, else the log of their weighted mixture sum_i w_i p_i. None (the
+        student's figures alone) where a teacher is behind a server (no dense logits), the
+        teachers' vocabularies differ, or the logits come in position windows."""
+        teachers = [getattr(s, "teacher", None) for s in self.sources]
+        if not all(isinstance(t, OnlineTeacher) for t in teachers):
+            return None
+        vocab = {one.teacher.model.vocab_size for one in self._cfg.each_teacher()}
+        seq = np.shape(batches[0].tokens)[1] if batches else self._cfg.train.seq_len
+        if len(vocab) > 1 or any(eval_windows(one, seq) > 1 for one in self._cfg.each_teacher()):
+            return None
+        weights = None if self._cfg.data.teacher_field else self._cfg.teacher_weights()
+        return (
+            _one_teacher(b.route, tuple(t.logits(b) for t in teachers), weights=weights)
+            for b in batches
+        )
 
     def close(self) -> None:
         for s in self.sources:
             s.close()
+
+
+@partial(jax.jit, static_argnames=("weights",))
+def _one_teacher(route, logits: tuple, weights: tuple | None):
+    """Several teachers' logits [B, S, V] as one teacher's log-probs: each position's
+    routed teacher's (`route` [B, S]), or the log of the mixture at `weights`."""
+    lps = [jax.nn.log_softmax(z.astype(jnp.float32), axis=-1) for z in logits]
+    if weights is None:
+        out = lps[0]
+        for i, lp in enumerate(lps[1:], start=1):
+            out = jnp.where((route == i)[..., None], lp, out)
+        return out
+    logw = jnp.log(jnp.asarray(weights, jnp.float32))
+    return jax.nn.logsumexp(jnp.stack(lps) + logw[:, None, None, None], axis=0)

@@ -258,8 +258,10 @@ def test_validate_refuses_what_several_teachers_cannot_do(tmp_path, corpus_dir, 
     t = tree()
     t["distill"] = {"on_policy": {"fraction": 0.5}}
     assert "distill.on_policy.fraction: not supported" in _refusal(tmp_path, t, capsys)
-    t = tree()
+    t = tree()  # the gate needs every teacher's held-out figures: none from a server
     t["distill"] = {"alpha_gate": True}
+    t["teachers"][1].update(source="endpoint", pretrain_steps=0,
+                            endpoint={"url": "http://127.0.0.1:9", "api": "distill"})  # fmt: skip
     assert "distill.alpha_gate: not supported" in _refusal(tmp_path, t, capsys)
     t = tree(teacher_field="domain")
     t["teachers"][1]["top_k"] = 10_000
@@ -414,3 +416,50 @@ def test_grouped_batches_run_only_their_own_teacher(tmp_path, monkeypatch):
     assert len(calls) <= 8 + 2  # a forward a batch (the loop reads ahead by its prefetch)
     recs = _records(tmp_path / "out")
     assert all(sum(v is None for v in r["kd_loss_by_teacher"].values()) == 1 for r in recs)
+
+
+def test_one_teacher_of_several_logits():
+    """Evaluation's teacher: routed, each position's own teacher's log-probs; mixed, the
+    log of the weighted mixture of their distributions, both by hand."""
+    from pipelines.teachers import _one_teacher
+
+    keys = jax.random.split(jax.random.key(3), 2)
+    z = tuple(jax.random.normal(k, (2, 5, 7)) for k in keys)
+    route = np.array([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]])
+    lp = [np.asarray(jax.nn.log_softmax(x, -1)) for x in z]
+    routed = np.asarray(_one_teacher(route, z, weights=None))
+    np.testing.assert_allclose(routed, np.where((route == 1)[..., None], lp[1], lp[0]), rtol=1e-6)
+    mixed = np.asarray(_one_teacher(None, z, weights=(0.25, 0.75)))
+    want = np.log(0.25 * np.exp(lp[0]) + 0.75 * np.exp(lp[1]))
+    np.testing.assert_allclose(mixed, want, rtol=1e-5, atol=1e-6)
+
+
+def test_two_copies_of_one_teacher_evaluate_and_train_as_it(tmp_path, corpus_dir):
+    """Mixed at weights 1 and 3, two teachers that are the same checkpoint are that
+    teacher: every step's loss and every evaluation's figures (the teacher's held-out
+    loss, KL, top-1) equal a run of the one teacher; with the alpha gate on, the run's
+    evaluations drive it as one teacher's do."""
+    from pipelines.commands.cli import main
+    from tests.conftest import read_evals, train_by_step
+
+    one = tiny_config(str(corpus_dir), str(tmp_path / "one"))
+    one["teacher"]["checkpoint"] = str(tmp_path / "teacher")
+    one["distill"] = {"alpha_gate": False}
+    one["train"].update(log_every=1)
+    assert main(["run", write_config(tmp_path, one, "one.yaml")]) == 0
+    two = json.loads(json.dumps(one))
+    two["run"]["output_dir"] = str(tmp_path / "two")
+    t = two.pop("teacher")
+    two["teachers"] = [dict(t, name="a"), dict(t, name="b", weight=3.0)]
+    assert main(["run", write_config(tmp_path, two, "two.yaml")]) == 0
+    want, got = train_by_step(tmp_path / "one"), train_by_step(tmp_path / "two")
+    for step in want:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+    evals = {r["step"]: r for r in read_evals(tmp_path / "two")}
+    for r in read_evals(tmp_path / "one"):
+        for key in ("teacher_loss", "kl", "top1_agreement", "student_loss"):
+            assert evals[r["step"]][key] == pytest.approx(r[key], abs=1e-5), (r["step"], key)
+    gated = json.loads(json.dumps(two))
+    gated["run"]["output_dir"] = str(tmp_path / "gated")
+    gated["distill"] = {"alpha_gate": True}
+    assert main(["run", write_config(tmp_path, gated, "gated.yaml")]) == 0

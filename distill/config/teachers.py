@@ -12,8 +12,8 @@ from distill.errors import DistillError
 def resolve_teachers(cfg, resolve: Callable) -> None:
     """`teachers` given: each resolved as `teacher` is (`resolve(config)`: its format, a
     Hugging Face teacher's shape), the first made `teacher` too; a `teacher` written beside
-    them must be that first one (as a run's own config.yaml writes it). The alpha gate,
-    which compares one teacher's held-out figures with the student's, is off unless set."""
+    them must be that first one (as a run's own config.yaml writes it). The alpha gate is off
+    unless set (on, it follows the teachers' combined held-out figures)."""
     if not cfg.teachers:
         for key, given in (("teacher_field", cfg.data.teacher_field is not None),
                            ("teacher_batches", cfg.data.teacher_batches != "mixed")):  # fmt: skip
@@ -63,8 +63,9 @@ def _refused(cfg) -> list[tuple[str, bool, str]]:
         (f"teachers[{cached[0] if cached else 0}].source", bool(cached),
          "several teachers run online or behind an endpoint (a cache holds one teacher's "
          "outputs)"),
-        ("distill.alpha_gate", cfg.distill.alpha_gate,
-         "the gate compares one teacher's held-out figures with the student's; set it false"),
+        ("distill.alpha_gate", cfg.distill.alpha_gate and not all(t.loaded() for t in cfg.teachers),
+         "the gate compares the teachers' held-out figures with the student's, which a "
+         "teacher behind a server does not give; set it false"),
         ("data.teacher_batches",
          cfg.data.teacher_batches == "grouped"
          and (cfg.data.teacher_field is None or any(t.top_k is None for t in cfg.teachers)),
