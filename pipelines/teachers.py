@@ -80,7 +80,8 @@ class MultiSource:
             shape = np.shape(head.batch.tokens)
             outs = tuple(self._no_weight(i, shape) if o is None else o for i, o in enumerate(outs))
             out = TeacherMix(outs, mix_weights(self._cfg, head.batch))
-        item = head._replace(teacher_out=out, tag=None)
+        # the route stays on the host: the outputs' weights carry it to the student's step
+        item = head._replace(batch=head.batch._replace(route=None), teacher_out=out, tag=None)
         self._made = (items, item)
         return item
 

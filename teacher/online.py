@@ -99,8 +99,9 @@ def every(rows: Batch, j: int, n: int) -> Batch:
 
 def own_rows(batch: Batch) -> Batch:
     """The rows the teacher reads: its own tokens of the batch's text when the batch carries
-    them (`distill.types.TeacherView`), else the batch itself."""
-    return batch if batch.teacher is None else batch.teacher.rows
+    them (`distill.types.TeacherView`), else the batch itself; without the batch's route of
+    several teachers (`Batch.route`, the host's to weigh their outputs by)."""
+    return batch._replace(route=None) if batch.teacher is None else batch.teacher.rows
 
 
 @jax.jit
