@@ -274,14 +274,14 @@ def check_rows(cfg: Config, corpus: Corpus) -> None:
     """A training batch of distinct rows: a corpus with fewer train rows than
     `train.batch_size` is refused (its batches would repeat rows within a step)."""
     rows, bsz = corpus.train_rows, cfg.train.batch_size
-    grouped = getattr(corpus.train, "grouped", False)  # batches of one teacher's rows
-    parts = corpus.train.parts if grouped else []
-    for name, part in zip([t.name for t in cfg.teachers][: len(parts)], parts, strict=True):
-        if len(part) < bsz:
-            raise DistillError(
-                f"data.teacher_batches: grouped, but teacher '{name}' has {len(part)} train "
-                f"rows, fewer than train.batch_size={bsz}; add its records or lower the batch"
-            )
+    if getattr(corpus.train, "grouped", False):  # batches of one teacher's rows each
+        for t, part in zip(cfg.teachers, corpus.train.parts, strict=True):
+            if len(part) < bsz:
+                raise DistillError(
+                    f"data.teacher_batches: grouped, but teacher '{t.name}' has {len(part)} "
+                    f"train rows, fewer than train.batch_size={bsz}; add its records or lower "
+                    "the batch"
+                )
     if rows < bsz:
         raise DistillError(
             f"data.source: {rows} train rows (of train.seq_len={cfg.train.seq_len} tokens, "

@@ -88,10 +88,7 @@ def config_from_dict(tree: dict) -> Config:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise DistillError("\n".join(error_lines(e, model=Config))) from None
-    if cfg.teachers or cfg.data.teacher_field is not None or cfg.data.teacher_batches != "mixed":
-        resolve_teachers(cfg, _resolve_teacher)  # each, and the first as `teacher`
-    else:
-        _resolve_teacher(cfg)
+    resolve_teachers(cfg, _resolve_teacher)  # `teacher`, or each of `teachers` (the first is it)
     _resolve_student(cfg)
     if cfg.distill.moe_aux_loss and not cfg.student_model().n_experts:  # validates it too
         raise DistillError(

@@ -10,8 +10,8 @@ from distill.errors import DistillError
 
 
 def resolve_teachers(cfg, resolve: Callable) -> None:
-    """`teachers` given: each resolved as `teacher` is (`resolve(config)`: its format, a
-    Hugging Face teacher's shape), the first made `teacher` too; a `teacher` written beside
+    """`teacher` resolved (`resolve(config)`: its format, a Hugging Face teacher's shape);
+    or, `teachers` given, each resolved so, the first made `teacher` too; a `teacher` written beside
     them must be that first one (as a run's own config.yaml writes it). The alpha gate is off
     unless set (on, it follows the teachers' combined held-out figures)."""
     if not cfg.teachers:
@@ -22,6 +22,7 @@ def resolve_teachers(cfg, resolve: Callable) -> None:
                     f"data.{key}: routes records to one of several teachers; set teachers: "
                     "(two or more) or remove it"
                 )
+        resolve(cfg)
         return
     names = [t.name for t in cfg.teachers]
     if len(names) < 2:
@@ -33,7 +34,7 @@ def resolve_teachers(cfg, resolve: Callable) -> None:
         raise DistillError(f"teachers: the name '{twice}' is given twice; each needs its own")
     first = cfg.teachers[0]
     if "teacher" in cfg.model_fields_set:
-        own = cfg.teacher.model_dump(exclude_unset=False)
+        own = cfg.teacher.model_dump()
         if own != first.model_dump(exclude={"name", "weight"}):
             raise DistillError(
                 "teacher: set beside teachers:; give the teachers as teachers: alone (the "

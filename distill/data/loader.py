@@ -381,21 +381,31 @@ def tokenize_corpus(cfg: DataConfig, seq_len: int, progress=None) -> Corpus:
     if cfg.is_examples:
         return example_corpus(cfg, seq_len, tokenizer)
     docs = _encode(load_documents(cfg, tokenizer.vocab_size, progress), tokenizer, progress)
+    train, held = pack_splits(docs, cfg, seq_len, tokenizer, f"data.source: '{cfg.source}'")
+    corpus = Corpus(tokenizer=tokenizer, train=train, eval=held)
+    log_packing(corpus, cfg)
+    return corpus
+
+
+def pack_splits(
+    docs: list[np.ndarray], cfg: DataConfig, seq_len: int, tokenizer: Tokenizer, what: str
+) -> tuple[PackedRows, PackedRows]:
+    """(train, eval) rows of ``docs``, held out as ``split_documents`` holds out; a split
+    without one row is one DistillError opening with ``what`` (the documents it names)."""
     need = seq_len + 1
-    train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, need)
-    packed = {}
-    for split, part in (("train", train_docs), ("eval", eval_docs)):
+    packed = []
+    for split, part in zip(
+        ("train", "eval"), split_documents(docs, cfg.eval_fraction, need), strict=True
+    ):
         rows = PackedRows(part, seq_len, tokenizer.bos_id, tokenizer.eos_id)
         if len(rows) < 1:
             raise DistillError(
-                f"data.source: '{cfg.source}' gives {rows.num_tokens} {split} tokens"
-                f" ({len(part)} documents of {len(docs)}), need at least {need} for one"
-                f" {split} row of train.seq_len={seq_len}; add data or lower train.seq_len"
+                f"{what} gives {rows.num_tokens} {split} tokens ({len(part)} documents of"
+                f" {len(docs)}), need at least {need} for one {split} row of"
+                f" train.seq_len={seq_len}; add data or lower train.seq_len"
             )
-        packed[split] = rows
-    corpus = Corpus(tokenizer=tokenizer, train=packed["train"], eval=packed["eval"])
-    log_packing(corpus, cfg)
-    return corpus
+        packed.append(rows)
+    return packed[0], packed[1]
 
 
 def example_corpus(cfg: DataConfig, seq_len: int, tokenizer: Tokenizer) -> Corpus:

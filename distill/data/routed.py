@@ -21,7 +21,7 @@ import numpy as np
 
 from distill.config import DataConfig
 from distill.data.corpus import Corpus, PackedRows
-from distill.data.loader import example_corpus, resolve_paths, split_documents
+from distill.data.loader import example_corpus, pack_splits, resolve_paths
 from distill.data.tokenizers import build_tokenizer
 from distill.errors import DistillError
 from distill.types import Batch
@@ -103,17 +103,10 @@ def routed_corpus(cfg: DataConfig, seq_len: int, names: list[str]) -> Corpus:
     for t, name in enumerate(names):
         mine = [text for text, to in texts if to == t]
         docs = list(tokenizer.encode_batch(mine)) if mine else []
-        train, held = split_documents(docs, cfg.eval_fraction, seq_len + 1) if docs else ([], [])
-        for part, ds in (("train", train), ("eval", held)):
-            rows = PackedRows(ds, seq_len, tokenizer.bos_id, tokenizer.eos_id)
-            if len(rows) < 1:
-                raise DistillError(
-                    f"data.teacher_field: the records of data.source routed to teacher "
-                    f"'{name}' give {rows.num_tokens} {part} tokens ({len(ds)} documents of "
-                    f"{len(mine)}), need at least {seq_len + 1} for one {part} row of "
-                    f"train.seq_len={seq_len}"
-                )
-            split[part].append(rows)
+        what = f"data.teacher_field: the records routed to '{name}'"
+        train, held = pack_splits(docs, cfg, seq_len, tokenizer, what)
+        split["train"].append(train)
+        split["eval"].append(held)
     grouped = cfg.teacher_batches == "grouped"
     train, held = RoutedRows(split["train"], grouped), RoutedRows(split["eval"])
     log.info(
